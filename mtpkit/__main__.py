@@ -1,0 +1,3 @@
+from mtpkit.cli import main
+
+main()

@@ -1,0 +1,105 @@
+"""The `mtpkit` command line: thin Typer commands over the library functions."""
+
+from __future__ import annotations
+
+import functools
+import os
+import sys
+from collections.abc import Callable
+from typing import Annotated, Any
+
+import typer
+
+from mtpkit import __version__
+from mtpkit.errors import MtpkitError
+
+app = typer.Typer(
+    name="mtpkit",
+    help="Keep, convert, run and check the multi-token-prediction (MTP) heads of open "
+    "checkpoints on Apple's MLX.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+
+# Exit code for "the checkpoint was read, and it fails what was required of it".
+EXIT_FAILED_REQUIREMENT = 3
+
+SourceArg = Annotated[
+    str, typer.Argument(help="A local checkpoint directory or a Hugging Face Hub repo id.")
+]
+RevisionOpt = Annotated[
+    str | None, typer.Option("--revision", help="Hub branch, tag or commit (Hub repos only).")
+]
+JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON object on stdout.")]
+
+
+def friendly_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """A user-fixable error becomes `Error: ...` on stderr and exit 1 (MTPKIT_DEBUG=1: traceback)."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except MtpkitError as e:
+            if os.environ.get("MTPKIT_DEBUG") == "1":
+                raise
+            typer.echo(f"Error: {e}", err=True)
+            raise typer.Exit(e.exit_code) from None
+
+    return wrapper
+
+
+def _version(value: bool) -> None:
+    if value:
+        typer.echo(f"mtpkit {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    version: Annotated[
+        bool,
+        typer.Option("--version", callback=_version, is_eager=True, help="Show the version."),
+    ] = False,
+) -> None:
+    """Keep, convert, run and check the MTP heads of open checkpoints on MLX."""
+
+
+@app.command()
+@friendly_errors
+def inspect(
+    source: SourceArg,
+    revision: RevisionOpt = None,
+    json_output: JsonOpt = False,
+    require_mtp: Annotated[
+        bool,
+        typer.Option(
+            "--require-mtp",
+            help="Exit 3 when the MTP head is absent, declared but missing, or incomplete.",
+        ),
+    ] = False,
+    tensors: Annotated[
+        bool, typer.Option("--tensors/--no-tensors", help="List every MTP tensor (table only).")
+    ] = True,
+) -> None:
+    """Report a checkpoint's MTP head from its config, index and safetensors headers.
+
+    Reads no weights: on the Hub only the JSON files and a few kilobytes per shard are
+    fetched. Exit 0 when the checkpoint could be read (problems are listed, not fatal),
+    3 with --require-mtp when the head is not usable, 1 on an error.
+    """
+    from mtpkit.inspect import head_state, inspect_checkpoint
+    from mtpkit.output import print_inspect, print_json
+
+    result = inspect_checkpoint(source, revision=revision)
+    if json_output:
+        print_json(result)
+    else:
+        print_inspect(result, show_tensors=tensors)
+    if require_mtp and head_state(result) != "ok":
+        raise typer.Exit(EXIT_FAILED_REQUIREMENT)
+
+
+def main() -> None:
+    app()
