@@ -68,9 +68,7 @@ class ShardHeader:
     tensors: dict[str, TensorInfo]
 
 
-def parse_header(
-    shard: str, file_size: int, read: Callable[[int, int], bytes]
-) -> ShardHeader:
+def parse_header(shard: str, file_size: int, read: Callable[[int, int], bytes]) -> ShardHeader:
     """Read and validate one shard's header; `read(start, length)` returns file bytes."""
     if file_size < 8:
         raise HeaderError(f"{shard}: {file_size} bytes is too short for a safetensors file")
@@ -80,8 +78,7 @@ def parse_header(
     (length,) = struct.unpack("<Q", probe[:8])
     if length > MAX_HEADER_BYTES or 8 + length > file_size:
         raise HeaderError(
-            f"{shard}: header length {length} exceeds the file size {file_size} "
-            f"or the 100 MB limit"
+            f"{shard}: header length {length} exceeds the file size {file_size} or the 100 MB limit"
         )
     raw = probe[8 : 8 + length]
     if len(raw) < length:
@@ -106,7 +103,9 @@ def parse_header(
     return ShardHeader(shard, file_size, data_start, metadata, tensors)
 
 
-def _tensor_info(shard: str, name: str, entry: object, data_start: int, data_size: int) -> TensorInfo:
+def _tensor_info(
+    shard: str, name: str, entry: object, data_start: int, data_size: int
+) -> TensorInfo:
     if not isinstance(entry, dict):
         raise HeaderError(f"{shard}: entry {name!r} is not an object")
     dtype, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")

@@ -96,10 +96,14 @@ def read_checkpoint(spec: str, *, revision: str | None = None) -> Checkpoint:
         ckpt.problem(code, message)
     for shard in shards + sidecars:
         if not is_safe_relpath(shard):
-            ckpt.problem("unsafe_path", f"index names {shard!r}, outside the checkpoint; not opened")
+            ckpt.problem(
+                "unsafe_path", f"index names {shard!r}, outside the checkpoint; not opened"
+            )
             continue
         if not source.has(shard):
-            ckpt.problem("missing_shard", f"index names {shard} but the checkpoint has no such file")
+            ckpt.problem(
+                "missing_shard", f"index names {shard} but the checkpoint has no such file"
+            )
             continue
         try:
             header = parse_header(
@@ -119,7 +123,12 @@ def read_checkpoint(spec: str, *, revision: str | None = None) -> Checkpoint:
         declared = (index.get("metadata") or {}).get("total_size")
         all_read = all(s in ckpt.headers for s in shards)
         if declared is not None and all_read:
-            actual = sum(t.nbytes for h in ckpt.headers.values() if h.shard in shards for t in h.tensors.values())
+            actual = sum(
+                t.nbytes
+                for h in ckpt.headers.values()
+                if h.shard in shards
+                for t in h.tensors.values()
+            )
             if int(declared) != actual:
                 ckpt.problem(
                     "total_size_mismatch",
@@ -153,8 +162,7 @@ def _check_mtp(ckpt: Checkpoint) -> None:
     if mtp and not declared and family.name != "qwen3_next":
         ckpt.problem(
             "mtp_present_not_declared",
-            f"{len(mtp)} MTP tensors exist but the config does not declare "
-            f"{family.mtp_field()}",
+            f"{len(mtp)} MTP tensors exist but the config does not declare {family.mtp_field()}",
         )
     if not mtp:
         return

@@ -40,17 +40,23 @@ def print_inspect(result: dict[str, Any], *, show_tensors: bool = True) -> None:
     summary.add_column(style="bold")
     summary.add_column()
     where = result["source"] + (f"@{result['revision']}" if result["revision"] else "")
-    summary.add_row("source", where + (f" ({result['commit'][:12]})" if result.get("commit") else ""))
+    summary.add_row(
+        "source", where + (f" ({result['commit'][:12]})" if result.get("commit") else "")
+    )
     summary.add_row("format", result["format"])
     summary.add_row("family", f"{result['family']} (model_type {result['model_type']})")
     declared = mtp["declared_layers"]
-    summary.add_row("MTP declared", "no field in config" if declared is None else f"{declared} layer(s)")
+    summary.add_row(
+        "MTP declared", "no field in config" if declared is None else f"{declared} layer(s)"
+    )
     summary.add_row("MTP present", "yes" if mtp["present"] else "no")
     if mtp["present"]:
         needed = ""
         if mtp["bytes_needed"] != mtp["bytes"]:
             needed = f", {human_bytes(mtp['bytes_needed'])} without duplicated embeddings"
-        summary.add_row("MTP tensors", f"{mtp['tensor_count']} ({human_bytes(mtp['bytes'])}{needed})")
+        summary.add_row(
+            "MTP tensors", f"{mtp['tensor_count']} ({human_bytes(mtp['bytes'])}{needed})"
+        )
         summary.add_row("MTP shards", ", ".join(mtp["shards"]))
         summary.add_row("expert layout", str(mtp["expert_layout"]))
         summary.add_row("dtypes", ", ".join(f"{k} x{v}" for k, v in mtp["dtypes"].items()))
@@ -64,7 +70,9 @@ def print_inspect(result: dict[str, Any], *, show_tensors: bool = True) -> None:
             table.add_column(col, justify="right" if col == "bytes" else "left")
         for t in mtp["tensors"]:
             name = t["name"] + (f"  (copy of {t['duplicate_of']})" if "duplicate_of" in t else "")
-            table.add_row(name, "x".join(map(str, t["shape"])), t["dtype"], str(t["bytes"]), t["shard"])
+            table.add_row(
+                name, "x".join(map(str, t["shape"])), t["dtype"], str(t["bytes"]), t["shard"]
+            )
         stdout.print(table)
     if result["problems"]:
         table = Table(title="Problems", title_justify="left")

@@ -101,9 +101,7 @@ class HubSource(Source):
         from huggingface_hub import hf_hub_download
 
         with hub_errors(self.repo_id, self.revision, name):
-            return Path(
-                hf_hub_download(self.repo_id, name, revision=self.commit or self.revision)
-            )
+            return Path(hf_hub_download(self.repo_id, name, revision=self.commit or self.revision))
 
     def read_bytes_range(self, name: str, start: int, length: int) -> bytes:
         from huggingface_hub import get_session, hf_hub_url
@@ -166,7 +164,9 @@ class hub_errors:
                 "unset HF_HUB_OFFLINE or pass a local directory"
             ) from None
         if isinstance(exc, HfHubHTTPError):
-            raise MtpkitError(f"the Hub refused a request for {where}: {exc}".split("\n")[0]) from None
+            raise MtpkitError(
+                f"the Hub refused a request for {where}: {exc}".split("\n")[0]
+            ) from None
         if isinstance(exc, (ConnectionError, OSError)) or "Connect" in type(exc).__name__:
             endpoint = os.environ.get("HF_ENDPOINT", "https://huggingface.co")
             raise SourceNotFound(

@@ -63,12 +63,48 @@ def test_matches_the_safetensors_library(tmp_path: Path) -> None:
         ("huge length", {"a": {}}, b"", 2**62, "exceeds the file size"),
         ("not json", b"{not json", b"", None, "not JSON"),
         ("not an object", [1, 2], b"", None, "not a JSON object"),
-        ("past eof", {"a": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}}, b"\0" * 8, None, "outside"),
-        ("shape mismatch", {"a": {"dtype": "F32", "shape": [3], "data_offsets": [0, 8]}}, b"\0" * 8, None, "its range holds"),
-        ("bad dtype", {"a": {"dtype": "Q9", "shape": [2], "data_offsets": [0, 8]}}, b"\0" * 8, None, "unknown dtype"),
-        ("bad shape", {"a": {"dtype": "F32", "shape": [-2], "data_offsets": [0, 8]}}, b"\0" * 8, None, "invalid shape"),
-        ("bad offsets", {"a": {"dtype": "F32", "shape": [2], "data_offsets": [8]}}, b"\0" * 8, None, "invalid data_offsets"),
-        ("reversed offsets", {"a": {"dtype": "F32", "shape": [0], "data_offsets": [8, 0]}}, b"\0" * 8, None, "outside"),
+        (
+            "past eof",
+            {"a": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}},
+            b"\0" * 8,
+            None,
+            "outside",
+        ),
+        (
+            "shape mismatch",
+            {"a": {"dtype": "F32", "shape": [3], "data_offsets": [0, 8]}},
+            b"\0" * 8,
+            None,
+            "its range holds",
+        ),
+        (
+            "bad dtype",
+            {"a": {"dtype": "Q9", "shape": [2], "data_offsets": [0, 8]}},
+            b"\0" * 8,
+            None,
+            "unknown dtype",
+        ),
+        (
+            "bad shape",
+            {"a": {"dtype": "F32", "shape": [-2], "data_offsets": [0, 8]}},
+            b"\0" * 8,
+            None,
+            "invalid shape",
+        ),
+        (
+            "bad offsets",
+            {"a": {"dtype": "F32", "shape": [2], "data_offsets": [8]}},
+            b"\0" * 8,
+            None,
+            "invalid data_offsets",
+        ),
+        (
+            "reversed offsets",
+            {"a": {"dtype": "F32", "shape": [0], "data_offsets": [8, 0]}},
+            b"\0" * 8,
+            None,
+            "outside",
+        ),
     ],
 )
 def test_hostile_headers_raise_without_big_reads(
@@ -98,7 +134,9 @@ def test_truncated_file(tmp_path: Path) -> None:
 def test_large_header_is_read_in_two_requests(tmp_path: Path) -> None:
     # Many tensors make a header larger than the first 64 KiB probe.
     path = tmp_path / "many.safetensors"
-    mx.save_safetensors(str(path), {f"layer.{i}.weight_with_a_long_name": mx.zeros((1,)) for i in range(2000)})
+    mx.save_safetensors(
+        str(path), {f"layer.{i}.weight_with_a_long_name": mx.zeros((1,)) for i in range(2000)}
+    )
     read, calls = read_local(path)
     header = parse_header("many.safetensors", path.stat().st_size, read)
     assert len(header.tensors) == 2000
