@@ -78,7 +78,6 @@ def read_checkpoint(spec: str, *, revision: str | None = None) -> Checkpoint:
     manifest = source.read_json(MANIFEST_PATH) if source.has(MANIFEST_PATH) else None
     index = source.read_json(INDEX_PATH) if source.has(INDEX_PATH) else None
 
-    problems: list[tuple[str, str]] = []
     if index is not None:
         weight_map = index.get("weight_map") if isinstance(index, dict) else None
         if not isinstance(weight_map, dict):
@@ -92,8 +91,6 @@ def read_checkpoint(spec: str, *, revision: str | None = None) -> Checkpoint:
         raise NotACheckpoint(f"{source.describe()} has config.json but no safetensors weights")
 
     ckpt = Checkpoint(source, config, family, "hf", manifest, index, shards, sidecars)
-    for code, message in problems:
-        ckpt.problem(code, message)
     for shard in shards + sidecars:
         if not is_safe_relpath(shard):
             ckpt.problem(
