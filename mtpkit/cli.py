@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import functools
 import os
-import sys
 from collections.abc import Callable
 from typing import Annotated, Any
 
@@ -85,9 +84,9 @@ def inspect(
 ) -> None:
     """Report a checkpoint's MTP head from its config, index and safetensors headers.
 
-    Reads no weights: on the Hub only the JSON files and a few kilobytes per shard are
-    fetched. Exit 0 when the checkpoint could be read (problems are listed, not fatal),
-    3 with --require-mtp when the head is not usable, 1 on an error.
+    Reads no weights: on the Hub only the JSON files and a few kilobytes per shard are fetched.
+
+    Exit 0 when the checkpoint could be read (problems are listed, not fatal), 3 with --require-mtp when the head is not usable, 1 on an error.
     """
     from mtpkit.inspect import head_state, inspect_checkpoint
     from mtpkit.output import print_inspect, print_json
@@ -98,6 +97,73 @@ def inspect(
     else:
         print_inspect(result, show_tensors=tensors)
     if require_mtp and head_state(result) != "ok":
+        raise typer.Exit(EXIT_FAILED_REQUIREMENT)
+
+
+@app.command()
+@friendly_errors
+def check(
+    source: SourceArg,
+    revision: RevisionOpt = None,
+    json_output: JsonOpt = False,
+    junit: Annotated[
+        str | None,
+        typer.Option("--junit", help="Also write a JUnit XML report to this file (for CI).", dir_okay=False),
+    ] = None,
+    min_acceptance: Annotated[
+        float,
+        typer.Option(
+            "--min-acceptance", min=0.0, max=1.0, help="Fail when greedy acceptance as shipped is below this."
+        ),
+    ] = 0.2,
+    probe: Annotated[
+        bool | None,
+        typer.Option(
+            "--probe/--no-probe",
+            help="Measure acceptance and diagnose conventions (default: on for directories, off "
+            "for Hub repos, which would be downloaded or converted into a cache).",
+            show_default=False,
+        ),
+    ] = None,
+    prompts: Annotated[
+        str | None,
+        typer.Option(
+            "--prompts",
+            help="Probe prompts: a JSON list of strings, or text with blank lines between prompts.",
+            dir_okay=False,
+        ),
+    ] = None,
+    max_tokens: Annotated[
+        int, typer.Option("--max-tokens", min=1, help="Tokens generated per probe prompt.")
+    ] = 48,
+) -> None:
+    """Check an MTP checkpoint for CI: structure, quantization, manifest, and acceptance.
+
+    Structural checks read only config, index, manifest and headers. The probes generate
+    greedily with the head and re-run it with its norms shifted by -1 and +1, the other
+    hidden-state variant and the other concat order, to name a double or missing norm shift
+    or a mismatched convention with its fix. Exit 0 on pass, 3 on fail, 1 on an error.
+    """
+    from mtpkit.check import check_checkpoint, print_report, stderr_log, write_junit
+    from mtpkit.output import print_json
+    from mtpkit.prompts import read_prompts
+
+    result = check_checkpoint(
+        source,
+        revision=revision,
+        probe=probe,
+        prompts=read_prompts(prompts) if prompts is not None else None,
+        min_acceptance=min_acceptance,
+        max_tokens=max_tokens,
+        log=stderr_log,
+    )
+    if junit is not None:
+        write_junit(result, junit)
+    if json_output:
+        print_json(result)
+    else:
+        print_report(result)
+    if result["verdict"] != "pass":
         raise typer.Exit(EXIT_FAILED_REQUIREMENT)
 
 

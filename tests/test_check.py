@@ -1,0 +1,375 @@
+"""`mtpkit check`: structural checks, the verdict rule, JSON, JUnit and the CLI.
+
+The probes' numbers come from a stand-in measurement here (the rule is pure arithmetic on
+per-prompt acceptances); `test_check_probes.py` runs the real runtime on the trained example.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from mtpkit.check import (
+    CHECKS,
+    Measurement,
+    Variant,
+    check_checkpoint,
+    diagnose,
+    junit_xml,
+    single_variants,
+)
+from mtpkit.cli import EXIT_FAILED_REQUIREMENT, app
+from mtpkit.prompts import BUILTIN_PROMPTS, read_prompts
+from tests.checkpoints import build_checkpoint
+
+runner = CliRunner()
+
+JSON_KEYS = {"source", "revision", "verdict", "checks", "acceptance", "best_variant"}
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("check")
+    return {
+        "qwen3_5": build_checkpoint("qwen3_5", root / "qwen3_5"),
+        "deepseek_v3": build_checkpoint("deepseek_v3", root / "deepseek_v3", dtype="float32"),
+        "stripped": build_checkpoint("stripped", root / "stripped"),
+        "mlx_inline": build_checkpoint("mlx_inline", root / "mlx_inline", dtype="float32"),
+    }
+
+
+def copy_of(src: Path, dst: Path) -> Path:
+    shutil.copytree(src, dst)
+    return dst
+
+
+def statuses(result: dict) -> dict[str, str]:
+    return {c["name"]: c["status"] for c in result["checks"]}
+
+
+def detail(result: dict, name: str) -> str:
+    return next(c["detail"] for c in result["checks"] if c["name"] == name)
+
+
+def edit_config(path: Path, edit) -> None:
+    config = json.loads((path / "config.json").read_text())
+    edit(config)
+    (path / "config.json").write_text(json.dumps(config, indent=2))
+
+
+# --------------------------------------------------------------------------- structural
+
+
+@pytest.mark.parametrize("layout", ["qwen3_5", "deepseek_v3", "mlx_inline"])
+def test_healthy_layouts_pass_structure(built, layout):
+    result = check_checkpoint(str(built[layout]), probe=False)
+    assert set(result) == JSON_KEYS
+    assert result["verdict"] == "pass", result["checks"]
+    assert list(statuses(result))[:7] == list(CHECKS)[:7]
+    assert result["acceptance"] is None and result["best_variant"] is None
+
+
+def test_stripped_head_fails_head_present_with_fix(built):
+    result = check_checkpoint(str(built["stripped"]), probe=True)
+    assert result["verdict"] == "fail"
+    assert statuses(result)["head_present"] == "fail"
+    assert "--mtp-only --into" in detail(result, "head_present")
+    # Nothing to probe: no acceptance is claimed.
+    assert "acceptance" not in statuses(result)
+    assert result["acceptance"] is None
+
+
+def test_quantization_override_not_matching_tensors_fails(built, tmp_path):
+    path = copy_of(built["mlx_inline"], tmp_path / "ckpt")
+    layer = "language_model.mtp.layers.0.self_attn.q_proj"
+
+    def wrong_bits(config):
+        config["quantization"][layer] = {"group_size": 64, "bits": 8}
+        config["quantization_config"][layer] = {"group_size": 64, "bits": 8}
+
+    edit_config(path, wrong_bits)
+    result = check_checkpoint(str(path), probe=False)
+    assert result["verdict"] == "fail"
+    assert statuses(result)["quantization"] == "fail"
+    message = detail(result, "quantization")
+    assert layer in message and "4 bits/group 64" in message and "says 8 bits" in message
+
+
+def test_quantization_default_not_matching_tensors_fails(built, tmp_path):
+    path = copy_of(built["mlx_inline"], tmp_path / "ckpt")
+
+    def wrong_default(config):
+        for key in ("quantization", "quantization_config"):
+            config[key]["group_size"] = 128
+
+    edit_config(path, wrong_default)
+    result = check_checkpoint(str(path), probe=False)
+    assert statuses(result)["quantization"] == "fail"
+    assert "config default says 4 bits/group 128" in detail(result, "quantization")
+
+
+def test_quantized_layer_marked_unquantized_fails(built, tmp_path):
+    path = copy_of(built["mlx_inline"], tmp_path / "ckpt")
+    layer = "language_model.mtp.fc"
+
+    def unquantized(config):
+        config["quantization"][layer] = False
+        config["quantization_config"][layer] = False
+
+    edit_config(path, unquantized)
+    result = check_checkpoint(str(path), probe=False)
+    assert statuses(result)["quantization"] == "fail"
+    assert f"says {layer} is not quantized" in detail(result, "quantization")
+
+
+def test_missing_quantization_entry_fails(built, tmp_path):
+    path = copy_of(built["mlx_inline"], tmp_path / "ckpt")
+    edit_config(path, lambda c: (c.pop("quantization"), c.pop("quantization_config")))
+    result = check_checkpoint(str(path), probe=False)
+    assert statuses(result)["quantization"] == "fail"
+    assert statuses(result)["backbone_loads"] == "fail"
+
+
+def test_manifest_inconsistent_with_tensors_fails(built, tmp_path):
+    path = copy_of(built["mlx_inline"], tmp_path / "ckpt")
+    (path / "mtp").mkdir()
+    manifest = {
+        "format": "mtpkit",
+        "family": "qwen3_5_moe",
+        "prefix": "language_model.mtp.",
+        "num_layers": 1,
+        "rmsnorm_weight_format": "mlx_gamma",
+        "hidden": "post_norm",
+        "concat_order": "embedding_first",
+        "mtp_quantization": None,
+    }
+    (path / "mtp" / "manifest.json").write_text(json.dumps(manifest))
+    result = check_checkpoint(str(path), probe=False)
+    assert statuses(result)["manifest"] == "fail"
+    assert "not quantized but its tensors carry .scales" in detail(result, "manifest")
+
+    manifest["mtp_quantization"] = {"bits": 4, "group_size": 64}
+    (path / "mtp" / "manifest.json").write_text(json.dumps(manifest))
+    assert statuses(check_checkpoint(str(path), probe=False))["manifest"] == "pass"
+
+    manifest["num_layers"] = 2
+    (path / "mtp" / "manifest.json").write_text(json.dumps(manifest))
+    result = check_checkpoint(str(path), probe=False)
+    assert "num_layers=2 but the config declares 1" in detail(result, "manifest")
+
+
+def test_undeclared_head_fails_head_declared(built, tmp_path):
+    path = copy_of(built["qwen3_5"], tmp_path / "ckpt")
+    edit_config(path, lambda c: c["text_config"].pop("mtp_num_hidden_layers"))
+    result = check_checkpoint(str(path), probe=False)
+    assert statuses(result)["head_declared"] == "fail"
+
+
+def test_missing_shard_fails_index(built, tmp_path):
+    path = copy_of(built["qwen3_5"], tmp_path / "ckpt")
+    (path / "model-00001-of-00002.safetensors").unlink()
+    result = check_checkpoint(str(path), probe=False)
+    assert statuses(result)["index"] == "fail"
+    assert statuses(result)["backbone_loads"] == "fail"
+
+
+# --------------------------------------------------------------------------- the verdict rule
+
+SHIPPED = Variant(0, "post_norm", "embedding_first")
+PROMPTS = 16
+
+
+def fake(levels: dict[str, float], *, noise: float = 0.03, seed: int = 0):
+    """A measurement stand-in: each variant's per-prompt acceptance around a level."""
+    variants = {"shipped": SHIPPED, **single_variants(SHIPPED)}
+    calls: list[Variant] = []
+
+    def measure_variant(v: Variant) -> Measurement:
+        calls.append(v)
+        key = next((k for k, known in variants.items() if known == v), "other")
+        level = levels.get(key, levels.get("other", 0.02))
+        # Prompt difficulty is shared by every variant (paired), plus per-variant noise.
+        values = []
+        for i in range(PROMPTS):
+            rng = random.Random(f"{seed}-{i}-{v}")
+            difficulty = random.Random(f"{seed}-{i}").uniform(-0.1, 0.1)
+            values.append(min(1.0, max(0.0, level + difficulty + rng.gauss(0, noise))))
+        return Measurement(v, values)
+
+    return measure_variant, calls
+
+
+HEALTHY = {
+    "shipped": 0.60,
+    "norm_shift=-1": 0.02,
+    "norm_shift=+1": 0.57,
+    "hidden": 0.55,
+    "concat_order": 0.03,
+}
+
+
+def by_name(diagnosis) -> dict[str, str]:
+    return {c.name: c.status for c in diagnosis.checks}
+
+
+def test_rule_passes_a_healthy_head():
+    measure, calls = fake(HEALTHY)
+    d = diagnose(measure, SHIPPED)
+    assert set(by_name(d).values()) == {"pass"}
+    assert d.best.variant == SHIPPED
+    assert len(calls) == 5
+
+
+def test_rule_healthy_head_whose_double_shift_is_as_good_passes():
+    # RMSNorm is nearly scale-free: a double shift may cost nothing at all.
+    for seed in range(20):
+        measure, _ = fake({**HEALTHY, "norm_shift=+1": 0.60}, seed=seed)
+        assert by_name(diagnose(measure, SHIPPED))["norm_shift"] == "pass", seed
+
+
+def test_rule_names_a_double_shift():
+    # Shipped carries an extra +1: removing it gains only a few points, consistently.
+    levels = {"shipped": 0.56, "norm_shift=-1": 0.60, "norm_shift=+1": 0.52, "hidden": 0.50}
+    measure, _ = fake(levels, noise=0.02)
+    d = diagnose(measure, SHIPPED)
+    assert by_name(d)["norm_shift"] == "fail"
+    assert by_name(d)["acceptance"] == "pass"
+    detail_text = next(c.detail for c in d.checks if c.name == "norm_shift")
+    assert "shifted twice" in detail_text and "mtpkit convert" in detail_text
+    assert d.best.variant.norm_shift == -1
+
+
+def test_rule_names_a_missing_shift():
+    levels = {"shipped": 0.02, "norm_shift=+1": 0.60, "norm_shift=-1": 0.01}
+    measure, _ = fake(levels)
+    d = diagnose(measure, SHIPPED)
+    assert by_name(d)["norm_shift"] == "fail"
+    assert by_name(d)["acceptance"] == "fail"
+    assert by_name(d)["head_matches_trunk"] == "pass"
+    assert "shift missing" in next(c.detail for c in d.checks if c.name == "norm_shift")
+    assert d.best.variant.norm_shift == 1
+
+
+def test_rule_names_a_swapped_concat_order():
+    levels = {"shipped": 0.03, "concat_order": 0.60}
+    measure, _ = fake(levels)
+    d = diagnose(measure, SHIPPED)
+    assert by_name(d)["concat_order"] == "fail"
+    assert by_name(d)["norm_shift"] == "pass"
+    assert d.best.variant.concat_order == "hidden_first"
+
+
+def test_rule_small_hidden_gain_only_warns():
+    levels = {**HEALTHY, "hidden": 0.63}
+    measure, _ = fake(levels, noise=0.005)
+    d = diagnose(measure, SHIPPED)
+    assert by_name(d)["hidden"] == "warn"
+    assert d.best.variant == SHIPPED
+
+
+def test_rule_blames_the_trunk_when_no_variant_helps():
+    measure, calls = fake({"other": 0.03, "shipped": 0.03})
+    d = diagnose(measure, SHIPPED)
+    assert by_name(d)["head_matches_trunk"] == "fail"
+    assert "not trained with this trunk" in next(
+        c.detail for c in d.checks if c.name == "head_matches_trunk"
+    )
+    # Every combination of shift, hidden variant and concat order was tried.
+    assert len(set(calls)) == 12
+    assert by_name(d)["norm_shift"] == "pass"
+
+
+def test_rule_finds_two_conventions_wrong_at_once():
+    both = Variant(1, "post_norm", "hidden_first")
+    variants = {SHIPPED: 0.02, both: 0.6}
+
+    def measure_variant(v: Variant) -> Measurement:
+        return Measurement(v, [variants.get(v, 0.02) + 0.001 * i for i in range(PROMPTS)])
+
+    d = diagnose(measure_variant, SHIPPED)
+    assert by_name(d)["head_matches_trunk"] == "pass"
+    assert by_name(d)["norm_shift"] == "fail" and by_name(d)["concat_order"] == "fail"
+    assert d.best.variant == both
+
+
+# --------------------------------------------------------------------------- probes, wired
+
+
+def test_probe_results_reach_the_json(built, monkeypatch):
+    seen = []
+
+    def measure(model_dir, prompts, *, max_tokens, hidden, concat_order, norm_shift):
+        seen.append((len(prompts), hidden, concat_order, norm_shift))
+        if concat_order == "hidden_first" or norm_shift < 0:
+            return 0.02
+        return 0.5 - 0.02 * norm_shift - (0.05 if hidden else 0.0)
+
+    result = check_checkpoint(str(built["mlx_inline"]), measure=measure, max_tokens=8)
+    assert result["verdict"] == "pass", result["checks"]
+    assert result["acceptance"] == pytest.approx(0.5)
+    assert result["best_variant"] == {
+        "norm_shift": 0,
+        "hidden": "post_norm",
+        "concat_order": "embedding_first",
+        "acceptance": 0.5,
+    }
+    # One call per prompt and variant; as shipped, the runtime reads its own settings.
+    assert len(seen) == 5 * len(BUILTIN_PROMPTS)
+    assert (1, None, None, 0.0) in seen and (1, "pre_norm", None, 0.0) in seen
+
+
+# --------------------------------------------------------------------------- reports and CLI
+
+
+def test_junit_parses_and_marks_failures(built):
+    result = check_checkpoint(str(built["stripped"]), probe=False)
+    root = ET.fromstring(junit_xml(result))
+    suite = root.find("testsuite")
+    cases = suite.findall("testcase")
+    assert [c.get("name") for c in cases] == [c["name"] for c in result["checks"]]
+    failed = {c.get("name") for c in cases if c.find("failure") is not None}
+    assert failed == {c["name"] for c in result["checks"] if c["status"] == "fail"}
+    assert int(suite.get("failures")) == len(failed) and int(suite.get("tests")) == len(cases)
+
+
+def test_cli_fail_exits_3_with_json_and_junit(built, tmp_path):
+    report = tmp_path / "reports" / "check.xml"
+    out = runner.invoke(app, ["check", str(built["stripped"]), "--json", "--junit", str(report)])
+    assert out.exit_code == EXIT_FAILED_REQUIREMENT, out.output
+    result = json.loads(out.stdout)
+    assert set(result) == JSON_KEYS and result["verdict"] == "fail"
+    ET.parse(report)
+
+
+def test_cli_pass_exits_0_with_table(built):
+    out = runner.invoke(app, ["check", str(built["qwen3_5"]), "--no-probe"])
+    assert out.exit_code == 0, out.output
+    lines = out.stdout.splitlines()
+    assert any("head_present" in line and "pass" in line for line in lines)
+    assert "verdict: pass (no probes run)" in lines
+    assert not any("fail" in line for line in lines)
+
+
+def test_cli_user_errors_exit_1(tmp_path):
+    out = runner.invoke(app, ["check", str(tmp_path / "nope")])
+    assert out.exit_code == 1
+    assert out.stderr.startswith("Error: ")
+    empty = tmp_path / "prompts.txt"
+    empty.write_text("\n\n")
+    out = runner.invoke(app, ["check", str(tmp_path), "--prompts", str(empty)])
+    assert out.exit_code == 1 and "holds no prompts" in out.stderr
+
+
+def test_read_prompts(tmp_path):
+    text = tmp_path / "p.txt"
+    text.write_text("first prompt\n\ndef f(x):\n    return x\n\n\nlast\n")
+    assert read_prompts(text) == ["first prompt", "def f(x):\n    return x", "last"]
+    listed = tmp_path / "p.json"
+    listed.write_text(json.dumps(["a", " ", "b"]))
+    assert read_prompts(listed) == ["a", "b"]
