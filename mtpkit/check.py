@@ -21,7 +21,6 @@ import re
 import shutil
 import statistics
 import sys
-import tempfile
 import time
 import xml.etree.ElementTree as ET
 from collections.abc import Callable, Iterator, Sequence
@@ -446,6 +445,25 @@ def manifest_problems(ckpt: Checkpoint) -> list[str]:
                 problems.append(
                     f"manifest says the head is {mq['bits']}-bit but the config quantizes it at {sorted(bits)}"
                 )
+    paths = m.get("mtp_quantization_paths")
+    if isinstance(paths, dict) and mtp:
+        q = quantization_config(ckpt.config) or {}
+        names = {t.name for t in mtp}
+        for path, params in sorted(paths.items()):
+            if f"{path}.weight" not in names:
+                continue
+            has_scales = f"{path}.scales" in names
+            if bool(params) != has_scales:
+                state = "quantized" if params else "not quantized"
+                problems.append(
+                    f"manifest says {path} is {state} but its tensors {'carry' if has_scales else 'lack'} .scales"
+                )
+            elif isinstance(params, dict) and isinstance(q.get(path), dict):
+                recorded = {k: q[path].get(k) for k in ("bits", "group_size")}
+                if recorded != {k: params.get(k) for k in ("bits", "group_size")}:
+                    problems.append(
+                        f"manifest quantizes {path} as {params} but config.json says {q[path]}"
+                    )
     layout = m.get("expert_layout")
     if isinstance(layout, dict):
         layout = layout.get("after", layout.get("output"))
@@ -831,29 +849,20 @@ def _cache_root() -> Path:
 
 @contextmanager
 def runnable_copy(ckpt: Checkpoint, *, log: Callable[[str], None]) -> Iterator[Path]:
-    """A local MLX directory the runtime can run: the source itself, or a converted copy.
+    """A local directory the runtime can run: the source itself, or a copy in the cache.
 
-    A raw local checkpoint is converted into a temporary directory (removed afterwards); a Hub
-    repo is downloaded, or converted, into the mtpkit cache keyed by its commit.
+    A local directory is probed as it is (the runtime reads raw checkpoints, the inline
+    layout and sidecars). A Hub repo is downloaded (MLX layouts) or converted (raw
+    checkpoints) into the mtpkit cache, keyed by its commit, and reused on the next run.
     """
     source = ckpt.source
-    if source.kind == "local" and ckpt.format == "mlx":
-        yield Path(source.root)
-        return
-    from mtpkit.convert import convert_checkpoint
-
     if source.kind == "local":
-        with tempfile.TemporaryDirectory(prefix="mtpkit-check-") as tmp:
-            out = Path(tmp) / "converted"
-            log(f"converting {source.describe()} for the probes")
-            convert_checkpoint(source.spec, out=str(out), quiet=True)
-            yield out
+        yield Path(source.root)
         return
     key = f"{source.spec.replace('/', '--')}--{source.commit or source.revision or 'main'}"
     out = _cache_root() / "check" / key
     if not (out / "config.json").exists():
-        if out.exists():
-            shutil.rmtree(out)
+        shutil.rmtree(out, ignore_errors=True)
         out.parent.mkdir(parents=True, exist_ok=True)
         if ckpt.format == "mlx":
             from huggingface_hub import snapshot_download
@@ -861,13 +870,18 @@ def runnable_copy(ckpt: Checkpoint, *, log: Callable[[str], None]) -> Iterator[P
             from mtpkit.source import hub_errors
 
             log(f"downloading {source.describe()} into {out}")
+            partial = out.with_name(out.name + ".partial")
             with hub_errors(source.spec, source.revision):
                 snapshot_download(
-                    source.spec, revision=source.commit or source.revision, local_dir=str(out)
+                    source.spec, revision=source.commit or source.revision, local_dir=str(partial)
                 )
+            shutil.rmtree(partial / ".cache", ignore_errors=True)
+            partial.rename(out)
         else:
+            from mtpkit.convert import convert
+
             log(f"converting {source.describe()} into {out}")
-            convert_checkpoint(source.spec, out=str(out), revision=source.revision, quiet=True)
+            convert(source.spec, output=out, revision=source.commit or source.revision, force=True)
     yield out
 
 
