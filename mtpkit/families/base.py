@@ -14,7 +14,79 @@ from typing import Any, ClassVar
 EXPERT_INDEX = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<expert>\d+)\.(?P<proj>\w+?)(?:\.weight)?$")
 
 
-class Family:
+# -- conversion hooks (used by mtpkit.convert) ------------------------------------------------
+
+PER_EXPERT = re.compile(
+    r"^(?P<mlp>.*\.mlp)\.experts\.(?P<expert>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)"
+    r"\.(?P<part>weight|scales|biases)$"
+)
+FUSED_GATE_UP = re.compile(r"^(?P<mlp>.*\.mlp)\.experts\.gate_up_proj(?:\.weight)?$")
+FUSED_DOWN = re.compile(r"^(?P<mlp>.*\.mlp)\.experts\.down_proj(?:\.weight)?$")
+# Buffers some checkpoints save that no model uses (precomputed rotary frequencies).
+UNUSED_BUFFERS = ("rotary_emb.inv_freq",)
+
+
+class ConvertHooks:
+    """Mixin with the conversion hooks every family shares; families override the data.
+
+    Names go through two steps: `rename` maps a checkpoint name to the name mlx-lm's model
+    (backbone) or mtpkit's head file (head) uses, then `transform` (in mtpkit.convert) applies
+    the family-independent tensor rules (stack experts, split fused experts, conv1d layout,
+    the norm shift). Every rule is keyed on names and shapes, so a converted tensor passes
+    through unchanged: converting twice changes nothing.
+    """
+
+    # 1-D tensors whose name ends with one of these are zero-centred (shifted +1) in a raw
+    # checkpoint; mlx-lm's qwen3_5/qwen3_next sanitize uses this very list for the backbone.
+    backbone_norm_suffixes: ClassVar[tuple[str, ...]] = ()
+    head_norm_suffixes: ClassVar[tuple[str, ...]] = ()
+    # Hybrid families store a depthwise conv1d as [C, 1, K]; mlx wants [C, K, 1].
+    has_conv1d: ClassVar[bool] = False
+
+    config: dict[str, Any]
+    text_config: dict[str, Any]
+
+    @property
+    def tie_word_embeddings(self) -> bool:
+        return bool(self.text_config.get("tie_word_embeddings", self.config.get("tie_word_embeddings", False)))
+
+    def rename_backbone(self, name: str) -> str | None:
+        """The mlx-lm parameter name of a backbone tensor, or None to drop it (as mlx-lm does)."""
+        if name.endswith(UNUSED_BUFFERS):
+            return None
+        if self.tie_word_embeddings and name == "lm_head.weight":
+            return None
+        return name
+
+    def head_layer(self, name: str) -> tuple[int, str] | None:
+        """(MTP layer index, name inside the head) for an MTP tensor, in source naming."""
+        raise NotImplementedError
+
+    def rename_head(self, name: str) -> str:
+        """The mtpkit head name (`head_prefix` + path) of an MTP tensor."""
+        raise NotImplementedError
+
+    def declare_mtp(self, config: dict[str, Any], layers: int) -> None:
+        """Write the MTP layer count into `config` in this family's own field."""
+        config["num_nextn_predict_layers"] = layers
+
+    def head_module(self, model: Any) -> Any:
+        """An mlx.nn.Module whose parameter tree is the head's, rooted at `head_prefix`.
+
+        Built from mlx-lm's own layer classes (lazily, nothing is computed), it tells which
+        head tensors exist, their shapes, and which modules mlx-lm can quantize.
+        """
+        raise NotImplementedError
+
+    def split_tensor(self, name: str, array: Any) -> list[tuple[str, Any]] | None:
+        """Family-specific splits of one tensor into several (None: keep it whole)."""
+        return None
+
+    def num_head_layers(self) -> int:
+        return self.declared_mtp_layers() or 1  # type: ignore[attr-defined]
+
+
+class Family(ConvertHooks):
     """Base class; one subclass per `model_type` in `mtpkit/families/<model_type>.py`."""
 
     name: ClassVar[str]
@@ -131,3 +203,4 @@ def incomplete_experts(names: dict[str, tuple[int, ...]], num_experts: int) -> l
                     f"{prefix}.switch_mlp.{proj}.weight holds {shape[0]} experts, config says {num_experts}"
                 )
     return problems
+

@@ -8,7 +8,7 @@ Its tensors sit at `model.layers.{num_hidden_layers + i}`: `enorm`, `hnorm`, `eh
 from __future__ import annotations
 
 import re
-from typing import ClassVar
+from typing import Any, ClassVar
 
 from mtpkit.families.base import Family
 
@@ -53,7 +53,61 @@ class NextnLayerFamily(Family):
             return None
         return NEXTN_DUPLICATES.get(name[len(root) :])
 
+    def rename_head(self, name: str) -> str:
+        m = self.layer_pattern.match(name)
+        assert m is not None, name
+        index = int(m["layer"]) - self.num_hidden_layers if m["layer"] is not None else None
+        if index is None:  # already `mtp.layers.{i}.`
+            return name
+        return f"{self.head_prefix}layers.{index}.{name[m.end():]}"
+
+    def head_module(self, model: Any) -> Any:
+        import mlx.nn as nn
+
+        from mtpkit.families.qwen3_5 import _rooted
+
+        args = model.args
+        hidden = args.hidden_size
+        layers = []
+        for i in range(self.num_head_layers()):
+            # The nextn layer continues the stack, so mlx-lm's own rule (dense below
+            # first_k_dense_replace, MoE above) picks its MLP from its true index.
+            layer = self.decoder_layer_class()(args, self.num_hidden_layers + i)
+            layer.enorm = nn.RMSNorm(hidden, eps=args.rms_norm_eps)
+            layer.hnorm = nn.RMSNorm(hidden, eps=args.rms_norm_eps)
+            layer.eh_proj = nn.Linear(2 * hidden, hidden, bias=False)
+            layer.shared_head = nn.Module()
+            layer.shared_head.norm = nn.RMSNorm(hidden, eps=args.rms_norm_eps)
+            layers.append(layer)
+        head = nn.Module()
+        head.layers = layers
+        return _rooted(head, self.head_prefix)
+
+    def decoder_layer_class(self) -> Any:
+        raise NotImplementedError
+
 
 class DeepseekV3(NextnLayerFamily):
     name = "deepseek_v3"
     aliases: ClassVar[tuple[str, ...]] = ("kimi_k2",)
+
+    def decoder_layer_class(self) -> Any:
+        from mlx_lm.models.deepseek_v3 import DeepseekV3DecoderLayer
+
+        return DeepseekV3DecoderLayer
+
+    def split_tensor(self, name: str, array: Any) -> list[tuple[str, Any]] | None:
+        # mlx-lm's deepseek_v3 sanitize: MLA's kv_b_proj becomes the per-head embed_q
+        # (transposed key part) and unembed_out (value part) that its attention multiplies by.
+        if not name.endswith(".self_attn.kv_b_proj.weight"):
+            return None
+        import mlx.core as mx
+
+        cfg = self.text_config
+        nope, v_dim = int(cfg["qk_nope_head_dim"]), int(cfg["v_head_dim"])
+        heads = int(cfg["num_attention_heads"])
+        prefix = name.removesuffix("kv_b_proj.weight")
+        v = array.reshape(heads, nope + v_dim, -1)
+        wk = mx.contiguous(v[:, :nope, :].swapaxes(-1, -2))
+        wv = mx.contiguous(v[:, nope:, :])
+        return [(f"{prefix}embed_q.weight", wk), (f"{prefix}unembed_out.weight", wv)]

@@ -5,8 +5,15 @@ N is `num_hidden_layers` (46, 47, 61, 92 all occur), always read from the config
 
 from __future__ import annotations
 
+from typing import Any
+
 from mtpkit.families.deepseek_v3 import NextnLayerFamily
 
 
 class Glm4Moe(NextnLayerFamily):
     name = "glm4_moe"
+
+    def decoder_layer_class(self) -> Any:
+        from mlx_lm.models.glm4_moe import DecoderLayer
+
+        return DecoderLayer

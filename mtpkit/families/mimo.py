@@ -7,6 +7,7 @@ DeepSeek/Qwen order. Norms are plain.
 from __future__ import annotations
 
 import re
+from typing import Any
 
 from mtpkit.families.base import Family
 
@@ -32,3 +33,29 @@ class Mimo(Family):
     def mtp_layer_prefix(self, name: str) -> str | None:
         m = MIMO_ROOT.match(name)
         return m["root"] if m else None
+
+    def rename_head(self, name: str) -> str:
+        m = MIMO_ROOT.match(name)
+        assert m is not None, name
+        index = m["root"].rstrip(".").rsplit(".", 1)[1]
+        return f"{self.head_prefix}layers.{index}.{name[m.end():]}"
+
+    def head_module(self, model: Any) -> Any:
+        import mlx.nn as nn
+        from mlx_lm.models.mimo import TransformerBlock
+
+        from mtpkit.families.qwen3_5 import _rooted
+
+        args = model.args
+        hidden = args.hidden_size
+        layers = []
+        for _ in range(self.num_head_layers()):
+            layer = TransformerBlock(args)
+            layer.token_layernorm = nn.RMSNorm(hidden, eps=args.rms_norm_eps)
+            layer.hidden_layernorm = nn.RMSNorm(hidden, eps=args.rms_norm_eps)
+            layer.input_proj = nn.Linear(2 * hidden, hidden, bias=False)
+            layer.final_layernorm = nn.RMSNorm(hidden, eps=args.rms_norm_eps)
+            layers.append(layer)
+        head = nn.Module()
+        head.layers = layers
+        return _rooted(head, self.head_prefix)

@@ -6,9 +6,16 @@ write `num_nextn_predict_layers: 1`, which is what mtpkit reads and writes.
 
 from __future__ import annotations
 
+from typing import Any
+
 from mtpkit.families.qwen3_5 import QwenMtpNames
 
 
 class Qwen3Next(QwenMtpNames):
     name = "qwen3_next"
     head_prefix = "mtp."
+
+    def decoder_layer_class(self) -> Any:
+        from mlx_lm.models.qwen3_next import Qwen3NextDecoderLayer
+
+        return Qwen3NextDecoderLayer

@@ -1,0 +1,127 @@
+"""Which tensors to cast and quantize, decided exactly as `mlx_lm.convert` decides.
+
+mlx-lm's rules live on its model classes (`quant_predicate`, `cast_predicate`) and in
+`mlx_lm.utils.quantize_model` (a module is quantized when it has `to_quantized` and its input
+dimension divides by the group size). Rather than copying those rules, mtpkit builds the
+model class for the config (lazily: no weight is ever computed) and asks it, so a change in
+mlx-lm's predicates is followed without a change here.
+See https://github.com/ml-explore/mlx-lm/blob/main/mlx_lm/utils.py (`quantize_model`).
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten
+
+from mtpkit.errors import MtpkitError
+
+DTYPES = ("bfloat16", "float16", "float32")
+BITS = (2, 3, 4, 5, 6, 8)
+GROUP_SIZES = (32, 64, 128)
+DEFAULT_GROUP_SIZE = 64
+
+
+@dataclass(frozen=True)
+class QuantSpec:
+    """Affine quantization settings, as mlx-lm records them in `config["quantization"]`."""
+
+    bits: int
+    group_size: int = DEFAULT_GROUP_SIZE
+
+    def as_config(self) -> dict[str, int]:
+        return {"group_size": self.group_size, "bits": self.bits}
+
+
+def build_model(config: dict[str, Any]) -> nn.Module:
+    """mlx-lm's model for `config`, built lazily (its random init is never evaluated)."""
+    from mlx_lm.utils import _get_classes
+
+    try:
+        model_class, args_class = _get_classes(config=copy.deepcopy(config))
+        return model_class(args_class.from_dict(copy.deepcopy(config)))
+    except (ValueError, KeyError, TypeError) as e:
+        raise MtpkitError(
+            f"mlx-lm cannot build a {config.get('model_type')} model from this config.json: {e}"
+        ) from None
+
+
+@dataclass
+class ModuleTree:
+    """The parameter names and shapes of a module tree, and its quantizable modules."""
+
+    params: dict[str, tuple[tuple[int, ...], mx.Dtype]]
+    quantizable: dict[str, nn.Module]
+
+    @classmethod
+    def of(cls, module: nn.Module) -> ModuleTree:
+        params = {k: (tuple(v.shape), v.dtype) for k, v in tree_flatten(module.parameters())}
+        quantizable = {
+            path: m
+            for path, m in tree_flatten(module.leaf_modules(), is_leaf=nn.Module.is_module)
+            if hasattr(m, "to_quantized")
+        }
+        return cls(params, quantizable)
+
+
+Predicate = Callable[[str, nn.Module], "bool | dict[str, Any]"]
+
+
+def quant_decision(
+    path: str, tree: ModuleTree, spec: QuantSpec, predicate: Predicate | None
+) -> tuple[QuantSpec | None, bool]:
+    """(settings or None, whether mlx-lm would record them per path) for module `path`.
+
+    Mirrors `wrapped_predicate` in mlx_lm.utils.quantize_model: modules without
+    `to_quantized` or whose input dimension the group size does not divide stay as they are;
+    the model's predicate may veto or override (e.g. routers at 8 bits, group 64).
+    """
+    module = tree.quantizable.get(path)
+    if module is None:
+        return None, False
+    if module.weight.shape[-1] % spec.group_size != 0:
+        return None, False
+    verdict: bool | dict[str, Any] = True if predicate is None else predicate(path, module)
+    if verdict is False:
+        return None, False
+    if isinstance(verdict, dict):
+        override = QuantSpec(
+            bits=int(verdict.get("bits", spec.bits)),
+            group_size=int(verdict.get("group_size", spec.group_size)),
+        )
+        return override, True
+    return spec, False
+
+
+def model_quant_predicate(model: nn.Module) -> Predicate | None:
+    return getattr(model, "quant_predicate", None)
+
+
+def model_cast_predicate(model: nn.Module) -> Callable[[str], bool]:
+    return getattr(model, "cast_predicate", lambda _: True)
+
+
+def quantize(array: mx.array, spec: QuantSpec) -> tuple[mx.array, mx.array, mx.array]:
+    """Affine quantization, what `to_quantized` of Linear/SwitchLinear/Embedding computes."""
+    weight, scales, biases = mx.quantize(array, group_size=spec.group_size, bits=spec.bits)
+    return weight, scales, biases
+
+
+def infer_spec(weight_shape: tuple[int, ...], scales_shape: tuple[int, ...], in_dims: int) -> QuantSpec:
+    """The settings a stored quantized weight was packed with (mlx-lm's infer_quant_config)."""
+    return QuantSpec(
+        bits=(weight_shape[-1] * 32) // in_dims, group_size=in_dims // scales_shape[-1]
+    )
+
+
+def is_floating(dtype: mx.Dtype) -> bool:
+    return mx.issubdtype(dtype, mx.floating)
+
+
+def dtype_name(dtype: mx.Dtype) -> str:
+    return str(dtype).removeprefix("mlx.core.")
