@@ -26,7 +26,11 @@ from mtpkit.check import (
 )
 from mtpkit.cli import EXIT_FAILED_REQUIREMENT, app
 from mtpkit.prompts import BUILTIN_PROMPTS, read_prompts
+from tests import hub_server
 from tests.checkpoints import build_checkpoint
+from tests.hub_server import HubStandIn
+
+hub = hub_server.hub
 
 runner = CliRunner()
 
@@ -322,6 +326,71 @@ def test_probe_results_reach_the_json(built, monkeypatch):
     # One call per prompt and variant; as shipped, the runtime reads its own settings.
     assert len(seen) == 5 * len(BUILTIN_PROMPTS)
     assert (1, None, None, 0.0) in seen and (1, "pre_norm", None, 0.0) in seen
+
+
+# --------------------------------------------------------------------------- the Hub
+
+
+def test_hub_repo_is_checked_from_headers_without_probing(hub: HubStandIn, built):
+    hub.add_repo("org/stripped", built["stripped"])
+    hub.add_repo("org/inline", built["mlx_inline"])
+    out = runner.invoke(app, ["check", "org/stripped", "--json"])
+    assert out.exit_code == EXIT_FAILED_REQUIREMENT, out.output
+    result = json.loads(out.stdout)
+    assert statuses(result)["head_present"] == "fail"
+    assert "backbone_loads" not in statuses(result)
+
+    hub.reset_counters()
+    result = check_checkpoint("org/inline", revision="main")
+    assert result["verdict"] == "pass" and result["revision"] == "main"
+    assert result["acceptance"] is None
+    # Headers only: a bounded probe of each shard, never the shard.
+    for shard in built["mlx_inline"].glob("*.safetensors"):
+        assert (
+            hub.bytes_served.get(f"org/inline/{shard.name}", 0) <= 64 * 1024 < shard.stat().st_size
+        )
+
+
+def flat_measure(calls: list[str]):
+    def measure(model_dir, prompts, *, max_tokens, hidden, concat_order, norm_shift):
+        calls.append(model_dir)
+        if concat_order or norm_shift < 0:
+            return 0.02
+        return 0.5 - 0.02 * norm_shift - (0.05 if hidden else 0.0)
+
+    return measure
+
+
+def test_hub_probe_downloads_an_mlx_repo_into_the_cache(
+    hub: HubStandIn, built, tmp_path, monkeypatch
+):
+    monkeypatch.setenv("MTPKIT_CACHE", str(tmp_path / "cache"))
+    sha = hub.add_repo("org/inline", built["mlx_inline"])
+    calls: list[str] = []
+    result = check_checkpoint("org/inline", probe=True, measure=flat_measure(calls), max_tokens=4)
+    assert result["verdict"] == "pass", result["checks"]
+    assert statuses(result)["backbone_loads"] == "pass"
+    cached = tmp_path / "cache" / "check" / f"org--inline--{sha}"
+    assert set(calls) == {str(cached)}
+    assert (cached / "config.json").exists()
+    # A second run reuses the cache: no shard is downloaded again.
+    hub.reset_counters()
+    check_checkpoint("org/inline", probe=True, measure=flat_measure([]), max_tokens=4)
+    for shard in built["mlx_inline"].glob("*.safetensors"):
+        assert hub.bytes_served.get(f"org/inline/{shard.name}", 0) <= 64 * 1024
+
+
+def test_hub_probe_converts_a_raw_repo_into_the_cache(
+    hub: HubStandIn, built, tmp_path, monkeypatch
+):
+    monkeypatch.setenv("MTPKIT_CACHE", str(tmp_path / "cache"))
+    sha = hub.add_repo("org/raw", built["qwen3_5"])
+    calls: list[str] = []
+    result = check_checkpoint("org/raw", probe=True, measure=flat_measure(calls), max_tokens=4)
+    assert result["verdict"] == "pass", result["checks"]
+    cached = tmp_path / "cache" / "check" / f"org--raw--{sha}"
+    assert set(calls) == {str(cached)}
+    assert json.loads((cached / "mtp" / "manifest.json").read_text())["format"] == "mtpkit"
 
 
 # --------------------------------------------------------------------------- reports and CLI
