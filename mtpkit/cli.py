@@ -137,12 +137,11 @@ def check(
         int, typer.Option("--max-tokens", min=1, help="Tokens generated per probe prompt.")
     ] = 48,
 ) -> None:
-    """Check an MTP checkpoint for CI: structure, quantization, manifest, and acceptance.
+    """Check an MTP checkpoint for CI: structure, quantization, manifest and acceptance.
 
-    Structural checks read only config, index, manifest and headers. The probes generate
-    greedily with the head and re-run it with its norms shifted by -1 and +1, the other
-    hidden-state variant and the other concat order, to name a double or missing norm shift
-    or a mismatched convention with its fix. Exit 0 on pass, 3 on fail, 1 on an error.
+    Structural checks read only config, index, manifest and headers. The probes generate greedily with the head, then re-run it with its norms shifted by -1 and +1, with the other hidden-state variant and with the other concat order, to name a double or missing norm shift or a mismatched convention with its fix.
+
+    Exit 0 on pass, 3 on fail, 1 on an error.
     """
     from mtpkit.check import check_checkpoint, print_report, stderr_log, write_junit
     from mtpkit.output import print_json
