@@ -166,5 +166,106 @@ def check(
         raise typer.Exit(EXIT_FAILED_REQUIREMENT)
 
 
+@app.command()
+@friendly_errors
+def convert(
+    source: SourceArg,
+    output: Annotated[
+        str | None, typer.Option("--output", "-o", help="The MLX directory to write.")
+    ] = None,
+    revision: RevisionOpt = None,
+    bits: Annotated[
+        int | None, typer.Option("--bits", help="Quantize to 2, 3, 4, 5, 6 or 8 bits (affine).")
+    ] = None,
+    group_size: Annotated[
+        int | None, typer.Option("--group-size", help="Quantization group size: 32, 64 or 128.")
+    ] = None,
+    keep_mtp_bf16: Annotated[
+        bool,
+        typer.Option(
+            "--keep-mtp-bf16",
+            help="Leave every MTP tensor unquantized (float16 with --dtype float16, else bfloat16).",
+        ),
+    ] = False,
+    mtp_bits: Annotated[
+        int | None, typer.Option("--mtp-bits", help="Quantize the MTP head at this many bits.")
+    ] = None,
+    dtype: Annotated[
+        str | None,
+        typer.Option("--dtype", help="bfloat16, float16 or float32 for unquantized weights."),
+    ] = None,
+    layout: Annotated[
+        str | None,
+        typer.Option(
+            "--layout",
+            help="sidecar (default: head in mtp/) or inline (also in the model shards, "
+            "Qwen3.5/3.6 only).",
+        ),
+    ] = None,
+    recipe: Annotated[
+        str | None, typer.Option("--recipe", help="A recipes/*.toml file; flags override it.")
+    ] = None,
+    force: Annotated[bool, typer.Option("--force", help="Replace an existing output.")] = False,
+    mtp_only: Annotated[
+        bool, typer.Option("--mtp-only", help="Graft only the MTP head (with --into).")
+    ] = False,
+    into: Annotated[
+        str | None, typer.Option("--into", help="The existing MLX directory to graft into.")
+    ] = None,
+    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress bar.")] = False,
+    json_output: JsonOpt = False,
+) -> None:
+    """Convert a checkpoint to an MLX directory that stock mlx-lm loads, keeping its MTP head.
+
+    The backbone is written as mlx_lm.convert writes it; the head goes to mtp/weights.safetensors
+    with every decision recorded in mtp/manifest.json. With --mtp-only --into DIR, only the head
+    is read (on the Hub: its byte ranges) and added to an existing conversion.
+    """
+    from mtpkit.convert import convert as convert_checkpoint
+    from mtpkit.convert import graft
+    from mtpkit.output import print_json
+
+    if mtp_only:
+        if into is None or output is not None or bits is not None or layout or recipe or force:
+            raise MtpkitError(
+                "--mtp-only takes --into DIR and only the head flags "
+                "(--keep-mtp-bf16, --mtp-bits, --group-size, --dtype)"
+            )
+        result = graft(
+            source,
+            into=into,
+            revision=revision,
+            keep_mtp_bf16=keep_mtp_bf16,
+            mtp_bits=mtp_bits,
+            group_size=group_size,
+            dtype=dtype,
+            quiet=quiet or json_output,
+        )
+    else:
+        if output is None or into is not None:
+            raise MtpkitError("pass -o OUT (or --mtp-only --into DIR to graft a head)")
+        result = convert_checkpoint(
+            source,
+            output=output,
+            revision=revision,
+            bits=bits,
+            group_size=group_size,
+            keep_mtp_bf16=keep_mtp_bf16,
+            mtp_bits=mtp_bits,
+            dtype=dtype,
+            layout=layout,
+            recipe=recipe,
+            force=force,
+            quiet=quiet or json_output,
+        )
+    if json_output:
+        print_json(result.as_dict())
+    else:
+        typer.echo(
+            f"wrote {result.output}: {result.family}, {result.backbone_tensors} backbone and "
+            f"{result.head_tensors} MTP tensors in {result.seconds:.1f}s"
+        )
+
+
 def main() -> None:
     app()
