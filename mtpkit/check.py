@@ -668,7 +668,14 @@ def diagnose(
     for check in ("norm_shift", "hidden", "concat_order"):
         keys = [k for k, r in VARIANT_RULES.items() if r.check == check]
         cs = [comparisons[k] for k in keys]
-        failing = [c for c in cs if c.clears(VARIANT_RULES[c.key].fail_margin)]
+        # A variant is named as the fix only if it makes the head usable: gains among
+        # variants that all stay below the minimum are noise around a head that never worked.
+        failing = [
+            c
+            for c in cs
+            if c.clears(VARIANT_RULES[c.key].fail_margin)
+            and c.measurement.acceptance >= min_acceptance
+        ]
         warning = [c for c in cs if c.clears(VARIANT_RULES[c.key].warn_margin)]
         summary = ", ".join(f"{_describe_key(c.key)} {_pct(c.measurement.acceptance)}" for c in cs)
         if failing:

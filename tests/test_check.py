@@ -289,6 +289,14 @@ def test_rule_blames_the_trunk_when_no_variant_helps():
     assert by_name(d)["norm_shift"] == "pass"
 
 
+def test_rule_does_not_name_a_variant_that_leaves_the_head_unusable():
+    # A foreign head's variants all sit near chance; one may be consistently a little higher.
+    measure, _ = fake({"other": 0.03, "shipped": 0.03, "norm_shift=-1": 0.08}, noise=0.005)
+    d = diagnose(measure, SHIPPED)
+    assert by_name(d)["norm_shift"] == "warn"
+    assert by_name(d)["head_matches_trunk"] == "fail"
+
+
 def test_rule_finds_two_conventions_wrong_at_once():
     both = Variant(1, "post_norm", "hidden_first")
     variants = {SHIPPED: 0.02, both: 0.6}

@@ -1,0 +1,188 @@
+"""`mtpkit check` probes on the trained example: each known defect fails with its named check.
+
+The example's head has real skill, so acceptance means something: the healthy conversion
+passes, and conversions damaged the ways published ones are (head stripped, norms shifted
+twice or never, projection inputs swapped, quantization metadata that does not match the
+tensors, a head grafted from another model) each fail with the right check and fix.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import xml.etree.ElementTree as ET
+from collections.abc import Callable
+from pathlib import Path
+
+import mlx.core as mx
+import pytest
+from typer.testing import CliRunner
+
+from mtpkit.check import check_checkpoint
+from mtpkit.cli import EXIT_FAILED_REQUIREMENT, app
+
+EXAMPLE = Path(__file__).resolve().parents[1] / "mtpkit" / "examples" / "tiny-qwen3_5"
+HEAD = Path("mtp") / "weights.safetensors"
+# Fewer tokens than the CLI's default keep the suite fast; 16 prompts keep the statistics.
+MAX_TOKENS = 32
+
+pytestmark = pytest.mark.skipif(
+    not (EXAMPLE / "config.json").exists(), reason="the trained example is not committed yet"
+)
+
+runner = CliRunner()
+
+
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from mtpkit.convert import convert
+
+    out = tmp_path_factory.mktemp("example") / "bf16"
+    convert(str(EXAMPLE), output=out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def quantized(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from mtpkit.convert import convert
+
+    out = tmp_path_factory.mktemp("example") / "q4"
+    convert(str(EXAMPLE), output=out, bits=4)
+    return out
+
+
+def damaged(
+    src: Path, dst: Path, edit: Callable[[dict[str, mx.array]], dict[str, mx.array]]
+) -> Path:
+    """A copy of `src` whose head tensors went through `edit`."""
+    shutil.copytree(src, dst)
+    weights = mx.load(str(dst / HEAD))
+    mx.save_safetensors(str(dst / HEAD), edit(dict(weights)), metadata={"format": "mlx"})
+    return dst
+
+
+def is_norm(name: str, value: mx.array) -> bool:
+    return value.ndim == 1 and name.endswith("norm.weight")
+
+
+def shift_norms(by: float) -> Callable[[dict[str, mx.array]], dict[str, mx.array]]:
+    def edit(weights: dict[str, mx.array]) -> dict[str, mx.array]:
+        return {
+            k: (v.astype(mx.float32) + by).astype(v.dtype) if is_norm(k, v) else v
+            for k, v in weights.items()
+        }
+
+    return edit
+
+
+def swap_concat(weights: dict[str, mx.array]) -> dict[str, mx.array]:
+    """The projection of a head trained with the hidden state first."""
+    name = next(k for k in weights if k.endswith("mtp.fc.weight"))
+    fc = weights[name]
+    half = fc.shape[1] // 2
+    return {**weights, name: mx.concatenate([fc[:, half:], fc[:, :half]], axis=1)}
+
+
+def foreign_head(weights: dict[str, mx.array]) -> dict[str, mx.array]:
+    """A head of the same architecture from another model: same shapes and scale, other weights."""
+    mx.random.seed(1234)
+    out = {}
+    for k, v in weights.items():
+        if v.ndim >= 2:
+            std = mx.std(v.astype(mx.float32)).item()
+            out[k] = (mx.random.normal(v.shape) * std).astype(v.dtype)
+        else:
+            out[k] = v
+    return out
+
+
+def statuses(result: dict) -> dict[str, str]:
+    return {c["name"]: c["status"] for c in result["checks"]}
+
+
+def detail(result: dict, name: str) -> str:
+    return next(c["detail"] for c in result["checks"] if c["name"] == name)
+
+
+def check(path: Path) -> dict:
+    return check_checkpoint(str(path), max_tokens=MAX_TOKENS)
+
+
+def test_healthy_conversion_passes(converted):
+    result = check(converted)
+    assert result["verdict"] == "pass", result["checks"]
+    assert set(statuses(result).values()) == {"pass"}
+    assert result["acceptance"] >= 0.3
+    assert result["best_variant"]["norm_shift"] == 0
+    assert result["best_variant"]["concat_order"] == "embedding_first"
+
+
+def test_healthy_quantized_conversion_passes(quantized):
+    result = check(quantized)
+    assert result["verdict"] == "pass", result["checks"]
+
+
+def test_double_shift_fails_norm_shift(converted, tmp_path):
+    result = check(damaged(converted, tmp_path / "double", shift_norms(+1.0)))
+    assert result["verdict"] == "fail"
+    assert statuses(result)["norm_shift"] == "fail", result["checks"]
+    assert "shifted twice" in detail(result, "norm_shift")
+    assert "mtpkit convert" in detail(result, "norm_shift")
+    assert result["best_variant"]["norm_shift"] == -1
+
+
+def test_missing_shift_fails_norm_shift(converted, tmp_path):
+    result = check(damaged(converted, tmp_path / "missing", shift_norms(-1.0)))
+    assert result["verdict"] == "fail"
+    assert statuses(result)["norm_shift"] == "fail", result["checks"]
+    assert statuses(result)["acceptance"] == "fail"
+    assert "shift missing" in detail(result, "norm_shift")
+    assert result["best_variant"]["norm_shift"] == 1
+
+
+def test_swapped_concat_order_fails_concat_order(converted, tmp_path):
+    result = check(damaged(converted, tmp_path / "swapped", swap_concat))
+    assert result["verdict"] == "fail"
+    assert statuses(result)["concat_order"] == "fail", result["checks"]
+    assert statuses(result)["norm_shift"] == "pass"
+    assert result["best_variant"]["concat_order"] == "hidden_first"
+
+
+def test_head_from_another_model_fails_head_matches_trunk(converted, tmp_path):
+    result = check(damaged(converted, tmp_path / "foreign", foreign_head))
+    assert result["verdict"] == "fail"
+    assert statuses(result)["head_matches_trunk"] == "fail", result["checks"]
+    assert "not trained with this trunk" in detail(result, "head_matches_trunk")
+    assert statuses(result)["norm_shift"] == "pass"
+    assert statuses(result)["concat_order"] == "pass"
+
+
+def test_stripped_head_fails_head_present(converted, tmp_path):
+    path = tmp_path / "stripped"
+    shutil.copytree(converted, path)
+    shutil.rmtree(path / "mtp")
+    result = check(path)
+    assert statuses(result)["head_present"] == "fail"
+    assert "--mtp-only --into" in detail(result, "head_present")
+    assert result["acceptance"] is None
+
+
+def test_quantization_metadata_not_matching_fails_quantization(quantized, tmp_path):
+    path = tmp_path / "q"
+    shutil.copytree(quantized, path)
+    config = json.loads((path / "config.json").read_text())
+    layer = "language_model.mtp.layers.0.mlp.down_proj"
+    assert (
+        isinstance(config["quantization"].get(layer), dict) or config["quantization"]["bits"] == 4
+    )
+    for key in ("quantization", "quantization_config"):
+        config[key][layer] = {"group_size": 64, "bits": 8}
+    (path / "config.json").write_text(json.dumps(config))
+    out = runner.invoke(app, ["check", str(path), "--junit", str(tmp_path / "report.xml")])
+    assert out.exit_code == EXIT_FAILED_REQUIREMENT, out.output
+    assert any(
+        line.startswith("│ quantization") and "fail" in line for line in out.stdout.splitlines()
+    )
+    root = ET.parse(tmp_path / "report.xml").getroot()
+    failed = {c.get("name") for c in root.iter("testcase") if c.find("failure") is not None}
+    assert "quantization" in failed
