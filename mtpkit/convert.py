@@ -159,9 +159,7 @@ class TensorReader:
                     f"{shard}: asked for {end - start} bytes at {start}, got {len(data)}"
                 )
             for info in run:
-                yield info, _array_from_bytes(
-                    data[info.start - start : info.end - start], info
-                )
+                yield info, _array_from_bytes(data[info.start - start : info.end - start], info)
             del data
 
 
@@ -254,7 +252,9 @@ class TensorRules:
         ):
             array = array.moveaxis(2, 1)  # HF Conv1d [C, 1, K] -> MLX [C, K, 1]
         suffixes = (
-            self.family.backbone_norm_suffixes if role == "backbone" else self.family.head_norm_suffixes
+            self.family.backbone_norm_suffixes
+            if role == "backbone"
+            else self.family.head_norm_suffixes
         )
         shift = self.shift[role] and array.ndim == 1 and name.endswith(suffixes)
         return Tensor(role, name, array, shift=shift)
@@ -264,7 +264,9 @@ class TensorRules:
             f"{name}: experts {sorted(slot)} of {self.family.num_experts}"
             for (name, _), slot in self.experts.items()
         ]
-        left += [f"{name}: FP8 weight without its scale (or scale without weight)" for name in self.fp8]
+        left += [
+            f"{name}: FP8 weight without its scale (or scale without weight)" for name in self.fp8
+        ]
         return left
 
 
@@ -301,7 +303,9 @@ class Settings:
         if self.bits is not None and self.bits not in BITS:
             raise MtpkitError(f"--bits {self.bits} is not one of {', '.join(map(str, BITS))}")
         if self.mtp_bits is not None and self.mtp_bits not in BITS:
-            raise MtpkitError(f"--mtp-bits {self.mtp_bits} is not one of {', '.join(map(str, BITS))}")
+            raise MtpkitError(
+                f"--mtp-bits {self.mtp_bits} is not one of {', '.join(map(str, BITS))}"
+            )
         if self.group_size not in GROUP_SIZES:
             raise MtpkitError(
                 f"--group-size {self.group_size} is not one of {', '.join(map(str, GROUP_SIZES))}"
@@ -423,7 +427,9 @@ class Converter:
         self.backbone_tree = ModuleTree.of(self.model)
         mtp_names = [t.name for t in ckpt.mtp_tensors]
         self.has_head = bool(mtp_names)
-        self.head_tree = ModuleTree.of(self.family.head_module(self.model)) if self.has_head else None
+        self.head_tree = (
+            ModuleTree.of(self.family.head_module(self.model)) if self.has_head else None
+        )
         self.quant_predicate = model_quant_predicate(self.model)
         self.cast_predicate = model_cast_predicate(self.model)
         self.source_quantized = "quantization" in ckpt.config
@@ -475,7 +481,9 @@ class Converter:
             shift_backbone=self.raw and family.zero_centred_norms,
             shift_head=self.has_head and self.head_shift_needed(),
         )
-        reader = TensorReader(ckpt, set(routes), ranged=self.head_only and ckpt.source.kind == "hub")
+        reader = TensorReader(
+            ckpt, set(routes), ranged=self.head_only and ckpt.source.kind == "hub"
+        )
         outputs: list[Tensor] = []
         for shard in ckpt.shards + ckpt.sidecars:
             if shard not in ckpt.headers:
@@ -607,7 +615,9 @@ class Converter:
                 continue
             weight = written[f"{path}.weight"]
             in_dims = module.weight.shape[-1]
-            plan.head_quant[path] = infer_spec(tuple(weight.shape), tuple(scales.shape), in_dims).as_config()
+            plan.head_quant[path] = infer_spec(
+                tuple(weight.shape), tuple(scales.shape), in_dims
+            ).as_config()
 
 
 # --------------------------------------------------------------------------- writing
@@ -628,9 +638,11 @@ def _output_config(ckpt: Checkpoint, plan: Plan, settings: Settings, layers: int
     config = json.loads(json.dumps(ckpt.config))
     config.pop("_name_or_path", None)
     config.pop("vision_config", None)
-    generation = ckpt.source.read_json("generation_config.json") if ckpt.source.has(
-        "generation_config.json"
-    ) else None
+    generation = (
+        ckpt.source.read_json("generation_config.json")
+        if ckpt.source.has("generation_config.json")
+        else None
+    )
     if isinstance(generation, dict) and generation.get("eos_token_id"):
         config["eos_token_id"] = generation["eos_token_id"]  # mlx-lm's load_config does this
     qc = config.get("quantization_config")
@@ -684,7 +696,11 @@ def _manifest(
         bits, group = max(counts, key=lambda k: counts[k])
         main = {"bits": bits, "group_size": group}
     head_dtypes = sorted(
-        {dtype_name(a.dtype) for n, a in plan.head if is_floating(a.dtype) and not n.endswith((".scales", ".biases"))}
+        {
+            dtype_name(a.dtype)
+            for n, a in plan.head
+            if is_floating(a.dtype) and not n.endswith((".scales", ".biases"))
+        }
     )
     return {
         "format": MANIFEST_FORMAT,
@@ -763,7 +779,7 @@ def convert(
     and renamed at the end, so an interrupted run leaves no `output`.
     """
     started = time.perf_counter()
-    settings = resolve_settings(
+    settings, recipe_family = resolve_settings(
         recipe,
         bits=bits,
         group_size=group_size,
@@ -777,6 +793,11 @@ def convert(
         raise MtpkitError(f"{out} already exists: pass --force to replace it, or choose another -o")
     ckpt = read_checkpoint(source, revision=revision)
     _refuse_problems(ckpt)
+    if recipe_family is not None and recipe_family != ckpt.family.name:
+        raise MtpkitError(
+            f"recipe {recipe} is for {recipe_family} models but {ckpt.source.describe()} is "
+            f"{ckpt.family.name}: pick the recipe of this model"
+        )
     if settings.layout == "inline" and ckpt.family.head_prefix != "language_model.mtp.":
         raise MtpkitError(
             f"--layout inline exists only for the Qwen3.5/3.6 families, not {ckpt.family.name}"
@@ -801,7 +822,10 @@ def convert(
     if settings.bits:
         backbone_quant: Any = {"bits": settings.bits, "group_size": settings.group_size}
     elif source_quant is not None:
-        backbone_quant = {"bits": source_quant.get("bits"), "group_size": source_quant.get("group_size")}
+        backbone_quant = {
+            "bits": source_quant.get("bits"),
+            "group_size": source_quant.get("group_size"),
+        }
     else:
         backbone_quant = None
     config = _output_config(ckpt, plan, settings, layers)
@@ -854,7 +878,9 @@ def convert(
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    return ConvertResult(out, ckpt.family.name, manifest, n_backbone, n_head, time.perf_counter() - started)
+    return ConvertResult(
+        out, ckpt.family.name, manifest, n_backbone, n_head, time.perf_counter() - started
+    )
 
 
 # --------------------------------------------------------------------------- graft
@@ -903,7 +929,9 @@ def graft(
         raise MtpkitError(f"{ckpt.source.describe()} has no MTP head to graft")
     mismatches = []
     if trunk.family.name != ckpt.family.name:
-        mismatches.append(f"model_type {trunk.config.get('model_type')} vs {ckpt.config.get('model_type')}")
+        mismatches.append(
+            f"model_type {trunk.config.get('model_type')} vs {ckpt.config.get('model_type')}"
+        )
     for key in TRUNK_FIELDS:
         a, b = trunk.family.text_config.get(key), ckpt.family.text_config.get(key)
         if a != b:
@@ -977,26 +1005,34 @@ def graft(
 def resolve_settings(
     recipe: str | Path | None,
     **flags: Any,
-) -> Settings:
-    """Defaults, then the recipe's values, then every flag that was given."""
+) -> tuple[Settings, str | None]:
+    """Defaults, then the recipe's values, then every flag that was given.
+
+    Returns the settings and the family the recipe is meant for (None without a recipe).
+    """
     from mtpkit.recipes import load_recipe
 
     values: dict[str, Any] = {}
+    family = None
     if recipe is not None:
-        values.update(load_recipe(recipe).settings)
+        loaded = load_recipe(recipe)
+        values.update(loaded.settings)
+        family = loaded.family
+    if flags.get("keep_mtp_bf16") and flags.get("mtp_bits") is not None:
+        raise MtpkitError("--keep-mtp-bf16 and --mtp-bits contradict each other: pass one")
+    # A head flag replaces the recipe's head choice, whichever it was.
+    if flags.get("mtp_bits") is not None:
+        values.pop("keep_mtp_bf16", None)
+    if flags.get("keep_mtp_bf16"):
+        values.pop("mtp_bits", None)
     for key, value in flags.items():
         if value is not None and value is not False:
             values[key] = value
-    if values.get("keep_mtp_bf16") and flags.get("mtp_bits") is not None:
-        values["keep_mtp_bf16"] = False
-    if values.get("mtp_bits") is not None and flags.get("keep_mtp_bf16"):
-        values["mtp_bits"] = None
     if values.get("group_size") is None:
         values.pop("group_size", None)
     settings = Settings(**values)
     settings.validate()
-    return settings
+    return settings, family
 
 
 __all__ = ["ConvertResult", "Settings", "convert", "graft", "resolve_settings"]
-

@@ -112,7 +112,9 @@ def quantize(array: mx.array, spec: QuantSpec) -> tuple[mx.array, mx.array, mx.a
     return weight, scales, biases
 
 
-def infer_spec(weight_shape: tuple[int, ...], scales_shape: tuple[int, ...], in_dims: int) -> QuantSpec:
+def infer_spec(
+    weight_shape: tuple[int, ...], scales_shape: tuple[int, ...], in_dims: int
+) -> QuantSpec:
     """The settings a stored quantized weight was packed with (mlx-lm's infer_quant_config)."""
     return QuantSpec(
         bits=(weight_shape[-1] * 32) // in_dims, group_size=in_dims // scales_shape[-1]

@@ -9,7 +9,6 @@ which keeps every array of its dict alive.
 from __future__ import annotations
 
 import json
-import os
 import struct
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -112,11 +111,11 @@ def write_safetensors(
                     on_bytes(array.nbytes)
                 del array, data
             i = j
-        f.flush()
-        os.fsync(f.fileno())
 
 
-def write_index(path: Path, weight_map: dict[str, str], total_size: int, total_parameters: int) -> None:
+def write_index(
+    path: Path, weight_map: dict[str, str], total_size: int, total_parameters: int
+) -> None:
     """`model.safetensors.index.json` as mlx-lm's save_model writes it."""
     index = {
         "metadata": {"total_size": total_size, "total_parameters": total_parameters},

@@ -167,15 +167,28 @@ def test_head_names_shift_and_manifest(layout, sources, tmp_path):
     out = result.output
     head = _head(out)
     prefix = PREFIX[layout]
-    assert head and all(k.startswith(prefix + ("layers." if prefix == "mtp." and layout != "qwen3_next" else "")) for k in head)
+    assert head and all(
+        k.startswith(prefix + ("layers." if prefix == "mtp." and layout != "qwen3_next" else ""))
+        for k in head
+    )
     source = _source_tensors(src)
     manifest = json.loads((out / "mtp" / "manifest.json").read_text())
     assert manifest["format"] == "mtpkit" and manifest["family"] == result.family
     assert manifest["prefix"] == prefix and manifest["num_layers"] == 1
     assert manifest["hidden"] == "post_norm"
     assert manifest["concat_order"] == ("hidden_first" if layout == "mimo" else "embedding_first")
-    for key in ("mtpkit_version", "source", "weights", "norm_shift", "expert_layout", "mtp_dtype",
-                "mtp_quantization", "backbone_quantization", "dropped", "rmsnorm_weight_format"):
+    for key in (
+        "mtpkit_version",
+        "source",
+        "weights",
+        "norm_shift",
+        "expert_layout",
+        "mtp_dtype",
+        "mtp_quantization",
+        "backbone_quantization",
+        "dropped",
+        "rmsnorm_weight_format",
+    ):
         assert key in manifest
     config = json.loads((out / "config.json").read_text())
     if layout.startswith("qwen3_5") or layout == "qwen3_6_moe":
@@ -199,9 +212,13 @@ def test_head_names_shift_and_manifest(layout, sources, tmp_path):
         assert f"model.layers.{n}.embed_tokens.weight" in manifest["dropped"]
         assert f"model.layers.{n}.shared_head.head.weight" in manifest["dropped"]
         assert not any("embed_tokens" in k or "shared_head.head" in k for k in head)
-        assert mx.array_equal(head["mtp.layers.0.eh_proj.weight"], source[f"model.layers.{n}.eh_proj.weight"]).item()
+        assert mx.array_equal(
+            head["mtp.layers.0.eh_proj.weight"], source[f"model.layers.{n}.eh_proj.weight"]
+        ).item()
     if layout == "mimo":
-        assert mx.array_equal(head["mtp.layers.0.input_proj.weight"], source["model.mtp_layers.0.input_proj.weight"]).item()
+        assert mx.array_equal(
+            head["mtp.layers.0.input_proj.weight"], source["model.mtp_layers.0.input_proj.weight"]
+        ).item()
         assert "mtp.layers.0.self_attn.q_proj.bias" in head
     if layout in ("qwen3_5_moe", "qwen3_next"):
         src_prefix = "mtp.layers.0.mlp.experts"
@@ -212,13 +229,19 @@ def test_head_names_shift_and_manifest(layout, sources, tmp_path):
     if layout == "qwen3_6_moe":
         gate_up = source["mtp.layers.0.mlp.experts.gate_up_proj"]
         mid = gate_up.shape[1] // 2
-        assert mx.array_equal(head[f"{prefix}layers.0.mlp.switch_mlp.gate_proj.weight"], gate_up[:, :mid]).item()
-        assert mx.array_equal(head[f"{prefix}layers.0.mlp.switch_mlp.up_proj.weight"], gate_up[:, mid:]).item()
+        assert mx.array_equal(
+            head[f"{prefix}layers.0.mlp.switch_mlp.gate_proj.weight"], gate_up[:, :mid]
+        ).item()
+        assert mx.array_equal(
+            head[f"{prefix}layers.0.mlp.switch_mlp.up_proj.weight"], gate_up[:, mid:]
+        ).item()
         assert manifest["expert_layout"] == {"source": "fused", "output": "stacked"}
     # inspect reads the manifest: the convention is recorded, not guessed.
     report = inspect_checkpoint(str(out))
     assert report["problems"] == []
-    assert report["mtp"]["norm_convention"] == ("plain" if manifest["rmsnorm_weight_format"] == "plain" else "shifted")
+    assert report["mtp"]["norm_convention"] == (
+        "plain" if manifest["rmsnorm_weight_format"] == "plain" else "shifted"
+    )
 
 
 def test_head_quantization_flags(sources, tmp_path):
@@ -231,7 +254,10 @@ def test_head_quantization_flags(sources, tmp_path):
     assert head[f"{fc}.weight"].dtype == mx.uint32 and quant[fc] == {"group_size": 64, "bits": 4}
     # Routers stay 8-bit group 64 in the head as in the backbone.
     assert quant["language_model.mtp.layers.0.mlp.gate"] == {"group_size": 64, "bits": 8}
-    assert quant["language_model.mtp.layers.0.mlp.shared_expert_gate"] == {"group_size": 64, "bits": 8}
+    assert quant["language_model.mtp.layers.0.mlp.shared_expert_gate"] == {
+        "group_size": 64,
+        "bits": 8,
+    }
     manifest = json.loads((out / "mtp" / "manifest.json").read_text())
     assert manifest["mtp_quantization"] == {"bits": 4, "group_size": 64}
     assert manifest["backbone_quantization"] == {"bits": 4, "group_size": 64}
@@ -245,13 +271,18 @@ def test_head_quantization_flags(sources, tmp_path):
     assert quant["bits"] == 4
     _load(kept)  # stock mlx-lm still loads the quantized backbone
 
-    half = convert(str(src), output=tmp_path / "half", keep_mtp_bf16=True, bits=4, dtype="float16").output
+    half = convert(
+        str(src), output=tmp_path / "half", keep_mtp_bf16=True, bits=4, dtype="float16"
+    ).output
     assert {v.dtype for v in _head(half).values()} == {mx.float16}
 
     eight = convert(str(src), output=tmp_path / "eight", bits=4, mtp_bits=8).output
     quant = json.loads((eight / "config.json").read_text())["quantization"]
     assert quant[fc] == {"group_size": 64, "bits": 8}
-    assert json.loads((eight / "mtp" / "manifest.json").read_text())["mtp_quantization"] == {"bits": 8, "group_size": 64}
+    assert json.loads((eight / "mtp" / "manifest.json").read_text())["mtp_quantization"] == {
+        "bits": 8,
+        "group_size": 64,
+    }
 
     # Head quantized, backbone not: the config carries only the head's paths, and stock loads.
     only_head = convert(str(sources("qwen3_5")), output=tmp_path / "only_head", mtp_bits=4).output
@@ -276,7 +307,9 @@ def test_inline_layout(sources, tmp_path):
 
 @pytest.mark.parametrize("layout", RAW)
 def test_convert_twice_changes_nothing(layout, sources, tmp_path):
-    first = convert(str(sources(layout)), output=tmp_path / "one", bits=4 if layout in MOE else None).output
+    first = convert(
+        str(sources(layout)), output=tmp_path / "one", bits=4 if layout in MOE else None
+    ).output
     second = convert(str(first), output=tmp_path / "two").output
     a, b = _files(first), _files(second)
     assert a.keys() == b.keys()
@@ -303,9 +336,7 @@ def test_mlx_inline_source_is_rewritten_unchanged(sources, tmp_path):
 def test_graft_twice_changes_nothing(layout, sources, tmp_path):
     src = sources(layout)
     trunk = tmp_path / "trunk"
-    _stock_convert(
-        sources(layout, with_mtp=False), trunk, quantize=True, q_bits=4, q_group_size=64
-    )
+    _stock_convert(sources(layout, with_mtp=False), trunk, quantize=True, q_bits=4, q_group_size=64)
     graft(str(src), into=trunk)
     once = _files(trunk)
     graft(str(src), into=trunk)
@@ -405,8 +436,14 @@ def _write_fp8_copy(src: Path, dst: Path, names: list[str]) -> None:
             else:
                 items = [(name, {mx.float32: "F32", mx.bfloat16: "BF16"}[array.dtype], array)]
             for key, dtype, value in items:
-                data = bytes(memoryview(value.view(mx.uint16) if value.dtype == mx.bfloat16 else value))
-                header[key] = {"dtype": dtype, "shape": list(value.shape), "data_offsets": [offset, offset + len(data)]}
+                data = bytes(
+                    memoryview(value.view(mx.uint16) if value.dtype == mx.bfloat16 else value)
+                )
+                header[key] = {
+                    "dtype": dtype,
+                    "shape": list(value.shape),
+                    "data_offsets": [offset, offset + len(data)],
+                }
                 chunks.append(data)
                 offset += len(data)
         raw = json.dumps(header).encode()

@@ -59,7 +59,7 @@ class NextnLayerFamily(Family):
         index = int(m["layer"]) - self.num_hidden_layers if m["layer"] is not None else None
         if index is None:  # already `mtp.layers.{i}.`
             return name
-        return f"{self.head_prefix}layers.{index}.{name[m.end():]}"
+        return f"{self.head_prefix}layers.{index}.{name[m.end() :]}"
 
     def head_module(self, model: Any) -> Any:
         import mlx.nn as nn

@@ -38,7 +38,7 @@ class Mimo(Family):
         m = MIMO_ROOT.match(name)
         assert m is not None, name
         index = m["root"].rstrip(".").rsplit(".", 1)[1]
-        return f"{self.head_prefix}layers.{index}.{name[m.end():]}"
+        return f"{self.head_prefix}layers.{index}.{name[m.end() :]}"
 
     def head_module(self, model: Any) -> Any:
         import mlx.nn as nn

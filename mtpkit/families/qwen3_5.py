@@ -75,8 +75,7 @@ class QwenMtpNames(Family):
         # The MTP block is a full-attention layer, whatever the backbone's layer pattern.
         full_attention = args.full_attention_interval - 1
         head.layers = [
-            self.decoder_layer_class()(args, full_attention)
-            for _ in range(self.num_head_layers())
+            self.decoder_layer_class()(args, full_attention) for _ in range(self.num_head_layers())
         ]
         return _rooted(head, self.head_prefix)
 

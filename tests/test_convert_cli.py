@@ -1,0 +1,148 @@
+"""The `mtpkit convert` command line and its recipes."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from mtpkit.cli import app
+from mtpkit.convert import resolve_settings
+from mtpkit.errors import MtpkitError
+from mtpkit.recipes import all_recipes, load_recipe
+from tests.checkpoints import build_checkpoint
+
+runner = CliRunner()
+RECIPE_FAMILIES = {"qwen3_5", "qwen3_5_moe", "qwen3_next", "deepseek_v3", "glm4_moe", "mimo"}
+
+
+@pytest.fixture(scope="module")
+def mimo(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_checkpoint("mimo", tmp_path_factory.mktemp("src") / "mimo")
+
+
+def test_convert_then_refusals(mimo, tmp_path):
+    out = tmp_path / "out"
+    result = runner.invoke(app, ["convert", str(mimo), "-o", str(out), "--bits", "4", "--quiet"])
+    assert result.exit_code == 0, result.output
+    assert result.stdout.startswith(f"wrote {out}: mimo, ")
+    assert (out / "mtp" / "weights.safetensors").exists()
+
+    again = runner.invoke(app, ["convert", str(mimo), "-o", str(out), "--quiet"])
+    assert again.exit_code == 1
+    assert (
+        again.stderr
+        == f"Error: {out} already exists: pass --force to replace it, or choose another -o\n"
+    )
+    assert "Traceback" not in again.output
+
+    requant = runner.invoke(app, ["convert", str(out), "-o", str(tmp_path / "o2"), "--bits", "4"])
+    assert requant.exit_code == 1
+    assert "is already quantized (4-bit)" in requant.stderr
+    assert f"convert from the original checkpoint ({mimo}) instead" in requant.stderr
+    assert not (tmp_path / "o2").exists()
+
+
+def test_bad_flags_are_one_line_errors(mimo, tmp_path):
+    cases = [
+        (["--bits", "7"], "Error: --bits 7 is not one of 2, 3, 4, 5, 6, 8\n"),
+        (["--group-size", "48"], "Error: --group-size 48 is not one of 32, 64, 128\n"),
+        (["--dtype", "int8"], "Error: --dtype int8 is not one of bfloat16, float16, float32\n"),
+        (
+            ["--keep-mtp-bf16", "--mtp-bits", "8"],
+            "Error: --keep-mtp-bf16 and --mtp-bits contradict each other: pass one\n",
+        ),
+    ]
+    for flags, message in cases:
+        result = runner.invoke(app, ["convert", str(mimo), "-o", str(tmp_path / "x"), *flags])
+        assert result.exit_code == 1
+        assert result.stderr == message
+    missing = runner.invoke(app, ["convert", str(mimo)])
+    assert missing.exit_code == 1 and "pass -o OUT" in missing.stderr
+    assert not (tmp_path / "x").exists()
+
+
+def test_stripped_source_exit_1_one_line(tmp_path):
+    src = build_checkpoint("stripped", tmp_path / "stripped")
+    result = runner.invoke(app, ["convert", str(src), "-o", str(tmp_path / "out")])
+    assert result.exit_code == 1
+    lines = result.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("Error: ")
+    assert "mtp_declared_not_present" in lines[0]
+    assert not (tmp_path / "out").exists()
+
+
+def test_graft_json(mimo, tmp_path):
+    trunk = tmp_path / "trunk"
+    first = runner.invoke(app, ["convert", str(mimo), "-o", str(trunk), "--quiet"])
+    assert first.exit_code == 0
+    result = runner.invoke(
+        app, ["convert", str(mimo), "--mtp-only", "--into", str(trunk), "--mtp-bits", "8", "--json"]
+    )
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.stdout)
+    assert data["family"] == "mimo" and data["head_tensors"] > 0
+    assert data["manifest"]["mtp_quantization"] == {"bits": 8, "group_size": 64}
+    bad = runner.invoke(
+        app, ["convert", str(mimo), "--mtp-only", "--into", str(trunk), "--bits", "4"]
+    )
+    assert bad.exit_code == 1 and "--mtp-only takes --into DIR" in bad.stderr
+
+
+def test_every_recipe_loads():
+    recipes = all_recipes()
+    names = {p.stem for p in recipes}
+    for wanted in (
+        "qwen3.5-27b",
+        "qwen3.5-35b-a3b",
+        "qwen3.5-122b-a10b",
+        "qwen3.6-27b",
+        "qwen3-next-80b-a3b",
+        "deepseek-v3",
+        "glm-4.5-air",
+        "mimo-7b",
+    ):
+        assert wanted in names
+    for path in recipes:
+        recipe = load_recipe(path)
+        assert recipe.repo and recipe.family in RECIPE_FAMILIES, path
+        assert path.read_text().startswith("#"), f"{path} needs a comment saying why"
+        settings, family = resolve_settings(path)
+        assert family == recipe.family and settings.bits
+
+
+def test_flags_override_recipe(tmp_path):
+    settings, _ = resolve_settings("qwen3.5-27b", bits=8, mtp_bits=4)
+    assert settings.bits == 8 and settings.mtp_bits == 4 and not settings.keep_mtp_bf16
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[convert]\nbitz = 4\n")
+    with pytest.raises(MtpkitError, match="unknown \\[convert\\] keys: bitz"):
+        resolve_settings(bad)
+
+
+def test_recipe_family_must_match(mimo, tmp_path):
+    result = runner.invoke(
+        app, ["convert", str(mimo), "-o", str(tmp_path / "o"), "--recipe", "qwen3.5-27b"]
+    )
+    assert result.exit_code == 1
+    assert "is for qwen3_5 models but" in result.stderr
+    ok = runner.invoke(
+        app,
+        ["convert", str(mimo), "-o", str(tmp_path / "m"), "--recipe", "recipes/mimo-7b.toml", "-q"],
+    )
+    assert ok.exit_code == 0, ok.output
+    manifest = json.loads((tmp_path / "m" / "mtp" / "manifest.json").read_text())
+    assert manifest["backbone_quantization"] == {"bits": 8, "group_size": 64}
+    assert manifest["mtp_quantization"] is None
+
+
+def test_module_help_lists_convert():
+    result = subprocess.run(
+        [sys.executable, "-m", "mtpkit", "convert", "--help"], capture_output=True, text=True
+    )
+    assert result.returncode == 0
+    assert "--mtp-only" in result.stdout and "--keep-mtp-bf16" in result.stdout
