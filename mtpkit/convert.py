@@ -95,72 +95,85 @@ class ConvertResult:
 # --------------------------------------------------------------------------- reading
 
 
-def _array_from_bytes(data: bytes, info: TensorInfo) -> mx.array:
-    """A tensor from its raw little-endian bytes (ranged reads), bf16 and fp8 included."""
-    plain = {
-        "F32": np.float32,
-        "F16": np.float16,
-        "BF16": np.uint16,
-        "F64": np.float64,
-        "I64": np.int64,
-        "I32": np.int32,
-        "I16": np.int16,
-        "I8": np.int8,
-        "U8": np.uint8,
-        "U16": np.uint16,
-        "U32": np.uint32,
-        "U64": np.uint64,
-        "BOOL": np.bool_,
-        "F8_E4M3": np.uint8,
-    }
-    if info.dtype not in plain:
-        raise MtpkitError(f"{info.name} has dtype {info.dtype}, which mtpkit cannot convert")
-    array = mx.array(np.frombuffer(data, dtype=plain[info.dtype]).reshape(info.shape))
-    return array.view(mx.bfloat16) if info.dtype == "BF16" else array
-
-
 class TensorReader:
     """Lazy tensors of a checkpoint, one shard at a time, fetching only what is needed.
 
     Local shards are opened with `mx.load` (lazy: a tensor is read when evaluated). On the
-    Hub, a shard most of whose bytes are needed is downloaded (into the HF cache, as
-    mlx-lm does); otherwise only the needed tensors' byte ranges are fetched.
+    Hub, a shard most of whose bytes are needed is downloaded (into the HF cache, as mlx-lm
+    does); otherwise only the needed tensors' byte ranges are fetched, in bounded chunks,
+    into a temporary safetensors file that is then opened lazily too, so memory stays flat
+    whatever the head's size. `close()` removes those files once the output is written.
     """
 
     # Gaps below this are read through rather than split into another request.
     COALESCE_GAP = 64 << 10
+    CHUNK_BYTES = 256 << 20
     DOWNLOAD_FRACTION = 0.5
 
     def __init__(self, ckpt: Checkpoint, needed: set[str], *, ranged: bool = False) -> None:
         self.ckpt = ckpt
         self.needed = needed
         self.ranged = ranged
+        self.tmpdir: Path | None = None
 
     def shard(self, shard: str) -> Iterator[tuple[TensorInfo, mx.array]]:
         header = self.ckpt.headers[shard]
-        infos = [t for t in header.tensors.values() if t.name in self.needed]
+        infos = sorted(
+            (t for t in header.tensors.values() if t.name in self.needed), key=lambda t: t.start
+        )
         if not infos:
             return
         source = self.ckpt.source
         needed_bytes = sum(t.nbytes for t in infos)
-        whole = source.kind == "local" or (
+        if source.kind == "local" or (
             not self.ranged and needed_bytes >= self.DOWNLOAD_FRACTION * header.file_size
-        )
-        if whole and not self.ranged:
-            arrays = mx.load(str(source.local_file(shard)))
-            for info in sorted(infos, key=lambda t: t.start):
-                yield info, arrays.pop(info.name)
-            return
-        for run in _coalesce(sorted(infos, key=lambda t: t.start), self.COALESCE_GAP):
-            start, end = run[0].start, run[-1].end
-            data = source.read_bytes_range(shard, start, end - start)
-            if len(data) != end - start:
-                raise MtpkitError(
-                    f"{shard}: asked for {end - start} bytes at {start}, got {len(data)}"
-                )
-            for info in run:
-                yield info, _array_from_bytes(data[info.start - start : info.end - start], info)
-            del data
+        ):
+            path = source.local_file(shard)
+        else:
+            path = self._fetch_ranges(shard, infos)
+        arrays = mx.load(str(path))
+        for info in infos:
+            yield info, arrays.pop(info.name)
+
+    def _fetch_ranges(self, shard: str, infos: list[TensorInfo]) -> Path:
+        """Copy the tensors' bytes into a local safetensors file holding only them."""
+        import tempfile
+
+        if self.tmpdir is None:
+            self.tmpdir = Path(tempfile.mkdtemp(prefix="mtpkit-ranges-"))
+        path = self.tmpdir / f"{len(list(self.tmpdir.iterdir()))}.safetensors"
+        header: dict[str, Any] = {}
+        offset = 0
+        for info in infos:
+            header[info.name] = {
+                "dtype": info.dtype,
+                "shape": list(info.shape),
+                "data_offsets": [offset, offset + info.nbytes],
+            }
+            offset += info.nbytes
+        raw = json.dumps(header).encode("utf-8")
+        raw += b" " * (-(len(raw) + 8) % 8)
+        with open(path, "wb") as f:
+            f.write(len(raw).to_bytes(8, "little") + raw)
+            for run in _coalesce(infos, self.COALESCE_GAP):
+                for start in range(run[0].start, run[-1].end, self.CHUNK_BYTES):
+                    end = min(start + self.CHUNK_BYTES, run[-1].end)
+                    data = self.ckpt.source.read_bytes_range(shard, start, end - start)
+                    if len(data) != end - start:
+                        raise MtpkitError(
+                            f"{shard}: asked for {end - start} bytes at {start}, got {len(data)}"
+                        )
+                    for info in run:  # the parts of needed tensors inside [start, end)
+                        lo, hi = max(info.start, start), min(info.end, end)
+                        if lo < hi:
+                            f.write(memoryview(data)[lo - start : hi - start])
+                    del data
+        return path
+
+    def close(self) -> None:
+        if self.tmpdir is not None:
+            shutil.rmtree(self.tmpdir, ignore_errors=True)
+            self.tmpdir = None
 
 
 def _coalesce(infos: list[TensorInfo], gap: int) -> Iterator[list[TensorInfo]]:
@@ -355,8 +368,6 @@ def _default_dtype(ckpt: Checkpoint) -> str | None:
         return None  # an MLX directory keeps what it stores
     config = ckpt.config
     dtype = config.get("torch_dtype") or (config.get("text_config") or {}).get("dtype")
-    if dtype is None:
-        dtype = config.get("dtype")
     return dtype if dtype in DTYPES else None
 
 
@@ -425,14 +436,27 @@ class Converter:
         self.raw = ckpt.format == "hf"
         self.model = build_model(_model_config(ckpt.config))
         self.backbone_tree = ModuleTree.of(self.model)
-        mtp_names = [t.name for t in ckpt.mtp_tensors]
-        self.has_head = bool(mtp_names)
+        head_names = [
+            self.family.rename_head(t.name)
+            for t in ckpt.mtp_tensors
+            if self.family.duplicate_of(t.name) is None
+        ]
+        self.has_head = bool(head_names)
+        self.head_layers = _layer_count(self.family.head_prefix, head_names)
         self.head_tree = (
-            ModuleTree.of(self.family.head_module(self.model)) if self.has_head else None
+            ModuleTree.of(self.family.head_module(self.model, self.head_layers))
+            if self.has_head
+            else None
         )
         self.quant_predicate = model_quant_predicate(self.model)
         self.cast_predicate = model_cast_predicate(self.model)
         self.source_quantized = "quantization" in ckpt.config
+        self.reader: TensorReader | None = None
+
+    def close(self) -> None:
+        """Remove temporary files of ranged reads (after the output is written)."""
+        if self.reader is not None:
+            self.reader.close()
 
     # -- which tensors --------------------------------------------------------------------
     def route(self, info: TensorInfo) -> str | None:
@@ -481,7 +505,7 @@ class Converter:
             shift_backbone=self.raw and family.zero_centred_norms,
             shift_head=self.has_head and self.head_shift_needed(),
         )
-        reader = TensorReader(
+        reader = self.reader = TensorReader(
             ckpt, set(routes), ranged=self.head_only and ckpt.source.kind == "hub"
         )
         outputs: list[Tensor] = []
@@ -731,10 +755,14 @@ def _manifest(
     }
 
 
+def _layer_count(head_prefix: str, names: list[str]) -> int:
+    """MTP layers present, from the head's tensor names (`{prefix}layers.{i}.`)."""
+    prefix = head_prefix + "layers."
+    return len({n[len(prefix) :].split(".", 1)[0] for n in names if n.startswith(prefix)})
+
+
 def _head_layers(family: Family, plan: Plan) -> int:
-    prefix = family.head_prefix + "layers."
-    indices = {n[len(prefix) :].split(".", 1)[0] for n, _ in plan.head if n.startswith(prefix)}
-    return len(indices)
+    return _layer_count(family.head_prefix, [n for n, _ in plan.head])
 
 
 def _copy_side_files(ckpt: Checkpoint, out: Path) -> None:
@@ -817,6 +845,21 @@ def convert(
     _check_conv1d(ckpt, raw)
 
     converter = Converter(ckpt, settings)
+    try:
+        return _convert_planned(ckpt, converter, settings, out, quiet, started)
+    finally:
+        converter.close()
+
+
+def _convert_planned(
+    ckpt: Checkpoint,
+    converter: Converter,
+    settings: Settings,
+    out: Path,
+    quiet: bool,
+    started: float,
+) -> ConvertResult:
+    source_quant = ckpt.config.get("quantization")
     plan = converter.plan()
     layers = _head_layers(ckpt.family, plan)
     if settings.bits:
@@ -951,6 +994,21 @@ def graft(
     )
     settings.validate()
     converter = Converter(ckpt, settings, head_only=True)
+    try:
+        return _graft_planned(ckpt, converter, settings, into, trunk_quant, quiet, started)
+    finally:
+        converter.close()
+
+
+def _graft_planned(
+    ckpt: Checkpoint,
+    converter: Converter,
+    settings: Settings,
+    into: Path,
+    trunk_quant: dict[str, Any] | None,
+    quiet: bool,
+    started: float,
+) -> ConvertResult:
     plan = converter.plan()
     plan.backbone_dtype = None
     layers = _head_layers(ckpt.family, plan)

@@ -70,8 +70,9 @@ class ConvertHooks:
         """Write the MTP layer count into `config` in this family's own field."""
         config["num_nextn_predict_layers"] = layers
 
-    def head_module(self, model: Any) -> Any:
-        """An mlx.nn.Module whose parameter tree is the head's, rooted at `head_prefix`.
+    def head_module(self, model: Any, layers: int) -> Any:
+        """An mlx.nn.Module whose parameter tree is the head's (`layers` MTP layers), rooted at
+        `head_prefix`.
 
         Built from mlx-lm's own layer classes (lazily, nothing is computed), it tells which
         head tensors exist, their shapes, and which modules mlx-lm can quantize.
@@ -82,8 +83,6 @@ class ConvertHooks:
         """Family-specific splits of one tensor into several (None: keep it whole)."""
         return None
 
-    def num_head_layers(self) -> int:
-        return self.declared_mtp_layers() or 1  # type: ignore[attr-defined]
 
 
 class Family(ConvertHooks):

@@ -61,15 +61,15 @@ class NextnLayerFamily(Family):
             return name
         return f"{self.head_prefix}layers.{index}.{name[m.end() :]}"
 
-    def head_module(self, model: Any) -> Any:
+    def head_module(self, model: Any, layers: int) -> Any:
         import mlx.nn as nn
 
         from mtpkit.families.qwen3_5 import _rooted
 
         args = model.args
         hidden = args.hidden_size
-        layers = []
-        for i in range(self.num_head_layers()):
+        blocks = []
+        for i in range(layers):
             # The nextn layer continues the stack, so mlx-lm's own rule (dense below
             # first_k_dense_replace, MoE above) picks its MLP from its true index.
             layer = self.decoder_layer_class()(args, self.num_hidden_layers + i)
@@ -78,9 +78,9 @@ class NextnLayerFamily(Family):
             layer.eh_proj = nn.Linear(2 * hidden, hidden, bias=False)
             layer.shared_head = nn.Module()
             layer.shared_head.norm = nn.RMSNorm(hidden, eps=args.rms_norm_eps)
-            layers.append(layer)
+            blocks.append(layer)
         head = nn.Module()
-        head.layers = layers
+        head.layers = blocks
         return _rooted(head, self.head_prefix)
 
     def decoder_layer_class(self) -> Any:

@@ -40,7 +40,7 @@ class Mimo(Family):
         index = m["root"].rstrip(".").rsplit(".", 1)[1]
         return f"{self.head_prefix}layers.{index}.{name[m.end() :]}"
 
-    def head_module(self, model: Any) -> Any:
+    def head_module(self, model: Any, layers: int) -> Any:
         import mlx.nn as nn
         from mlx_lm.models.mimo import TransformerBlock
 
@@ -48,14 +48,14 @@ class Mimo(Family):
 
         args = model.args
         hidden = args.hidden_size
-        layers = []
-        for _ in range(self.num_head_layers()):
+        blocks = []
+        for _ in range(layers):
             layer = TransformerBlock(args)
             layer.token_layernorm = nn.RMSNorm(hidden, eps=args.rms_norm_eps)
             layer.hidden_layernorm = nn.RMSNorm(hidden, eps=args.rms_norm_eps)
             layer.input_proj = nn.Linear(2 * hidden, hidden, bias=False)
             layer.final_layernorm = nn.RMSNorm(hidden, eps=args.rms_norm_eps)
-            layers.append(layer)
+            blocks.append(layer)
         head = nn.Module()
-        head.layers = layers
+        head.layers = blocks
         return _rooted(head, self.head_prefix)

@@ -62,7 +62,7 @@ class QwenMtpNames(Family):
         assert m is not None, name
         return self.head_prefix + name[m.end() :]
 
-    def head_module(self, model: Any) -> Any:
+    def head_module(self, model: Any, layers: int) -> Any:
         import mlx.nn as nn
 
         args = self.text_model(model).args
@@ -75,7 +75,7 @@ class QwenMtpNames(Family):
         # The MTP block is a full-attention layer, whatever the backbone's layer pattern.
         full_attention = args.full_attention_interval - 1
         head.layers = [
-            self.decoder_layer_class()(args, full_attention) for _ in range(self.num_head_layers())
+            self.decoder_layer_class()(args, full_attention) for _ in range(layers)
         ]
         return _rooted(head, self.head_prefix)
 
