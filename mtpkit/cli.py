@@ -108,12 +108,17 @@ def check(
     json_output: JsonOpt = False,
     junit: Annotated[
         str | None,
-        typer.Option("--junit", help="Also write a JUnit XML report to this file (for CI).", dir_okay=False),
+        typer.Option(
+            "--junit", help="Also write a JUnit XML report to this file (for CI).", dir_okay=False
+        ),
     ] = None,
     min_acceptance: Annotated[
         float,
         typer.Option(
-            "--min-acceptance", min=0.0, max=1.0, help="Fail when greedy acceptance as shipped is below this."
+            "--min-acceptance",
+            min=0.0,
+            max=1.0,
+            help="Fail when greedy acceptance as shipped is below this.",
         ),
     ] = 0.2,
     probe: Annotated[
@@ -265,6 +270,162 @@ def convert(
             f"wrote {result.output}: {result.family}, {result.backbone_tensors} backbone and "
             f"{result.head_tensors} MTP tensors in {result.seconds:.1f}s"
         )
+
+
+MtpOpt = Annotated[
+    bool | None,
+    typer.Option(
+        "--mtp/--no-mtp",
+        help="--mtp: draft with the MTP head (an error without one); --mtp auto, or neither "
+        "flag: use the head when there is one, else warn and decode plainly; --no-mtp: "
+        "plain decoding (stock mlx-lm).",
+    ),
+]
+# `--mtp auto` parses as the --mtp flag followed by this word.
+MtpAutoArg = Annotated[str | None, typer.Argument(hidden=True, metavar="[auto]")]
+
+
+@app.command()
+@friendly_errors
+def generate(
+    model: Annotated[str, typer.Option("--model", "-m", help="A model directory or Hub repo id.")],
+    prompt: Annotated[str, typer.Option("--prompt", "-p", help="The prompt; - reads stdin.")],
+    max_tokens: Annotated[int, typer.Option("--max-tokens", help="Tokens to generate.")] = 256,
+    mtp: MtpOpt = None,
+    mtp_mode: MtpAutoArg = None,
+    depth: Annotated[
+        int, typer.Option("--depth", help="Draft tokens per step, 1..4 (the head chained).")
+    ] = 1,
+    temp: Annotated[float, typer.Option("--temp", help="Sampling temperature; 0 is greedy.")] = 0.0,
+    top_p: Annotated[float, typer.Option("--top-p", help="Nucleus sampling (0 or 1: off).")] = 0.0,
+    top_k: Annotated[int, typer.Option("--top-k", help="Sample among the top K (0: off).")] = 0,
+    seed: Annotated[int | None, typer.Option("--seed", help="Random seed for sampling.")] = None,
+    hidden: Annotated[
+        str | None,
+        typer.Option(
+            "--hidden",
+            help="Hidden state fed to the head: pre_norm or post_norm (default: the manifest's).",
+        ),
+    ] = None,
+    adaptive: Annotated[
+        bool,
+        typer.Option(
+            "--adaptive/--no-adaptive",
+            help="Pause drafting while it is slower than plain decoding.",
+        ),
+    ] = True,
+    chat_template: Annotated[
+        bool,
+        typer.Option(
+            "--chat-template/--no-chat-template",
+            help="Apply the tokenizer's chat template, when it has one.",
+        ),
+    ] = True,
+    json_output: JsonOpt = False,
+) -> None:
+    """Generate text, drafting tokens with the model's MTP head and verifying them losslessly.
+
+    Greedy output is token for token the model's own (as stock mlx-lm's); at --temp > 0 exact rejection sampling keeps the model's distribution. Text streams to stdout; a summary goes to stderr.
+    """
+    import sys
+
+    from mtpkit.generate import generate as run_generate
+    from mtpkit.output import print_json
+
+    if mtp_mode not in (None, "auto") or (mtp_mode == "auto" and mtp is not True):
+        raise MtpkitError(f"unexpected argument {mtp_mode!r}: the only word --mtp takes is 'auto'")
+    mode: bool | str = "auto" if (mtp is None or mtp_mode == "auto") else mtp
+    text = sys.stdin.read() if prompt == "-" else prompt
+
+    def stream(segment: str) -> None:
+        sys.stdout.write(segment)
+        sys.stdout.flush()
+
+    result = run_generate(
+        model,
+        text,
+        max_tokens=max_tokens,
+        mtp=mode,
+        depth=depth,
+        temp=temp,
+        top_p=top_p,
+        top_k=top_k,
+        seed=seed,
+        hidden=hidden,
+        adaptive=adaptive,
+        chat_template=chat_template,
+        on_token=None if json_output else stream,
+        warn=lambda message: typer.echo(f"Warning: {message}", err=True),
+    )
+    if json_output:
+        print_json(result.to_json())
+        return
+    sys.stdout.write("\n")
+    summary = (
+        f"{len(result.tokens)} tokens, {result.decode_tps:.1f} tok/s, "
+        f"prompt {result.prompt_tokens} tokens at {result.prompt_tps:.1f} tok/s"
+    )
+    if result.mtp:
+        acc = "n/a" if result.acceptance is None else f"{result.acceptance:.1%}"
+        summary += (
+            f", MTP depth {result.depth}: acceptance {acc} ({result.accepted}/{result.drafted})"
+        )
+    else:
+        summary += ", no MTP"
+    typer.echo(summary, err=True)
+
+
+@app.command()
+@friendly_errors
+def bench(
+    model: Annotated[
+        str | None, typer.Option("--model", "-m", help="A model directory or Hub repo id.")
+    ] = None,
+    random_shape: Annotated[
+        str | None,
+        typer.Option(
+            "--random",
+            help="Instead of --model, build a random-weight 4-bit model of this shape "
+            "(qwen3_5-0.8b) in a temporary directory.",
+        ),
+    ] = None,
+    prompt: Annotated[str | None, typer.Option("--prompt", "-p", help="The prompt.")] = None,
+    max_tokens: Annotated[int, typer.Option("--max-tokens", help="Tokens per run.")] = 128,
+    max_depth: Annotated[int, typer.Option("--depth", help="Measure depths 1..K.")] = 3,
+    json_output: JsonOpt = False,
+) -> None:
+    """Measure plain decoding (stock mlx-lm) against MTP decoding at depths 1..K.
+
+    Reports decode tok/s and acceptance per depth, beta (a 2-token verify over a 1-token forward), delta (a head step over a 1-token forward), the realized speedup and its ceiling (1+a)/(beta+delta).
+    """
+    import shutil
+
+    from mtpkit.bench import DEFAULT_PROMPT, print_bench, random_model_dir
+    from mtpkit.bench import bench as run_bench
+    from mtpkit.output import print_json
+
+    if (model is None) == (random_shape is None):
+        raise MtpkitError("pass --model DIR or --random SHAPE")
+    if not 1 <= max_depth <= 4:
+        raise MtpkitError(f"--depth must be between 1 and 4, not {max_depth}")
+    built = random_model_dir(random_shape) if random_shape else None
+    try:
+        result = run_bench(
+            str(built) if built else model,
+            prompt=prompt or DEFAULT_PROMPT,
+            max_tokens=max_tokens,
+            max_depth=max_depth,
+            progress=None if json_output else (lambda s: typer.echo(f"... {s}", err=True)),
+        )
+    finally:
+        if built is not None:
+            shutil.rmtree(built.parent, ignore_errors=True)
+    if random_shape:
+        result.model = f"random:{random_shape}"
+    if json_output:
+        print_json(result.to_json())
+        return
+    print_bench(result)
 
 
 def main() -> None:

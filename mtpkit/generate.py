@@ -814,11 +814,11 @@ def generate(
     detokenizer.reset()
     for t in it:
         detokenizer.add_token(t)
-        if on_token is not None and detokenizer.last_segment:
-            on_token(detokenizer.last_segment)
+        if on_token is not None and (segment := detokenizer.last_segment):
+            on_token(segment)
     detokenizer.finalize()
-    if on_token is not None and detokenizer.last_segment:
-        on_token(detokenizer.last_segment)
+    if on_token is not None and (segment := detokenizer.last_segment):
+        on_token(segment)
     stats = stats_fn()
     n = len(stats.generated)
     return GenerationResult(
