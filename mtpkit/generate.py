@@ -362,6 +362,8 @@ class Stats:
     decode_time: float = 0.0
     rounds: int = 0
     plain_steps: int = 0
+    # (position in prompt + output of the first draft, the drafts) for every round.
+    draft_log: list[tuple[int, list[int]]] = field(default_factory=list)
 
     @property
     def acceptance(self) -> float | None:
@@ -380,13 +382,14 @@ class AdaptiveDrafting:
     """Switches drafting off while it loses to plain decoding, and retries later.
 
     Compares measured seconds per emitted token of recent drafting rounds with that of
-    plain steps; each loss doubles the plain stretch before the next retry (16 .. 1024).
+    plain steps; each loss doubles the plain stretch before the next retry (32 .. 1024), so
+    a head that never pays off costs a few rounds per stretch, a few percent at most.
     """
 
     def __init__(self, enabled: bool) -> None:
         self.enabled = enabled
-        self.window = 8
-        self.plain_stretch = 16
+        self.window = 6
+        self.plain_stretch = 32
         self.mtp_times: list[tuple[float, int]] = []
         self.plain_times: list[float] = []
         self.plain_left = 0
@@ -421,7 +424,7 @@ class AdaptiveDrafting:
             self.plain_stretch = min(self.plain_stretch * 2, 1024)
             self.mtp_times = []
         elif len(self.mtp_times) >= 4 * self.window:
-            self.plain_stretch = 16
+            self.plain_stretch = 32
             self.mtp_times = self.mtp_times[-self.window :]
 
 
@@ -454,6 +457,7 @@ class MtpDecoder:
         self.pending_hidden: list[mx.array] = []
         self.pending_tokens: list[int] = []
         self.last_token = prompt[-1]
+        self.n_confirmed = 0  # tokens confirmed after the prompt
         self.stats = Stats(prompt_tokens=len(prompt))
         self.sampler = sampling.sampler()
 
@@ -577,6 +581,8 @@ class MtpDecoder:
                     c.trim(k + 1 - kept)
             self._restore_gdn(snapshots, kept, k + 1)
         confirmed = drafts[:accepted] + [next_token]
+        self.stats.draft_log.append((len(self.prompt) + self.n_confirmed, drafts))
+        self.n_confirmed += len(confirmed)
         self.pending_hidden = [hidden[:, :kept]]
         self.pending_tokens = confirmed
         self.last_token = next_token
@@ -596,6 +602,7 @@ class MtpDecoder:
         self.pending_hidden.append(hidden)
         self.pending_tokens.append(token)
         self.last_token = token
+        self.n_confirmed += 1
         if self.m.head is not None and len(self.pending_tokens) > 256:
             self._head_catch_up(keep_last=True)
         self.stats.plain_steps += 1
