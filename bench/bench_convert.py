@@ -159,14 +159,23 @@ def measure(tool: str, src: Path, out: Path, *, keep: bool = False) -> dict:
     return result
 
 
-def best_of(runs: int, tool: str, src: Path, out: Path, *, keep: bool = False) -> dict:
-    """The fastest of `runs` (the machine may be shared); RSS is the largest seen."""
-    results = [measure(tool, src, out, keep=keep) for _ in range(runs)]
-    return {"wall": min(r["wall"] for r in results), "rss": max(r["rss"] for r in results)}
+def side_by_side(runs: int, src: Path, work: Path, label: str) -> tuple[dict, dict]:
+    """Both tools, alternating, `runs` times each: the fastest wall time of each (the machine
+    may be shared) and the largest peak RSS seen."""
+    seen: dict[str, list[dict]] = {"mlx_lm": [], "mtpkit": []}
+    for _ in range(runs):
+        seen["mlx_lm"].append(measure("mlx_lm", src, work / "out-mlx_lm"))
+        seen["mtpkit"].append(measure("mtpkit", src, work / f"out-mtpkit-{label}", keep=True))
+    best = {
+        tool: {"wall": min(r["wall"] for r in rs), "rss": max(r["rss"] for r in rs)}
+        for tool, rs in seen.items()
+    }
+    return best["mlx_lm"], best["mtpkit"]
 
 
 def graft_bytes(src: Path, trunk: Path, work: Path) -> tuple[int, int]:
     """Bytes the Hub stand-in served for a graft, and the bytes the head needs."""
+    import huggingface_hub.hf_api  # noqa: F401 - point_client_at patches it
     import pytest
 
     from mtpkit.convert import graft
@@ -216,8 +225,7 @@ def main() -> None:
                     env=dict(os.environ, PYTHONPATH=str(ROOT)),
                 )
             size = sum(f.stat().st_size for f in src.glob("*.safetensors"))
-            stock = best_of(args.runs, "mlx_lm", src, work / "out-mlx_lm")
-            mine = best_of(args.runs, "mtpkit", src, work / f"out-mtpkit-{label}", keep=True)
+            stock, mine = side_by_side(args.runs, src, work, label)
             results[label] = {"bytes": size, "mlx_lm": stock, "mtpkit": mine}
             print(
                 f"{label} ({size / 1e9:.2f} GB): mlx_lm {stock['wall']:.1f} s / "

@@ -17,8 +17,9 @@ import os
 import re
 import shutil
 import sys
+import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -39,6 +40,7 @@ from mtpkit.manifest import (
     PLAIN,
     SHIFTED,
     UNSHIFTED,
+    write_manifest,
 )
 from mtpkit.quant import (
     DTYPES,
@@ -53,7 +55,14 @@ from mtpkit.quant import (
     quant_decision,
     quantize,
 )
-from mtpkit.writer import MAX_SHARD_BYTES, plan_shards, shard_name, write_index, write_safetensors
+from mtpkit.writer import (
+    MAX_SHARD_BYTES,
+    FileLayout,
+    default_workers,
+    run_jobs,
+    shard_name,
+    write_index,
+)
 
 # Problems inspect may report that do not make a conversion unsafe: convert declares the
 # head in the output config itself.
@@ -116,7 +125,7 @@ class TensorReader:
         self.ranged = ranged
         self.tmpdir: Path | None = None
 
-    def shard(self, shard: str) -> Iterator[tuple[TensorInfo, mx.array]]:
+    def shard(self, shard: str) -> Iterator[tuple[TensorInfo, Ref]]:
         header = self.ckpt.headers[shard]
         infos = sorted(
             (t for t in header.tensors.values() if t.name in self.needed), key=lambda t: t.start
@@ -131,9 +140,8 @@ class TensorReader:
             path = source.local_file(shard)
         else:
             path = self._fetch_ranges(shard, infos)
-        arrays = mx.load(str(path))
         for info in infos:
-            yield info, arrays.pop(info.name)
+            yield info, Ref(str(path), info.name)
 
     def _fetch_ranges(self, shard: str, infos: list[TensorInfo]) -> Path:
         """Copy the tensors' bytes into a local safetensors file holding only them."""
@@ -176,6 +184,11 @@ class TensorReader:
             self.tmpdir = None
 
 
+def _load(path: str) -> dict[str, mx.array]:
+    """Every tensor of a safetensors file, lazily (read when evaluated)."""
+    return mx.load(path)
+
+
 def _coalesce(infos: list[TensorInfo], gap: int) -> Iterator[list[TensorInfo]]:
     run: list[TensorInfo] = []
     for info in infos:
@@ -190,6 +203,14 @@ def _coalesce(infos: list[TensorInfo], gap: int) -> Iterator[list[TensorInfo]]:
 # --------------------------------------------------------------------------- tensor rules
 
 
+@dataclass(frozen=True)
+class Ref:
+    """A source tensor: a local safetensors file and the tensor's name in it."""
+
+    path: str
+    name: str
+
+
 @dataclass
 class Tensor:
     """One output tensor before cast/quantization: its role, name, lazy value and state."""
@@ -198,7 +219,56 @@ class Tensor:
     name: str
     array: mx.array
     shift: bool = False
-    quantized: bool = False  # already packed in the source (.weight with .scales beside it)
+
+
+Outputs = list[tuple[str, mx.array]]
+
+
+@dataclass
+class Item:
+    """Source tensors and how they become named outputs (computed only when called).
+
+    Every source tensor feeds exactly one Item, so a worker can load, compute, write and
+    release it on its own.
+    """
+
+    refs: list[Ref]
+    names: list[str]
+    fn: Callable[[list[mx.array]], Outputs]
+
+
+@dataclass
+class Job:
+    role: str
+    refs: list[Ref]
+    make: Callable[[list[mx.array]], list[Tensor]]
+    entry_names: list[str] = field(default_factory=list)
+    nbytes: int = 0
+
+
+def _leaf(ref: Ref, name: str) -> Item:
+    return Item([ref], [name], lambda arrays: [(name, arrays[0])])
+
+
+def _derive(item: Item, names: list[str], fn: Callable[[mx.array], Outputs]) -> Item:
+    """An Item whose single output is transformed by `fn` into `names`."""
+    inner = item.fn
+    return Item(item.refs, names, lambda arrays: fn(inner(arrays)[0][1]))
+
+
+def _stack(items: list[Item], name: str) -> Item:
+    refs = [r for it in items for r in it.refs]
+    sizes = [len(it.refs) for it in items]
+    fns = [it.fn for it in items]
+
+    def fn(arrays: list[mx.array]) -> Outputs:
+        parts, at = [], 0
+        for f, n in zip(fns, sizes, strict=True):
+            parts.append(f(arrays[at : at + n])[0][1])
+            at += n
+        return [(name, mx.stack(parts))]
+
+    return Item(refs, [name], fn)
 
 
 class TensorRules:
@@ -207,54 +277,82 @@ class TensorRules:
     Experts arrive one tensor at a time and are buffered per layer until every expert is
     there; FP8 weights wait for their `weight_scale_inv`. What is still buffered at the end
     is reported, never dropped. Each rule keys on names and shapes, so its output passes
-    through it unchanged (converting twice is a no-op).
+    through it unchanged (converting twice is a no-op). Rules build Jobs (recipes over
+    source tensors), not arrays, so that any worker thread can run them.
     """
 
     def __init__(self, family: Family, *, shift_backbone: bool, shift_head: bool) -> None:
         self.family = family
         self.shift = {"backbone": shift_backbone, "head": shift_head}
-        self.experts: dict[tuple[str, str], dict[int, mx.array]] = {}
-        self.fp8: dict[str, dict[str, Any]] = {}
+        self.experts: dict[tuple[str, str], dict[int, Item]] = {}
+        self.fp8: dict[str, dict[str, Ref]] = {}
 
-    def feed(self, role: str, name: str, array: mx.array, src_dtype: str) -> Iterator[Tensor]:
+    def feed(self, role: str, name: str, ref: Ref, src_dtype: str) -> Iterator[Job]:
         # FP8 block-quantized weights (DeepSeek): dequantize as mlx-lm's sanitize does.
         if name.endswith(".weight_scale_inv") or src_dtype in FP8_DTYPES:
             key = name.removesuffix("_scale_inv")
             slot = self.fp8.setdefault(key, {})
-            slot["scale" if name.endswith("_scale_inv") else "weight"] = array
+            slot["scale" if name.endswith("_scale_inv") else "weight"] = ref
             if "scale" in slot and "weight" in slot:
                 del self.fp8[key]
-                yield from self._after_fp8(role, key, _dequant_fp8(slot["weight"], slot["scale"]))
+                item = Item(
+                    [slot["weight"], slot["scale"]],
+                    [key],
+                    lambda arrays, key=key: [(key, _dequant_fp8(arrays[0], arrays[1]))],
+                )
+                yield from self._split(role, item)
             return
-        yield from self._after_fp8(role, name, array)
+        yield from self._split(role, _leaf(ref, name))
 
-    def _after_fp8(self, role: str, name: str, array: mx.array) -> Iterator[Tensor]:
-        parts = self.family.split_tensor(name, array)
-        for part_name, part in parts if parts is not None else [(name, array)]:
-            yield from self._experts(role, part_name, part)
+    def _split(self, role: str, item: Item) -> Iterator[Job]:
+        name = item.names[0]
+        parts = self.family.split_tensor(name)
+        if parts is not None:
+            names = [n for n, _ in parts]
+            fns = [f for _, f in parts]
+            item = _derive(
+                item,
+                names,
+                lambda a, names=names, fns=fns: [
+                    (n, f(a)) for n, f in zip(names, fns, strict=True)
+                ],
+            )
+            yield self._job(role, item)
+            return
+        yield from self._experts(role, item)
 
-    def _experts(self, role: str, name: str, array: mx.array) -> Iterator[Tensor]:
+    def _experts(self, role: str, item: Item) -> Iterator[Job]:
+        name = item.names[0]
         if m := PER_EXPERT.match(name):
             key = (f"{m['mlp']}.switch_mlp.{m['proj']}.{m['part']}", role)
             slot = self.experts.setdefault(key, {})
             expert = int(m["expert"])
             if expert in slot:
                 raise MtpkitError(f"{name} appears twice in the checkpoint")
-            slot[expert] = array
+            slot[expert] = item
             if len(slot) == self.family.num_experts:
                 del self.experts[key]
-                stacked = mx.stack([slot[e] for e in sorted(slot)])
-                yield self._final(role, key[0], stacked)
+                yield self._job(role, _stack([slot[e] for e in sorted(slot)], key[0]))
             return
         if m := FUSED_GATE_UP.match(name):
-            mid = array.shape[-2] // 2
-            yield self._final(role, f"{m['mlp']}.switch_mlp.gate_proj.weight", array[..., :mid, :])
-            yield self._final(role, f"{m['mlp']}.switch_mlp.up_proj.weight", array[..., mid:, :])
+            gate = f"{m['mlp']}.switch_mlp.gate_proj.weight"
+            up = f"{m['mlp']}.switch_mlp.up_proj.weight"
+
+            def split(a: mx.array, gate: str = gate, up: str = up) -> Outputs:
+                mid = a.shape[-2] // 2
+                return [(gate, a[..., :mid, :]), (up, a[..., mid:, :])]
+
+            yield self._job(role, _derive(item, [gate, up], split))
             return
         if m := FUSED_DOWN.match(name):
-            yield self._final(role, f"{m['mlp']}.switch_mlp.down_proj.weight", array)
+            down = f"{m['mlp']}.switch_mlp.down_proj.weight"
+            yield self._job(role, _derive(item, [down], lambda a, down=down: [(down, a)]))
             return
-        yield self._final(role, name, array)
+        yield self._job(role, item)
+
+    def _job(self, role: str, item: Item) -> Job:
+        fn = item.fn
+        return Job(role, item.refs, lambda arrays: [self._final(role, n, a) for n, a in fn(arrays)])
 
     def _final(self, role: str, name: str, array: mx.array) -> Tensor:
         if (
@@ -394,19 +492,11 @@ def _check_conv1d(ckpt: Checkpoint, raw: bool) -> None:
 
 
 @dataclass
-class Planned:
-    """An output tensor, lazily computed, with the decisions taken for it."""
-
-    role: str
-    name: str
-    array: mx.array
-    spec: QuantSpec | None = None
-
-
-@dataclass
 class Plan:
     backbone: list[tuple[str, mx.array]] = field(default_factory=list)
     head: list[tuple[str, mx.array]] = field(default_factory=list)
+    backbone_jobs: list[Job] = field(default_factory=list)
+    head_jobs: list[Job] = field(default_factory=list)
     quant_overrides: dict[str, Any] = field(default_factory=dict)
     head_quant: dict[str, Any] = field(default_factory=dict)
     shifted: dict[str, list[str]] = field(default_factory=lambda: {"backbone": [], "head": []})
@@ -452,6 +542,8 @@ class Converter:
         self.cast_predicate = model_cast_predicate(self.model)
         self.source_quantized = "quantization" in ckpt.config
         self.reader: TensorReader | None = None
+        self.local = threading.local()
+        self.names: set[str] = set()
 
     def close(self) -> None:
         """Remove temporary files of ranged reads (after the output is written)."""
@@ -508,44 +600,73 @@ class Converter:
         reader = self.reader = TensorReader(
             ckpt, set(routes), ranged=self.head_only and ckpt.source.kind == "hub"
         )
-        outputs: list[Tensor] = []
+        jobs: list[Job] = []
         for shard in ckpt.shards + ckpt.sidecars:
             if shard not in ckpt.headers:
                 continue
-            for info, array in reader.shard(shard):
+            for info, ref in reader.shard(shard):
                 role = routes[info.name]
                 if role == "head":
                     name = family.rename_head(info.name)
                 else:
                     name = family.rename_backbone(info.name)
                     assert name is not None
-                outputs.extend(rules.feed(role, name, array, info.dtype))
+                jobs.extend(rules.feed(role, name, ref, info.dtype))
         left = rules.leftovers()
         if left:
             raise MtpkitError(
                 f"incomplete tensor groups in {ckpt.source.describe()}: {'; '.join(left[:3])}"
             )
-        self._validate(outputs)
+        # Build every output lazily once, on this thread, for names, shapes and dtypes; these
+        # arrays are never evaluated (workers rebuild each job where they run it).
+        loads: dict[str, dict[str, mx.array]] = {}
+        per_job: list[list[Tensor]] = []
+        for job in jobs:
+            arrays = [loads.setdefault(r.path, _load(r.path))[r.name] for r in job.refs]
+            per_job.append(job.make(arrays))
+        self._validate([t for tensors in per_job for t in tensors])
 
         default = settings.dtype or _default_dtype(ckpt)
-        plan.backbone_dtype = default
-        plan.head_dtype = settings.head_dtype(default)
-        backbone_spec = QuantSpec(settings.bits, settings.group_size) if settings.bits else None
-        head_spec = settings.head_spec()
-        names = {t.name for t in outputs}
-        for t in outputs:
-            dtype = plan.head_dtype if t.role == "head" else plan.backbone_dtype
-            tree = self.head_tree if t.role == "head" else self.backbone_tree
-            spec = head_spec if t.role == "head" else backbone_spec
-            packed = t.name.removesuffix(".weight") + ".scales" in names
-            entries = self._finish(t, tree, dtype, spec, packed, plan)
-            target = plan.head if t.role == "head" else plan.backbone
-            target.extend(entries)
-            if t.shift:
-                plan.shifted[t.role].append(t.name)
+        plan.backbone_dtype = self.backbone_dtype = default
+        plan.head_dtype = self.head_dtype = settings.head_dtype(default)
+        self.names = {t.name for tensors in per_job for t in tensors}
+        for job, tensors in zip(jobs, per_job, strict=True):
+            for t in tensors:
+                entries = self.finish(t, plan)
+                job.entry_names.extend(n for n, _ in entries)
+                job.nbytes += sum(a.nbytes for _, a in entries)
+                (plan.head if t.role == "head" else plan.backbone).extend(entries)
+                if t.shift:
+                    plan.shifted[t.role].append(t.name)
+            (plan.head_jobs if job.role == "head" else plan.backbone_jobs).append(job)
         if self.has_head:
-            self._record_head_quant(plan, names)
+            self._record_head_quant(plan, self.names)
         return plan
+
+    def finish(self, t: Tensor, plan: Plan | None = None) -> list[tuple[str, mx.array]]:
+        """Cast, shift and quantize one tensor (recording the decisions into `plan`)."""
+        settings = self.settings
+        if t.role == "head":
+            dtype, tree, spec = self.head_dtype, self.head_tree, settings.head_spec()
+        else:
+            dtype, tree = self.backbone_dtype, self.backbone_tree
+            spec = QuantSpec(settings.bits, settings.group_size) if settings.bits else None
+        packed = t.name.removesuffix(".weight") + ".scales" in self.names
+        return self._finish(t, tree, dtype, spec, packed, plan)
+
+    def run(self, job: Job) -> list[tuple[str, mx.array]]:
+        """Compute one job's output entries (in the calling thread's stream)."""
+        # Files are opened per thread: MLX arrays belong to their thread's stream.
+        if not hasattr(self.local, "loads"):
+            self.local.loads = {}
+        cache = self.local.loads
+        arrays = []
+        for r in job.refs:
+            loaded = cache.get(r.path)
+            if loaded is None:
+                loaded = cache[r.path] = _load(r.path)
+            arrays.append(loaded.pop(r.name))
+        return [e for t in job.make(arrays) for e in self.finish(t)]
 
     def _validate(self, outputs: list[Tensor]) -> None:
         for role, tree in (("backbone", self.backbone_tree), ("head", self.head_tree)):
@@ -586,9 +707,10 @@ class Converter:
         dtype: str | None,
         spec: QuantSpec | None,
         packed: bool,
-        plan: Plan,
+        plan: Plan | None,
     ) -> list[tuple[str, mx.array]]:
         """Cast, shift and quantize one tensor; returns the output entries."""
+        plan = plan if plan is not None else Plan()  # decisions are only kept while planning
         array = t.array
         cast = (
             dtype is not None
@@ -776,14 +898,57 @@ def _temp_sibling(out: Path) -> Path:
     return out.parent / f".{out.name}.mtpkit-tmp-{os.getpid()}"
 
 
-def _write_head(path: Path, head: list[tuple[str, mx.array]], bar: Any) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    write_safetensors(
-        path,
-        sorted(head, key=lambda e: e[0]),
-        metadata={"format": "mlx"},
-        on_bytes=bar.update if bar is not None else None,
-    )
+def _meta(plan_entries: list[tuple[str, mx.array]]) -> dict[str, tuple[tuple[int, ...], mx.Dtype]]:
+    return {n: (tuple(a.shape), a.dtype) for n, a in plan_entries}
+
+
+def _shard_jobs(jobs: list[Job], max_bytes: int) -> list[list[Job]]:
+    """Jobs in order over shards of at most `max_bytes` (mlx-lm's make_shards, per job)."""
+    shards: list[list[Job]] = []
+    size = 0
+    for job in jobs:
+        if not shards or size + job.nbytes > max_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(job)
+        size += job.nbytes
+    return shards
+
+
+def _write_jobs(
+    converter: Converter,
+    files: list[tuple[Path, list[Job]]],
+    meta: dict[str, tuple[tuple[int, ...], mx.Dtype]],
+    bar: Any,
+) -> None:
+    """Lay out every file, then compute each job once and write it to every file it is in."""
+    destinations: dict[str, list[tuple[int, int]]] = {}
+    fds: list[int] = []
+    order: list[Job] = []
+    seen: set[int] = set()
+    try:
+        for path, jobs in files:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            entries = [(n, *meta[n]) for job in jobs for n in job.entry_names]
+            layout = FileLayout(path, entries, metadata={"format": "mlx"})
+            fd = layout.create()
+            fds.append(fd)
+            for name, offset in layout.offsets.items():
+                destinations.setdefault(name, []).append((fd, offset))
+            for job in jobs:
+                if id(job) not in seen:
+                    seen.add(id(job))
+                    order.append(job)
+        run_jobs(
+            order,
+            converter.run,
+            destinations,
+            workers=default_workers(),
+            on_bytes=bar.update if bar is not None else None,
+        )
+    finally:
+        for fd in fds:
+            os.close(fd)
 
 
 def convert(
@@ -845,9 +1010,12 @@ def convert(
     _check_conv1d(ckpt, raw)
 
     converter = Converter(ckpt, settings)
+    # MLX keeps freed buffers for reuse; tensors of ever-new sizes would pile up there.
+    cache_limit = mx.set_cache_limit(0)
     try:
         return _convert_planned(ckpt, converter, settings, out, quiet, started)
     finally:
+        mx.set_cache_limit(cache_limit)
         converter.close()
 
 
@@ -880,33 +1048,22 @@ def _convert_planned(
     tmp.mkdir(parents=True)
     try:
         n_backbone, n_head = len(plan.backbone), len(plan.head)
-        head_in_model = list(plan.head) if settings.layout == "inline" else []
-        total = sum(a.nbytes for _, a in plan.backbone) + sum(a.nbytes for _, a in plan.head)
-        total += sum(a.nbytes for _, a in head_in_model)
+        meta = _meta(plan.backbone + plan.head)
+        model_jobs = plan.backbone_jobs + (plan.head_jobs if settings.layout == "inline" else [])
+        shards = _shard_jobs(model_jobs, MAX_SHARD_BYTES)
+        files = [(tmp / shard_name(i, len(shards)), jobs) for i, jobs in enumerate(shards)]
+        weight_map = {n: path.name for path, jobs in files for job in jobs for n in job.entry_names}
+        total_size = sum(job.nbytes for job in model_jobs)
+        if plan.head_jobs:
+            files.append((tmp / HEAD_WEIGHTS_PATH, plan.head_jobs))
+        total = sum(job.nbytes for _, jobs in files for job in jobs)
         bar = _progress(total, quiet, "convert")
-        entries = plan.backbone + head_in_model
-        plan.backbone = []
-        shards = plan_shards(entries, MAX_SHARD_BYTES)
-        del entries
-        weight_map: dict[str, str] = {}
-        total_size = 0
-        for i in range(len(shards)):
-            shard, shards[i] = shards[i], []
-            name = shard_name(i, len(shards))
-            total_size += sum(a.nbytes for _, a in shard)
-            weight_map.update(dict.fromkeys((n for n, _ in shard), name))
-            write_safetensors(
-                tmp / name,
-                shard,
-                metadata={"format": "mlx"},
-                on_bytes=bar.update if bar is not None else None,
-            )
-        total_parameters = plan.total_parameters
-        write_index(tmp / "model.safetensors.index.json", weight_map, total_size, total_parameters)
-        if plan.head:
-            _write_head(tmp / HEAD_WEIGHTS_PATH, plan.head, bar)
-            plan.head = []
-            (tmp / MANIFEST_PATH).write_text(json.dumps(manifest, indent=2) + "\n")
+        _write_jobs(converter, files, meta, bar)
+        write_index(
+            tmp / "model.safetensors.index.json", weight_map, total_size, plan.total_parameters
+        )
+        if plan.head_jobs:
+            write_manifest(tmp / MANIFEST_PATH, manifest)
         if bar is not None:
             bar.close()
         (tmp / "config.json").write_text(json.dumps(config, indent=4))
@@ -994,9 +1151,11 @@ def graft(
     )
     settings.validate()
     converter = Converter(ckpt, settings, head_only=True)
+    cache_limit = mx.set_cache_limit(0)
     try:
         return _graft_planned(ckpt, converter, settings, into, trunk_quant, quiet, started)
     finally:
+        mx.set_cache_limit(cache_limit)
         converter.close()
 
 
@@ -1040,11 +1199,11 @@ def _graft_planned(
     tmp_weights.parent.mkdir(parents=True, exist_ok=True)
     try:
         n_head = len(plan.head)
-        _write_head(tmp_weights, plan.head, bar)
+        _write_jobs(converter, [(tmp_weights, plan.head_jobs)], _meta(plan.head), bar)
         if bar is not None:
             bar.close()
         tmp_manifest = weights.parent / f".manifest.json.mtpkit-tmp-{os.getpid()}"
-        tmp_manifest.write_text(json.dumps(manifest, indent=2) + "\n")
+        write_manifest(tmp_manifest, manifest)
         tmp_config = into / f".config.json.mtpkit-tmp-{os.getpid()}"
         tmp_config.write_text(json.dumps(dict(sorted(config.items())), indent=4))
         os.replace(tmp_weights, weights)

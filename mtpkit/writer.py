@@ -1,24 +1,32 @@
-"""Safetensors files written one tensor at a time, and mlx-lm's sharded layout.
+"""Safetensors files written one tensor group at a time, by several threads at once.
 
 The tensors of a file are known (lazily: names, shapes, dtypes) before any is computed, so
-the header goes first and each tensor is evaluated, written and released in turn: writing a
-shard never holds more than one tensor group in memory, unlike `mx.save_safetensors`,
-which keeps every array of its dict alive.
+each file's header is written first and the file sized; then worker threads, each with its
+own MLX stream, compute tensor groups and `pwrite` them at their offsets. Memory holds only
+the groups in flight, unlike `mx.save_safetensors`, which keeps every array of its dict
+alive, and the output bytes do not depend on which thread wrote what.
 """
 
 from __future__ import annotations
 
 import json
+import math
+import os
 import struct
+import threading
+from collections import deque
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TypeVar
 
 import mlx.core as mx
 
+T = TypeVar("T")
+
 # mlx-lm's shard size (mlx_lm.utils.MAX_FILE_SIZE_GB = 5, in GiB).
 MAX_SHARD_BYTES = 5 << 30
-# Tensors evaluated together: enough work per `mx.eval` call to keep the cores busy.
-EVAL_BATCH_BYTES = 64 << 20
 
 SAFETENSORS_DTYPES = {
     mx.bool_: "BOOL",
@@ -43,74 +51,117 @@ def shard_name(index: int, count: int) -> str:
     return f"model-{index + 1:05d}-of-{count:05d}.safetensors"
 
 
-def plan_shards(
-    entries: Sequence[tuple[str, mx.array]], max_bytes: int = MAX_SHARD_BYTES
-) -> list[list[tuple[str, mx.array]]]:
-    """Split tensors in order into shards of at most `max_bytes` (mlx-lm's make_shards)."""
-    shards: list[list[tuple[str, mx.array]]] = []
-    size = 0
-    for name, array in entries:
-        if not shards or size + array.nbytes > max_bytes:
-            shards.append([])
-            size = 0
-        shards[-1].append((name, array))
-        size += array.nbytes
-    return shards
+@dataclass
+class FileLayout:
+    """A safetensors file whose header is fixed before any tensor is computed."""
+
+    path: Path
+    entries: list[tuple[str, tuple[int, ...], mx.Dtype]]
+    metadata: dict[str, str] | None = None
+    offsets: dict[str, int] = field(default_factory=dict)
+    size: int = 0
+
+    def create(self) -> int:
+        """Write the header, size the file, and return a descriptor open for pwrite."""
+        header: dict[str, object] = {}
+        if self.metadata:
+            header["__metadata__"] = self.metadata
+        offset = 0
+        relative: dict[str, int] = {}
+        for name, shape, dtype in self.entries:
+            nbytes = math.prod(shape) * dtype.size
+            header[name] = {
+                "dtype": SAFETENSORS_DTYPES[dtype],
+                "shape": list(shape),
+                "data_offsets": [offset, offset + nbytes],
+            }
+            relative[name] = offset
+            offset += nbytes
+        raw = json.dumps(header, separators=(",", ":")).encode("utf-8")
+        raw += b" " * (-(len(raw) + 8) % 8)
+        start = 8 + len(raw)
+        self.offsets = {name: start + off for name, off in relative.items()}
+        self.size = start + offset
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+        os.pwrite(fd, struct.pack("<Q", len(raw)) + raw, 0)
+        os.ftruncate(fd, self.size)
+        return fd
 
 
-def write_safetensors(
-    path: Path,
-    entries: list[tuple[str, mx.array]],
+Destinations = dict[str, list[tuple[int, int]]]  # entry name -> [(fd, offset)]
+
+
+def run_jobs(
+    jobs: Sequence[T],
+    compute: Callable[[T], list[tuple[str, mx.array]]],
+    destinations: Destinations,
     *,
-    metadata: dict[str, str] | None = None,
+    workers: int,
     on_bytes: Callable[[int], None] | None = None,
 ) -> None:
-    """Write `entries` (lazy arrays) to `path`, evaluating and releasing them as it goes.
+    """Compute every job on `workers` threads and pwrite its entries where they belong.
 
-    `entries` is emptied: each array is dropped once written, so the caller must not keep
-    other references if it wants the memory back.
+    Each thread has its own MLX stream (MLX's CPU kernels then run in parallel), at most two
+    jobs per worker are in flight so memory stays bounded, and each job's arrays are dropped
+    once written.
     """
-    header: dict[str, object] = {}
-    if metadata:
-        header["__metadata__"] = metadata
-    offset = 0
-    for name, array in entries:
-        dtype = SAFETENSORS_DTYPES.get(array.dtype)
-        if dtype is None:
-            raise ValueError(f"{name}: dtype {array.dtype} cannot be stored in safetensors")
-        header[name] = {
-            "dtype": dtype,
-            "shape": list(array.shape),
-            "data_offsets": [offset, offset + array.nbytes],
-        }
-        offset += array.nbytes
-    raw = json.dumps(header, separators=(",", ":")).encode("utf-8")
-    raw += b" " * (-(len(raw) + 8) % 8)  # the format pads the header to 8 bytes with spaces
-    with open(path, "wb") as f:
-        f.write(struct.pack("<Q", len(raw)))
-        f.write(raw)
-        i = 0
-        while i < len(entries):
-            # Evaluate a batch together, then write and drop it.
-            j, batch_bytes = i, 0
-            while j < len(entries) and (j == i or batch_bytes < EVAL_BATCH_BYTES):
-                batch_bytes += entries[j][1].nbytes
-                j += 1
-            for k in range(i, j):
-                # Slices and axis moves are views; the file needs row-major bytes.
-                entries[k] = (entries[k][0], mx.contiguous(entries[k][1]))
-            mx.eval([a for _, a in entries[i:j]])
-            for k in range(i, j):
-                name, array = entries[k]
-                entries[k] = (name, None)  # type: ignore[assignment]
+    local = threading.local()
+    streams: list[mx.Stream] = []
+    lock = threading.Lock()
+
+    def run(job: T) -> None:
+        if not hasattr(local, "stream"):
+            local.stream = mx.new_stream(mx.cpu)
+            with lock:
+                streams.append(local.stream)
+        with mx.stream(local.stream):
+            entries = [(n, mx.contiguous(a)) for n, a in compute(job)]
+            mx.eval([a for _, a in entries])
+            written = 0
+            for name, array in entries:
                 view = _BYTE_VIEWS.get(array.dtype)
-                data = array.view(view) if view is not None else array
-                if data.nbytes:
-                    f.write(memoryview(data))
-                if on_bytes is not None:
-                    on_bytes(array.nbytes)
-                del array, data
-            i = j
+                data = memoryview(array.view(view) if view is not None else array).cast("B")
+                for fd, offset in destinations[name]:
+                    _pwrite_all(fd, data, offset)
+                written += array.nbytes
+            del entries
+        # A stream with pending work at thread exit aborts the process (mlx 0.32).
+        mx.synchronize(local.stream)
+        if on_bytes is not None:
+            on_bytes(written)
+
+    if workers <= 1:
+        with ThreadPoolExecutor(1) as pool:
+            for job in jobs:
+                pool.submit(run, job).result()
+        return
+    with ThreadPoolExecutor(workers) as pool:
+        pending: deque[Future[None]] = deque()
+        try:
+            for job in jobs:
+                pending.append(pool.submit(run, job))
+                while len(pending) >= 2 * workers:
+                    pending.popleft().result()
+            while pending:
+                pending.popleft().result()
+        except BaseException:
+            for f in pending:
+                f.cancel()
+            raise
+
+
+def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
+    while data:
+        n = os.pwrite(fd, data, offset)
+        data, offset = data[n:], offset + n
+
+
+def default_workers() -> int:
+    """Worker threads: MTPKIT_THREADS, else the CPU count (at most 4: memory grows with it)."""
+    value = os.environ.get("MTPKIT_THREADS")
+    if value and value.isdigit() and int(value) > 0:
+        return int(value)
+    return max(1, min(4, os.cpu_count() or 1))
 
 
 def write_index(

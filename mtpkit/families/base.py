@@ -79,8 +79,9 @@ class ConvertHooks:
         """
         raise NotImplementedError
 
-    def split_tensor(self, name: str, array: Any) -> list[tuple[str, Any]] | None:
-        """Family-specific splits of one tensor into several (None: keep it whole)."""
+    def split_tensor(self, name: str) -> list[tuple[str, Any]] | None:
+        """Family-specific splits of one tensor into several: (new name, function of the
+        array) pairs, or None to keep it whole."""
         return None
 
 

@@ -96,7 +96,7 @@ class DeepseekV3(NextnLayerFamily):
 
         return DeepseekV3DecoderLayer
 
-    def split_tensor(self, name: str, array: Any) -> list[tuple[str, Any]] | None:
+    def split_tensor(self, name: str) -> list[tuple[str, Any]] | None:
         # mlx-lm's deepseek_v3 sanitize: MLA's kv_b_proj becomes the per-head embed_q
         # (transposed key part) and unembed_out (value part) that its attention multiplies by.
         if not name.endswith(".self_attn.kv_b_proj.weight"):
@@ -107,7 +107,13 @@ class DeepseekV3(NextnLayerFamily):
         nope, v_dim = int(cfg["qk_nope_head_dim"]), int(cfg["v_head_dim"])
         heads = int(cfg["num_attention_heads"])
         prefix = name.removesuffix("kv_b_proj.weight")
-        v = array.reshape(heads, nope + v_dim, -1)
-        wk = mx.contiguous(v[:, :nope, :].swapaxes(-1, -2))
-        wv = mx.contiguous(v[:, nope:, :])
-        return [(f"{prefix}embed_q.weight", wk), (f"{prefix}unembed_out.weight", wv)]
+
+        def embed_q(array: Any) -> Any:
+            v = array.reshape(heads, nope + v_dim, -1)
+            return mx.contiguous(v[:, :nope, :].swapaxes(-1, -2))
+
+        def unembed_out(array: Any) -> Any:
+            v = array.reshape(heads, nope + v_dim, -1)
+            return mx.contiguous(v[:, nope:, :])
+
+        return [(f"{prefix}embed_q.weight", embed_q), (f"{prefix}unembed_out.weight", unembed_out)]
