@@ -774,7 +774,8 @@ def diagnose(
                     f"{top.variant.describe()}, {len(measurements)} variants tried): the head was "
                     "not trained with this trunk (grafted from another model?); graft the head "
                     "from the trunk's own original checkpoint with `mtpkit convert ORIGINAL "
-                    "--mtp-only --into DIR`",
+                    "--mtp-only --into DIR` (if it is the trunk's own head, it is too weak for "
+                    "--min-acceptance on these prompts)",
                 )
             )
     else:
