@@ -1032,11 +1032,31 @@ def junit_xml(result: dict[str, Any]) -> str:
     )
 
 
-def write_junit(result: dict[str, Any], path: str | Path) -> None:
+def junit_error_xml(source: str, revision: str | None, message: str) -> str:
+    """A JUnit report for a check that could not run (exit 1), so CI still shows why."""
+    where = source + (f"@{revision}" if revision else "")
+    suites = ET.Element("testsuites", name="mtpkit check", tests="1", failures="0", errors="1")
+    suite = ET.SubElement(
+        suites, "testsuite", name=where, tests="1", failures="0", errors="1", skipped="0"
+    )
+    case = ET.SubElement(
+        suite, "testcase", classname="mtpkit.check." + re.sub(r"[^\w.-]+", "_", where), name="check"
+    )
+    error = ET.SubElement(case, "error", message=message, type="MtpkitError")
+    error.text = message
+    ET.indent(suites)
+    return (
+        '<?xml version="1.0" encoding="UTF-8"?>\n' + ET.tostring(suites, encoding="unicode") + "\n"
+    )
+
+
+def write_junit(result: dict[str, Any] | str, path: str | Path) -> None:
+    """Write a report (a result, or XML text from `junit_error_xml`) to `path`."""
     path = Path(path)
+    text = result if isinstance(result, str) else junit_xml(result)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(junit_xml(result), encoding="utf-8")
+        path.write_text(text, encoding="utf-8")
     except OSError as e:
         raise MtpkitError(f"cannot write the JUnit report to {path}: {e}") from None
 

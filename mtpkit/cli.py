@@ -148,19 +148,30 @@ def check(
 
     Exit 0 on pass, 3 on fail, 1 on an error.
     """
-    from mtpkit.check import check_checkpoint, print_report, stderr_log, write_junit
+    from mtpkit.check import (
+        check_checkpoint,
+        junit_error_xml,
+        print_report,
+        stderr_log,
+        write_junit,
+    )
     from mtpkit.output import print_json
     from mtpkit.prompts import read_prompts
 
-    result = check_checkpoint(
-        source,
-        revision=revision,
-        probe=probe,
-        prompts=read_prompts(prompts) if prompts is not None else None,
-        min_acceptance=min_acceptance,
-        max_tokens=max_tokens,
-        log=stderr_log,
-    )
+    try:
+        result = check_checkpoint(
+            source,
+            revision=revision,
+            probe=probe,
+            prompts=read_prompts(prompts) if prompts is not None else None,
+            min_acceptance=min_acceptance,
+            max_tokens=max_tokens,
+            log=stderr_log,
+        )
+    except MtpkitError as e:
+        if junit is not None:  # CI shows why the check could not run
+            write_junit(junit_error_xml(source, revision, str(e)), junit)
+        raise
     if junit is not None:
         write_junit(result, junit)
     if json_output:

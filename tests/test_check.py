@@ -434,9 +434,14 @@ def test_cli_pass_exits_0_with_table(built):
 
 
 def test_cli_user_errors_exit_1(tmp_path):
-    out = runner.invoke(app, ["check", str(tmp_path / "nope")])
+    report = tmp_path / "error.xml"
+    out = runner.invoke(app, ["check", str(tmp_path / "nope"), "--junit", str(report)])
     assert out.exit_code == 1
     assert out.stderr.startswith("Error: ")
+    assert out.stdout == ""
+    # CI still gets a report that says why.
+    error = ET.parse(report).getroot().find("testsuite/testcase/error")
+    assert error is not None and "no such directory" in error.get("message")
     empty = tmp_path / "prompts.txt"
     empty.write_text("\n\n")
     out = runner.invoke(app, ["check", str(tmp_path), "--prompts", str(empty)])
