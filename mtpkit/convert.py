@@ -622,8 +622,10 @@ class Converter:
         loads: dict[str, dict[str, mx.array]] = {}
         per_job: list[list[Tensor]] = []
         for job in jobs:
-            arrays = [loads.setdefault(r.path, _load(r.path))[r.name] for r in job.refs]
-            per_job.append(job.make(arrays))
+            for r in job.refs:
+                if r.path not in loads:
+                    loads[r.path] = _load(r.path)
+            per_job.append(job.make([loads[r.path][r.name] for r in job.refs]))
         self._validate([t for tensors in per_job for t in tensors])
 
         default = settings.dtype or _default_dtype(ckpt)
@@ -1072,7 +1074,10 @@ def _convert_planned(
             trash = out.parent / f".{out.name}.mtpkit-old-{os.getpid()}"
             out.rename(trash)
             tmp.rename(out)
-            shutil.rmtree(trash)
+            if trash.is_dir() and not trash.is_symlink():
+                shutil.rmtree(trash)
+            else:
+                trash.unlink()
         else:
             tmp.rename(out)
     except BaseException:

@@ -92,9 +92,9 @@ class DeepseekV3(NextnLayerFamily):
     aliases: ClassVar[tuple[str, ...]] = ("kimi_k2",)
 
     def decoder_layer_class(self) -> Any:
-        from mlx_lm.models.deepseek_v3 import DeepseekV3DecoderLayer
+        from mtpkit.quant import mlx_lm_models
 
-        return DeepseekV3DecoderLayer
+        return mlx_lm_models("deepseek_v3").DeepseekV3DecoderLayer
 
     def split_tensor(self, name: str) -> list[tuple[str, Any]] | None:
         # mlx-lm's deepseek_v3 sanitize: MLA's kv_b_proj becomes the per-head embed_q

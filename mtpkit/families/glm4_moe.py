@@ -14,6 +14,6 @@ class Glm4Moe(NextnLayerFamily):
     name = "glm4_moe"
 
     def decoder_layer_class(self) -> Any:
-        from mlx_lm.models.glm4_moe import DecoderLayer
+        from mtpkit.quant import mlx_lm_models
 
-        return DecoderLayer
+        return mlx_lm_models("glm4_moe").DecoderLayer

@@ -42,9 +42,11 @@ class Mimo(Family):
 
     def head_module(self, model: Any, layers: int) -> Any:
         import mlx.nn as nn
-        from mlx_lm.models.mimo import TransformerBlock
 
         from mtpkit.families.qwen3_5 import _rooted
+        from mtpkit.quant import mlx_lm_models
+
+        TransformerBlock = mlx_lm_models("mimo").TransformerBlock
 
         args = model.args
         hidden = args.hidden_size

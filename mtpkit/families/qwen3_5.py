@@ -74,9 +74,7 @@ class QwenMtpNames(Family):
         head.norm = nn.RMSNorm(hidden, eps=args.rms_norm_eps)
         # The MTP block is a full-attention layer, whatever the backbone's layer pattern.
         full_attention = args.full_attention_interval - 1
-        head.layers = [
-            self.decoder_layer_class()(args, full_attention) for _ in range(layers)
-        ]
+        head.layers = [self.decoder_layer_class()(args, full_attention) for _ in range(layers)]
         return _rooted(head, self.head_prefix)
 
     def text_model(self, model: Any) -> Any:
@@ -124,9 +122,9 @@ class Qwen3_5(QwenMtpNames):
         return model.language_model
 
     def decoder_layer_class(self) -> Any:
-        from mlx_lm.models.qwen3_5 import DecoderLayer
+        from mtpkit.quant import mlx_lm_models
 
-        return DecoderLayer
+        return mlx_lm_models("qwen3_5").DecoderLayer
 
     def declared_mtp_layers(self) -> int | None:
         value = self.text_config.get("mtp_num_hidden_layers")

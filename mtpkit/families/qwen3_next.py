@@ -16,6 +16,6 @@ class Qwen3Next(QwenMtpNames):
     head_prefix = "mtp."
 
     def decoder_layer_class(self) -> Any:
-        from mlx_lm.models.qwen3_next import Qwen3NextDecoderLayer
+        from mtpkit.quant import mlx_lm_models
 
-        return Qwen3NextDecoderLayer
+        return mlx_lm_models("qwen3_next").Qwen3NextDecoderLayer
