@@ -540,7 +540,6 @@ class Converter:
         )
         self.quant_predicate = model_quant_predicate(self.model)
         self.cast_predicate = model_cast_predicate(self.model)
-        self.source_quantized = "quantization" in ckpt.config
         self.reader: TensorReader | None = None
         self.local = threading.local()
         self.names: set[str] = set()
@@ -601,10 +600,15 @@ class Converter:
             ckpt, set(routes), ranged=self.head_only and ckpt.source.kind == "hub"
         )
         jobs: list[Job] = []
+        seen: set[str] = set()
         for shard in ckpt.shards + ckpt.sidecars:
             if shard not in ckpt.headers:
                 continue
             for info, ref in reader.shard(shard):
+                # A head written both inline and in the sidecar (--layout inline) is read once.
+                if info.name in seen:
+                    continue
+                seen.add(info.name)
                 role = routes[info.name]
                 if role == "head":
                     name = family.rename_head(info.name)

@@ -298,6 +298,11 @@ def test_inline_layout(sources, tmp_path):
     inline = [k for k in index["weight_map"] if k.startswith("language_model.mtp.")]
     assert sorted(inline) == sorted(_head(out))
     _load(out)  # stock mlx-lm drops language_model.mtp.* itself
+    again = convert(str(out), output=tmp_path / "again", layout="inline").output
+    assert _files(again).keys() == _files(out).keys()
+    for name, data in _files(out).items():
+        if name != "mtp/manifest.json":
+            assert _files(again)[name] == data, name
     with pytest.raises(MtpkitError, match="Qwen3.5/3.6"):
         convert(str(sources("mimo")), output=tmp_path / "m", layout="inline")
 
