@@ -108,8 +108,8 @@ class TensorReader:
     """Lazy tensors of a checkpoint, one shard at a time, fetching only what is needed.
 
     Local shards are opened with `mx.load` (lazy: a tensor is read when evaluated). On the
-    Hub, a shard most of whose bytes are needed is downloaded (into the HF cache, as mlx-lm
-    does); otherwise only the needed tensors' byte ranges are fetched, in bounded chunks,
+    Hub, a shard nearly all of whose bytes are needed is downloaded (into the HF cache, as
+    mlx-lm does); otherwise only the needed tensors' byte ranges are fetched, in bounded chunks,
     into a temporary safetensors file that is then opened lazily too, so memory stays flat
     whatever the head's size. `close()` removes those files once the output is written.
     """
@@ -117,7 +117,9 @@ class TensorReader:
     # Gaps below this are read through rather than split into another request.
     COALESCE_GAP = 64 << 10
     CHUNK_BYTES = 256 << 20
-    DOWNLOAD_FRACTION = 0.5
+    # Download a whole shard only when nearly all of it is needed: DeepSeek's duplicated
+    # embedding and head copies (1.7 GB each) are then never fetched.
+    DOWNLOAD_FRACTION = 0.9
 
     def __init__(self, ckpt: Checkpoint, needed: set[str], *, ranged: bool = False) -> None:
         self.ckpt = ckpt
