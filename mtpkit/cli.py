@@ -218,6 +218,14 @@ def convert(
             "Qwen3.5/3.6 only).",
         ),
     ] = None,
+    hidden: Annotated[
+        str | None,
+        typer.Option(
+            "--hidden",
+            help="Hidden state the head expects, recorded in the manifest: post_norm "
+            "(default) or pre_norm.",
+        ),
+    ] = None,
     recipe: Annotated[
         str | None, typer.Option("--recipe", help="A recipes/*.toml file; flags override it.")
     ] = None,
@@ -255,6 +263,7 @@ def convert(
             mtp_bits=mtp_bits,
             group_size=group_size,
             dtype=dtype,
+            hidden=hidden,
             quiet=quiet or json_output,
         )
     else:
@@ -270,6 +279,7 @@ def convert(
             mtp_bits=mtp_bits,
             dtype=dtype,
             layout=layout,
+            hidden=hidden,
             recipe=recipe,
             force=force,
             quiet=quiet or json_output,

@@ -409,6 +409,7 @@ class Settings:
     dtype: str | None = None
     layout: str = "sidecar"
     hidden: str = "post_norm"
+    hidden_given: bool = False  # asked for by a flag or recipe (else a re-conversion keeps it)
 
     def validate(self) -> None:
         from mtpkit.quant import BITS, GROUP_SIZES
@@ -430,7 +431,7 @@ class Settings:
         if self.layout not in LAYOUTS:
             raise MtpkitError(f"--layout {self.layout} is not one of {', '.join(LAYOUTS)}")
         if self.hidden not in HIDDEN_VARIANTS:
-            raise MtpkitError(f"hidden {self.hidden!r} is not one of {', '.join(HIDDEN_VARIANTS)}")
+            raise MtpkitError(f"--hidden {self.hidden} is not one of {', '.join(HIDDEN_VARIANTS)}")
 
     def head_spec(self) -> QuantSpec | None:
         if self.keep_mtp_bf16:
@@ -871,7 +872,9 @@ def _manifest(
             **shifted,
             "dtype": "float32" if (shifted["backbone"] or shifted["mtp"]) else None,
         },
-        "hidden": (previous or {}).get("hidden", settings.hidden),
+        "hidden": settings.hidden
+        if settings.hidden_given
+        else (previous or {}).get("hidden", settings.hidden),
         "concat_order": family.concat_order,
         "expert_layout": {
             "source": expert_layout(plan.source_head_names),
@@ -970,6 +973,7 @@ def convert(
     mtp_bits: int | None = None,
     dtype: str | None = None,
     layout: str | None = None,
+    hidden: str | None = None,
     recipe: str | Path | None = None,
     force: bool = False,
     quiet: bool = True,
@@ -988,6 +992,7 @@ def convert(
         mtp_bits=mtp_bits,
         dtype=dtype,
         layout=layout,
+        hidden=hidden,
     )
     out = Path(output).expanduser()
     if out.exists() and not force:
@@ -1119,6 +1124,7 @@ def graft(
     mtp_bits: int | None = None,
     group_size: int | None = None,
     dtype: str | None = None,
+    hidden: str | None = None,
     quiet: bool = True,
 ) -> ConvertResult:
     """Add the MTP head of `source` to the existing MLX conversion `into`.
@@ -1159,6 +1165,8 @@ def graft(
         keep_mtp_bf16=keep_mtp_bf16,
         mtp_bits=mtp_bits,
         dtype=dtype or _trunk_dtype(trunk),
+        hidden=hidden or "post_norm",
+        hidden_given=hidden is not None,
     )
     settings.validate()
     converter = Converter(ckpt, settings, head_only=True)
@@ -1258,6 +1266,7 @@ def resolve_settings(
             values[key] = value
     if values.get("group_size") is None:
         values.pop("group_size", None)
+    values["hidden_given"] = "hidden" in values
     settings = Settings(**values)
     settings.validate()
     return settings, family

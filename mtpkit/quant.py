@@ -48,7 +48,7 @@ def build_model(config: dict[str, Any]) -> nn.Module:
     try:
         model_class, args_class = _model_classes(config)
         return model_class(args_class.from_dict(copy.deepcopy(config)))
-    except (ValueError, KeyError, TypeError) as e:
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
         raise MtpkitError(
             f"mlx-lm cannot build a {config.get('model_type')} model from this config.json: {e}"
         ) from None

@@ -140,6 +140,23 @@ def test_recipe_family_must_match(mimo, tmp_path):
     assert manifest["mtp_quantization"] is None
 
 
+def test_hidden_variant_is_recorded(mimo, tmp_path):
+    out = tmp_path / "pre"
+    result = runner.invoke(
+        app, ["convert", str(mimo), "-o", str(out), "--hidden", "pre_norm", "-q"]
+    )
+    assert result.exit_code == 0, result.output
+    assert json.loads((out / "mtp" / "manifest.json").read_text())["hidden"] == "pre_norm"
+    # Converting again keeps what was recorded unless told otherwise.
+    again = runner.invoke(app, ["convert", str(out), "-o", str(tmp_path / "again"), "-q"])
+    assert again.exit_code == 0, again.output
+    manifest = json.loads((tmp_path / "again" / "mtp" / "manifest.json").read_text())
+    assert manifest["hidden"] == "pre_norm"
+    bad = runner.invoke(app, ["convert", str(mimo), "-o", str(tmp_path / "x"), "--hidden", "mid"])
+    assert bad.exit_code == 1
+    assert bad.stderr == "Error: --hidden mid is not one of post_norm, pre_norm\n"
+
+
 def test_module_help_lists_convert():
     result = subprocess.run(
         [sys.executable, "-m", "mtpkit", "convert", "--help"], capture_output=True, text=True
