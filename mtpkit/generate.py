@@ -61,16 +61,16 @@ class HiddenCapture:
         self.post: mx.array | None = None
 
 
-def tap_final_norm(norm: nn.Module, capture: HiddenCapture) -> None:
+def tap_final_norm(norm: nn.Module) -> HiddenCapture:
     """Make `norm` record its input and output, keeping its class, weights and result.
 
     The instance gets a subclass of its own class (parameter paths and quantization are
-    unchanged, unlike a wrapper module).
+    unchanged, unlike a wrapper module). Tapping twice returns the first tap's capture, so
+    every user of a shared backbone reads the same one.
     """
     base = type(norm)
     if getattr(base, "_mtpkit_tap", False):
-        norm._mtpkit_capture = capture
-        return
+        return norm._mtpkit_capture
 
     def __call__(self: nn.Module, x: mx.array) -> mx.array:
         out = base.__call__(self, x)
@@ -81,7 +81,8 @@ def tap_final_norm(norm: nn.Module, capture: HiddenCapture) -> None:
     norm.__class__ = type(
         f"Tapped{base.__name__}", (base,), {"__call__": __call__, "_mtpkit_tap": True}
     )
-    norm._mtpkit_capture = capture
+    norm._mtpkit_capture = HiddenCapture()
+    return norm._mtpkit_capture
 
 
 @dataclass
@@ -282,8 +283,7 @@ def load_model(
         hidden = (manifest or {}).get("hidden") or POST_NORM
     if hidden not in HIDDEN_MODES:
         raise GenerateError(f"--hidden must be one of {', '.join(HIDDEN_MODES)}, not {hidden!r}")
-    capture = HiddenCapture()
-    tap_final_norm(model.model.norm, capture)
+    capture = tap_final_norm(model.model.norm)
     for layer in getattr(model, "layers", []):
         gdn = layer.get("linear_attn") if isinstance(layer, dict) else None
         if gdn is not None:

@@ -1,0 +1,131 @@
+"""`mtpkit generate` and `mtpkit bench` on the command line: output, JSON keys, errors."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from mtpkit.cli import app
+from mtpkit.convert import convert
+
+EXAMPLE = Path(__file__).resolve().parents[1] / "mtpkit" / "examples" / "tiny-qwen3_5"
+PROMPT = "Return a new list of the"
+GENERATE_KEYS = {
+    "text",
+    "tokens",
+    "prompt_tokens",
+    "generated_tokens",
+    "drafted",
+    "accepted",
+    "acceptance",
+    "acceptance_by_depth",
+    "decode_tps",
+    "prompt_tps",
+    "peak_memory_gb",
+    "mtp",
+    "depth",
+}
+
+
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("cli") / "tiny"
+    convert(str(EXAMPLE), output=out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def headless(converted: Path) -> Path:
+    """The same model without its head (as stock `mlx_lm.convert` would have written it)."""
+    out = converted.parent / "tiny-no-head"
+    shutil.copytree(converted, out, ignore=shutil.ignore_patterns("mtp"))
+    return out
+
+
+def run(*args: str, input: str | None = None):
+    return CliRunner().invoke(app, list(args), input=input)
+
+
+def test_generate_json_keys_and_values(converted: Path) -> None:
+    result = run(
+        "generate", "--model", str(converted), "--prompt", PROMPT, "--max-tokens", "24",
+        "--mtp", "--depth", "2", "--no-adaptive", "--json",
+    )  # fmt: skip
+    assert result.exit_code == 0, result.output
+    out = json.loads(result.stdout)
+    assert set(out) == GENERATE_KEYS
+    assert out["mtp"] is True and out["depth"] == 2
+    assert out["generated_tokens"] == len(out["tokens"]) <= 24
+    assert out["drafted"] >= out["accepted"] > 0
+    assert out["acceptance"] == pytest.approx(out["accepted"] / out["drafted"])
+    assert len(out["acceptance_by_depth"]) == 2
+
+
+def test_generate_streams_text_and_summarises_on_stderr(converted: Path) -> None:
+    mtp = run("generate", "-m", str(converted), "-p", PROMPT, "--max-tokens", "20", "--mtp")
+    plain = run("generate", "-m", str(converted), "-p", PROMPT, "--max-tokens", "20", "--no-mtp")
+    assert mtp.exit_code == 0 and plain.exit_code == 0
+    assert mtp.stdout == plain.stdout  # greedy: the same text
+    assert mtp.stdout.strip()
+    assert "acceptance" in mtp.stderr and "MTP depth 1" in mtp.stderr
+    assert "no MTP" in plain.stderr
+
+
+def test_prompt_from_stdin(converted: Path) -> None:
+    piped = run(
+        "generate", "-m", str(converted), "-p", "-", "--max-tokens", "8", "--json", input=PROMPT
+    )
+    direct = run("generate", "-m", str(converted), "-p", PROMPT, "--max-tokens", "8", "--json")
+    assert json.loads(piped.stdout)["tokens"] == json.loads(direct.stdout)["tokens"]
+
+
+def test_mtp_without_a_head_is_a_clear_error(headless: Path) -> None:
+    result = run("generate", "-m", str(headless), "-p", PROMPT, "--mtp", "--max-tokens", "4")
+    assert result.exit_code == 1
+    assert result.stderr.startswith("Error: ")
+    assert "mtpkit convert" in result.stderr and "mtpkit inspect" in result.stderr
+    assert "Traceback" not in result.output
+
+
+def test_mtp_auto_without_a_head_warns_and_decodes(headless: Path) -> None:
+    for args in (["--mtp", "auto"], []):
+        result = run(
+            "generate", "-m", str(headless), "-p", PROMPT, "--max-tokens", "4", "--json", *args
+        )
+        assert result.exit_code == 0, result.output
+        assert "Warning: " in result.stderr and "decoding without MTP" in result.stderr
+        assert json.loads(result.stdout)["mtp"] is False
+
+
+def test_prompt_longer_than_the_context(converted: Path, tmp_path: Path) -> None:
+    small = tmp_path / "small-context"
+    shutil.copytree(converted, small)
+    config = json.loads((small / "config.json").read_text())
+    config["text_config"]["max_position_embeddings"] = 6
+    (small / "config.json").write_text(json.dumps(config))
+    result = run("generate", "-m", str(small), "-p", PROMPT * 3, "--max-tokens", "4")
+    assert result.exit_code == 1
+    assert "context of 6" in result.stderr and "shorten the prompt" in result.stderr
+
+
+def test_bad_depth_and_stray_word(converted: Path) -> None:
+    result = run("generate", "-m", str(converted), "-p", PROMPT, "--depth", "5")
+    assert result.exit_code == 1 and "--depth must be between 1 and 4" in result.stderr
+    result = run("generate", "-m", str(converted), "-p", PROMPT, "--mtp", "sometimes")
+    assert result.exit_code == 1 and "'auto'" in result.stderr
+
+
+def test_bench_json(converted: Path) -> None:
+    result = run("bench", "--model", str(converted), "--max-tokens", "16", "--depth", "2", "--json")
+    assert result.exit_code == 0, result.output
+    out = json.loads(result.stdout)
+    assert set(out) == {"model", "plain_tps", "beta", "delta", "runs"}
+    assert [r["depth"] for r in out["runs"]] == [1, 2]
+    for r in out["runs"]:
+        assert set(r) == {"depth", "acceptance", "decode_tps", "speedup", "ceiling"}
+        assert r["decode_tps"] > 0 and r["ceiling"] > 0
+    assert out["plain_tps"] > 0 and out["beta"] > 0 and out["delta"] > 0

@@ -1,0 +1,119 @@
+"""MTP heads for every family and layout, on tiny random checkpoints in the published formats.
+
+Random heads are (almost) never accepted, so these runs exercise the rejection path: KV
+caches trimmed and gated-delta-net states restored from the verify pass's snapshots, every
+round. `test_injected_drafts_*` then feeds the verifier drafts that are right up to a chosen
+depth, which exercises every partial acceptance.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import mlx.core as mx
+import mlx_lm
+import pytest
+
+from mtpkit.convert import convert
+from mtpkit.generate import MtpDecoder, SamplingSettings, generate, load_model
+from mtpkit.heads import EMBEDDING_FIRST, HIDDEN_FIRST, build_head, supported_families
+from tests.checkpoints import build_checkpoint
+
+MOE = {"qwen3_5_moe", "qwen3_6_moe", "qwen3_next", "deepseek_v3", "glm4_moe"}
+PROMPT = list(range(5, 21))
+
+
+def converted_dir(tmp: Path, layout: str, **convert_args) -> Path:
+    # MLX's CPU backend runs MoE layers in float32 only.
+    src = build_checkpoint(layout, tmp / "src", dtype="float32" if layout in MOE else "bfloat16")
+    if layout.startswith("mlx_"):
+        return src
+    out = tmp / "mlx"
+    convert(str(src), output=out, **convert_args)
+    return out
+
+
+def stock_tokens(path: Path, prompt: list[int], max_tokens: int) -> list[int]:
+    model, tokenizer = mlx_lm.load(str(path))
+    out = []
+    for r in mlx_lm.stream_generate(model, tokenizer, mx.array(prompt), max_tokens=max_tokens):
+        if r.finish_reason == "stop":
+            break
+        out.append(r.token)
+    return out
+
+
+def test_every_family_has_a_head() -> None:
+    assert {"qwen3_5", "qwen3_5_moe", "qwen3_next", "deepseek_v3", "glm4_moe", "mimo"} <= set(
+        supported_families()
+    )
+
+
+@pytest.mark.parametrize(
+    "layout",
+    [
+        "qwen3_5",
+        "qwen3_5_moe",
+        "qwen3_6_moe",
+        "qwen3_next",
+        "deepseek_v3",
+        "glm4_moe",
+        "mimo",
+        "mlx_inline",
+    ],
+)
+def test_head_loads_strictly_and_greedy_is_lossless(tmp_path: Path, layout: str) -> None:
+    path = converted_dir(tmp_path, layout)
+    m = load_model(path)
+    assert m.head is not None
+    assert m.head.concat_order == (HIDDEN_FIRST if layout == "mimo" else EMBEDDING_FIRST)
+    assert m.head_weights.layout == ("inline" if layout == "mlx_inline" else "sidecar")
+    reference = stock_tokens(path, PROMPT, 12)
+    result = generate(m, PROMPT, max_tokens=12, depth=3, adaptive=False)
+    assert result.tokens == reference
+    assert result.drafted > 0
+
+
+def test_quantized_sidecar_head(tmp_path: Path) -> None:
+    path = converted_dir(tmp_path, "qwen3_5", bits=4, group_size=32)
+    m = load_model(path)
+    assert any(k.endswith(".scales") for k in m.head_weights.weights)
+    result = generate(m, PROMPT, max_tokens=10, depth=2, adaptive=False)
+    assert result.tokens == stock_tokens(path, PROMPT, 10)
+
+
+def test_build_head_rejects_unknown_family() -> None:
+    from mtpkit.errors import UnsupportedFamily
+
+    with pytest.raises(UnsupportedFamily, match="supported: "):
+        build_head({"model_type": "llama"})
+
+
+@pytest.mark.parametrize("layout", ["qwen3_5", "qwen3_next"])
+def test_injected_drafts_partial_acceptance_keeps_caches_exact(tmp_path: Path, layout: str) -> None:
+    """Drafts right up to depth j (then wrong) for every j in 0..4: the output must stay the
+    backbone's, and exactly j drafts must be accepted each round."""
+    path = converted_dir(tmp_path, layout)
+    m = load_model(path)
+    n = 40
+    reference = stock_tokens(path, PROMPT, n)
+    assert len(reference) == n
+    decoder = MtpDecoder(m, PROMPT, depth=4, sampling=SamplingSettings(), adaptive=False)
+    vocab = m.inner.embed_tokens.weight.shape[0]
+    plan = [0, 4, 1, 3, 2, 4, 0, 2, 1, 3] * 10
+    rights: list[int] = []
+
+    def injected_draft():
+        right = plan[len(rights)]
+        rights.append(right)
+        start = decoder.n_confirmed
+        truth = (reference + [0] * 8)[start : start + 4]
+        drafts = [t if j < right else (t + 1) % vocab for j, t in enumerate(truth)]
+        return mx.array(drafts, dtype=mx.int32), None
+
+    decoder._draft = injected_draft
+    assert list(decoder.tokens(n)) == reference
+    positions = [p for p, _ in decoder.stats.draft_log]
+    accepted = [b - a - 1 for a, b in zip(positions, positions[1:], strict=False)]
+    assert accepted == rights[: len(accepted)]
+    assert set(accepted) == {0, 1, 2, 3, 4}
