@@ -245,7 +245,8 @@ class Job:
     refs: list[Ref]
     make: Callable[[list[mx.array]], list[Tensor]]
     entry_names: list[str] = field(default_factory=list)
-    nbytes: int = 0
+    nbytes: int = 0  # output bytes
+    source_bytes: int = 0
 
 
 def _leaf(ref: Ref, name: str) -> Item:
@@ -640,6 +641,7 @@ class Converter:
         plan.head_dtype = self.head_dtype = settings.head_dtype(default)
         self.names = {t.name for tensors in per_job for t in tensors}
         for job, tensors in zip(jobs, per_job, strict=True):
+            job.source_bytes = sum(ckpt.tensors[r.name].nbytes for r in job.refs)
             for t in tensors:
                 entries = self.finish(t, plan)
                 job.entry_names.extend(n for n, _ in entries)
@@ -955,6 +957,7 @@ def _write_jobs(
             converter.run,
             destinations,
             workers=default_workers(),
+            size=lambda job: job.source_bytes,
             on_bytes=bar.update if bar is not None else None,
         )
     finally:

@@ -25,6 +25,9 @@ import mlx.core as mx
 
 T = TypeVar("T")
 
+# Source bytes of the jobs being computed at once (beyond one job, however large).
+MAX_INFLIGHT_BYTES = 1 << 30
+
 # mlx-lm's shard size (mlx_lm.utils.MAX_FILE_SIZE_GB = 5, in GiB).
 MAX_SHARD_BYTES = 5 << 30
 
@@ -97,13 +100,16 @@ def run_jobs(
     destinations: Destinations,
     *,
     workers: int,
+    size: Callable[[T], int] = lambda _: 0,
+    max_inflight_bytes: int = MAX_INFLIGHT_BYTES,
     on_bytes: Callable[[int], None] | None = None,
 ) -> None:
     """Compute every job on `workers` threads and pwrite its entries where they belong.
 
-    Each thread has its own MLX stream (MLX's CPU kernels then run in parallel), at most two
-    jobs per worker are in flight so memory stays bounded, and each job's arrays are dropped
-    once written.
+    Each thread has its own MLX stream (MLX's CPU kernels then run in parallel). At most two
+    jobs per worker, and at most `max_inflight_bytes` of their inputs (`size`), are in flight
+    (one job always may be, however large), so memory stays bounded; each job's arrays are
+    dropped once written.
     """
     local = threading.local()
     streams: list[mx.Stream] = []
@@ -136,17 +142,24 @@ def run_jobs(
                 pool.submit(run, job).result()
         return
     with ThreadPoolExecutor(workers) as pool:
-        pending: deque[Future[None]] = deque()
+        pending: deque[tuple[Future[None], int]] = deque()
+        inflight = 0
         try:
             for job in jobs:
-                pending.append(pool.submit(run, job))
-                while len(pending) >= 2 * workers:
-                    pending.popleft().result()
+                nbytes = size(job)
+                while pending and (
+                    len(pending) >= 2 * workers or inflight + nbytes > max_inflight_bytes
+                ):
+                    future, done = pending.popleft()
+                    future.result()
+                    inflight -= done
+                pending.append((pool.submit(run, job), nbytes))
+                inflight += nbytes
             while pending:
-                pending.popleft().result()
+                pending.popleft()[0].result()
         except BaseException:
-            for f in pending:
-                f.cancel()
+            for future, _ in pending:
+                future.cancel()
             raise
 
 
