@@ -241,9 +241,9 @@ def convert(
 ) -> None:
     """Convert a checkpoint to an MLX directory that stock mlx-lm loads, keeping its MTP head.
 
-    The backbone is written as mlx_lm.convert writes it; the head goes to mtp/weights.safetensors
-    with every decision recorded in mtp/manifest.json. With --mtp-only --into DIR, only the head
-    is read (on the Hub: its byte ranges) and added to an existing conversion.
+    The backbone is written as mlx_lm.convert writes it (same names, quantization and dtypes); the head goes to mtp/weights.safetensors and every decision (norm shift, expert layout, quantization, source commit) to mtp/manifest.json. Without --bits nothing is quantized; with --bits the head is quantized like the backbone unless --keep-mtp-bf16 or --mtp-bits says otherwise.
+
+    With --mtp-only --into DIR, only the head is read (on the Hub: its byte ranges) and added to an existing MLX conversion of the same model, quantized like it.
     """
     from mtpkit.convert import convert as convert_checkpoint
     from mtpkit.convert import graft
