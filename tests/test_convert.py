@@ -439,6 +439,24 @@ def test_interrupted_run_leaves_nothing(sources, tmp_path, monkeypatch):
     assert list(tmp_path.iterdir()) == []
 
 
+def test_failure_while_writing_leaves_nothing(sources, tmp_path, monkeypatch):
+    import mtpkit.convert as conv
+
+    real = conv.Converter.run
+    calls = []
+
+    def failing(self, job):
+        calls.append(job)
+        if len(calls) == 5:
+            raise OSError("disk full")
+        return real(self, job)
+
+    monkeypatch.setattr(conv.Converter, "run", failing)
+    with pytest.raises(OSError, match="disk full"):
+        convert(str(sources("qwen3_5_moe")), output=tmp_path / "out", bits=4)
+    assert list(tmp_path.iterdir()) == []
+
+
 def _write_fp8_copy(src: Path, dst: Path, names: list[str]) -> None:
     """Copy a checkpoint with `names` stored as FP8 (E4M3) plus block-128 `weight_scale_inv`."""
     shutil.copytree(src, dst)
