@@ -413,6 +413,9 @@ def bench(
     prompt: Annotated[str | None, typer.Option("--prompt", "-p", help="The prompt.")] = None,
     max_tokens: Annotated[int, typer.Option("--max-tokens", help="Tokens per run.")] = 128,
     max_depth: Annotated[int, typer.Option("--depth", help="Measure depths 1..K.")] = 3,
+    trials: Annotated[
+        int, typer.Option("--trials", help="Interleaved trials; each figure is the best one.")
+    ] = 3,
     json_output: JsonOpt = False,
 ) -> None:
     """Measure plain decoding (stock mlx-lm) against MTP decoding at depths 1..K.
@@ -436,6 +439,7 @@ def bench(
             prompt=prompt or DEFAULT_PROMPT,
             max_tokens=max_tokens,
             max_depth=max_depth,
+            trials=trials,
             progress=None if json_output else (lambda s: typer.echo(f"... {s}", err=True)),
         )
     finally:

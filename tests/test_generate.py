@@ -136,3 +136,29 @@ def test_sampling_is_reproducible_with_a_seed(model) -> None:
     ]
     assert runs[0].tokens == runs[1].tokens
     assert 0 < len(runs[0].tokens) <= 30 and runs[0].drafted > 0
+
+
+def test_chained_drafts_are_the_head_applied_to_its_own_output(model) -> None:
+    """At depth 2 the second draft is the head run on its own (final-normed) output and the
+    first draft, after every confirmed pair: recomputed here without any cache."""
+    prompt = encode_prompt(model, heldout_prompts(3)[2])
+    decoder = MtpDecoder(model, prompt, depth=2, sampling=SamplingSettings(), adaptive=False)
+    eos, model.tokenizer.eos_token_ids = model.tokenizer.eos_token_ids, []
+    try:
+        sequence = prompt + list(decoder.tokens(40))
+    finally:
+        model.tokenizer.eos_token_ids = eos
+    model.model(mx.array(sequence)[None])
+    hidden = model.hidden_state()
+    head, norm = model.head, model.head.final_norm(0)
+    for position, (d1, d2) in decoder.stats.draft_log[:12]:
+        # Pairs (h_k, t_{k+1}) for k = 0 .. position - 2; the last one drafts d1.
+        tokens = sequence[1:position]
+        x = head(hidden[:, : position - 1], model.embed(mx.array(tokens)[None]))
+        last = norm(x[:, -1:])
+        assert mx.argmax(model.lm_head(last)[0, -1]).item() == d1
+        x2 = head(
+            mx.concatenate([hidden[:, : position - 1], last], axis=1),
+            model.embed(mx.array(tokens + [d1])[None]),
+        )
+        assert mx.argmax(model.lm_head(norm(x2[:, -1:]))[0, -1]).item() == d2
