@@ -1059,9 +1059,12 @@ def _convert_planned(
     manifest = _manifest(ckpt, plan, settings, layers, backbone_quant=backbone_quant)
 
     tmp = _temp_sibling(out)
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir(parents=True)
+    try:
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        tmp.mkdir(parents=True)
+    except OSError as e:
+        raise MtpkitError(f"cannot write {out}: {e.strerror or e}") from None
     try:
         n_backbone, n_head = len(plan.backbone), len(plan.head)
         meta = _meta(plan.backbone + plan.head)
@@ -1094,6 +1097,9 @@ def _convert_planned(
                 trash.unlink()
         else:
             tmp.rename(out)
+    except OSError as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise MtpkitError(f"writing {out} failed, nothing was written: {e}") from None
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -1231,9 +1237,11 @@ def _graft_planned(
         os.replace(tmp_weights, weights)
         os.replace(tmp_manifest, into / MANIFEST_PATH)
         os.replace(tmp_config, into / "config.json")
-    except BaseException:
+    except BaseException as e:
         for leftover in into.glob("**/.*.mtpkit-tmp-*"):
             leftover.unlink(missing_ok=True)
+        if isinstance(e, OSError):
+            raise MtpkitError(f"grafting into {into} failed: {e}") from None
         raise
     return ConvertResult(into, ckpt.family.name, manifest, 0, n_head, time.perf_counter() - started)
 

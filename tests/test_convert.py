@@ -452,7 +452,7 @@ def test_failure_while_writing_leaves_nothing(sources, tmp_path, monkeypatch):
         return real(self, job)
 
     monkeypatch.setattr(conv.Converter, "run", failing)
-    with pytest.raises(OSError, match="disk full"):
+    with pytest.raises(MtpkitError, match="nothing was written: disk full"):
         convert(str(sources("qwen3_5_moe")), output=tmp_path / "out", bits=4)
     assert list(tmp_path.iterdir()) == []
 
