@@ -741,18 +741,21 @@ class Converter:
         chosen, explicit = quant_decision(path, tree, spec, self.quant_predicate)
         if chosen is None:
             if t.role == "backbone":
-                plan.total_parameters += array.size
+                plan.total_parameters += self._count(t, tree)
             return [(t.name, array)]
         if t.role == "backbone" and explicit:
             plan.quant_overrides[path] = chosen.as_config()
         if t.role == "backbone":
-            plan.total_parameters += array.size
+            plan.total_parameters += self._count(t, tree)
         weight, scales, biases = quantize(array, chosen)
         return [(f"{path}.weight", weight), (f"{path}.scales", scales), (f"{path}.biases", biases)]
 
     def _count(self, t: Tensor, tree: ModuleTree | None) -> int:
-        """Parameters as mlx-lm's get_total_parameters counts them (packed weights unpacked)."""
+        """Parameters as mlx-lm's get_total_parameters counts them: those of leaf modules
+        only (not e.g. a gated delta net's own A_log), packed weights unpacked."""
         module, _, leaf = t.name.rpartition(".")
+        if tree is not None and module not in tree.leaves:
+            return 0
         if leaf in ("scales", "biases") and tree is not None and module in tree.quantizable:
             return 0
         if leaf == "weight" and tree is not None and module in tree.quantizable:

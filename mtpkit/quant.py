@@ -101,16 +101,14 @@ class ModuleTree:
 
     params: dict[str, tuple[tuple[int, ...], mx.Dtype]]
     quantizable: dict[str, nn.Module]
+    leaves: set[str]
 
     @classmethod
     def of(cls, module: nn.Module) -> ModuleTree:
         params = {k: (tuple(v.shape), v.dtype) for k, v in tree_flatten(module.parameters())}
-        quantizable = {
-            path: m
-            for path, m in tree_flatten(module.leaf_modules(), is_leaf=nn.Module.is_module)
-            if hasattr(m, "to_quantized")
-        }
-        return cls(params, quantizable)
+        leaves = dict(tree_flatten(module.leaf_modules(), is_leaf=nn.Module.is_module))
+        quantizable = {path: m for path, m in leaves.items() if hasattr(m, "to_quantized")}
+        return cls(params, quantizable, set(leaves))
 
 
 Predicate = Callable[[str, nn.Module], "bool | dict[str, Any]"]

@@ -137,6 +137,10 @@ def test_backbone_equals_stock_mlx_lm_convert(layout, bits, dtype, sources, tmp_
         assert mx.allclose(mine(TOKENS), theirs(TOKENS), rtol=1e-2, atol=1e-2).item()
     else:
         assert mx.array_equal(mine(TOKENS), theirs(TOKENS)).item()
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    ref_index = json.loads((ref / "model.safetensors.index.json").read_text())
+    assert index["metadata"] == ref_index["metadata"]  # total_size and total_parameters
+    assert index["weight_map"].keys() == ref_index["weight_map"].keys()
     if bits:
         config = json.loads((out / "config.json").read_text())
         ref_config = json.loads((ref / "config.json").read_text())
