@@ -248,6 +248,39 @@ def _backbone_key(path: Path) -> tuple[str, float] | None:
     return str(path.resolve()), max(stamps)
 
 
+def _load_backbone_beside_head(path: Path) -> tuple[nn.Module, Any, dict[str, Any]]:
+    """Stock mlx-lm's model when head tensors sit in a `model*.safetensors` file that its
+    loader reads (vllm-mlx's Qwen3-Next `model-mtp.safetensors`) and its sanitize keeps
+    (Qwen3-Next's, for converted checkpoints): the family's own class, whose sanitize first
+    drops the head's tensors, still loaded strictly."""
+    import inspect
+
+    from mlx_lm.utils import load_model as mlx_load_model
+    from mlx_lm.utils import load_tokenizer
+
+    stock_classes = inspect.signature(mlx_load_model).parameters["get_model_classes"].default
+
+    def classes(config: dict[str, Any]) -> tuple[type[nn.Module], type]:
+        model_cls, args_cls = stock_classes(config)
+
+        class WithoutHead(model_cls):  # type: ignore[misc, valid-type]
+            def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
+                weights = {k: v for k, v in weights.items() if not _is_head_key(k)}
+                return super().sanitize(weights) if hasattr(model_cls, "sanitize") else weights
+
+        return WithoutHead, args_cls
+
+    try:
+        model, config = mlx_load_model(path, get_model_classes=classes)
+    except ValueError as e:
+        raise MtpkitError(f"mlx-lm cannot load {path}: {e}") from None
+    return model, load_tokenizer(path), config
+
+
+def _is_head_key(name: str) -> bool:
+    return name.startswith(("mtp.", "model.mtp.", "language_model.mtp.", "model.mtp_layers."))
+
+
 def load_model(
     spec: str | Path,
     *,
@@ -268,7 +301,9 @@ def load_model(
         try:
             model, tokenizer, config = mlx_lm.load(str(path), return_config=True)
         except ValueError as e:
-            raise MtpkitError(f"mlx-lm cannot load {path}: {e}") from None
+            if "mtp" not in str(e):
+                raise MtpkitError(f"mlx-lm cannot load {path}: {e}") from None
+            model, tokenizer, config = _load_backbone_beside_head(path)
         if key is not None:
             _BACKBONES.clear()  # keep one: a check measures one model many times
             _BACKBONES[key] = (model, tokenizer, config)

@@ -117,3 +117,21 @@ def test_injected_drafts_partial_acceptance_keeps_caches_exact(tmp_path: Path, l
     accepted = [b - a - 1 for a, b in zip(positions, positions[1:], strict=False)]
     assert accepted == rights[: len(accepted)]
     assert set(accepted) == {0, 1, 2, 3, 4}
+
+
+def test_vllm_mlx_qwen3_next_head_file_beside_the_shards(tmp_path: Path) -> None:
+    """vllm-mlx puts the Qwen3-Next head in `model-mtp.safetensors`, which stock mlx-lm's
+    loader reads and rejects; the backbone still loads (strictly) and the head is found."""
+    path = converted_dir(tmp_path, "qwen3_next")
+    head = mx.load(str(path / "mtp" / "weights.safetensors"))
+    mx.save_safetensors(str(path / "model-mtp.safetensors"), head)
+    for f in (path / "mtp").iterdir():
+        f.unlink()
+    (path / "mtp").rmdir()
+    with pytest.raises(ValueError, match="mtp"):
+        mlx_lm.load(str(path))
+    m = load_model(path)
+    assert m.head is not None and m.head_weights.files == ["model-mtp.safetensors"]
+    plain = generate(m, PROMPT, max_tokens=8, mtp=False)
+    drafted = generate(m, PROMPT, max_tokens=8, depth=2, adaptive=False)
+    assert drafted.tokens == plain.tokens and drafted.drafted > 0
