@@ -346,6 +346,22 @@ def test_convert_twice_changes_nothing(layout, sources, tmp_path):
     assert m1["norm_shift"] == m2["norm_shift"] and m1["source"] == m2["source"]
 
 
+@pytest.mark.parametrize("layout", ["qwen3_5", "qwen3_next"])
+def test_quantizing_a_converted_directory_equals_quantizing_the_source(layout, sources, tmp_path):
+    src = sources(layout)
+    plain = convert(str(src), output=tmp_path / "plain").output
+    twice = convert(str(plain), output=tmp_path / "twice", bits=4).output
+    once = convert(str(src), output=tmp_path / "once", bits=4).output
+    a, b = _files(twice), _files(once)
+    assert a.keys() == b.keys()
+    for name in a:
+        if name not in ("mtp/manifest.json", "config.json"):
+            assert a[name] == b[name], name
+    assert (
+        json.loads(a["config.json"])["quantization"] == json.loads(b["config.json"])["quantization"]
+    )
+
+
 def test_mlx_inline_source_is_rewritten_unchanged(sources, tmp_path):
     src = build_checkpoint("mlx_inline", tmp_path / "inline", dtype="bfloat16")
     out = convert(str(src), output=tmp_path / "out").output
