@@ -14,6 +14,7 @@ import shutil
 import struct
 from pathlib import Path
 
+import huggingface_hub.hf_api  # noqa: F401 - the hub fixture patches it; import it first
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -560,8 +561,11 @@ def test_convert_deepseek_from_hub_skips_duplicates(hub, sources, tmp_path):
 
 
 def test_convert_from_hub(hub, sources, tmp_path):
-    hub.add_repo("org/mimo", sources("mimo"))
-    out = convert("org/mimo", output=tmp_path / "out").output
+    sha = hub.add_repo("org/mimo", sources("mimo"), revision="v1")
+    out = convert("org/mimo", revision="v1", output=tmp_path / "out").output
     local = convert(str(sources("mimo")), output=tmp_path / "local").output
-    assert _source_tensors(out).keys() == _source_tensors(local).keys()
-    assert (out / "tokenizer.json").exists()
+    for name in ("model-00001-of-00001.safetensors", "mtp/weights.safetensors"):
+        assert (out / name).read_bytes() == (local / name).read_bytes()
+    assert (out / "tokenizer.json").exists() and (out / "generation_config.json").exists()
+    manifest = json.loads((out / "mtp" / "manifest.json").read_text())
+    assert manifest["source"] == {"spec": "org/mimo", "revision": "v1", "commit": sha}
