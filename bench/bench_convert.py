@@ -205,7 +205,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--workdir", type=Path, default=None)
     parser.add_argument("--keep", action="store_true", help="keep the synthetic checkpoints")
-    parser.add_argument("--runs", type=int, default=2, help="runs per tool and size (best kept)")
+    parser.add_argument("--runs", type=int, default=3, help="runs per tool and size (best kept)")
     parser.add_argument("--build", nargs=2, metavar=("DIR", "LAYERS"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.build:
