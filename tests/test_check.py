@@ -249,6 +249,16 @@ def test_rule_names_a_double_shift():
     assert d.best.variant.norm_shift == -1
 
 
+def test_rule_names_a_double_shift_that_costs_nothing():
+    # Too close to tell apart by acceptance; but a correctly shifted head would collapse at -1.
+    levels = {"shipped": 0.60, "norm_shift=-1": 0.60, "norm_shift=+1": 0.60, "hidden": 0.55}
+    measure, _ = fake(levels)
+    d = diagnose(measure, SHIPPED)
+    assert by_name(d)["norm_shift"] == "fail"
+    assert "keeps working" in next(c.detail for c in d.checks if c.name == "norm_shift")
+    assert d.best.variant.norm_shift == -1
+
+
 def test_rule_names_a_missing_shift():
     levels = {"shipped": 0.02, "norm_shift=+1": 0.60, "norm_shift=-1": 0.01}
     measure, _ = fake(levels)

@@ -62,7 +62,8 @@ def damaged(
 
 
 def is_norm(name: str, value: mx.array) -> bool:
-    return value.ndim == 1 and name.endswith("norm.weight")
+    """Every RMSNorm weight of the head, `pre_fc_norm_hidden.weight` included."""
+    return value.ndim == 1 and "norm" in name.rsplit(".", 2)[-2]
 
 
 def shift_norms(by: float) -> Callable[[dict[str, mx.array]], dict[str, mx.array]]:
