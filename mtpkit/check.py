@@ -642,6 +642,7 @@ def diagnose(
     shipped: Variant,
     *,
     min_acceptance: float = DEFAULT_MIN_ACCEPTANCE,
+    zero_centred: bool = True,
 ) -> Diagnosis:
     """Run the shipped head and its variants, and turn the numbers into checks (the rule)."""
     base = measure_variant(shipped)
@@ -676,7 +677,7 @@ def diagnose(
         cs = [comparisons[k] for k in keys]
         # A variant is named as the fix only if it makes the head usable: gains among
         # variants that all stay below the minimum are noise around a head that never worked.
-        failing = [c for c in cs if _fails(c, a0, min_acceptance)]
+        failing = [c for c in cs if _fails(c, a0, min_acceptance, zero_centred)]
         warning = [c for c in cs if c.clears(VARIANT_RULES[c.key].warn_margin)]
         summary = ", ".join(f"{_describe_key(c.key)} {_pct(c.measurement.acceptance)}" for c in cs)
         if failing:
@@ -791,14 +792,18 @@ def diagnose(
     return Diagnosis(checks, a0, best, measurements)
 
 
-def _fails(c: Comparison, a0: float, min_acceptance: float) -> bool:
-    """The rule (see VARIANT_RULES): a usable variant that clearly beats, or keeps, the head."""
+def _fails(c: Comparison, a0: float, min_acceptance: float, zero_centred: bool) -> bool:
+    """The rule (see VARIANT_RULES): a usable variant that clearly beats, or keeps, the head.
+
+    The keep rule holds only for families with zero-centred norms, where "without its +1"
+    is the documented missing-shift collapse; plain norms are never shifted.
+    """
     rule = VARIANT_RULES[c.key]
     a = c.measurement.acceptance
     if a < min_acceptance:
         # Gains among variants that all stay unusable are noise around a head that never worked.
         return False
-    keeps = rule.keep_fraction is not None and a >= rule.keep_fraction * a0
+    keeps = zero_centred and rule.keep_fraction is not None and a >= rule.keep_fraction * a0
     return keeps or c.clears(rule.fail_margin)
 
 
@@ -1013,7 +1018,12 @@ def _probe(
         log(f"probing {v.describe()} on {len(prompts)} prompts")
         return measure_per_prompt(measure, model_dir, prompts, v, shipped, max_tokens=max_tokens)
 
-    diagnosis = diagnose(measure_variant, shipped, min_acceptance=min_acceptance)
+    diagnosis = diagnose(
+        measure_variant,
+        shipped,
+        min_acceptance=min_acceptance,
+        zero_centred=ckpt.family.zero_centred_norms,
+    )
     log(f"probes took {time.monotonic() - started:.0f} s")
     return diagnosis
 

@@ -257,6 +257,9 @@ def test_rule_names_a_double_shift_that_costs_nothing():
     assert by_name(d)["norm_shift"] == "fail"
     assert "keeps working" in next(c.detail for c in d.checks if c.name == "norm_shift")
     assert d.best.variant.norm_shift == -1
+    # Plain norms (DeepSeek, GLM, MiMo) are never shifted: there, only a clear gain counts.
+    d = diagnose(measure, SHIPPED, zero_centred=False)
+    assert by_name(d)["norm_shift"] == "pass"
 
 
 def test_rule_names_a_missing_shift():
