@@ -608,23 +608,25 @@ def _pct(x: float) -> str:
 
 
 def _fix(shipped: Variant, best: Variant) -> str:
-    """The command line that makes the runtime use `best` for good."""
+    """What makes the runtime use `best` for good."""
     parts = []
     if best.norm_shift:
         parts.append(
             "re-convert from the original checkpoint with `mtpkit convert ORIGINAL -o OUT` (it "
-            "shifts the norms exactly once), or re-graft the head with `mtpkit convert ORIGINAL "
-            "--mtp-only --into DIR`"
+            "shifts the norms exactly once and records it), or re-graft the head with "
+            "`mtpkit convert ORIGINAL --mtp-only --into DIR`"
         )
     if best.concat_order != shipped.concat_order:
         parts.append(
-            f"the head expects concat_order={best.concat_order}: set it in mtp/manifest.json or "
-            "re-convert with `mtpkit convert ORIGINAL -o OUT`"
+            f'the head was trained with concat_order {best.concat_order}: record "concat_order": '
+            f'"{best.concat_order}" in mtp/manifest.json (the runtime reads it), or re-convert '
+            "from the original checkpoint with `mtpkit convert ORIGINAL -o OUT`"
         )
     if best.hidden != shipped.hidden:
         parts.append(
-            f"run it with `mtpkit generate --hidden {best.hidden}` and record "
-            f'"hidden": "{best.hidden}" in mtp/manifest.json'
+            f"re-convert with `mtpkit convert ORIGINAL -o OUT --hidden {best.hidden}` (or record "
+            f'"hidden": "{best.hidden}" in mtp/manifest.json; `mtpkit generate --hidden '
+            f"{best.hidden}` for one run)"
         )
     return "; ".join(parts)
 
