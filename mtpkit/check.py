@@ -35,7 +35,7 @@ from mtpkit.families import family_for
 from mtpkit.families.base import expert_layout
 from mtpkit.inspect import Checkpoint, read_checkpoint
 from mtpkit.manifest import MANIFEST_FORMAT, PLAIN, SHIFTED, UNSHIFTED
-from mtpkit.prompts import BUILTIN_PROMPTS
+from mtpkit.prompts import BUILTIN_PROMPTS, RESERVE_PROMPTS
 
 PASS, WARN, FAIL = "pass", "warn", "fail"
 
@@ -645,13 +645,35 @@ def diagnose(
     *,
     min_acceptance: float = DEFAULT_MIN_ACCEPTANCE,
     zero_centred: bool = True,
+    measure_more: Callable[[Variant], Measurement] | None = None,
 ) -> Diagnosis:
-    """Run the shipped head and its variants, and turn the numbers into checks (the rule)."""
+    """Run the shipped head and its variants, and turn the numbers into checks (the rule).
+
+    `measure_more` measures a variant on reserve prompts: when a variant's gain reaches its
+    margin but not significance, the shipped head and that variant are measured on them too
+    and compared over all prompts, before anything is called inconclusive.
+    """
     base = measure_variant(shipped)
     comparisons = {
         key: compare(base, measure_variant(v), key) for key, v in single_variants(shipped).items()
     }
     measurements = [base] + [c.measurement for c in comparisons.values()]
+    undecided = [
+        c
+        for c in comparisons.values()
+        if c.gain >= VARIANT_RULES[c.key].warn_margin
+        and not c.clears(VARIANT_RULES[c.key].warn_margin)
+        and c.measurement.acceptance >= min_acceptance
+    ]
+    if undecided and measure_more is not None:
+        more = measure_more(shipped)
+        base = Measurement(shipped, base.per_prompt + more.per_prompt)
+        measurements[0] = base
+        for c in undecided:
+            extra = measure_more(c.measurement.variant)
+            joined = Measurement(c.measurement.variant, c.measurement.per_prompt + extra.per_prompt)
+            comparisons[c.key] = compare(base, joined, c.key)
+            measurements[measurements.index(c.measurement)] = joined
     checks: list[CheckResult] = []
 
     a0 = base.acceptance
@@ -708,7 +730,11 @@ def diagnose(
             )
         else:
             inconclusive = [
-                c for c in cs if c.gain >= VARIANT_RULES[c.key].fail_margin and not c.clears(0.0)
+                c
+                for c in cs
+                if c.gain >= VARIANT_RULES[c.key].warn_margin
+                and not c.clears(VARIANT_RULES[c.key].warn_margin)
+                and c.measurement.acceptance >= min_acceptance
             ]
             if inconclusive:
                 c = inconclusive[0]
@@ -959,6 +985,8 @@ def check_checkpoint(
     checks = structural_checks(ckpt)
     is_local = ckpt.source.kind == "local"
     probe = is_local if probe is None else probe
+    # Reserve prompts settle undecided comparisons; a user's own prompts are used as given.
+    reserve = list(RESERVE_PROMPTS) if prompts is None else []
     prompts = list(prompts) if prompts is not None else list(BUILTIN_PROMPTS)
     if not prompts:
         raise MtpkitError("no prompts to probe with: pass a non-empty --prompts FILE")
@@ -979,6 +1007,7 @@ def check_checkpoint(
                     model_dir,
                     prompts,
                     measure or _default_measure(),
+                    reserve=reserve,
                     min_acceptance=min_acceptance,
                     max_tokens=max_tokens,
                     log=log,
@@ -1009,6 +1038,7 @@ def _probe(
     prompts: Sequence[str],
     measure: MeasureFn,
     *,
+    reserve: Sequence[str],
     min_acceptance: float,
     max_tokens: int,
     log: Callable[[str], None],
@@ -1020,11 +1050,16 @@ def _probe(
         log(f"probing {v.describe()} on {len(prompts)} prompts")
         return measure_per_prompt(measure, model_dir, prompts, v, shipped, max_tokens=max_tokens)
 
+    def measure_more(v: Variant) -> Measurement:
+        log(f"probing {v.describe()} on {len(reserve)} more prompts (undecided)")
+        return measure_per_prompt(measure, model_dir, reserve, v, shipped, max_tokens=max_tokens)
+
     diagnosis = diagnose(
         measure_variant,
         shipped,
         min_acceptance=min_acceptance,
         zero_centred=ckpt.family.zero_centred_norms,
+        measure_more=measure_more if reserve else None,
     )
     log(f"probes took {time.monotonic() - started:.0f} s")
     return diagnosis

@@ -1,9 +1,10 @@
 """The short prompts `mtpkit check` probes a head with, and the `--prompts FILE` reader.
 
 A mix of prose, code and lists, because heads are good at different things on each (code and
-lists are more predictable than prose) and a convention error shows on all of them. Sixteen
-prompts give the paired per-prompt comparison in `check.py` enough samples to tell a
-few-point difference from noise.
+lists are more predictable than prose) and a convention error shows on all of them. They are
+continuations rather than instructions, so base models and small ones produce text too. The
+paired per-prompt comparison in `check.py` uses the sixteen built-in prompts, and sixteen
+reserve prompts when a comparison is undecided.
 """
 
 from __future__ import annotations
@@ -16,11 +17,11 @@ from mtpkit.errors import MtpkitError
 BUILTIN_PROMPTS: tuple[str, ...] = (
     # prose
     "The history of the printing press begins in the fifteenth century, when",
-    "Write a short paragraph about why the sky is blue.",
+    "Return a new list containing the items of the sequence for which",
     "Once upon a time, in a small village by the sea, there lived",
-    "Explain in simple words how a bicycle stays upright while it moves.",
+    "The report describes how the system handles errors when the network",
     "The committee met on Tuesday to discuss the budget for the next year.",
-    "Summarize the main idea of the theory of evolution in three sentences.",
+    "If the timeout argument is given, the call blocks for at most",
     # code
     'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n',
     "import os\nimport sys\n\n\ndef main(argv):\n",
@@ -33,6 +34,31 @@ BUILTIN_PROMPTS: tuple[str, ...] = (
     "A shopping list:\n- milk\n- eggs\n- bread\n-",
     "The planets of the solar system, in order from the sun, are",
     "Steps to make tea:\n1. Boil water.\n2.",
+)
+
+
+# Measured too when a comparison on the built-in prompts reaches its margin but not
+# significance: the same mix, sixteen more paired samples.
+RESERVE_PROMPTS: tuple[str, ...] = (
+    # prose
+    "In the beginning of the twentieth century, the city grew quickly because",
+    "This module provides functions for reading and writing files in",
+    "The function raises a ValueError if the argument is",
+    "A good cup of coffee depends on the water, the beans and",
+    "The following example shows how to open a connection to the server and",
+    "The object is created when the class is called, and its attributes are",
+    # code
+    'def read_config(path):\n    """Read the configuration file at path and return',
+    "def parse_args(argv=None):\n    parser = argparse.ArgumentParser(",
+    "Create a new thread that runs the given function with",
+    "while True:\n    line = stream.readline()\n    if not line:\n",
+    "Parse the configuration file and return a dictionary that maps",
+    # lists
+    "Colors of the rainbow: red, orange, yellow,",
+    "Months of the year: January, February, March,",
+    "Things to pack for a trip:\n- passport\n- tickets\n-",
+    "The first ten prime numbers are 2, 3, 5,",
+    "Ingredients for pancakes:\n- flour\n- milk\n-",
 )
 
 

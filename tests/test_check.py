@@ -290,6 +290,33 @@ def test_rule_small_hidden_gain_only_warns():
     assert d.best.variant == SHIPPED
 
 
+def test_rule_settles_an_undecided_gain_on_reserve_prompts():
+    # The other hidden variant gains 6 points, too noisy to be sure on 16 prompts.
+    def per_prompt(v: Variant) -> list[float]:
+        if v == SHIPPED:
+            return [0.6] * PROMPTS
+        if v.hidden == "pre_norm":
+            return [0.66 + (0.08 if i % 2 else -0.08) for i in range(PROMPTS)]
+        return [0.02] * PROMPTS
+
+    more: list[Variant] = []
+
+    def measure_more(v: Variant) -> Measurement:
+        more.append(v)
+        return Measurement(v, per_prompt(v))
+
+    measure = lambda v: Measurement(v, per_prompt(v))  # noqa: E731
+    d = diagnose(measure, SHIPPED)
+    assert by_name(d)["hidden"] == "warn"
+    assert "inconclusive" in next(c.detail for c in d.checks if c.name == "hidden")
+
+    d = diagnose(measure, SHIPPED, measure_more=measure_more)
+    assert more == [SHIPPED, Variant(0, "pre_norm", "embedding_first")]
+    assert by_name(d)["hidden"] == "fail"
+    assert "--hidden pre_norm" in next(c.detail for c in d.checks if c.name == "hidden")
+    assert "over 32 prompts" in next(c.detail for c in d.checks if c.name == "acceptance")
+
+
 def test_rule_blames_the_trunk_when_no_variant_helps():
     measure, calls = fake({"other": 0.03, "shipped": 0.03})
     d = diagnose(measure, SHIPPED)
