@@ -120,19 +120,21 @@ def run_jobs(
             local.stream = mx.new_stream(mx.cpu)
             with lock:
                 streams.append(local.stream)
-        with mx.stream(local.stream):
-            entries = [(n, mx.contiguous(a)) for n, a in compute(job)]
-            mx.eval([a for _, a in entries])
-            written = 0
-            for name, array in entries:
-                view = _BYTE_VIEWS.get(array.dtype)
-                data = memoryview(array.view(view) if view is not None else array).cast("B")
-                for fd, offset in destinations[name]:
-                    _pwrite_all(fd, data, offset)
-                written += array.nbytes
-            del entries
-        # A stream with pending work at thread exit aborts the process (mlx 0.32).
-        mx.synchronize(local.stream)
+        written = 0
+        try:
+            with mx.stream(local.stream):
+                entries = [(n, mx.contiguous(a)) for n, a in compute(job)]
+                mx.eval([a for _, a in entries])
+                for name, array in entries:
+                    view = _BYTE_VIEWS.get(array.dtype)
+                    data = memoryview(array.view(view) if view is not None else array).cast("B")
+                    for fd, offset in destinations[name]:
+                        _pwrite_all(fd, data, offset)
+                    written += array.nbytes
+                del entries
+        finally:
+            # A stream with pending work at thread exit aborts the process (mlx 0.32).
+            mx.synchronize(local.stream)
         if on_bytes is not None:
             on_bytes(written)
 
