@@ -157,6 +157,8 @@ def test_manifest_inconsistent_with_tensors_fails(built, tmp_path):
     result = check_checkpoint(str(path), probe=False)
     assert statuses(result)["manifest"] == "fail"
     assert "not quantized but its tensors carry .scales" in detail(result, "manifest")
+    # The manifest is quantization metadata too.
+    assert statuses(result)["quantization"] == "fail"
 
     manifest["mtp_quantization"] = {"bits": 4, "group_size": 64}
     (path / "mtp" / "manifest.json").write_text(json.dumps(manifest))
