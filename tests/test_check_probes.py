@@ -187,3 +187,17 @@ def test_quantization_metadata_not_matching_fails_quantization(quantized, tmp_pa
     root = ET.parse(tmp_path / "report.xml").getroot()
     failed = {c.get("name") for c in root.iter("testcase") if c.find("failure") is not None}
     assert "quantization" in failed
+
+
+def test_cli_passes_the_raw_example_through_a_conversion(tmp_path):
+    report = tmp_path / "junit.xml"
+    out = runner.invoke(
+        app, ["check", str(EXAMPLE), "--max-tokens", str(MAX_TOKENS), "--junit", str(report)]
+    )
+    assert out.exit_code == 0, out.output
+    assert "verdict: pass (acceptance" in out.stdout
+    assert "converting" in out.stderr  # a raw checkpoint is probed as `mtpkit convert` makes it
+    suite = ET.parse(report).getroot().find("testsuite")
+    assert suite.get("failures") == "0"
+    props = {p.get("name"): p.get("value") for p in suite.iter("property")}
+    assert props["verdict"] == "pass" and float(props["acceptance"]) >= 0.3
