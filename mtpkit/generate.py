@@ -435,6 +435,14 @@ class AdaptiveDrafting:
             return True
         return self.plain_left <= 0 and not self.probing_plain
 
+    def plain_ahead(self) -> int:
+        """Plain steps certain to follow the current one (read before recording it)."""
+        if not self.enabled:
+            return 0
+        if self.probing_plain:
+            return max(0, 4 - len(self.plain_times) - 1)
+        return max(0, self.plain_left - 1)
+
     def record_plain(self, seconds: float) -> None:
         if not self.enabled:
             return
@@ -492,6 +500,7 @@ class MtpDecoder:
         self.pending_hidden: list[mx.array] = []
         self.pending_tokens: list[int] = []
         self.last_token = prompt[-1]
+        self._ahead: tuple[mx.array, mx.array] | None = None
         self.n_confirmed = 0  # tokens confirmed after the prompt
         self.stats = Stats(prompt_tokens=len(prompt))
         self.sampler = sampling.sampler()
@@ -629,11 +638,26 @@ class MtpDecoder:
         self.stats.rounds += 1
         return confirmed
 
-    def plain_step(self) -> list[int]:
-        logits, hidden = self._forward([self.last_token])
+    def _plain_forward(self, token: mx.array) -> tuple[mx.array, mx.array]:
+        logits = self.m.model(token.reshape(1, 1), cache=self.cache)
+        hidden = self.m.hidden_state()
         logits = logits[:, -1, :]
         logprobs = logits - mx.logsumexp(logits, keepdims=True)
-        token = int(self.sampler(logprobs).item())
+        return self.sampler(logprobs), hidden
+
+    def plain_step(self, ahead: bool = False) -> list[int]:
+        """One backbone step, as mlx-lm's generate_step takes it. With `ahead` (the next
+        step is certain to be plain too) the next forward is queued before this token is
+        read, so the two overlap as in mlx-lm's own loop."""
+        if self._ahead is not None:
+            y, hidden = self._ahead
+            self._ahead = None
+        else:
+            y, hidden = self._plain_forward(mx.array([self.last_token]))
+        if ahead:
+            self._ahead = self._plain_forward(y)
+            mx.async_eval(*self._ahead)
+        token = int(y.item())
         self.pending_hidden.append(hidden)
         self.pending_tokens.append(token)
         self.last_token = token
@@ -654,12 +678,14 @@ class MtpDecoder:
         with mx.stream(generation_stream):
             while produced < max_tokens:
                 t0 = time.perf_counter()
-                drafting = self.use_mtp and self.m.head is not None and self.adaptive.want_draft()
+                can_draft = self.use_mtp and self.m.head is not None
+                drafting = can_draft and self.adaptive.want_draft() and self._ahead is None
                 if drafting and self.pending_tokens:
                     new = self.draft_round()
                     self.adaptive.record_round(time.perf_counter() - t0, len(new))
                 else:
-                    new = self.plain_step()
+                    ahead = not can_draft or self.adaptive.plain_ahead() > 0
+                    new = self.plain_step(ahead=ahead and produced + 1 < max_tokens)
                     self.adaptive.record_plain(time.perf_counter() - t0)
                 for t in new:
                     if t in eos:
