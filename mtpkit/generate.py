@@ -416,15 +416,21 @@ class Stats:
 class AdaptiveDrafting:
     """Switches drafting off while it loses to plain decoding, and retries later.
 
-    Compares measured seconds per emitted token of recent drafting rounds with that of
-    plain steps; each loss doubles the plain stretch before the next retry (32 .. 1024), so
-    a head that never pays off costs a few rounds per stretch, a few percent at most.
+    Plain steps are timed first, for a reference. Then two checks on drafting rounds:
+    - hopeless: the faster of the last two rounds took longer than the plain steps for all
+      the tokens a round can yield (depth + 1), so no acceptance rate could pay for it
+      (a verify pass that costs as much as the tokens in it, as on CPUs): off for 256
+      tokens, doubling to 4096;
+    - losing: over the last 6 rounds, seconds per emitted token exceed plain decoding's:
+      off for 32 tokens, doubling to 1024, reset after a long winning run.
+    Each retry costs at most a few rounds, a few percent of the plain time at worst.
     """
 
     def __init__(self, enabled: bool) -> None:
         self.enabled = enabled
         self.window = 6
         self.plain_stretch = 32
+        self.hopeless_stretch = 256
         self.mtp_times: list[tuple[float, int]] = []
         self.plain_times: list[float] = []
         self.plain_left = 0
@@ -452,16 +458,30 @@ class AdaptiveDrafting:
             self.probing_plain = False
             self.plain_left = 0
 
-    def record_round(self, seconds: float, emitted: int) -> None:
+    def _plain_per_token(self) -> float:
+        # The first plain step after a drafting stretch carries the head's catch-up.
+        plain = sorted(self.plain_times[1:] or self.plain_times)
+        return plain[len(plain) // 2]
+
+    def record_round(self, seconds: float, emitted: int, capacity: int) -> None:
+        """A drafting round took `seconds` and yielded `emitted` of at most `capacity`."""
         if not self.enabled:
             return
         self.mtp_times.append((seconds, emitted))
-        if len(self.mtp_times) < self.window or not self.plain_times:
+        if not self.plain_times:
+            return
+        plain_per_token = self._plain_per_token()
+        if len(self.mtp_times) >= 2:
+            fastest = min(s for s, _ in self.mtp_times[-2:])
+            if fastest > capacity * plain_per_token:
+                self.plain_left = self.hopeless_stretch
+                self.hopeless_stretch = min(self.hopeless_stretch * 2, 4096)
+                self.mtp_times = []
+                return
+        if len(self.mtp_times) < self.window:
             return
         recent = self.mtp_times[-self.window :]
         mtp_per_token = sum(s for s, _ in recent) / sum(n for _, n in recent)
-        plain = sorted(self.plain_times[1:] or self.plain_times)
-        plain_per_token = plain[len(plain) // 2]
         if mtp_per_token > plain_per_token:
             self.plain_left = self.plain_stretch
             self.plain_stretch = min(self.plain_stretch * 2, 1024)
@@ -682,7 +702,7 @@ class MtpDecoder:
                 drafting = can_draft and self.adaptive.want_draft() and self._ahead is None
                 if drafting and self.pending_tokens:
                     new = self.draft_round()
-                    self.adaptive.record_round(time.perf_counter() - t0, len(new))
+                    self.adaptive.record_round(time.perf_counter() - t0, len(new), self.depth + 1)
                 else:
                     ahead = not can_draft or self.adaptive.plain_ahead() > 0
                     new = self.plain_step(ahead=ahead and produced + 1 < max_tokens)

@@ -162,3 +162,24 @@ def test_chained_drafts_are_the_head_applied_to_its_own_output(model) -> None:
             model.embed(mx.array(tokens + [d1])[None]),
         )
         assert mx.argmax(model.lm_head(norm(x2[:, -1:]))[0, -1]).item() == d2
+
+
+def test_adaptive_drafting_pauses_a_hopeless_or_losing_head() -> None:
+    from mtpkit.generate import AdaptiveDrafting
+
+    def run(round_seconds: float, emitted: int, rounds: int) -> AdaptiveDrafting:
+        a = AdaptiveDrafting(enabled=True)
+        while a.probing_plain:
+            a.record_plain(1.0)
+        for _ in range(rounds):
+            if not a.want_draft():
+                break
+            a.record_round(round_seconds, emitted, capacity=2)
+        return a
+
+    hopeless = run(2.7, 1, rounds=10)  # a verify costs more than two plain tokens
+    assert not hopeless.want_draft() and hopeless.plain_left == 256
+    losing = run(1.5, 1, rounds=10)  # could pay off, but does not at this acceptance
+    assert not losing.want_draft() and losing.plain_left == 32
+    winning = run(1.3, 2, rounds=50)
+    assert winning.want_draft()
