@@ -416,7 +416,8 @@ class Stats:
 class AdaptiveDrafting:
     """Switches drafting off while it loses to plain decoding, and retries later.
 
-    Plain steps are timed first, for a reference. Then two checks on drafting rounds:
+    After two drafting rounds, four plain steps are timed for a reference. Then two checks
+    on drafting rounds:
     - hopeless: the faster of the last two rounds took longer than the plain steps for all
       the tokens a round can yield (depth + 1), so no acceptance rate could pay for it
       (a verify pass that costs as much as the tokens in it, as on CPUs): off for 256
@@ -434,7 +435,9 @@ class AdaptiveDrafting:
         self.mtp_times: list[tuple[float, int]] = []
         self.plain_times: list[float] = []
         self.plain_left = 0
-        self.probing_plain = enabled  # measure plain speed first, for a reference
+        # Plain speed is measured after the first two rounds (so that short generations
+        # draft from the start), over four steps.
+        self.probing_plain = False
 
     def want_draft(self) -> bool:
         if not self.enabled:
@@ -469,6 +472,8 @@ class AdaptiveDrafting:
             return
         self.mtp_times.append((seconds, emitted))
         if not self.plain_times:
+            if len(self.mtp_times) >= 2:
+                self.probing_plain = True
             return
         plain_per_token = self._plain_per_token()
         if len(self.mtp_times) >= 2:

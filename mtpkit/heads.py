@@ -412,7 +412,8 @@ def shift_norms(weights: dict[str, mx.array]) -> dict[str, mx.array]:
     """Zero-centred RMSNorm weights (the model applies 1 + w) to mlx gammas, in float32."""
     out = {}
     for k, v in weights.items():
-        if v.ndim == 1 and k.endswith("norm.weight") and "linear_attn" not in k:
+        module = k.removesuffix(".weight").rsplit(".", 1)[-1]  # e.g. pre_fc_norm_embedding
+        if v.ndim == 1 and k.endswith(".weight") and "norm" in module and "linear_attn" not in k:
             out[k] = (v.astype(mx.float32) + 1.0).astype(v.dtype)
         else:
             out[k] = v

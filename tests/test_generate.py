@@ -169,9 +169,9 @@ def test_adaptive_drafting_pauses_a_hopeless_or_losing_head() -> None:
 
     def run(round_seconds: float, emitted: int, rounds: int) -> AdaptiveDrafting:
         a = AdaptiveDrafting(enabled=True)
-        while a.probing_plain:
-            a.record_plain(1.0)
         for _ in range(rounds):
+            while a.probing_plain:
+                a.record_plain(1.0)
             if not a.want_draft():
                 break
             a.record_round(round_seconds, emitted, capacity=2)
@@ -183,3 +183,22 @@ def test_adaptive_drafting_pauses_a_hopeless_or_losing_head() -> None:
     assert not losing.want_draft() and losing.plain_left == 32
     winning = run(1.3, 2, rounds=50)
     assert winning.want_draft()
+
+
+def test_the_raw_checkpoint_runs_directly(converted: Path) -> None:
+    """mlx-lm loads the raw example itself; mtpkit reads its zero-centred head (every norm
+    shifted, the pre-projection norms included) and matches the converted model."""
+    raw = load_model(EXAMPLE)
+    assert raw.head_weights.layout == "raw_hf"
+    prompts = heldout_prompts(6)
+    assert (
+        abs(
+            measure_acceptance(EXAMPLE, prompts, max_tokens=32)
+            - measure_acceptance(converted, prompts, max_tokens=32)
+        )
+        < 0.1
+    )
+    prompt = encode_prompt(raw, prompts[0])
+    assert generate(raw, prompt, max_tokens=30, depth=2, adaptive=False).tokens == stock_tokens(
+        EXAMPLE, prompt, 30
+    )
