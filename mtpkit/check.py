@@ -6,11 +6,14 @@ generate greedily with the head on short prompts and measure acceptance as shipp
 variants (norms shifted by -1 and +1, the other hidden-state variant, the other concat order),
 so a double or missing norm shift or a mismatched convention is named with its fix.
 
-The verdict rule (see `VARIANT_RULES`): a variant "beats" the head as shipped when its mean
-per-prompt gain over the shipped head is at least the variant's margin and at least
-`SIGNIFICANCE_Z` standard errors of the paired per-prompt differences. Greedy verification is
-lossless, so every variant is scored against the same backbone text and the comparison is
-paired, prompt by prompt.
+The verdict rule (see `VARIANT_RULES`, and README.md for why each margin is safe): a variant
+fails the head as shipped when it makes the head usable (reaches --min-acceptance) and gains at
+least its margin, at `SIGNIFICANCE_Z` standard errors of the paired per-prompt differences; for
+norms -1 on zero-centred families, keeping half the shipped acceptance is enough, because a
+correctly shifted head collapses without its +1. Greedy verification is lossless, so every
+variant is scored on the same backbone text and the comparison is paired, prompt by prompt.
+Undecided gains are measured again on reserve prompts. When no single variant rescues the
+head, every combination is tried before the head is blamed on the trunk.
 """
 
 from __future__ import annotations
@@ -610,8 +613,12 @@ def all_variants(shipped: Variant) -> list[Variant]:
 
 
 def compare(shipped: Measurement, other: Measurement, key: str = "") -> Comparison:
-    """Paired per-prompt gain of `other` over `shipped`, with its standard error."""
-    diffs = [b - a for a, b in zip(shipped.per_prompt, other.per_prompt, strict=True)]
+    """Paired per-prompt gain of `other` over `shipped`, with its standard error.
+
+    Reserve prompts are appended after the built-in ones, so when only one side was measured
+    on them the pairs are the prompts both saw.
+    """
+    diffs = [b - a for a, b in zip(shipped.per_prompt, other.per_prompt, strict=False)]
     gain = statistics.fmean(diffs) if diffs else 0.0
     stderr = statistics.stdev(diffs) / math.sqrt(len(diffs)) if len(diffs) > 1 else math.inf
     return Comparison(key, other, gain, stderr)
