@@ -1005,6 +1005,8 @@ def check_checkpoint(
     ckpt = read_checkpoint(source, revision=revision)
     checks = structural_checks(ckpt)
     is_local = ckpt.source.kind == "local"
+    if probe is None and not is_local:
+        log("Hub repo: structural checks only; pass --probe to download it and measure acceptance")
     probe = is_local if probe is None else probe
     # Reserve prompts settle undecided comparisons; a user's own prompts are used as given.
     reserve = list(RESERVE_PROMPTS) if prompts is None else []

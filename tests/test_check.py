@@ -389,6 +389,7 @@ def test_hub_repo_is_checked_from_headers_without_probing(hub: HubStandIn, built
     result = json.loads(out.stdout)
     assert statuses(result)["head_present"] == "fail"
     assert "backbone_loads" not in statuses(result)
+    assert "pass --probe" in out.stderr
 
     hub.reset_counters()
     result = check_checkpoint("org/inline", revision="main")
