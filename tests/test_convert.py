@@ -374,7 +374,7 @@ def test_mlx_inline_source_is_rewritten_unchanged(sources, tmp_path):
         convert(str(src), output=tmp_path / "again", bits=4)
 
 
-@pytest.mark.parametrize("layout", ["qwen3_5", "deepseek_v3", "mimo"])
+@pytest.mark.parametrize("layout", RAW)
 def test_graft_twice_changes_nothing(layout, sources, tmp_path):
     src = sources(layout)
     trunk = tmp_path / "trunk"
