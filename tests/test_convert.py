@@ -448,6 +448,22 @@ def test_unknown_tensor_is_refused_by_name(sources, tmp_path):
     assert not (tmp_path / "out").exists()
 
 
+def test_unknown_head_tensor_is_refused_by_name(sources, tmp_path):
+    src = tmp_path / "src"
+    shutil.copytree(sources("qwen3_5"), src)
+    shard = src / "model-00002-of-00002.safetensors"
+    tensors = mx.load(str(shard))
+    tensors["mtp.layers.0.extra_norm.weight"] = mx.ones((64,), dtype=mx.bfloat16)
+    mx.save_safetensors(str(shard), tensors, metadata={"format": "pt"})
+    index = json.loads((src / "model.safetensors.index.json").read_text())
+    index["weight_map"]["mtp.layers.0.extra_norm.weight"] = shard.name
+    index["metadata"]["total_size"] += 128
+    (src / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(MtpkitError, match=r"\(MTP head\).*mtp\.layers\.0\.extra_norm\.weight"):
+        convert(str(src), output=tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
 def test_interrupted_run_leaves_nothing(sources, tmp_path, monkeypatch):
     import mtpkit.convert as conv
 
