@@ -38,6 +38,7 @@ from mtpkit.generate import (
     check_prompt,
     encode_prompt,
     load_model,
+    untapped,
 )
 
 DEFAULT_PROMPT = (
@@ -257,7 +258,8 @@ def _bench(
     for trial in range(trials):
         say(f"trial {trial + 1}/{trials}: stock mlx-lm, mtpkit --no-mtp, MTP depths 1..{max_depth}")
         plain = max(plain, _stock_run(stock_model, stock_tokenizer, tokens, max_tokens))
-        no_mtp = max(no_mtp, _stock_run(m.model, m.tokenizer, tokens, max_tokens))
+        with untapped(m.model.model.norm):
+            no_mtp = max(no_mtp, _stock_run(m.model, m.tokenizer, tokens, max_tokens))
         for depth in range(1, max_depth + 1):
             run = _mtp_run(m, tokens, depth, max_tokens)
             if depth not in best or run[0] > best[depth][0]:

@@ -16,6 +16,7 @@ the last hidden state (its input for `pre_norm`, its output for `post_norm`).
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import json
 import sys
@@ -83,6 +84,20 @@ def tap_final_norm(norm: nn.Module) -> HiddenCapture:
     )
     norm._mtpkit_capture = HiddenCapture()
     return norm._mtpkit_capture
+
+
+@contextlib.contextmanager
+def untapped(norm: nn.Module) -> Iterator[None]:
+    """The final norm as stock mlx-lm has it, for plain decoding (no hidden state kept)."""
+    cls = type(norm)
+    if not getattr(cls, "_mtpkit_tap", False):
+        yield
+        return
+    norm.__class__ = cls.__mro__[1]
+    try:
+        yield
+    finally:
+        norm.__class__ = cls
 
 
 @dataclass
@@ -827,20 +842,21 @@ def _stock_tokens(
     def run() -> Iterator[int]:
         start = time.perf_counter()
         first = None
-        for response in stream_generate(
-            m.model,
-            m.tokenizer,
-            mx.array(prompt),
-            max_tokens=max_tokens,
-            sampler=sampling.sampler(),
-        ):
-            if first is None:
-                first = time.perf_counter()
-                stats.prompt_time = first - start
-            if response.finish_reason == "stop":
-                break
-            stats.generated.append(response.token)
-            yield response.token
+        with untapped(m.model.model.norm):
+            for response in stream_generate(
+                m.model,
+                m.tokenizer,
+                mx.array(prompt),
+                max_tokens=max_tokens,
+                sampler=sampling.sampler(),
+            ):
+                if first is None:
+                    first = time.perf_counter()
+                    stats.prompt_time = first - start
+                if response.finish_reason == "stop":
+                    break
+                stats.generated.append(response.token)
+                yield response.token
         stats.decode_time = time.perf_counter() - (first or start)
 
     return run(), lambda: stats
