@@ -119,7 +119,8 @@ def test_healthy_conversion_passes(converted):
 
 
 def test_healthy_quantized_conversion_passes(quantized):
-    result = check(quantized)
+    # Quantized matmuls are slow on the CPU backend: shorter generations keep this test quick.
+    result = check_checkpoint(str(quantized), max_tokens=12)
     assert result["verdict"] == "pass", result["checks"]
 
 
