@@ -408,8 +408,11 @@ class Stats:
     accepted: int = 0
     drafted_by_depth: list[int] = field(default_factory=lambda: [0] * MAX_DEPTH)
     accepted_by_depth: list[int] = field(default_factory=lambda: [0] * MAX_DEPTH)
+    # As mlx-lm reports them: the prompt's time runs to the first output (for MTP, the first
+    # round), the decode rate counts the tokens after it.
     prompt_time: float = 0.0
     decode_time: float = 0.0
+    decode_tokens: int = 0
     rounds: int = 0
     plain_steps: int = 0
     # (position in prompt + output of the first draft, the drafts) for every round.
@@ -712,31 +715,42 @@ class MtpDecoder:
         from mlx_lm.generate import generation_stream
 
         eos = set(getattr(self.m.tokenizer, "eos_token_ids", None) or [])
+        start = time.perf_counter()
         self.prefill()
         produced = 0
-        start = time.perf_counter()
-        with mx.stream(generation_stream):
-            while produced < max_tokens:
-                t0 = time.perf_counter()
-                can_draft = self.use_mtp and self.m.head is not None
-                drafting = can_draft and self.adaptive.want_draft() and self._ahead is None
-                if drafting and self.pending_tokens:
-                    new = self.draft_round()
-                    self.adaptive.record_round(time.perf_counter() - t0, len(new), self.depth + 1)
-                else:
-                    ahead = not can_draft or self.adaptive.plain_ahead() > 0
-                    new = self.plain_step(ahead=ahead and produced + 1 < max_tokens)
-                    self.adaptive.record_plain(time.perf_counter() - t0)
-                for t in new:
-                    if t in eos:
-                        self.stats.decode_time = time.perf_counter() - start
-                        return
-                    self.stats.generated.append(t)
-                    produced += 1
-                    yield t
-                    if produced >= max_tokens:
-                        break
-        self.stats.decode_time = time.perf_counter() - start
+        first_done: float | None = None
+        first_count = 0
+        try:
+            with mx.stream(generation_stream):
+                while produced < max_tokens:
+                    t0 = time.perf_counter()
+                    can_draft = self.use_mtp and self.m.head is not None
+                    drafting = can_draft and self.adaptive.want_draft() and self._ahead is None
+                    if drafting and self.pending_tokens:
+                        new = self.draft_round()
+                        self.adaptive.record_round(
+                            time.perf_counter() - t0, len(new), self.depth + 1
+                        )
+                    else:
+                        ahead = not can_draft or self.adaptive.plain_ahead() > 0
+                        new = self.plain_step(ahead=ahead and produced + 1 < max_tokens)
+                        self.adaptive.record_plain(time.perf_counter() - t0)
+                    if first_done is None:
+                        first_done = time.perf_counter()
+                        first_count = len(new)
+                        self.stats.prompt_time = first_done - start
+                    for t in new:
+                        if t in eos:
+                            return
+                        self.stats.generated.append(t)
+                        produced += 1
+                        yield t
+                        if produced >= max_tokens:
+                            break
+        finally:
+            if first_done is not None:
+                self.stats.decode_time = time.perf_counter() - first_done
+                self.stats.decode_tokens = max(0, len(self.stats.generated) - first_count)
 
 
 def _is_gdn_cache(cache: Any) -> bool:
@@ -858,6 +872,7 @@ def _stock_tokens(
                 stats.generated.append(response.token)
                 yield response.token
         stats.decode_time = time.perf_counter() - (first or start)
+        stats.decode_tokens = len(stats.generated)
 
     return run(), lambda: stats
 
@@ -929,7 +944,6 @@ def generate(
     if on_token is not None and (segment := detokenizer.last_segment):
         on_token(segment)
     stats = stats_fn()
-    n = len(stats.generated)
     return GenerationResult(
         text=detokenizer.text,
         tokens=list(stats.generated),
@@ -937,7 +951,7 @@ def generate(
         drafted=stats.drafted,
         accepted=stats.accepted,
         acceptance_by_depth=stats.acceptance_by_depth(depth) if use_mtp else [],
-        decode_tps=n / stats.decode_time if stats.decode_time > 0 else 0.0,
+        decode_tps=stats.decode_tokens / stats.decode_time if stats.decode_time > 0 else 0.0,
         prompt_tps=stats.prompt_tokens / stats.prompt_time if stats.prompt_time > 0 else 0.0,
         peak_memory_gb=mx.get_peak_memory() / 1e9,
         mtp=use_mtp,
