@@ -135,3 +135,35 @@ def test_vllm_mlx_qwen3_next_head_file_beside_the_shards(tmp_path: Path) -> None
     plain = generate(m, PROMPT, max_tokens=8, mtp=False)
     drafted = generate(m, PROMPT, max_tokens=8, depth=2, adaptive=False)
     assert drafted.tokens == plain.tokens and drafted.drafted > 0
+
+
+@pytest.mark.parametrize("norms", ["mlx_gamma", "zero_centred"])
+def test_vllm_mlx_qwen3_5_sidecar(tmp_path: Path, norms: str) -> None:
+    """vllm-mlx's Qwen3.5 sidecar: `mtp/weights.safetensors` under `mtp.*` names and a
+    manifest of its own (no `format: mtpkit`) whose `rmsnorm_weight_format` says whether
+    the norms are shifted yet."""
+    import json
+
+    path = converted_dir(tmp_path, "qwen3_5")
+    ours = load_model(path)
+    expected = dict(ours.head_weights.weights)
+    sidecar = {}
+    for k, v in expected.items():
+        module = k.removesuffix(".weight").rsplit(".", 1)[-1]
+        if norms == "zero_centred" and v.ndim == 1 and "norm" in module:
+            v = (v.astype(mx.float32) - 1.0).astype(v.dtype)
+        sidecar[f"mtp.{k}"] = v
+    mx.save_safetensors(str(path / "mtp" / "weights.safetensors"), sidecar)
+    (path / "mtp" / "manifest.json").write_text(
+        json.dumps({"rmsnorm_weight_format": norms, "num_mtp_layers": 1})
+    )
+    m = load_model(path)
+    assert m.head_weights.prefix == "mtp."
+    for k, v in expected.items():
+        assert mx.allclose(
+            m.head_weights.weights[k].astype(mx.float32), v.astype(mx.float32), atol=1e-2
+        )
+    prompt = list(range(5, 21))
+    assert generate(m, prompt, max_tokens=10, depth=2, adaptive=False).tokens == stock_tokens(
+        path, prompt, 10
+    )
