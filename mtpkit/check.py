@@ -952,7 +952,9 @@ def runnable_copy(ckpt: Checkpoint, *, log: Callable[[str], None]) -> Iterator[P
 
     if source.kind == "local":
         # A raw checkpoint is run the way users run it: through `mtpkit convert`.
-        with tempfile.TemporaryDirectory(prefix="mtpkit-check-") as tmp:
+        # In the cache root (on the home disk, like the Hub cache), not in a small /tmp.
+        _cache_root().mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(prefix="check-", dir=_cache_root()) as tmp:
             out = Path(tmp) / "converted"
             log(f"converting {source.describe()} for the probes")
             convert(source.spec, output=out)

@@ -190,7 +190,8 @@ def test_quantization_metadata_not_matching_fails_quantization(quantized, tmp_pa
     assert "quantization" in failed
 
 
-def test_cli_passes_the_raw_example_through_a_conversion(tmp_path):
+def test_cli_passes_the_raw_example_through_a_conversion(tmp_path, monkeypatch):
+    monkeypatch.setenv("MTPKIT_CACHE", str(tmp_path / "cache"))
     report = tmp_path / "junit.xml"
     out = runner.invoke(
         app, ["check", str(EXAMPLE), "--max-tokens", str(MAX_TOKENS), "--junit", str(report)]
@@ -202,3 +203,4 @@ def test_cli_passes_the_raw_example_through_a_conversion(tmp_path):
     assert suite.get("failures") == "0"
     props = {p.get("name"): p.get("value") for p in suite.iter("property")}
     assert props["verdict"] == "pass" and float(props["acceptance"]) >= 0.3
+    assert list((tmp_path / "cache").iterdir()) == []  # the temporary conversion is gone
