@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-import json
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -988,10 +987,6 @@ def measure_acceptance(
         drafted += decoder.stats.drafted
         accepted += decoder.stats.accepted
     return accepted / drafted if drafted else 0.0
-
-
-def result_json(result: GenerationResult) -> str:
-    return json.dumps(result.to_json(), indent=2)
 
 
 __all__ = [

@@ -22,7 +22,6 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx.utils import tree_flatten
 from mlx_lm.models.base import create_attention_mask
 from mlx_lm.models.cache import KVCache
 
@@ -546,7 +545,3 @@ def load_head(
                 module.weight = module.weight + norm_shift
     mx.eval(head.parameters())
     return head, hw
-
-
-def head_parameter_count(head: MtpHead) -> int:
-    return sum(v.size for _, v in tree_flatten(head.parameters()))
