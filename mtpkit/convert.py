@@ -77,6 +77,8 @@ COPIED_FILES = re.compile(
 LAYOUTS = ("sidecar", "inline")
 FP8_DTYPES = ("F8_E4M3",)
 HIDDEN_VARIANTS = ("post_norm", "pre_norm")
+# MLX's buffer cache during a conversion (its default is the whole memory limit).
+BUFFER_CACHE_BYTES = 1 << 30
 
 
 @dataclass
@@ -1029,8 +1031,9 @@ def convert(
     _check_conv1d(ckpt, raw)
 
     converter = Converter(ckpt, settings)
-    # MLX keeps freed buffers for reuse; tensors of ever-new sizes would pile up there.
-    cache_limit = mx.set_cache_limit(0)
+    # MLX keeps freed buffers for reuse (much faster than fresh pages); a bound keeps tensors
+    # of ever-new sizes from piling up there.
+    cache_limit = mx.set_cache_limit(BUFFER_CACHE_BYTES)
     try:
         return _convert_planned(ckpt, converter, settings, out, quiet, started)
     finally:
@@ -1182,7 +1185,7 @@ def graft(
     )
     settings.validate()
     converter = Converter(ckpt, settings, head_only=True)
-    cache_limit = mx.set_cache_limit(0)
+    cache_limit = mx.set_cache_limit(BUFFER_CACHE_BYTES)
     try:
         return _graft_planned(ckpt, converter, settings, into, trunk_quant, quiet, started)
     finally:
