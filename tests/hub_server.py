@@ -831,6 +831,7 @@ def point_client_at(endpoint: str, home: Path, monkeypatch: pytest.MonkeyPatch) 
     Sets the environment for anything imported later and patches what was computed at import time.
     """
     import huggingface_hub
+    import huggingface_hub.hf_api  # noqa: F401 - lazily imported by the package; patched below
     from huggingface_hub import constants
     from huggingface_hub.utils import _cache_assets, _cache_manager, _http
 
