@@ -452,6 +452,7 @@ class AdaptiveDrafting:
         self.mtp_times: list[tuple[float, int]] = []
         self.plain_times: list[float] = []
         self.plain_left = 0
+        self.capacity = 2  # tokens a round can yield: depth + 1
         # Plain speed is measured after the first two rounds (so that short generations
         # draft from the start), over four steps.
         self.probing_plain = False
@@ -477,6 +478,7 @@ class AdaptiveDrafting:
         if self.probing_plain and len(self.plain_times) >= 4:
             self.probing_plain = False
             self.plain_left = 0
+            self._judge()  # the rounds before the probe may already be hopeless
 
     def _plain_per_token(self) -> float:
         # The first plain step after a drafting stretch carries the head's catch-up.
@@ -488,10 +490,15 @@ class AdaptiveDrafting:
         if not self.enabled:
             return
         self.mtp_times.append((seconds, emitted))
+        self.capacity = capacity
         if not self.plain_times:
             if len(self.mtp_times) >= 2:
                 self.probing_plain = True
             return
+        self._judge()
+
+    def _judge(self) -> None:
+        capacity = self.capacity
         plain_per_token = self._plain_per_token()
         if len(self.mtp_times) >= 2:
             fastest = min(s for s, _ in self.mtp_times[-2:])
