@@ -26,20 +26,7 @@ HEAD = Path("mtp") / "weights.safetensors"
 # Fewer tokens than the CLI's default keep the suite fast; 16 prompts keep the statistics.
 MAX_TOKENS = 32
 
-pytestmark = pytest.mark.skipif(
-    not (EXAMPLE / "config.json").exists(), reason="the trained example is not committed yet"
-)
-
 runner = CliRunner()
-
-
-@pytest.fixture(scope="module")
-def converted(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from mtpkit.convert import convert
-
-    out = tmp_path_factory.mktemp("example") / "bf16"
-    convert(str(EXAMPLE), output=out)
-    return out
 
 
 @pytest.fixture(scope="module")

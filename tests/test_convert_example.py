@@ -20,11 +20,6 @@ from mtpkit.generate import measure_acceptance
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "mtpkit" / "examples" / "tiny-qwen3_5"
 
-pytestmark = pytest.mark.skipif(
-    not (EXAMPLE / "config.json").exists(), reason="the trained example is not in this checkout"
-)
-
-
 @pytest.fixture(scope="module")
 def prompts() -> list[str]:
     lines = [line for line in (EXAMPLE / "heldout.txt").read_text().splitlines() if line.strip()]

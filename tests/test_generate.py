@@ -13,7 +13,6 @@ import mlx.core as mx
 import mlx_lm
 import pytest
 
-from mtpkit.convert import convert
 from mtpkit.generate import (
     MtpDecoder,
     SamplingSettings,
@@ -30,13 +29,6 @@ def heldout_prompts(n: int, words: int = 8) -> list[str]:
     """Starts of docstrings from standard-library modules the model never trained on."""
     lines = [line for line in (EXAMPLE / "heldout.txt").read_text().splitlines() if line.strip()]
     return [" ".join(line.split()[:words]) for line in lines[:n]]
-
-
-@pytest.fixture(scope="module")
-def converted(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("example") / "tiny-qwen3_5-mlx"
-    convert(str(EXAMPLE), output=out)
-    return out
 
 
 @pytest.fixture(scope="module")

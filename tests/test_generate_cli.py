@@ -10,7 +10,6 @@ import pytest
 from typer.testing import CliRunner
 
 from mtpkit.cli import app
-from mtpkit.convert import convert
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "mtpkit" / "examples" / "tiny-qwen3_5"
 PROMPT = "Return a new list of the"
@@ -29,13 +28,6 @@ GENERATE_KEYS = {
     "mtp",
     "depth",
 }
-
-
-@pytest.fixture(scope="module")
-def converted(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("cli") / "tiny"
-    convert(str(EXAMPLE), output=out)
-    return out
 
 
 @pytest.fixture(scope="module")
