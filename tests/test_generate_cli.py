@@ -11,7 +11,6 @@ from typer.testing import CliRunner
 
 from mtpkit.cli import app
 
-EXAMPLE = Path(__file__).resolve().parents[1] / "mtpkit" / "examples" / "tiny-qwen3_5"
 PROMPT = "Return a new list of the"
 GENERATE_KEYS = {
     "text",
