@@ -814,10 +814,24 @@ def _output_config(ckpt: Checkpoint, plan: Plan, settings: Settings, layers: int
     if settings.bits:
         quant = {"group_size": settings.group_size, "bits": settings.bits, "mode": "affine"}
         quant.update(plan.quant_overrides)
+    _set_quantization(config, quant, ckpt.family, plan, settings)
+    if layers:
+        ckpt.family.declare_mtp(config, layers)
+    return dict(sorted(config.items()))
+
+
+def _set_quantization(
+    config: dict[str, Any],
+    quant: dict[str, Any] | None,
+    family: Family,
+    plan: Plan,
+    settings: Settings,
+) -> None:
+    """Write the backbone's quantization (`quant`, any old head entries dropped) plus one entry
+    per head module into `config`, as mlx-lm's loader reads them."""
     if quant is not None:
-        quant = {k: v for k, v in quant.items() if not k.startswith(ckpt.family.head_prefix)}
-    head_quantized = any(v for v in plan.head_quant.values())
-    if quant is None and head_quantized:
+        quant = {k: v for k, v in quant.items() if not k.startswith(family.head_prefix)}
+    if quant is None and any(plan.head_quant.values()):
         spec = settings.head_spec()
         assert spec is not None
         quant = {"group_size": spec.group_size, "bits": spec.bits, "mode": "affine"}
@@ -825,9 +839,6 @@ def _output_config(ckpt: Checkpoint, plan: Plan, settings: Settings, layers: int
         quant.update(plan.head_quant)
         config["quantization"] = quant
         config["quantization_config"] = quant
-    if layers:
-        ckpt.family.declare_mtp(config, layers)
-    return dict(sorted(config.items()))
 
 
 def _manifest(
@@ -1207,17 +1218,7 @@ def _graft_planned(
     layers = _head_layers(ckpt.family, plan)
 
     config = json.loads((into / "config.json").read_text())
-    quant = config.get("quantization")
-    if quant is not None:
-        quant = {k: v for k, v in quant.items() if not k.startswith(ckpt.family.head_prefix)}
-    if quant is None and any(plan.head_quant.values()):
-        spec = settings.head_spec()
-        assert spec is not None
-        quant = {"group_size": spec.group_size, "bits": spec.bits, "mode": "affine"}
-    if quant is not None:
-        quant.update(plan.head_quant)
-        config["quantization"] = quant
-        config["quantization_config"] = quant
+    _set_quantization(config, config.get("quantization"), ckpt.family, plan, settings)
     ckpt.family.declare_mtp(config, layers)
     backbone_quant = (
         {"bits": trunk_quant.get("bits"), "group_size": trunk_quant.get("group_size")}
