@@ -432,17 +432,22 @@ def test_problem_source_is_refused_without_output(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
+def add_tensor(src: Path, shard_name: str, name: str, value: mx.array) -> None:
+    """Add one tensor to a shard of a raw checkpoint and keep its index consistent."""
+    shard = src / shard_name
+    tensors = mx.load(str(shard))
+    tensors[name] = value
+    mx.save_safetensors(str(shard), tensors, metadata={"format": "pt"})
+    index = json.loads((src / "model.safetensors.index.json").read_text())
+    index["weight_map"][name] = shard_name
+    index["metadata"]["total_size"] += value.nbytes
+    (src / "model.safetensors.index.json").write_text(json.dumps(index))
+
+
 def test_unknown_tensor_is_refused_by_name(sources, tmp_path):
     src = tmp_path / "src"
     shutil.copytree(sources("mimo"), src)
-    shard = src / "model-00001-of-00002.safetensors"
-    tensors = mx.load(str(shard))
-    tensors["model.layers.0.mystery.weight"] = mx.zeros((4, 4))
-    mx.save_safetensors(str(shard), tensors, metadata={"format": "pt"})
-    index = json.loads((src / "model.safetensors.index.json").read_text())
-    index["weight_map"]["model.layers.0.mystery.weight"] = shard.name
-    index["metadata"]["total_size"] += 64
-    (src / "model.safetensors.index.json").write_text(json.dumps(index))
+    add_tensor(src, "model-00001-of-00002.safetensors", "model.layers.0.mystery.weight", mx.zeros((4, 4)))
     with pytest.raises(MtpkitError, match=r"model\.layers\.0\.mystery\.weight"):
         convert(str(src), output=tmp_path / "out")
     assert not (tmp_path / "out").exists()
@@ -451,14 +456,12 @@ def test_unknown_tensor_is_refused_by_name(sources, tmp_path):
 def test_unknown_head_tensor_is_refused_by_name(sources, tmp_path):
     src = tmp_path / "src"
     shutil.copytree(sources("qwen3_5"), src)
-    shard = src / "model-00002-of-00002.safetensors"
-    tensors = mx.load(str(shard))
-    tensors["mtp.layers.0.extra_norm.weight"] = mx.ones((64,), dtype=mx.bfloat16)
-    mx.save_safetensors(str(shard), tensors, metadata={"format": "pt"})
-    index = json.loads((src / "model.safetensors.index.json").read_text())
-    index["weight_map"]["mtp.layers.0.extra_norm.weight"] = shard.name
-    index["metadata"]["total_size"] += 128
-    (src / "model.safetensors.index.json").write_text(json.dumps(index))
+    add_tensor(
+        src,
+        "model-00002-of-00002.safetensors",
+        "mtp.layers.0.extra_norm.weight",
+        mx.ones((64,), dtype=mx.bfloat16),
+    )
     with pytest.raises(MtpkitError, match=r"\(MTP head\).*mtp\.layers\.0\.extra_norm\.weight"):
         convert(str(src), output=tmp_path / "out")
     assert not (tmp_path / "out").exists()
