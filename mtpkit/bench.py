@@ -27,19 +27,9 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
-from mtpkit.generate import (
-    _ACTIVE_SNAPSHOTS,
-    GdnSnapshots,
-    MtpDecoder,
-    MtpModel,
-    NoMtpHead,
-    SamplingSettings,
-    _is_gdn_cache,
-    check_prompt,
-    encode_prompt,
-    load_model,
-    untapped,
-)
+from mtpkit.decode import MtpDecoder, SamplingSettings
+from mtpkit.generate import check_prompt, encode_prompt
+from mtpkit.runtime import MtpModel, NoMtpHead, is_recurrent_cache, load_model, untapped
 
 DEFAULT_PROMPT = (
     "Write a short explanation of how a hash table works, with an example of inserting "
@@ -106,18 +96,17 @@ class _ForwardTimer:
         self.cache = m.make_cache()
         m.model(mx.array(prompt)[None], cache=self.cache)
         mx.eval([c.state for c in self.cache])
-        self.saved = [list(c.cache) if _is_gdn_cache(c) else None for c in self.cache]
+        self.saved = [list(c.cache) if is_recurrent_cache(c) else None for c in self.cache]
         self.token = prompt[-1]
 
     def forward(self, n: int) -> None:
-        snapshots = GdnSnapshots() if n > 1 else None
-        ctx = _ACTIVE_SNAPSHOTS.set(snapshots)
-        try:
-            logits = self.m.model(mx.array([self.token] * n)[None], cache=self.cache)
-            hidden = self.m.hidden_state()
-            mx.eval(logits, hidden, snapshots.states if snapshots else [])
-        finally:
-            _ACTIVE_SNAPSHOTS.reset(ctx)
+        tokens = mx.array([self.token] * n)
+        if n > 1:  # a verify pass, with its gated-delta-net snapshots, as decoding runs it
+            verified = self.m.verify(tokens, self.cache)
+            snapshots = verified.snapshots.states if verified.snapshots else []
+            mx.eval(verified.logits, verified.hidden, snapshots)
+        else:
+            mx.eval(*self.m.forward(tokens[None], self.cache))
         for c, saved in zip(self.cache, self.saved, strict=True):
             if saved is None:
                 c.trim(n)
@@ -346,7 +335,7 @@ def build_random_model(
     from mlx_lm.models import qwen3_5
     from mlx_lm.utils import quantize_model, save_config, save_model
 
-    from mtpkit.heads import build_head
+    from mtpkit.headload import build_head
 
     text = dict(RANDOM_SHAPES[shape])
     config: dict[str, Any] = {

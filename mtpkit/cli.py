@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import os
 from collections.abc import Callable
+from enum import Enum
 from typing import Annotated, Any
 
 import typer
@@ -31,6 +32,54 @@ RevisionOpt = Annotated[
     str | None, typer.Option("--revision", help="Hub branch, tag or commit (Hub repos only).")
 ]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON object on stdout.")]
+
+
+# Options with fixed choices: Click lists them in --help and rejects others as usage errors
+# (exit 2). The values are the library's own (tests/test_cli.py holds them equal).
+class Dtype(str, Enum):
+    bfloat16 = "bfloat16"
+    float16 = "float16"
+    float32 = "float32"
+
+
+class Layout(str, Enum):
+    sidecar = "sidecar"
+    inline = "inline"
+
+
+class Hidden(str, Enum):
+    post_norm = "post_norm"
+    pre_norm = "pre_norm"
+
+
+class Bits(str, Enum):
+    b2, b3, b4, b5, b6, b8 = "2", "3", "4", "5", "6", "8"
+
+
+class GroupSize(str, Enum):
+    g32, g64, g128 = "32", "64", "128"
+
+
+class RandomShape(str, Enum):
+    qwen3_5_0_8b = "qwen3_5-0.8b"
+
+
+# Draft depths the runtime supports (mtpkit.generate.MAX_DEPTH).
+MAX_DEPTH = 4
+
+
+def _value(choice: Enum | None) -> Any:
+    return None if choice is None else choice.value
+
+
+def _number(choice: Enum | None) -> int | None:
+    return None if choice is None else int(choice.value)
+
+
+def _require_depth(depth: int) -> None:
+    """Checked here, before the runtime's imports (seconds), with the runtime's message."""
+    if not 1 <= depth <= MAX_DEPTH:
+        raise MtpkitError(f"--depth must be between 1 and {MAX_DEPTH}, not {depth}")
 
 
 def friendly_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -148,38 +197,62 @@ def check(
 
     Exit 0 on pass, 3 on fail, 1 on an error.
     """
-    from mtpkit.check import (
-        check_checkpoint,
-        junit_error_xml,
-        print_report,
-        stderr_log,
-        write_junit,
-    )
-    from mtpkit.output import print_json
-    from mtpkit.prompts import read_prompts
+    from mtpkit.check import check_checkpoint
+    from mtpkit.output import log, print_check, print_json
 
-    try:
-        result = check_checkpoint(
-            source,
-            revision=revision,
-            probe=probe,
-            prompts=read_prompts(prompts) if prompts is not None else None,
-            min_acceptance=min_acceptance,
-            max_tokens=max_tokens,
-            log=stderr_log,
-        )
-    except MtpkitError as e:
-        if junit is not None:  # CI shows why the check could not run
-            write_junit(junit_error_xml(source, revision, str(e)), junit)
-        raise
-    if junit is not None:
-        write_junit(result, junit)
+    result = check_checkpoint(
+        source,
+        revision=revision,
+        probe=probe,
+        prompts_file=prompts,
+        min_acceptance=min_acceptance,
+        max_tokens=max_tokens,
+        junit=junit,
+        log=log,
+    )
     if json_output:
         print_json(result)
     else:
-        print_report(result)
+        print_check(result)
     if result["verdict"] != "pass":
         raise typer.Exit(EXIT_FAILED_REQUIREMENT)
+
+
+# Options of `convert` and `generate`, declared here to keep the signatures short.
+BitsOpt = Annotated[
+    Bits | None, typer.Option("--bits", help="Quantize to this many bits (affine).")
+]
+GroupSizeOpt = Annotated[
+    GroupSize | None, typer.Option("--group-size", help="Quantization group size.")
+]
+KeepMtpBf16Opt = Annotated[
+    bool,
+    typer.Option(
+        "--keep-mtp-bf16",
+        help="Leave every MTP tensor unquantized (float16 with --dtype float16, else bfloat16).",
+    ),
+]
+MtpBitsOpt = Annotated[
+    Bits | None, typer.Option("--mtp-bits", help="Quantize the MTP head at this many bits.")
+]
+DtypeOpt = Annotated[
+    Dtype | None, typer.Option("--dtype", help="The dtype of unquantized weights.")
+]
+LayoutOpt = Annotated[
+    Layout | None,
+    typer.Option(
+        "--layout",
+        help="sidecar (default: head in mtp/) or inline (also in the model shards, "
+        "Qwen3.5/3.6 only).",
+    ),
+]
+TempOpt = Annotated[
+    float, typer.Option("--temp", min=0.0, help="Sampling temperature; 0 is greedy.")
+]
+TopPOpt = Annotated[
+    float, typer.Option("--top-p", min=0.0, max=1.0, help="Nucleus sampling (0 or 1: off).")
+]
+TopKOpt = Annotated[int, typer.Option("--top-k", min=0, help="Sample among the top K (0: off).")]
 
 
 @app.command()
@@ -190,36 +263,14 @@ def convert(
         str | None, typer.Option("--output", "-o", help="The MLX directory to write.")
     ] = None,
     revision: RevisionOpt = None,
-    bits: Annotated[
-        int | None, typer.Option("--bits", help="Quantize to 2, 3, 4, 5, 6 or 8 bits (affine).")
-    ] = None,
-    group_size: Annotated[
-        int | None, typer.Option("--group-size", help="Quantization group size: 32, 64 or 128.")
-    ] = None,
-    keep_mtp_bf16: Annotated[
-        bool,
-        typer.Option(
-            "--keep-mtp-bf16",
-            help="Leave every MTP tensor unquantized (float16 with --dtype float16, else bfloat16).",
-        ),
-    ] = False,
-    mtp_bits: Annotated[
-        int | None, typer.Option("--mtp-bits", help="Quantize the MTP head at this many bits.")
-    ] = None,
-    dtype: Annotated[
-        str | None,
-        typer.Option("--dtype", help="bfloat16, float16 or float32 for unquantized weights."),
-    ] = None,
-    layout: Annotated[
-        str | None,
-        typer.Option(
-            "--layout",
-            help="sidecar (default: head in mtp/) or inline (also in the model shards, "
-            "Qwen3.5/3.6 only).",
-        ),
-    ] = None,
+    bits: BitsOpt = None,
+    group_size: GroupSizeOpt = None,
+    keep_mtp_bf16: KeepMtpBf16Opt = False,
+    mtp_bits: MtpBitsOpt = None,
+    dtype: DtypeOpt = None,
+    layout: LayoutOpt = None,
     hidden: Annotated[
-        str | None,
+        Hidden | None,
         typer.Option(
             "--hidden",
             help="Hidden state the head expects, recorded in the manifest: post_norm "
@@ -247,7 +298,7 @@ def convert(
     """
     from mtpkit.convert import convert as convert_checkpoint
     from mtpkit.convert import graft
-    from mtpkit.output import print_json
+    from mtpkit.output import print_convert, print_json
 
     if mtp_only:
         if into is None or output is not None or bits is not None or layout or recipe or force:
@@ -260,10 +311,10 @@ def convert(
             into=into,
             revision=revision,
             keep_mtp_bf16=keep_mtp_bf16,
-            mtp_bits=mtp_bits,
-            group_size=group_size,
-            dtype=dtype,
-            hidden=hidden,
+            mtp_bits=_number(mtp_bits),
+            group_size=_number(group_size),
+            dtype=_value(dtype),
+            hidden=_value(hidden),
             quiet=quiet or json_output,
         )
     else:
@@ -273,13 +324,13 @@ def convert(
             source,
             output=output,
             revision=revision,
-            bits=bits,
-            group_size=group_size,
+            bits=_number(bits),
+            group_size=_number(group_size),
             keep_mtp_bf16=keep_mtp_bf16,
-            mtp_bits=mtp_bits,
-            dtype=dtype,
-            layout=layout,
-            hidden=hidden,
+            mtp_bits=_number(mtp_bits),
+            dtype=_value(dtype),
+            layout=_value(layout),
+            hidden=_value(hidden),
             recipe=recipe,
             force=force,
             quiet=quiet or json_output,
@@ -287,10 +338,7 @@ def convert(
     if json_output:
         print_json(result.as_dict())
     else:
-        typer.echo(
-            f"wrote {result.output}: {result.family}, {result.backbone_tensors} backbone and "
-            f"{result.head_tensors} MTP tensors in {result.seconds:.1f}s"
-        )
+        print_convert(result)
 
 
 MtpOpt = Annotated[
@@ -311,22 +359,21 @@ MtpAutoArg = Annotated[str | None, typer.Argument(hidden=True, metavar="[auto]")
 def generate(
     model: Annotated[str, typer.Option("--model", "-m", help="A model directory or Hub repo id.")],
     prompt: Annotated[str, typer.Option("--prompt", "-p", help="The prompt; - reads stdin.")],
-    max_tokens: Annotated[int, typer.Option("--max-tokens", help="Tokens to generate.")] = 256,
+    max_tokens: Annotated[
+        int, typer.Option("--max-tokens", min=1, help="Tokens to generate.")
+    ] = 256,
     mtp: MtpOpt = None,
     mtp_mode: MtpAutoArg = None,
     depth: Annotated[
         int, typer.Option("--depth", help="Draft tokens per step, 1..4 (the head chained).")
     ] = 1,
-    temp: Annotated[float, typer.Option("--temp", help="Sampling temperature; 0 is greedy.")] = 0.0,
-    top_p: Annotated[float, typer.Option("--top-p", help="Nucleus sampling (0 or 1: off).")] = 0.0,
-    top_k: Annotated[int, typer.Option("--top-k", help="Sample among the top K (0: off).")] = 0,
+    temp: TempOpt = 0.0,
+    top_p: TopPOpt = 0.0,
+    top_k: TopKOpt = 0,
     seed: Annotated[int | None, typer.Option("--seed", help="Random seed for sampling.")] = None,
     hidden: Annotated[
-        str | None,
-        typer.Option(
-            "--hidden",
-            help="Hidden state fed to the head: pre_norm or post_norm (default: the manifest's).",
-        ),
+        Hidden | None,
+        typer.Option("--hidden", help="Hidden state fed to the head (default: the manifest's)."),
     ] = None,
     adaptive: Annotated[
         bool,
@@ -350,13 +397,14 @@ def generate(
     """
     import sys
 
-    from mtpkit.generate import generate as run_generate
-    from mtpkit.output import print_json
-
     if mtp_mode not in (None, "auto") or (mtp_mode == "auto" and mtp is not True):
         raise MtpkitError(f"unexpected argument {mtp_mode!r}: the only word --mtp takes is 'auto'")
     mode: bool | str = "auto" if (mtp is None or mtp_mode == "auto") else mtp
+    _require_depth(depth)
     text = sys.stdin.read() if prompt == "-" else prompt
+
+    from mtpkit.generate import generate as run_generate
+    from mtpkit.output import print_generate, print_json
 
     def stream(segment: str) -> None:
         sys.stdout.write(segment)
@@ -372,7 +420,7 @@ def generate(
         top_p=top_p,
         top_k=top_k,
         seed=seed,
-        hidden=hidden,
+        hidden=_value(hidden),
         adaptive=adaptive,
         chat_template=chat_template,
         on_token=None if json_output else stream,
@@ -382,18 +430,7 @@ def generate(
         print_json(result.to_json())
         return
     sys.stdout.write("\n")
-    summary = (
-        f"{len(result.tokens)} tokens, {result.decode_tps:.1f} tok/s, "
-        f"prompt {result.prompt_tokens} tokens at {result.prompt_tps:.1f} tok/s"
-    )
-    if result.mtp:
-        acc = "n/a" if result.acceptance is None else f"{result.acceptance:.1%}"
-        summary += (
-            f", MTP depth {result.depth}: acceptance {acc} ({result.accepted}/{result.drafted})"
-        )
-    else:
-        summary += ", no MTP"
-    typer.echo(summary, err=True)
+    print_generate(result)
 
 
 @app.command()
@@ -403,18 +440,19 @@ def bench(
         str | None, typer.Option("--model", "-m", help="A model directory or Hub repo id.")
     ] = None,
     random_shape: Annotated[
-        str | None,
+        RandomShape | None,
         typer.Option(
             "--random",
-            help="Instead of --model, build a random-weight 4-bit model of this shape "
-            "(qwen3_5-0.8b) in a temporary directory.",
+            help="Instead of --model, build a random-weight 4-bit model of this shape in a "
+            "temporary directory.",
         ),
     ] = None,
     prompt: Annotated[str | None, typer.Option("--prompt", "-p", help="The prompt.")] = None,
-    max_tokens: Annotated[int, typer.Option("--max-tokens", help="Tokens per run.")] = 128,
+    max_tokens: Annotated[int, typer.Option("--max-tokens", min=1, help="Tokens per run.")] = 128,
     max_depth: Annotated[int, typer.Option("--depth", help="Measure depths 1..K.")] = 3,
     trials: Annotated[
-        int, typer.Option("--trials", help="Interleaved trials; each figure is the best one.")
+        int,
+        typer.Option("--trials", min=1, help="Interleaved trials; each figure is the best one."),
     ] = 3,
     json_output: JsonOpt = False,
 ) -> None:
@@ -424,15 +462,16 @@ def bench(
     """
     import shutil
 
+    if (model is None) == (random_shape is None):
+        raise MtpkitError("pass --model DIR or --random SHAPE")
+    _require_depth(max_depth)
+    shape = _value(random_shape)
+
     from mtpkit.bench import DEFAULT_PROMPT, print_bench, random_model_dir
     from mtpkit.bench import bench as run_bench
     from mtpkit.output import print_json
 
-    if (model is None) == (random_shape is None):
-        raise MtpkitError("pass --model DIR or --random SHAPE")
-    if not 1 <= max_depth <= 4:
-        raise MtpkitError(f"--depth must be between 1 and 4, not {max_depth}")
-    built = random_model_dir(random_shape) if random_shape else None
+    built = random_model_dir(shape) if shape else None
     try:
         result = run_bench(
             str(built) if built else model,
@@ -445,8 +484,8 @@ def bench(
     finally:
         if built is not None:
             shutil.rmtree(built.parent, ignore_errors=True)
-    if random_shape:
-        result.model = f"random:{random_shape}"
+    if shape:
+        result.model = f"random:{shape}"
     if json_output:
         print_json(result.to_json())
         return

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import sys
 from typing import Any
 
@@ -12,6 +11,9 @@ from rich.table import Table
 
 stdout = Console(soft_wrap=True)
 stderr = Console(stderr=True, soft_wrap=True)
+# mtpkit's bars, as a huggingface_hub progress-bar group (`disable_progress_bars("mtpkit")`).
+PROGRESS_GROUP = "mtpkit"
+STATUS_STYLE = {"pass": "green", "warn": "yellow", "fail": "bold red"}
 
 
 def print_json(obj: Any) -> None:
@@ -20,9 +22,28 @@ def print_json(obj: Any) -> None:
 
 
 def progress_disabled(quiet: bool = False) -> bool:
-    """Progress bars are off with --quiet or HF_HUB_DISABLE_PROGRESS_BARS=1."""
-    env = os.environ.get("HF_HUB_DISABLE_PROGRESS_BARS", "").strip().lower()
-    return quiet or env in ("1", "true", "yes", "on")
+    """Progress bars are off with --quiet, or as huggingface_hub decides for its own bars
+    (HF_HUB_DISABLE_PROGRESS_BARS=1, or `disable_progress_bars()` in Python)."""
+    from huggingface_hub.utils import are_progress_bars_disabled
+
+    return quiet or are_progress_bars_disabled(PROGRESS_GROUP)
+
+
+def progress_bar(total: int, *, desc: str, quiet: bool = False) -> Any:
+    """A byte-counting bar on stderr (huggingface_hub's tqdm), or None when bars are off."""
+    if progress_disabled(quiet):
+        return None
+    from huggingface_hub.utils import tqdm
+
+    return tqdm(
+        total=total,
+        unit="B",
+        unit_scale=True,
+        desc=desc,
+        file=sys.stderr,
+        leave=False,
+        name=PROGRESS_GROUP,
+    )
 
 
 def human_bytes(n: int) -> str:
@@ -83,3 +104,64 @@ def print_inspect(result: dict[str, Any], *, show_tensors: bool = True) -> None:
         stdout.print(table)
     else:
         stdout.print("no problems found")
+
+
+def print_check(result: dict[str, Any]) -> None:
+    """The `mtpkit check` table and its verdict line."""
+    where = result["source"] + (f"@{result['revision']}" if result.get("revision") else "")
+    table = Table(title=f"mtpkit check {where}", title_justify="left")
+    table.add_column("check")
+    table.add_column("status")
+    table.add_column("detail")
+    for c in result["checks"]:
+        style = STATUS_STYLE[c["status"]]
+        table.add_row(c["name"], f"[{style}]{c['status']}[/{style}]", c["detail"])
+    stdout.print(table)
+    line = f"verdict: {result['verdict']}"
+    if result.get("acceptance") is not None:
+        line += f" (acceptance {_pct(result['acceptance'])} as shipped"
+        best = result.get("best_variant")
+        if best and (best["norm_shift"] or best["acceptance"] != result["acceptance"]):
+            line += (
+                f"; best {_pct(best['acceptance'])} with norms {best['norm_shift']:+d}, "
+                f"{best['hidden']}, {best['concat_order']}"
+            )
+        line += ")"
+    elif not any(c["name"] == "acceptance" for c in result["checks"]):
+        line += " (no probes run)"
+    style = STATUS_STYLE[result["verdict"]]
+    stdout.print(f"[{style}]{line}[/{style}]")
+
+
+def _pct(x: float) -> str:
+    return f"{100 * x:.1f}%"
+
+
+def log(message: str) -> None:
+    """A progress or status line on stderr (never on stdout, which holds the result)."""
+    print(message, file=sys.stderr, flush=True)
+
+
+def print_convert(result: Any) -> None:
+    """The one line `mtpkit convert` prints (a `ConvertResult`)."""
+    print(
+        f"wrote {result.output}: {result.family}, {result.backbone_tensors} backbone and "
+        f"{result.head_tensors} MTP tensors in {result.seconds:.1f}s",
+        flush=True,
+    )
+
+
+def print_generate(result: Any) -> None:
+    """`mtpkit generate`'s summary on stderr (the text itself streamed to stdout)."""
+    summary = (
+        f"{len(result.tokens)} tokens, {result.decode_tps:.1f} tok/s, "
+        f"prompt {result.prompt_tokens} tokens at {result.prompt_tps:.1f} tok/s"
+    )
+    if result.mtp:
+        acc = "n/a" if result.acceptance is None else f"{result.acceptance:.1%}"
+        summary += (
+            f", MTP depth {result.depth}: acceptance {acc} ({result.accepted}/{result.drafted})"
+        )
+    else:
+        summary += ", no MTP"
+    log(summary)

@@ -3,7 +3,7 @@
 A mix of prose, code and lists, because heads are good at different things on each (code and
 lists are more predictable than prose) and a convention error shows on all of them. They are
 continuations rather than instructions, so base models and small ones produce text too. The
-paired per-prompt comparison in `check.py` uses the sixteen built-in prompts, and sixteen
+paired per-prompt comparison in `probes.py` uses the sixteen built-in prompts, and sixteen
 reserve prompts when a comparison is undecided.
 """
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import copy
 import importlib
 import importlib.util
+import math
 import re
 import sys
 import types
@@ -157,7 +158,12 @@ def quantize(array: mx.array, spec: QuantSpec) -> tuple[mx.array, mx.array, mx.a
 def infer_spec(
     weight_shape: tuple[int, ...], scales_shape: tuple[int, ...], in_dims: int
 ) -> QuantSpec:
-    """The settings a stored quantized weight was packed with (mlx-lm's infer_quant_config)."""
+    """The settings a stored quantized weight was packed with.
+
+    The arithmetic of `mlx_lm.utils.infer_quant_config`, for the affine mode mtpkit writes;
+    not imported from there because `mlx_lm.utils` loads transformers (about 0.9 s and 50 MB
+    per conversion, a third of a 1 GB conversion's time) and conversion never needs it.
+    """
     return QuantSpec(
         bits=(weight_shape[-1] * 32) // in_dims, group_size=in_dims // scales_shape[-1]
     )
@@ -169,3 +175,37 @@ def is_floating(dtype: mx.Dtype) -> bool:
 
 def dtype_name(dtype: mx.Dtype) -> str:
     return str(dtype).removeprefix("mlx.core.")
+
+
+def count_parameters(name: str, shape: tuple[int, ...], size: int, tree: ModuleTree | None) -> int:
+    """Parameters of one tensor as mlx-lm's get_total_parameters counts them: those of leaf
+    modules only (not e.g. a gated delta net's own A_log), packed weights unpacked."""
+    module, _, leaf = name.rpartition(".")
+    if tree is None:
+        return size
+    if module not in tree.leaves:
+        return 0
+    if leaf in ("scales", "biases") and module in tree.quantizable:
+        return 0
+    if leaf == "weight" and module in tree.quantizable:
+        expected = tree.params.get(name)
+        if expected is not None and shape != expected[0]:
+            return math.prod(expected[0])
+    return size
+
+
+def quantization_paths(
+    tree: ModuleTree, written: dict[str, mx.array]
+) -> dict[str, bool | dict[str, int]]:
+    """Every quantizable module path -> False or the settings its written weight was packed
+    with, as `config["quantization"]` records per path."""
+    paths: dict[str, bool | dict[str, int]] = {}
+    for path, module in sorted(tree.quantizable.items()):
+        scales = written.get(f"{path}.scales")
+        if scales is None:
+            paths[path] = False
+            continue
+        weight = written[f"{path}.weight"]
+        in_dims = module.weight.shape[-1]
+        paths[path] = infer_spec(tuple(weight.shape), tuple(scales.shape), in_dims).as_config()
+    return paths

@@ -49,6 +49,10 @@ class Source:
         """The whole file on local disk (downloaded and cached for the Hub)."""
         raise NotImplementedError
 
+    def snapshot_dir(self) -> Path:
+        """Every file on local disk, in one directory (for the Hub: a full download, cached)."""
+        raise NotImplementedError
+
     def read_json(self, name: str) -> Any:
         """A small JSON file, or None when the source lacks it."""
         if not self.has(name):
@@ -79,6 +83,9 @@ class LocalSource(Source):
             raise MtpkitError(f"refusing to open {name!r}: it points outside {self.root}")
         return self.root / name
 
+    def snapshot_dir(self) -> Path:
+        return self.root
+
     def read_bytes_range(self, name: str, start: int, length: int) -> bytes:
         with open(self.local_file(name), "rb") as f:
             f.seek(start)
@@ -102,6 +109,13 @@ class HubSource(Source):
 
         with hub_errors(self.repo_id, self.revision, name):
             return Path(hf_hub_download(self.repo_id, name, revision=self.commit or self.revision))
+
+    def snapshot_dir(self) -> Path:
+        """The repo at its resolved commit in the Hugging Face cache, the one all commands share."""
+        from huggingface_hub import snapshot_download
+
+        with hub_errors(self.repo_id, self.revision):
+            return Path(snapshot_download(self.repo_id, revision=self.commit or self.revision))
 
     def read_bytes_range(self, name: str, start: int, length: int) -> bytes:
         from huggingface_hub import get_session, hf_hub_url

@@ -5,6 +5,9 @@ each file's header is written first and the file sized; then worker threads, eac
 own MLX stream, compute tensor groups and `pwrite` them at their offsets. Memory holds only
 the groups in flight, unlike `mx.save_safetensors`, which keeps every array of its dict
 alive, and the output bytes do not depend on which thread wrote what.
+
+Also here: config.json as mlx-lm writes and reads it, and the layout of a conversion's jobs
+over shards and files.
 """
 
 from __future__ import annotations
@@ -19,9 +22,11 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import mlx.core as mx
+
+from mtpkit.transform import Job
 
 T = TypeVar("T")
 
@@ -188,3 +193,113 @@ def write_index(
         "weight_map": dict(sorted(weight_map.items())),
     }
     path.write_text(json.dumps(index, indent=4))
+
+
+# --------------------------------------------------------------------------- config.json
+
+# mlx-lm's tags for floats JSON cannot hold (`mlx_lm.utils._encode_tagged_floats`): a bare
+# NaN or Infinity is not JSON, and mlx-lm's load_config turns these back into floats.
+FLOAT_TAG_KEY = "__float__"
+FLOAT_TAGS = {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}
+
+
+def encode_floats(obj: Any) -> Any:
+    """`obj` with every non-finite float replaced by mlx-lm's tag."""
+    if isinstance(obj, float) and not math.isfinite(obj):
+        if math.isnan(obj):
+            return {FLOAT_TAG_KEY: "NaN"}
+        return {FLOAT_TAG_KEY: "Infinity" if obj > 0 else "-Infinity"}
+    if isinstance(obj, dict):
+        return {k: encode_floats(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [encode_floats(v) for v in obj]
+    return obj
+
+
+def decode_floats(obj: Any) -> Any:
+    """`obj` with mlx-lm's tags turned back into floats (what its load_config returns)."""
+    if isinstance(obj, dict):
+        if set(obj) == {FLOAT_TAG_KEY} and obj[FLOAT_TAG_KEY] in FLOAT_TAGS:
+            return FLOAT_TAGS[obj[FLOAT_TAG_KEY]]
+        return {k: decode_floats(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [decode_floats(v) for v in obj]
+    return obj
+
+
+def read_config(path: Path) -> dict[str, Any]:
+    """A config.json as mlx-lm's load_config reads it (tagged floats decoded)."""
+    return decode_floats(json.loads(path.read_text()))
+
+
+def write_config(path: Path, config: dict[str, Any]) -> None:
+    """config.json exactly as `mlx_lm.utils.save_config` writes it: `_name_or_path` and
+    `vision_config` dropped, `quantization` mirrored into `quantization_config`, keys
+    sorted, non-finite floats tagged. Mirrored rather than imported for the reason given
+    at `mtpkit.quant.infer_spec` (importing mlx_lm.utils loads transformers)."""
+    config = dict(config)
+    config.pop("_name_or_path", None)
+    config.pop("vision_config", None)
+    if "quantization" in config:
+        config["quantization_config"] = config["quantization"]
+    config = dict(sorted(config.items()))
+    with open(path, "w") as f:
+        json.dump(encode_floats(config), f, indent=4)
+
+
+# --------------------------------------------------------------------------- jobs to files
+
+
+def shard_jobs(jobs: list[Job], max_bytes: int = MAX_SHARD_BYTES) -> list[list[Job]]:
+    """Jobs in order over shards of at most `max_bytes` (mlx-lm's make_shards, per job)."""
+    shards: list[list[Job]] = []
+    size = 0
+    for job in jobs:
+        if not shards or size + job.nbytes > max_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(job)
+        size += job.nbytes
+    return shards
+
+
+def tensor_meta(entries: list[tuple[str, mx.array]]) -> dict[str, tuple[tuple[int, ...], mx.Dtype]]:
+    """Name -> (shape, dtype) of lazy output entries (what a file header needs)."""
+    return {n: (tuple(a.shape), a.dtype) for n, a in entries}
+
+
+def write_job_files(
+    files: list[tuple[Path, list[Job]]],
+    compute: Callable[[Job], list[tuple[str, mx.array]]],
+    meta: dict[str, tuple[tuple[int, ...], mx.Dtype]],
+    on_bytes: Callable[[int], None] | None = None,
+) -> None:
+    """Lay out every file, then compute each job once and write it to every file it is in."""
+    destinations: Destinations = {}
+    fds: list[int] = []
+    order: list[Job] = []
+    seen: set[int] = set()
+    try:
+        for path, jobs in files:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            entries = [(n, *meta[n]) for job in jobs for n in job.entry_names]
+            layout = FileLayout(path, entries, metadata={"format": "mlx"})
+            fd = layout.create()
+            fds.append(fd)
+            for name, offset in layout.offsets.items():
+                destinations.setdefault(name, []).append((fd, offset))
+            for job in jobs:
+                if id(job) not in seen:
+                    seen.add(id(job))
+                    order.append(job)
+        run_jobs(
+            order,
+            compute,
+            destinations,
+            workers=default_workers(),
+            size=lambda job: job.source_bytes,
+            on_bytes=on_bytes,
+        )
+    finally:
+        for fd in fds:
+            os.close(fd)

@@ -3,10 +3,32 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 
+from tests.checkpoints import CheckpointFactory, build_checkpoint
+
 EXAMPLE = Path(__file__).resolve().parents[1] / "mtpkit" / "examples" / "tiny-qwen3_5"
+
+
+@pytest.fixture(scope="session")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> CheckpointFactory:
+    """`checkpoint(layout, **build_args)`: a tiny checkpoint of `layout` (one of
+    `tests.checkpoints.FAMILIES`), built once per distinct call and shared by the session.
+
+    The arguments are `build_checkpoint`'s. Treat the directory as read-only: a test that
+    damages a checkpoint works on a copy.
+    """
+    cache: dict[tuple[Any, ...], Path] = {}
+
+    def build(layout: str, **build_args: Any) -> Path:
+        key = (layout, *sorted(build_args.items()))
+        if key not in cache:
+            cache[key] = build_checkpoint(layout, tmp_path_factory.mktemp(layout), **build_args)
+        return cache[key]
+
+    return build
 
 
 @pytest.fixture(scope="session")

@@ -54,7 +54,7 @@ range past the end          416                                            ``HfH
 live in ``huggingface_hub.errors`` (also re-exported from ``huggingface_hub.utils``). ``hf_hub_download``
 turns a connection failure or a 5xx into ``LocalEntryNotFoundError`` when nothing is cached.
 
-Counters: ``bytes_served["repo_id/path"]`` adds up the file-body bytes written to the socket by ``GET
+Counters: ``bytes_served["repo_id/path"]`` adds up the file-body bytes handed to the socket by ``GET
 /resolve`` (HEAD answers, API JSON and error bodies are not counted; a client that hangs up early may
 have received less than was written). ``requests`` logs ``(method, raw path with query, {header: value})``
 for the headers in ``_LOGGED_HEADERS`` (lower-cased). ``reset_counters()`` clears both. Internal
@@ -787,8 +787,10 @@ class _Handler(BaseHTTPRequestHandler):
                 if not chunk:  # file shrank on disk: end the connection, the client will notice
                     self.close_connection = True
                     return
-                self.wfile.write(chunk)
+                # Counted before the write: the client may finish reading (and the test look at
+                # the counter) before this thread runs again after the last write.
                 hub._count(key, len(chunk))
+                self.wfile.write(chunk)
                 remaining -= len(chunk)
 
 

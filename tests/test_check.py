@@ -15,16 +15,10 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from mtpkit.check import (
-    CHECKS,
-    Measurement,
-    Variant,
-    check_checkpoint,
-    diagnose,
-    junit_xml,
-    single_variants,
-)
+from mtpkit.check import CHECKS, check_checkpoint
 from mtpkit.cli import EXIT_FAILED_REQUIREMENT, app
+from mtpkit.junit import junit_xml
+from mtpkit.probes import Measurement, Variant, diagnose, single_variants
 from mtpkit.prompts import BUILTIN_PROMPTS, read_prompts
 from tests import hub_server
 from tests.checkpoints import build_checkpoint
@@ -421,9 +415,11 @@ def test_hub_probe_downloads_an_mlx_repo_into_the_cache(
     result = check_checkpoint("org/inline", probe=True, measure=flat_measure(calls), max_tokens=4)
     assert result["verdict"] == "pass", result["checks"]
     assert statuses(result)["backbone_loads"] == "pass"
-    cached = tmp_path / "cache" / "check" / f"org--inline--{sha}"
-    assert set(calls) == {str(cached)}
+    # Downloaded once, into the Hugging Face cache that `generate` also reads.
+    (cached,) = {Path(c) for c in calls}
+    assert cached.name == sha and cached.parent.name == "snapshots"
     assert (cached / "config.json").exists()
+    assert not (tmp_path / "cache" / "check").exists()
     # A second run reuses the cache: no shard is downloaded again.
     hub.reset_counters()
     check_checkpoint("org/inline", probe=True, measure=flat_measure([]), max_tokens=4)

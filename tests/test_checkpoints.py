@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import struct
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -19,20 +18,17 @@ import pytest
 from mlx_lm.utils import load as mlx_lm_load
 from mlx_lm.utils import load_model, load_tokenizer
 
-from tests.checkpoints import FAMILIES, build_checkpoint, write_tokenizer
-
-RAW_WITH_MTP = (
-    "qwen3_5",
-    "qwen3_5_moe",
-    "qwen3_6_moe",
-    "qwen3_next",
-    "deepseek_v3",
-    "glm4_moe",
-    "mimo",
+from tests.checkpoints import (
+    FAMILIES,
+    MOE_LAYOUTS,
+    RAW_LAYOUTS,
+    RAW_WITH_MTP,
+    CheckpointFactory,
+    write_tokenizer,
 )
-RAW = (*RAW_WITH_MTP, "stripped")
-# MoE layers run on MLX's CPU backend only in float32 (its GatherMM has no bf16 kernel).
-MOE = ("qwen3_5_moe", "qwen3_6_moe", "qwen3_next", "deepseek_v3", "glm4_moe")
+
+RAW = RAW_LAYOUTS
+MOE = MOE_LAYOUTS
 EXPERTS = range(4)
 
 # transformers warns on the `rope_scaling` field of any config it has no class for (MiMo's
@@ -200,28 +196,31 @@ def run_forward(model: Any, tokens: list[int]) -> mx.array:
     return logits
 
 
-Builder = Callable[..., Path]
+Builder = CheckpointFactory
 
 
 @pytest.fixture(scope="module")
-def built(tmp_path_factory: pytest.TempPathFactory) -> Builder:
-    """build_checkpoint, each distinct call made once per module."""
-    cache: dict[tuple[Any, ...], Path] = {}
-
-    def build(layout: str, **kwargs: Any) -> Path:
-        key = (layout, *sorted(kwargs.items()))
-        if key not in cache:
-            cache[key] = build_checkpoint(layout, tmp_path_factory.mktemp(layout), **kwargs)
-        return cache[key]
-
-    return build
+def built(checkpoint: CheckpointFactory) -> Builder:
+    """The session's checkpoint factory (`conftest.checkpoint`)."""
+    return checkpoint
 
 
 # --------------------------------------------------------------------------- stock mlx-lm
 
 
 def test_families_are_the_documented_layouts() -> None:
-    assert FAMILIES == (*RAW, "mlx_inline", "mlx_plain")
+    assert FAMILIES == (
+        "deepseek_v3",
+        "glm4_moe",
+        "mimo",
+        "qwen3_5",
+        "qwen3_5_moe",
+        "qwen3_6_moe",
+        "qwen3_next",
+        "stripped",
+        "mlx_inline",
+        "mlx_plain",
+    )
 
 
 @pytest.mark.parametrize("layout", RAW)

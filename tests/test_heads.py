@@ -16,17 +16,15 @@ import pytest
 
 from mtpkit.convert import convert
 from mtpkit.generate import MtpDecoder, SamplingSettings, generate, load_model
-from mtpkit.heads import EMBEDDING_FIRST, HIDDEN_FIRST, build_head, supported_families
-from tests.checkpoints import build_checkpoint
+from mtpkit.headload import EMBEDDING_FIRST, HIDDEN_FIRST, build_head, supported_families
+from tests.checkpoints import MLX_LAYOUTS, RAW_WITH_MTP, build_checkpoint, dtype_for
 
-MOE = {"qwen3_5_moe", "qwen3_6_moe", "qwen3_next", "deepseek_v3", "glm4_moe"}
 PROMPT = list(range(5, 21))
 
 
 def converted_dir(tmp: Path, layout: str, **convert_args) -> Path:
-    # MLX's CPU backend runs MoE layers in float32 only.
-    src = build_checkpoint(layout, tmp / "src", dtype="float32" if layout in MOE else "bfloat16")
-    if layout.startswith("mlx_"):
+    src = build_checkpoint(layout, tmp / "src", dtype=dtype_for(layout))
+    if layout in MLX_LAYOUTS:
         return src
     out = tmp / "mlx"
     convert(str(src), output=out, **convert_args)
@@ -49,19 +47,7 @@ def test_every_family_has_a_head() -> None:
     )
 
 
-@pytest.mark.parametrize(
-    "layout",
-    [
-        "qwen3_5",
-        "qwen3_5_moe",
-        "qwen3_6_moe",
-        "qwen3_next",
-        "deepseek_v3",
-        "glm4_moe",
-        "mimo",
-        "mlx_inline",
-    ],
-)
+@pytest.mark.parametrize("layout", [*RAW_WITH_MTP, "mlx_inline"])
 def test_head_loads_strictly_and_greedy_is_lossless(tmp_path: Path, layout: str) -> None:
     path = converted_dir(tmp_path, layout)
     m = load_model(path)
@@ -111,7 +97,7 @@ def test_injected_drafts_partial_acceptance_keeps_caches_exact(tmp_path: Path, l
         drafts = [t if j < right else (t + 1) % vocab for j, t in enumerate(truth)]
         return mx.array(drafts, dtype=mx.int32), None
 
-    decoder._draft = injected_draft
+    decoder.draft = injected_draft
     assert list(decoder.tokens(n)) == reference
     positions = [p for p, _ in decoder.stats.draft_log]
     accepted = [b - a - 1 for a, b in zip(positions, positions[1:], strict=False)]

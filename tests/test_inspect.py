@@ -22,7 +22,7 @@ from typer.testing import CliRunner
 from mtpkit.cli import app
 from mtpkit.inspect import inspect_checkpoint
 from tests import hub_server
-from tests.checkpoints import build_checkpoint
+from tests.checkpoints import FAMILIES, RAW_WITH_MTP, build_checkpoint
 from tests.hub_server import HubStandIn
 
 hub = hub_server.hub
@@ -65,13 +65,11 @@ def stored_tensors(root: Path) -> dict[str, tuple[str, list[int], str]]:
 
 
 @pytest.fixture(scope="module")
-def fixtures(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("ckpt")
-    layouts = [*EXPECTED, "stripped", "mlx_inline", "mlx_plain"]
-    return {layout: build_checkpoint(layout, root / layout) for layout in layouts}
+def fixtures(checkpoint) -> dict[str, Path]:
+    return {layout: checkpoint(layout) for layout in FAMILIES}
 
 
-@pytest.mark.parametrize("layout", list(EXPECTED))
+@pytest.mark.parametrize("layout", RAW_WITH_MTP)
 def test_raw_layouts_report_the_exact_head(fixtures: dict[str, Path], layout: str) -> None:
     root = fixtures[layout]
     rule, count, experts, declared, norms = EXPECTED[layout]
@@ -297,7 +295,7 @@ def test_cli_errors_are_one_line(fixtures, tmp_path: Path) -> None:
     result = runner.invoke(app, ["inspect", str(root)])
     assert result.exit_code == 1
     assert result.stderr.strip().splitlines() == [
-        "Error: model_type 'llama' is not supported; supported: deepseek_v3, glm4_moe, kimi_k2, "
+        "Error: model_type 'llama' is not supported; supported: deepseek_v3, glm4_moe, joyai_llm_flash, kimi_k2, "
         "mimo, qwen3_5, qwen3_5_moe, qwen3_5_moe_text, qwen3_5_text, qwen3_next"
     ]
     assert "Traceback" not in result.output

@@ -1,34 +1,60 @@
-"""The registry of model families, keyed by `model_type` (with aliases)."""
+"""The registry of model families, keyed by `model_type` (with aliases).
+
+Every module of this package is imported once, so a family registers itself with
+`@register` in its own file: adding a family never edits this one. A `model_type` that
+mlx-lm's `MODEL_REMAPPING` maps onto a supported one (`kimi_k2 -> deepseek_v3`) is that
+family too.
+"""
 
 from __future__ import annotations
 
+import importlib
+import pkgutil
 from typing import Any
 
 from mtpkit.errors import UnsupportedFamily
-from mtpkit.families.base import Family
-from mtpkit.families.deepseek_v3 import DeepseekV3
-from mtpkit.families.glm4_moe import Glm4Moe
-from mtpkit.families.mimo import Mimo
-from mtpkit.families.qwen3_5 import Qwen3_5, Qwen3_5Moe
-from mtpkit.families.qwen3_next import Qwen3Next
+from mtpkit.families.base import REGISTRY, Family, register
 
-FAMILIES: dict[str, type[Family]] = {}
-for _cls in (Qwen3_5, Qwen3_5Moe, Qwen3Next, DeepseekV3, Glm4Moe, Mimo):
-    FAMILIES[_cls.name] = _cls
-    for _alias in _cls.aliases:
-        FAMILIES[_alias] = _cls
+for _module in pkgutil.iter_modules(__path__):
+    importlib.import_module(f"{__name__}.{_module.name}")
+
+FAMILIES = REGISTRY
+
+
+def _remapped() -> dict[str, str]:
+    """mlx-lm's `MODEL_REMAPPING` entries that land on a registered family.
+
+    Read on demand: `mlx_lm.utils` imports transformers, which conversion never needs.
+    """
+    from mlx_lm.utils import MODEL_REMAPPING
+
+    return {k: v for k, v in MODEL_REMAPPING.items() if v in REGISTRY and k not in REGISTRY}
 
 
 def supported() -> list[str]:
-    return sorted(FAMILIES)
+    return sorted({*REGISTRY, *_remapped()})
+
+
+def family_class(model_type: str) -> type[Family] | None:
+    """The family registered for `model_type`, directly or through MODEL_REMAPPING."""
+    cls = REGISTRY.get(model_type)
+    if cls is None and (target := _remapped().get(model_type)) is not None:
+        cls = REGISTRY[target]
+    return cls
 
 
 def family_for(config: dict[str, Any]) -> Family:
-    """The family of a config, or an error listing the supported model types."""
+    """The family of a config, or an error listing the supported model types.
+
+    The top-level `model_type` decides; a wrapper config whose own type is unknown falls
+    back on its `text_config`'s.
+    """
     model_type = config.get("model_type")
-    if model_type is None and isinstance(config.get("text_config"), dict):
-        model_type = config["text_config"].get("model_type")
-    cls = FAMILIES.get(str(model_type))
+    text = config.get("text_config")
+    cls = family_class(str(model_type)) if model_type is not None else None
+    if cls is None and isinstance(text, dict) and text.get("model_type") is not None:
+        cls = family_class(str(text["model_type"]))
+        model_type = model_type if model_type is not None else text["model_type"]
     if cls is None:
         raise UnsupportedFamily(
             f"model_type {model_type!r} is not supported; supported: {', '.join(supported())}"
@@ -36,4 +62,4 @@ def family_for(config: dict[str, Any]) -> Family:
     return cls(config)
 
 
-__all__ = ["Family", "FAMILIES", "family_for", "supported"]
+__all__ = ["Family", "FAMILIES", "family_class", "family_for", "register", "supported"]

@@ -7,21 +7,21 @@ that number is), never written as literals.
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Iterable
 from typing import Any, ClassVar
 
-EXPERT_INDEX = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<expert>\d+)\.(?P<proj>\w+?)(?:\.weight)?$")
+from mtpkit.families.head import MtpHead
+from mtpkit.quant import mlx_lm_models
+
+EXPERT_INDEX = re.compile(
+    r"^(?P<prefix>.*\.experts)\.(?P<expert>\d+)\.(?P<proj>\w+?)(?:\.weight)?$"
+)
 
 
 # -- conversion hooks (used by mtpkit.convert) ------------------------------------------------
 
-PER_EXPERT = re.compile(
-    r"^(?P<mlp>.*\.mlp)\.experts\.(?P<expert>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)"
-    r"\.(?P<part>weight|scales|biases)$"
-)
-FUSED_GATE_UP = re.compile(r"^(?P<mlp>.*\.mlp)\.experts\.gate_up_proj(?:\.weight)?$")
-FUSED_DOWN = re.compile(r"^(?P<mlp>.*\.mlp)\.experts\.down_proj(?:\.weight)?$")
 # Buffers some checkpoints save that no model uses (precomputed rotary frequencies).
 UNUSED_BUFFERS = ("rotary_emb.inv_freq",)
 
@@ -48,7 +48,11 @@ class ConvertHooks:
 
     @property
     def tie_word_embeddings(self) -> bool:
-        return bool(self.text_config.get("tie_word_embeddings", self.config.get("tie_word_embeddings", False)))
+        return bool(
+            self.text_config.get(
+                "tie_word_embeddings", self.config.get("tie_word_embeddings", False)
+            )
+        )
 
     def rename_backbone(self, name: str) -> str | None:
         """The mlx-lm parameter name of a backbone tensor, or None to drop it (as mlx-lm does)."""
@@ -58,26 +62,9 @@ class ConvertHooks:
             return None
         return name
 
-    def head_layer(self, name: str) -> tuple[int, str] | None:
-        """(MTP layer index, name inside the head) for an MTP tensor, in source naming."""
-        raise NotImplementedError
-
-    def rename_head(self, name: str) -> str:
-        """The mtpkit head name (`head_prefix` + path) of an MTP tensor."""
-        raise NotImplementedError
-
     def declare_mtp(self, config: dict[str, Any], layers: int) -> None:
         """Write the MTP layer count into `config` in this family's own field."""
         config["num_nextn_predict_layers"] = layers
-
-    def head_module(self, model: Any, layers: int) -> Any:
-        """An mlx.nn.Module whose parameter tree is the head's (`layers` MTP layers), rooted at
-        `head_prefix`.
-
-        Built from mlx-lm's own layer classes (lazily, nothing is computed), it tells which
-        head tensors exist, their shapes, and which modules mlx-lm can quantize.
-        """
-        raise NotImplementedError
 
     def split_tensor(self, name: str) -> list[tuple[str, Any]] | None:
         """Family-specific splits of one tensor into several: (new name, function of the
@@ -85,9 +72,14 @@ class ConvertHooks:
         return None
 
 
-
 class Family(ConvertHooks):
-    """Base class; one subclass per `model_type` in `mtpkit/families/<model_type>.py`."""
+    """Base class; one subclass per `model_type` in `mtpkit/families/<model_type>.py`.
+
+    A subclass is data: its names, where its MTP tensors sit (the rename table below), its
+    norm-shift sets, required tensors, config field, and ONE head class (`head_class`, built
+    from the mlx-lm module `mlx_module`'s `block_class`) that both conversion
+    (`head_module`) and the runtime (`build_head`) use.
+    """
 
     name: ClassVar[str]
     aliases: ClassVar[tuple[str, ...]] = ()
@@ -97,8 +89,29 @@ class Family(ConvertHooks):
     concat_order: ClassVar[str] = "embedding_first"
     # Tensors (other than experts) an MTP layer must have, relative to its layer prefix.
     required_mtp_tensors: ClassVar[tuple[str, ...]] = ()
-    # Where the MTP head's tensors live in mtpkit's sidecar, before the head-relative name.
+    # The config field that declares the MTP layers (dotted when nested).
+    config_field: ClassVar[str] = "num_nextn_predict_layers"
+
+    # -- the rename table: raw root -> head name -------------------------------------------
+    # Where mtpkit's sidecar keeps the head's tensors, before the head-relative name.
     head_prefix: ClassVar[str] = "mtp."
+    # Roots under which a checkpoint keeps the whole head (Qwen: `mtp.`, `model.mtp.`, ...):
+    # `{root}{rest}` becomes `{head_prefix}{rest}`.
+    raw_head_roots: ClassVar[tuple[str, ...]] = ()
+    # Root of raw MTP layer i, `{layer}` standing for `mtp_layer_offset() + i`:
+    # `{root}{rest}` becomes `{head_prefix}layers.{i}.{rest}`.
+    raw_layer_root: ClassVar[str | None] = None
+    # Tensors inside an MTP layer that copy a backbone tensor (relative name -> original).
+    duplicates: ClassVar[dict[str, str]] = {}
+    # Where the head's tensors may sit in a model directory (sidecar, inline), tried in order.
+    head_prefixes: ClassVar[tuple[str, ...]] = ("mtp.",)
+
+    # -- the head module -----------------------------------------------------------------
+    head_class: ClassVar[type[MtpHead]]
+    # `mlx_lm.models.<mlx_module>`: the decoder block class and the args class of the head.
+    mlx_module: ClassVar[str]
+    block_class: ClassVar[str]
+    args_class: ClassVar[str] = "ModelArgs"
 
     def __init__(self, config: dict[str, Any]) -> None:
         self.config = config
@@ -107,14 +120,15 @@ class Family(ConvertHooks):
     # -- config facts ------------------------------------------------------------------
     def declared_mtp_layers(self) -> int | None:
         """MTP layers the config declares; None when the config has no such field."""
-        value = self.text_config.get("num_nextn_predict_layers")
+        key = self.config_field.rsplit(".", 1)[-1]
+        value = self.text_config.get(key)
         if value is None:
-            value = self.config.get("num_nextn_predict_layers")
+            value = self.config.get(key)
         return None if value is None else int(value)
 
     def mtp_field(self) -> str:
         """The config field that declares MTP layers for this family."""
-        return "num_nextn_predict_layers"
+        return self.config_field
 
     @property
     def num_hidden_layers(self) -> int:
@@ -122,19 +136,118 @@ class Family(ConvertHooks):
 
     @property
     def num_experts(self) -> int:
-        return int(self.text_config.get("num_experts") or self.text_config.get("n_routed_experts") or 0)
+        return int(
+            self.text_config.get("num_experts") or self.text_config.get("n_routed_experts") or 0
+        )
+
+    def mtp_layer_offset(self) -> int:
+        """The raw index of MTP layer 0 (`raw_layer_root`), read from the config."""
+        return 0
 
     # -- tensor names --------------------------------------------------------------------
+    @functools.cached_property
+    def _roots(self) -> re.Pattern[str]:
+        alternatives = [re.escape(root) for root in self.raw_head_roots]
+        if self.raw_layer_root is not None:
+            layer = re.escape(self.raw_layer_root).replace(re.escape("{layer}"), r"(?P<layer>\d+)")
+            alternatives.append(layer)
+            # A converted head's layer (`mtp.layers.{i}.`) is already in head naming.
+            alternatives.append(re.escape(self.head_prefix) + r"layers\.\d+\.")
+        return re.compile(f"^(?P<root>{'|'.join(alternatives)})")
+
+    def _match(self, name: str) -> re.Match[str] | None:
+        m = self._roots.match(name)
+        if m is None or self.raw_layer_root is None or m["layer"] is None:
+            return m
+        return m if int(m["layer"]) >= self.mtp_layer_offset() else None
+
     def is_mtp_tensor(self, name: str) -> bool:
-        raise NotImplementedError
+        return self._match(name) is not None
 
     def mtp_layer_prefix(self, name: str) -> str | None:
         """The prefix of the MTP layer a tensor belongs to (for grouping and completeness)."""
-        raise NotImplementedError
+        m = self._match(name)
+        return m["root"] if m else None
 
     def duplicate_of(self, name: str) -> str | None:
         """For MTP tensors that copy a backbone tensor, the original's name."""
-        return None
+        root = self.mtp_layer_prefix(name)
+        return None if root is None else self.duplicates.get(name[len(root) :])
+
+    def head_relative(self, name: str) -> str | None:
+        """An MTP tensor's name inside the head (`layers.0.enorm.weight`), or None."""
+        m = self._match(name)
+        if m is None:
+            return None
+        rest = name[m.end() :]
+        if self.raw_layer_root is None:
+            return rest
+        if m["layer"] is None:  # already `{head_prefix}layers.{i}.`
+            return name[len(self.head_prefix) :]
+        return f"layers.{int(m['layer']) - self.mtp_layer_offset()}.{rest}"
+
+    def rename_head(self, name: str) -> str:
+        """The mtpkit head name (`head_prefix` + path) of an MTP tensor."""
+        relative = self.head_relative(name)
+        assert relative is not None, name
+        return self.head_prefix + relative
+
+    def raw_head_tensors(self, names: Iterable[str]) -> dict[str, str]:
+        """Raw MTP layer tensors (`raw_layer_root`) among `names` -> head-relative names,
+        without the copies of backbone tensors."""
+        if self.raw_layer_root is None:
+            return {}
+        out = {}
+        for name in names:
+            m = self._match(name)
+            if m is not None and m["layer"] is not None and self.duplicate_of(name) is None:
+                out[name] = f"layers.{int(m['layer']) - self.mtp_layer_offset()}.{name[m.end() :]}"
+        return out
+
+    def raw_head_label(self) -> str:
+        """How a report names where a raw checkpoint keeps the head."""
+        return (self.raw_layer_root or "").format(layer="{N}")
+
+    # -- norms -------------------------------------------------------------------------------
+    def shifts_head_norm(self, relative: str) -> bool:
+        """Whether a head tensor (head-relative name) is in the zero-centred norm-shift set."""
+        return (self.head_prefix + relative).endswith(self.head_norm_suffixes)
+
+    # -- the head module -------------------------------------------------------------------
+    def head_block(self) -> type[Any]:
+        """mlx-lm's decoder block class that the head's layers are built from."""
+        return getattr(mlx_lm_models(self.mlx_module), self.block_class)
+
+    def text_model(self, model: Any) -> Any:
+        """The part of an mlx-lm model whose `args` the head shares."""
+        return model
+
+    def head_args(self, model: Any = None) -> Any:
+        """mlx-lm's args for the head: the model's own when given, else from the config."""
+        if model is not None:
+            return self.text_model(model).args
+        args_class = getattr(mlx_lm_models(self.mlx_module), self.args_class)
+        return args_class.from_dict(self.args_config())
+
+    def args_config(self) -> dict[str, Any]:
+        return self.config
+
+    def build_head(
+        self, num_layers: int = 1, names: Iterable[str] = (), *, args: Any = None
+    ) -> MtpHead:
+        """The family's head with `num_layers` layers, randomly initialised (load weights
+        next); `names`, the head tensors when known, settle optional parameters."""
+        args = self.head_args() if args is None else args
+        head = self.head_class.build(args, self.head_block(), num_layers, names)
+        head.family = self.name
+        return head
+
+    def head_module(self, model: Any, layers: int, names: Iterable[str] = ()) -> Any:
+        """The head (`layers` MTP layers) rooted at `head_prefix`, built from the model's
+        args: its parameter tree tells conversion which head tensors exist, their shapes, and
+        which modules mlx-lm can quantize. Nothing is computed."""
+        head = self.build_head(layers, names, args=self.head_args(model))
+        return rooted(head, self.head_prefix)
 
     # -- checks ----------------------------------------------------------------------------
     def missing_mtp_tensors(self, names: Iterable[str]) -> list[str]:
@@ -144,9 +257,37 @@ class Family(ConvertHooks):
         missing = []
         for layer in layers:
             for rel in self.required_mtp_tensors:
-                if f"{layer}{rel}" not in names and f"{layer}{rel}".removesuffix(".weight") not in names:
+                if (
+                    f"{layer}{rel}" not in names
+                    and f"{layer}{rel}".removesuffix(".weight") not in names
+                ):
                     missing.append(f"{layer}{rel}")
         return missing
+
+
+def rooted(module: Any, prefix: str) -> Any:
+    """Nest `module` under the dotted `prefix` (e.g. `language_model.mtp.`)."""
+    import mlx.nn as nn
+
+    for part in reversed(prefix.rstrip(".").split(".")):
+        parent = nn.Module()
+        setattr(parent, part, module)
+        module = parent
+    return module
+
+
+# -- the registry --------------------------------------------------------------------------
+
+REGISTRY: dict[str, type[Family]] = {}
+
+
+def register(cls: type[Family]) -> type[Family]:
+    """Class decorator: make a family findable by its `name` and `aliases`."""
+    for key in (cls.name, *cls.aliases):
+        if key in REGISTRY and REGISTRY[key] is not cls:
+            raise ValueError(f"model_type {key!r} is registered twice")
+        REGISTRY[key] = cls
+    return cls
 
 
 def expert_layout(names: Iterable[str]) -> str | None:
@@ -170,7 +311,9 @@ def incomplete_experts(names: dict[str, tuple[int, ...]], num_experts: int) -> l
     for n in names:
         m = EXPERT_INDEX.match(n)
         if m and m["proj"] in ("gate_proj", "up_proj", "down_proj"):
-            per_expert.setdefault(m["prefix"], {}).setdefault(m["proj"], set()).add(int(m["expert"]))
+            per_expert.setdefault(m["prefix"], {}).setdefault(m["proj"], set()).add(
+                int(m["expert"])
+            )
     for prefix, projs in sorted(per_expert.items()):
         for proj in ("gate_proj", "up_proj", "down_proj"):
             have = projs.get(proj, set())
@@ -182,7 +325,9 @@ def incomplete_experts(names: dict[str, tuple[int, ...]], num_experts: int) -> l
                     f"(first: {missing[0]})"
                 )
             if extra:
-                problems.append(f"{prefix}.*.{proj}: expert ids {extra[:3]} exceed num_experts={num_experts}")
+                problems.append(
+                    f"{prefix}.*.{proj}: expert ids {extra[:3]} exceed num_experts={num_experts}"
+                )
     fused = {n.rsplit(".", 1)[0] for n in names if n.endswith("experts.gate_up_proj")}
     fused |= {n.rsplit(".", 1)[0] for n in names if n.endswith("experts.down_proj")}
     for prefix in sorted(fused):
@@ -191,7 +336,9 @@ def incomplete_experts(names: dict[str, tuple[int, ...]], num_experts: int) -> l
             if shape is None:
                 problems.append(f"{prefix}.{part} missing from the fused experts")
             elif num_experts and shape[0] != num_experts:
-                problems.append(f"{prefix}.{part} holds {shape[0]} experts, config says {num_experts}")
+                problems.append(
+                    f"{prefix}.{part} holds {shape[0]} experts, config says {num_experts}"
+                )
     stacked = {n.split(".switch_mlp.")[0] for n in names if ".switch_mlp." in n}
     for prefix in sorted(stacked):
         for proj in ("gate_proj", "up_proj", "down_proj"):
@@ -203,4 +350,3 @@ def incomplete_experts(names: dict[str, tuple[int, ...]], num_experts: int) -> l
                     f"{prefix}.switch_mlp.{proj}.weight holds {shape[0]} experts, config says {num_experts}"
                 )
     return problems
-

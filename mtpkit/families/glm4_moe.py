@@ -5,15 +5,12 @@ N is `num_hidden_layers` (46, 47, 61, 92 all occur), always read from the config
 
 from __future__ import annotations
 
-from typing import Any
+from mtpkit.families.base import register
+from mtpkit.families.nextn import NextnFamily
 
-from mtpkit.families.deepseek_v3 import NextnLayerFamily
 
-
-class Glm4Moe(NextnLayerFamily):
+@register
+class Glm4Moe(NextnFamily):
     name = "glm4_moe"
-
-    def decoder_layer_class(self) -> Any:
-        from mtpkit.quant import mlx_lm_models
-
-        return mlx_lm_models("glm4_moe").DecoderLayer
+    mlx_module = "glm4_moe"
+    block_class = "DecoderLayer"

@@ -7,12 +7,10 @@ mtpkit. Norms are zero-centred (the model applies 1 + w).
 
 from __future__ import annotations
 
-import re
 from typing import Any, ClassVar
 
-from mtpkit.families.base import Family
-
-QWEN_MTP_ROOT = re.compile(r"^(?P<root>(?:model\.)?(?:language_model\.)?mtp\.)")
+from mtpkit.families.base import Family, register
+from mtpkit.families.head import MtpHead, QwenHead
 
 QWEN_REQUIRED = (
     "fc.weight",
@@ -49,55 +47,36 @@ QWEN_HEAD_NORMS = (
 
 
 class QwenMtpNames(Family):
-    """Name rules shared by Qwen3.5/3.6 and Qwen3-Next: one `mtp.` root per checkpoint."""
+    """Names and head shared by Qwen3.5/3.6 and Qwen3-Next: one `mtp.` root per checkpoint."""
 
     zero_centred_norms = True
     required_mtp_tensors = QWEN_REQUIRED
     backbone_norm_suffixes = QWEN_BACKBONE_NORMS
     head_norm_suffixes = QWEN_HEAD_NORMS
     has_conv1d = True
-
-    def rename_head(self, name: str) -> str:
-        m = QWEN_MTP_ROOT.match(name)
-        assert m is not None, name
-        return self.head_prefix + name[m.end() :]
-
-    def head_module(self, model: Any, layers: int) -> Any:
-        import mlx.nn as nn
-
-        args = self.text_model(model).args
-        hidden = args.hidden_size
-        head = nn.Module()
-        head.fc = nn.Linear(2 * hidden, hidden, bias=False)
-        head.pre_fc_norm_embedding = nn.RMSNorm(hidden, eps=args.rms_norm_eps)
-        head.pre_fc_norm_hidden = nn.RMSNorm(hidden, eps=args.rms_norm_eps)
-        head.norm = nn.RMSNorm(hidden, eps=args.rms_norm_eps)
-        # The MTP block is a full-attention layer, whatever the backbone's layer pattern.
-        full_attention = args.full_attention_interval - 1
-        head.layers = [self.decoder_layer_class()(args, full_attention) for _ in range(layers)]
-        return _rooted(head, self.head_prefix)
-
-    def text_model(self, model: Any) -> Any:
-        return model
-
-    def decoder_layer_class(self) -> Any:
-        raise NotImplementedError
-
-    def is_mtp_tensor(self, name: str) -> bool:
-        return QWEN_MTP_ROOT.match(name) is not None
-
-    def mtp_layer_prefix(self, name: str) -> str | None:
-        m = QWEN_MTP_ROOT.match(name)
-        return m["root"] if m else None
+    raw_head_roots: ClassVar[tuple[str, ...]] = (
+        "model.language_model.mtp.",
+        "language_model.mtp.",
+        "model.mtp.",
+        "mtp.",
+    )
+    head_class: ClassVar[type[MtpHead]] = QwenHead
 
 
+@register
 class Qwen3_5(QwenMtpNames):
     name = "qwen3_5"
     aliases: ClassVar[tuple[str, ...]] = ("qwen3_5_text",)
     head_prefix = "language_model.mtp."
-
-    def mtp_field(self) -> str:
-        return "text_config.mtp_num_hidden_layers"
+    head_prefixes: ClassVar[tuple[str, ...]] = (
+        "language_model.mtp.",
+        "model.language_model.mtp.",
+        "mtp.",
+    )
+    config_field = "text_config.mtp_num_hidden_layers"
+    mlx_module = "qwen3_5"
+    block_class = "DecoderLayer"
+    args_class = "TextModelArgs"
 
     def rename_backbone(self, name: str) -> str | None:
         # mlx-lm's qwen3_5 Model.sanitize: the vision tower is dropped, the text model moves
@@ -121,29 +100,11 @@ class Qwen3_5(QwenMtpNames):
     def text_model(self, model: Any) -> Any:
         return model.language_model
 
-    def decoder_layer_class(self) -> Any:
-        from mtpkit.quant import mlx_lm_models
-
-        return mlx_lm_models("qwen3_5").DecoderLayer
-
-    def declared_mtp_layers(self) -> int | None:
-        value = self.text_config.get("mtp_num_hidden_layers")
-        if value is None:
-            value = self.config.get("mtp_num_hidden_layers")
-        return None if value is None else int(value)
+    def args_config(self) -> dict[str, Any]:
+        return dict(self.text_config)
 
 
+@register
 class Qwen3_5Moe(Qwen3_5):
     name = "qwen3_5_moe"
     aliases: ClassVar[tuple[str, ...]] = ("qwen3_5_moe_text",)
-
-
-def _rooted(module: Any, prefix: str) -> Any:
-    """Nest `module` under the dotted `prefix` (e.g. `language_model.mtp.`)."""
-    import mlx.nn as nn
-
-    for part in reversed(prefix.rstrip(".").split(".")):
-        parent = nn.Module()
-        setattr(parent, part, module)
-        module = parent
-    return module

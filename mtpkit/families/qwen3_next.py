@@ -6,16 +6,15 @@ write `num_nextn_predict_layers: 1`, which is what mtpkit reads and writes.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import ClassVar
 
+from mtpkit.families.base import register
 from mtpkit.families.qwen3_5 import QwenMtpNames
 
 
+@register
 class Qwen3Next(QwenMtpNames):
     name = "qwen3_next"
-    head_prefix = "mtp."
-
-    def decoder_layer_class(self) -> Any:
-        from mtpkit.quant import mlx_lm_models
-
-        return mlx_lm_models("qwen3_next").Qwen3NextDecoderLayer
+    head_prefixes: ClassVar[tuple[str, ...]] = ("mtp.", "model.mtp.")
+    mlx_module = "qwen3_next"
+    block_class = "Qwen3NextDecoderLayer"

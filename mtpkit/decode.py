@@ -1,0 +1,459 @@
+"""Lossless speculative decoding with a checkpoint's own MTP head: the draft/verify/accept round.
+
+Each round the head drafts K tokens (chaining itself K times), the backbone verifies
+`[last confirmed token, draft_1..draft_K]` in one forward pass, and the longest prefix the
+backbone agrees with is kept, plus the backbone's own next token. Greedy decoding keeps a
+draft iff it equals the backbone's argmax, so the output is the backbone's greedy output;
+at a temperature, exact rejection sampling keeps the output distribution the backbone's.
+After a partial acceptance the caches roll back to the kept prefix (`runtime.VerifyPass`).
+When drafting loses to plain decoding, `AdaptiveDrafting` pauses it.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+import mlx.core as mx
+
+from mtpkit.runtime import POST_NORM, MtpModel, NoMtpHead, VerifyPass
+
+MAX_DEPTH = 4
+HEAD_CHUNK = 2048  # pairs per head forward when it catches up with confirmed tokens
+CATCH_UP_AFTER = 256  # plain steps after which the head catches up while drafting is off
+
+
+# ---------------------------------------------------------------------------------------
+# Sampling.
+
+
+@dataclass(frozen=True)
+class SamplingSettings:
+    temp: float = 0.0
+    top_p: float = 0.0
+    top_k: int = 0
+
+    @property
+    def greedy(self) -> bool:
+        return self.temp == 0
+
+    def sampler(self) -> Callable[[mx.array], mx.array]:
+        from mlx_lm.sample_utils import make_sampler
+
+        return make_sampler(temp=self.temp, top_p=self.top_p, top_k=self.top_k)
+
+    def probs(self, logits: mx.array) -> mx.array:
+        """The distribution mlx-lm's sampler draws from, for each row of `logits`."""
+        from mlx_lm.sample_utils import apply_top_k, apply_top_p
+
+        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        if 0 < self.top_p < 1.0:
+            logprobs = apply_top_p(logprobs, self.top_p)
+        if self.top_k > 0:
+            logprobs = apply_top_k(logprobs, self.top_k)
+        return mx.softmax(logprobs.astype(mx.float32) * (1 / self.temp), axis=-1)
+
+
+def rejection_sample(target: mx.array, draft: mx.array, drafts: list[int]) -> tuple[int, int]:
+    """Exact speculative sampling: how many drafts to keep, and the token that follows.
+
+    `target` [K+1, V] are the backbone's distributions after each verify input, `draft`
+    [K, V] the head's distributions each draft was drawn from. Draft j is kept with
+    probability min(1, p_j(d)/q_j(d)); on the first rejection the next token is drawn from
+    normalize(max(p_j - q_j, 0)); when all are kept, from p_K. (Leviathan et al., 2023.)
+
+    Written here because mlx-lm's `speculative_generate_step` keeps a draft only when it
+    equals a token sampled from the target: also lossless, but it accepts with probability
+    sum(p q) instead of sum(min(p, q)), which wastes most drafts at a temperature.
+    """
+    for j, d in enumerate(drafts):
+        p, q = target[j, d].item(), draft[j, d].item()
+        u = mx.random.uniform().item()
+        if q > 0 and u < min(1.0, p / q):
+            continue
+        residual = mx.maximum(target[j] - draft[j], 0.0)
+        if residual.sum().item() <= 0:
+            residual = target[j]
+        token = mx.random.categorical(mx.log(residual)).item()
+        return j, int(token)
+    return len(drafts), int(mx.random.categorical(mx.log(target[len(drafts)])).item())
+
+
+def accept_drafts(
+    logits: mx.array, drafts_arr: mx.array, dists: mx.array | None, sampling: SamplingSettings
+) -> tuple[list[int], int, int]:
+    """The drafts, how many of them to keep, and the backbone's token after them, from the
+    verify logits [K+1, V]: greedy keeps the drafts equal to the backbone's argmax."""
+    if not sampling.greedy:
+        target = sampling.probs(logits)
+        mx.eval(target, drafts_arr, dists)
+        drafts = drafts_arr.tolist()
+        return drafts, *rejection_sample(target, dists, drafts)
+    logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    targets_arr = mx.argmax(logprobs, axis=-1)
+    mx.eval(targets_arr, drafts_arr)
+    drafts, targets = drafts_arr.tolist(), targets_arr.tolist()
+    accepted = 0
+    while accepted < len(drafts) and drafts[accepted] == targets[accepted]:
+        accepted += 1
+    return drafts, accepted, targets[accepted]
+
+
+# ---------------------------------------------------------------------------------------
+# Statistics and adaptive drafting.
+
+
+@dataclass
+class Stats:
+    prompt_tokens: int = 0
+    generated: list[int] = field(default_factory=list)
+    drafted: int = 0
+    accepted: int = 0
+    drafted_by_depth: list[int] = field(default_factory=lambda: [0] * MAX_DEPTH)
+    accepted_by_depth: list[int] = field(default_factory=lambda: [0] * MAX_DEPTH)
+    # As mlx-lm reports them: the prompt's time runs to the first output (for MTP, the first
+    # round), the decode rate counts the tokens after it.
+    prompt_time: float = 0.0
+    decode_time: float = 0.0
+    decode_tokens: int = 0
+    rounds: int = 0
+    plain_steps: int = 0
+    # (position in prompt + output of the first draft, the drafts) for every round.
+    draft_log: list[tuple[int, list[int]]] = field(default_factory=list)
+
+    @property
+    def acceptance(self) -> float | None:
+        return self.accepted / self.drafted if self.drafted else None
+
+    def acceptance_by_depth(self, depth: int) -> list[float | None]:
+        return [
+            (self.accepted_by_depth[i] / self.drafted_by_depth[i])
+            if self.drafted_by_depth[i]
+            else None
+            for i in range(depth)
+        ]
+
+    def record_round(self, position: int, drafts: list[int], accepted: int) -> None:
+        self.draft_log.append((position, drafts))
+        self.drafted += len(drafts)
+        self.accepted += accepted
+        for j in range(min(accepted + 1, len(drafts))):
+            self.drafted_by_depth[j] += 1
+            self.accepted_by_depth[j] += 1 if j < accepted else 0
+        self.rounds += 1
+
+
+class AdaptiveDrafting:
+    """Switches drafting off while it loses to plain decoding, and retries later.
+
+    After two drafting rounds, four plain steps are timed for a reference. Then two checks
+    on drafting rounds:
+    - hopeless: the faster of the last two rounds took longer than the plain steps for all
+      the tokens a round can yield (depth + 1), so no acceptance rate could pay for it
+      (a verify pass that costs as much as the tokens in it, as on CPUs): off for 256
+      tokens, doubling to 4096;
+    - losing: over the last 6 rounds, seconds per emitted token exceed plain decoding's:
+      off for 32 tokens, doubling to 1024, reset after a long winning run.
+    Each retry costs at most a few rounds, a few percent of the plain time at worst.
+    """
+
+    def __init__(self, enabled: bool) -> None:
+        self.enabled = enabled
+        self.window = 6
+        self.plain_stretch = 32
+        self.hopeless_stretch = 256
+        self.mtp_times: list[tuple[float, int]] = []
+        self.plain_times: list[float] = []
+        self.plain_left = 0
+        self.capacity = 2  # tokens a round can yield: depth + 1
+        # Plain speed is measured after the first two rounds (so that short generations
+        # draft from the start), over four steps.
+        self.probing_plain = False
+
+    def want_draft(self) -> bool:
+        if not self.enabled:
+            return True
+        return self.plain_left <= 0 and not self.probing_plain
+
+    def plain_ahead(self) -> int:
+        """Plain steps certain to follow the current one (read before recording it)."""
+        if not self.enabled:
+            return 0
+        if self.probing_plain:
+            return max(0, 4 - len(self.plain_times) - 1)
+        return max(0, self.plain_left - 1)
+
+    def record_plain(self, seconds: float) -> None:
+        if not self.enabled:
+            return
+        self.plain_times = (self.plain_times + [seconds])[-32:]
+        self.plain_left -= 1
+        if self.probing_plain and len(self.plain_times) >= 4:
+            self.probing_plain = False
+            self.plain_left = 0
+            self._judge()  # the rounds before the probe may already be hopeless
+
+    def _plain_per_token(self) -> float:
+        # The first plain step after a drafting stretch carries the head's catch-up.
+        plain = sorted(self.plain_times[1:] or self.plain_times)
+        return plain[len(plain) // 2]
+
+    def record_round(self, seconds: float, emitted: int, capacity: int) -> None:
+        """A drafting round took `seconds` and yielded `emitted` of at most `capacity`."""
+        if not self.enabled:
+            return
+        self.mtp_times.append((seconds, emitted))
+        self.capacity = capacity
+        if not self.plain_times:
+            if len(self.mtp_times) >= 2:
+                self.probing_plain = True
+            return
+        self._judge()
+
+    def _judge(self) -> None:
+        capacity = self.capacity
+        plain_per_token = self._plain_per_token()
+        if len(self.mtp_times) >= 2:
+            fastest = min(s for s, _ in self.mtp_times[-2:])
+            if fastest > capacity * plain_per_token:
+                self.plain_left = self.hopeless_stretch
+                self.hopeless_stretch = min(self.hopeless_stretch * 2, 4096)
+                self.mtp_times = []
+                return
+        if len(self.mtp_times) < self.window:
+            return
+        recent = self.mtp_times[-self.window :]
+        mtp_per_token = sum(s for s, _ in recent) / sum(n for _, n in recent)
+        if mtp_per_token > plain_per_token:
+            self.plain_left = self.plain_stretch
+            self.plain_stretch = min(self.plain_stretch * 2, 1024)
+            self.mtp_times = []
+        elif len(self.mtp_times) >= 4 * self.window:
+            self.plain_stretch = 32
+            self.mtp_times = self.mtp_times[-self.window :]
+
+
+# ---------------------------------------------------------------------------------------
+# The head's side: its KV cache and the confirmed pairs it has not seen yet.
+
+
+class HeadDrafter:
+    """Drafts with the MTP head. Pairs (h_k, t_{k+1}) wait in `pending` until the head runs
+    over them: at the start of the next round, or in chunks while drafting is paused."""
+
+    def __init__(self, m: MtpModel) -> None:
+        self.m = m
+        self.head = m.head
+        self.cache = m.head.make_cache()
+        self.pending_hidden: list[mx.array] = []
+        self.pending_tokens: list[int] = []
+
+    def add(self, hidden: mx.array, tokens: list[int]) -> None:
+        self.pending_hidden.append(hidden)
+        self.pending_tokens.extend(tokens)
+
+    def _pending(self) -> tuple[mx.array, list[int]]:
+        return mx.concatenate(self.pending_hidden, axis=1), self.pending_tokens
+
+    def catch_up(self, keep_last: bool = True) -> None:
+        """Run the head over the pending pairs (keeping the last one to draft from)."""
+        hidden, tokens = self._pending()
+        n = len(tokens) - (1 if keep_last else 0)
+        for i in range(0, n, HEAD_CHUNK):
+            j = min(i + HEAD_CHUNK, n)
+            x = self.head(hidden[:, i:j], self.m.embed(mx.array(tokens[i:j])[None]), self.cache)
+            mx.eval(x, [c.state for c in self.cache])
+        self.pending_hidden = [hidden[:, n:]]
+        self.pending_tokens = tokens[n:]
+
+    def draft(self, depth: int, sampling: SamplingSettings) -> tuple[mx.array, mx.array | None]:
+        """`depth` draft tokens (lazy, [K] int32) and, when sampling, their distributions
+        [K, V]. Consumes the pending pairs."""
+        head, m = self.head, self.m
+        hidden, tokens = self._pending()
+        self.pending_hidden, self.pending_tokens = [], []
+        x = head(hidden, m.embed(mx.array(tokens)[None]), self.cache, step=0)[:, -1:]
+        drafts: list[mx.array] = []
+        dists = []
+        normed = None
+        for k in range(depth):
+            if k > 0:
+                prev = normed if m.hidden == POST_NORM else x
+                x = head(prev, m.embed(drafts[-1].reshape(1, 1)), self.cache, step=k)
+            normed = head.final_norm(head.layer_for_step(k))(x)
+            logits = m.lm_head(normed)[0, -1]
+            if sampling.greedy:
+                token = mx.argmax(logits, axis=-1)
+            else:
+                q = sampling.probs(logits)
+                token = mx.random.categorical(mx.log(q))
+                dists.append(q)
+            drafts.append(token.astype(mx.int32).reshape(1))
+        return mx.concatenate(drafts), (mx.stack(dists) if dists else None)
+
+    def drop_drafts(self, depth: int) -> None:
+        """Drop the head-cache entries built on drafts (steps 1..depth-1); the pairs the
+        backbone confirms are fed to the head next round."""
+        per_layer = [0] * len(self.cache)
+        for step in range(1, depth):
+            per_layer[self.head.layer_for_step(step)] += 1
+        for cache, n in zip(self.cache, per_layer, strict=True):
+            if n:
+                cache.trim(n)
+
+
+# ---------------------------------------------------------------------------------------
+# One generation.
+
+
+class MtpDecoder:
+    """One generation: prefill, then drafting rounds (draft, verify, accept, roll back) and
+    plain steps until done."""
+
+    def __init__(
+        self,
+        m: MtpModel,
+        prompt: list[int],
+        *,
+        depth: int,
+        sampling: SamplingSettings,
+        adaptive: bool,
+        use_mtp: bool = True,
+    ) -> None:
+        if m.head is None and use_mtp:
+            raise NoMtpHead(f"{m.path} has no MTP head")
+        self.m, self.prompt, self.depth, self.sampling = m, prompt, depth, sampling
+        self.use_mtp = use_mtp
+        self.adaptive = AdaptiveDrafting(adaptive and use_mtp)
+        self.cache = m.make_cache()
+        self.drafter = HeadDrafter(m) if m.head is not None else None
+        # The last confirmed token: the backbone has not consumed it yet.
+        self.last_token = prompt[-1]
+        self._ahead: tuple[mx.array, mx.array] | None = None
+        self.n_confirmed = 0  # tokens confirmed after the prompt
+        self.stats = Stats(prompt_tokens=len(prompt))
+        self.sampler = sampling.sampler()
+
+    def prefill(self, step_size: int = 2048) -> None:
+        """All but the last prompt token, in chunks, as mlx-lm's `generate_step` does; the
+        last one is the first input of the decoding loop."""
+        from mlx_lm.generate import generation_stream
+
+        start = time.perf_counter()
+        prompt = self.prompt
+        with mx.stream(generation_stream):
+            for i in range(0, len(prompt) - 1, step_size):
+                chunk = prompt[i : min(i + step_size, len(prompt) - 1)]
+                _, hidden = self.m.forward(mx.array(chunk)[None], self.cache)
+                mx.eval([c.state for c in self.cache], hidden)
+                if self.drafter is not None:
+                    self.drafter.add(hidden, prompt[i + 1 : i + 1 + len(chunk)])
+                mx.clear_cache()
+            if self.drafter is not None and len(self.drafter.pending_tokens) > 1:
+                self.drafter.catch_up()  # the head's KV cache over the prompt
+        self.stats.prompt_time = time.perf_counter() - start
+
+    # -- the round: draft, verify, accept, roll back --------------------------------------
+    def draft(self) -> tuple[mx.array, mx.array | None]:
+        return self.drafter.draft(self.depth, self.sampling)
+
+    def verify(self, drafts: mx.array) -> VerifyPass:
+        tokens = mx.concatenate([mx.array([self.last_token], dtype=mx.int32), drafts])
+        return self.m.verify(tokens, self.cache)
+
+    def accept(
+        self, verified: VerifyPass, drafts: mx.array, dists: mx.array | None
+    ) -> tuple[list[int], int, int]:
+        return accept_drafts(verified.logits[0], drafts, dists, self.sampling)
+
+    def rollback(self, verified: VerifyPass, kept: int) -> None:
+        """Undo the effect of the rejected verify inputs on the backbone and head caches."""
+        self.drafter.drop_drafts(self.depth)
+        verified.rollback(self.cache, kept)
+
+    def draft_round(self) -> list[int]:
+        """One drafting round; returns the tokens it confirms (at least one)."""
+        drafts_arr, dists = self.draft()
+        verified = self.verify(drafts_arr)
+        drafts, accepted, next_token = self.accept(verified, drafts_arr, dists)
+        kept = accepted + 1  # verify inputs whose effect on the caches stays
+        self.rollback(verified, kept)
+        confirmed = drafts[:accepted] + [next_token]
+        self.stats.record_round(len(self.prompt) + self.n_confirmed, drafts, accepted)
+        self.drafter.add(verified.hidden[:, :kept], confirmed)
+        self.n_confirmed += len(confirmed)
+        self.last_token = next_token
+        return confirmed
+
+    # -- plain steps ----------------------------------------------------------------------
+    def _plain_forward(self, token: mx.array) -> tuple[mx.array, mx.array]:
+        logits, hidden = self.m.forward(token.reshape(1, 1), self.cache)
+        logits = logits[:, -1, :]
+        logprobs = logits - mx.logsumexp(logits, keepdims=True)
+        return self.sampler(logprobs), hidden
+
+    def plain_step(self, ahead: bool = False) -> list[int]:
+        """One backbone step, as mlx-lm's generate_step takes it. With `ahead` (the next
+        step is certain to be plain too) the next forward is queued before this token is
+        read, so the two overlap as in mlx-lm's own loop."""
+        if self._ahead is not None:
+            y, hidden = self._ahead
+            self._ahead = None
+        else:
+            y, hidden = self._plain_forward(mx.array([self.last_token]))
+        if ahead:
+            self._ahead = self._plain_forward(y)
+            mx.async_eval(*self._ahead)
+        token = int(y.item())
+        self.last_token = token
+        self.n_confirmed += 1
+        if self.drafter is not None:
+            self.drafter.add(hidden, [token])
+            if len(self.drafter.pending_tokens) > CATCH_UP_AFTER:
+                self.drafter.catch_up()
+        self.stats.plain_steps += 1
+        return [token]
+
+    # -- the loop -------------------------------------------------------------------------
+    def step(self, may_look_ahead: bool) -> list[int]:
+        """A drafting round or a plain step, as adaptive drafting decides; timed for it."""
+        t0 = time.perf_counter()
+        can_draft = self.use_mtp and self.drafter is not None
+        drafting = can_draft and self.adaptive.want_draft() and self._ahead is None
+        if drafting and self.drafter.pending_tokens:
+            new = self.draft_round()
+            self.adaptive.record_round(time.perf_counter() - t0, len(new), self.depth + 1)
+            return new
+        ahead = not can_draft or self.adaptive.plain_ahead() > 0
+        new = self.plain_step(ahead=ahead and may_look_ahead)
+        self.adaptive.record_plain(time.perf_counter() - t0)
+        return new
+
+    def tokens(self, max_tokens: int) -> Iterator[int]:
+        from mlx_lm.generate import generation_stream, wired_limit
+
+        eos = set(getattr(self.m.tokenizer, "eos_token_ids", None) or [])
+        start = time.perf_counter()
+        produced, first_done, first_count = 0, None, 0
+        with wired_limit(self.m.model, [generation_stream]):
+            self.prefill()
+            try:
+                with mx.stream(generation_stream):
+                    while produced < max_tokens:
+                        new = self.step(may_look_ahead=produced + 1 < max_tokens)
+                        if first_done is None:
+                            first_done, first_count = time.perf_counter(), len(new)
+                            self.stats.prompt_time = first_done - start
+                        for t in new:
+                            if t in eos:
+                                return
+                            self.stats.generated.append(t)
+                            produced += 1
+                            yield t
+                            if produced >= max_tokens:
+                                break
+            finally:
+                if first_done is not None:
+                    self.stats.decode_time = time.perf_counter() - first_done
+                    self.stats.decode_tokens = max(0, len(self.stats.generated) - first_count)

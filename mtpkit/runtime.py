@@ -1,0 +1,406 @@
+"""The model at run time: stock mlx-lm's backbone, the MTP head, and two taps on the backbone.
+
+- The backbone is mlx-lm's own model class, loaded by `mlx_lm.utils.load_model` with a
+  subclass whose `sanitize` first sets the head's tensors aside (some checkpoints keep them in
+  a `model*.safetensors` file that mlx-lm reads). The head comes from `mtpkit.headload`.
+- A tap on the final norm keeps the last hidden state (its input for `pre_norm`, its output
+  for `post_norm`): the head drafts from it.
+- A verify pass (`MtpModel.verify`) keeps, for every gated-delta-net layer (Qwen3.5/3.6/Next),
+  the state after each verified token, because those recurrent and conv states cannot be
+  trimmed: `VerifyPass.rollback` restores them after a partial acceptance, so a rejection
+  never costs another forward pass. The capture is one replaceable piece (`capture_gdn_states`
+  and `GdnSnapshots`); a faster verify only has to fill the same snapshots.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import importlib
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from mtpkit.errors import MtpkitError
+from mtpkit.headload import HeadWeights, MtpHead, load_head
+from mtpkit.source import HubSource, hub_errors, open_source
+
+POST_NORM = "post_norm"
+PRE_NORM = "pre_norm"
+HIDDEN_MODES = (POST_NORM, PRE_NORM)
+# What mlx-lm needs from a Hub repo to load a model and its tokenizer.
+MODEL_FILES = ("*.json", "*.safetensors", "*.py", "*.model", "*.tiktoken", "*.txt", "*.jinja")
+HEAD_TENSOR_PREFIXES = ("mtp.", "model.mtp.", "language_model.mtp.", "model.mtp_layers.")
+
+
+class GenerateError(MtpkitError):
+    """Bad generate options."""
+
+
+class NoMtpHead(MtpkitError):
+    """`--mtp` was asked of a model without a usable MTP head."""
+
+
+# ---------------------------------------------------------------------------------------
+# The final-norm tap: the hidden state the head drafts from.
+
+
+class HiddenCapture:
+    """The input and output of the backbone's final norm in the last forward pass."""
+
+    def __init__(self) -> None:
+        self.pre: mx.array | None = None
+        self.post: mx.array | None = None
+
+
+def tap_final_norm(norm: nn.Module) -> HiddenCapture:
+    """Make `norm` record its input and output, keeping its class, weights and result.
+
+    The instance gets a subclass of its own class (parameter paths and quantization are
+    unchanged, unlike a wrapper module). Tapping twice returns the first tap's capture, so
+    every user of a shared backbone reads the same one.
+    """
+    base = type(norm)
+    if getattr(base, "_mtpkit_tap", False):
+        return norm._mtpkit_capture
+
+    def __call__(self: nn.Module, x: mx.array) -> mx.array:
+        out = base.__call__(self, x)
+        self._mtpkit_capture.pre = x
+        self._mtpkit_capture.post = out
+        return out
+
+    norm.__class__ = type(
+        f"Tapped{base.__name__}", (base,), {"__call__": __call__, "_mtpkit_tap": True}
+    )
+    norm._mtpkit_capture = HiddenCapture()
+    return norm._mtpkit_capture
+
+
+@contextlib.contextmanager
+def untapped(norm: nn.Module) -> Iterator[None]:
+    """The final norm as stock mlx-lm has it, for plain decoding (no hidden state kept)."""
+    cls = type(norm)
+    if not getattr(cls, "_mtpkit_tap", False):
+        yield
+        return
+    norm.__class__ = cls.__mro__[1]
+    try:
+        yield
+    finally:
+        norm.__class__ = cls
+
+
+# ---------------------------------------------------------------------------------------
+# Gated-delta-net state capture during a verify pass.
+
+
+@dataclass
+class GdnSnapshots:
+    """Per-token states of every gated-delta-net layer during one verify pass, in layer
+    order: the conv1d input (conv state plus the new tokens) and the recurrent state after
+    each token."""
+
+    conv_inputs: list[mx.array] = field(default_factory=list)
+    states: list[list[mx.array]] = field(default_factory=list)
+
+    def restore(self, caches: list[Any], kept: int) -> None:
+        """Set each layer's cache to its state after the first `kept` verified tokens."""
+        for cache, conv_input, states in zip(caches, self.conv_inputs, self.states, strict=True):
+            n_keep = cache[0].shape[1]
+            cache[0] = mx.contiguous(conv_input[:, kept : kept + n_keep, :])
+            cache[1] = states[kept - 1]
+
+
+_ACTIVE_SNAPSHOTS: contextvars.ContextVar[GdnSnapshots | None] = contextvars.ContextVar(
+    "mtpkit_gdn_snapshots", default=None
+)
+_PATCHED_MODULES: set[str] = set()
+
+
+@contextlib.contextmanager
+def capture_gdn_states(snapshots: GdnSnapshots | None) -> Iterator[GdnSnapshots | None]:
+    """Within the block, the tapped gated-delta-net layers fill `snapshots` (None: off)."""
+    token = _ACTIVE_SNAPSHOTS.set(snapshots)
+    try:
+        yield snapshots
+    finally:
+        _ACTIVE_SNAPSHOTS.reset(token)
+
+
+def _stepwise_gated_delta_update(original: Callable[..., Any]) -> Callable[..., Any]:
+    """Wrap mlx-lm's `gated_delta_update` so that, inside a verify pass, it runs the
+    recurrence one token at a time (the same sequential recurrence mlx-lm runs) and keeps
+    the state after each token. Outside a verify pass it is the original function."""
+
+    def update(q, k, v, a, b, A_log, dt_bias, state=None, mask=None, **kwargs):  # noqa: N803
+        snapshots = _ACTIVE_SNAPSHOTS.get()
+        if snapshots is None or q.shape[1] == 1:
+            out = original(q, k, v, a, b, A_log, dt_bias, state, mask, **kwargs)
+            if snapshots is not None:
+                snapshots.states.append([out[1]])
+            return out
+        ys, states = [], []
+        for t in range(q.shape[1]):
+            step = slice(t, t + 1)
+            y, state = original(
+                q[:, step], k[:, step], v[:, step], a[:, step], b[:, step], A_log, dt_bias,
+                state, None if mask is None else mask[:, step], **kwargs,
+            )  # fmt: skip
+            ys.append(y)
+            states.append(state)
+        snapshots.states.append(states)
+        return mx.concatenate(ys, axis=1), state
+
+    update._mtpkit_original = original  # type: ignore[attr-defined]
+    return update
+
+
+def _patch_gated_delta(module_name: str) -> None:
+    if module_name in _PATCHED_MODULES:
+        return
+    module = importlib.import_module(module_name)
+    if hasattr(module, "gated_delta_update"):
+        module.gated_delta_update = _stepwise_gated_delta_update(module.gated_delta_update)
+    _PATCHED_MODULES.add(module_name)
+
+
+def _tap_conv_input(conv: nn.Module) -> None:
+    """Make a gated-delta-net's conv1d record its input (the conv state plus new tokens)."""
+    base = type(conv)
+    if getattr(base, "_mtpkit_tap", False):
+        return
+
+    def __call__(self: nn.Module, x: mx.array) -> mx.array:
+        snapshots = _ACTIVE_SNAPSHOTS.get()
+        if snapshots is not None:
+            snapshots.conv_inputs.append(x)
+        return base.__call__(self, x)
+
+    conv.__class__ = type(
+        f"Tapped{base.__name__}", (base,), {"__call__": __call__, "_mtpkit_tap": True}
+    )
+
+
+def tap_gated_delta_layers(model: nn.Module) -> None:
+    """Prepare every gated-delta-net layer of `model` for `capture_gdn_states`."""
+    for layer in getattr(model, "layers", []):
+        gdn = layer.get("linear_attn") if isinstance(layer, dict) else None
+        if gdn is not None:
+            _patch_gated_delta(type(gdn).__module__)
+            _tap_conv_input(gdn.conv1d)
+
+
+def is_recurrent_cache(cache: Any) -> bool:
+    """A cache that cannot be trimmed but is restored from snapshots (gated delta net)."""
+    from mlx_lm.models.cache import ArraysCache
+
+    return isinstance(cache, ArraysCache)
+
+
+@dataclass
+class VerifyPass:
+    """One backbone pass over `[last token, drafts...]`, with what rolling it back needs."""
+
+    logits: mx.array  # [1, T, V]
+    hidden: mx.array  # [1, T, H]: the head's input after each verified token
+    snapshots: GdnSnapshots | None
+    length: int
+
+    def rollback(self, caches: list[Any], kept: int) -> None:
+        """Keep the caches' state after the first `kept` verified tokens only."""
+        if kept == self.length:
+            return
+        recurrent = []
+        for cache in caches:
+            if is_recurrent_cache(cache):
+                recurrent.append(cache)
+            elif cache.is_trimmable():
+                cache.trim(self.length - kept)
+            else:
+                name = type(cache).__name__
+                raise MtpkitError(f"a {name} cannot drop rejected drafts: use --no-mtp")
+        if recurrent:
+            self.snapshots.restore(recurrent, kept)
+
+
+# ---------------------------------------------------------------------------------------
+# The model: stock backbone + head.
+
+
+@dataclass
+class MtpModel:
+    """A loaded model directory: mlx-lm's backbone, its tokenizer, and the MTP head if any."""
+
+    path: Path
+    model: nn.Module
+    tokenizer: Any
+    config: dict[str, Any]
+    head: MtpHead | None
+    head_weights: HeadWeights | None
+    hidden: str
+    capture: HiddenCapture
+    context_length: int | None
+
+    @property
+    def text_model(self) -> nn.Module:
+        return getattr(self.model, "language_model", self.model)
+
+    @property
+    def inner(self) -> nn.Module:
+        return self.model.model
+
+    def embed(self, tokens: mx.array) -> mx.array:
+        return self.inner.embed_tokens(tokens)
+
+    def lm_head(self, x: mx.array) -> mx.array:
+        if "lm_head" in self.text_model:
+            return self.text_model.lm_head(x)
+        return self.inner.embed_tokens.as_linear(x)
+
+    def hidden_state(self) -> mx.array:
+        return self.capture.post if self.hidden == POST_NORM else self.capture.pre
+
+    def make_cache(self) -> list[Any]:
+        from mlx_lm.models.cache import make_prompt_cache
+
+        return make_prompt_cache(self.model)
+
+    def forward(self, tokens: mx.array, cache: list[Any]) -> tuple[mx.array, mx.array]:
+        """Logits [1, T, V] and hidden states [1, T, H] of `tokens` [1, T]."""
+        logits = self.model(tokens, cache=cache)
+        return logits, self.hidden_state()
+
+    def verify(self, tokens: mx.array, cache: list[Any]) -> VerifyPass:
+        """A forward pass over `tokens` [T] that can be rolled back to any prefix."""
+        recurrent = any(is_recurrent_cache(c) for c in cache)
+        with capture_gdn_states(GdnSnapshots() if recurrent else None) as snapshots:
+            logits, hidden = self.forward(tokens[None], cache)
+        return VerifyPass(logits, hidden, snapshots, tokens.shape[0])
+
+
+# ---------------------------------------------------------------------------------------
+# Loading.
+
+
+def resolve_model_path(spec: str, revision: str | None = None) -> Path:
+    """A local model directory, or the snapshot of a Hub repo with the files mlx-lm reads."""
+    source = open_source(spec, revision=revision)
+    if isinstance(source, HubSource):
+        from huggingface_hub import snapshot_download
+
+        with hub_errors(source.repo_id, source.revision):
+            path = Path(
+                snapshot_download(
+                    source.repo_id,
+                    revision=source.commit or source.revision,
+                    allow_patterns=list(MODEL_FILES),
+                )
+            )
+    else:
+        local = Path(spec).expanduser()
+        path = local if local.is_dir() else source.root  # else: an offline Hub snapshot
+    if not (path / "config.json").exists():
+        raise MtpkitError(f"{spec} has no config.json: pass a model directory")
+    return path
+
+
+def is_head_tensor(name: str) -> bool:
+    """A tensor of the MTP head (in any layout mtpkit reads) that the backbone never uses."""
+    return name.startswith(HEAD_TENSOR_PREFIXES)
+
+
+def model_classes_without(
+    config: dict[str, Any], drop: Callable[[str], bool]
+) -> tuple[type[nn.Module], type]:
+    """mlx-lm's model class for `config`, whose sanitize first drops the tensors `drop` names."""
+    import inspect
+
+    from mlx_lm.utils import load_model as mlx_load_model
+
+    # mlx-lm's own class lookup, read as the default of its public loader's parameter.
+    stock_classes = inspect.signature(mlx_load_model).parameters["get_model_classes"].default
+    model_cls, args_cls = stock_classes(config)
+
+    class WithoutHead(model_cls):  # type: ignore[misc, valid-type]
+        def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
+            weights = {k: v for k, v in weights.items() if not drop(k)}
+            return super().sanitize(weights) if hasattr(model_cls, "sanitize") else weights
+
+    return WithoutHead, args_cls
+
+
+def load_backbone(
+    path: Path, *, lazy: bool = False, drop: Callable[[str], bool] = is_head_tensor
+) -> tuple[nn.Module, Any, dict[str, Any]]:
+    """Stock mlx-lm's model (strictly loaded, the head's tensors set aside), tokenizer and
+    config, as `mlx_lm.load` returns them. `drop` names the tensors to set aside."""
+    from mlx_lm.utils import load_model as mlx_load_model
+    from mlx_lm.utils import load_tokenizer
+
+    def classes(config: dict[str, Any]) -> tuple[type[nn.Module], type]:
+        return model_classes_without(config, drop)
+
+    try:
+        model, config = mlx_load_model(path, lazy=lazy, get_model_classes=classes)
+    except (ValueError, FileNotFoundError) as e:
+        raise MtpkitError(f"mlx-lm cannot load {path}: {e}") from None
+    tokenizer = load_tokenizer(path, eos_token_ids=config.get("eos_token_id", None))
+    return model, tokenizer, config
+
+
+_BACKBONES: dict[tuple[str, float], tuple[nn.Module, Any, dict[str, Any]]] = {}
+
+
+def _backbone_key(path: Path) -> tuple[str, float] | None:
+    """The last loaded backbone is reused while its files are unchanged."""
+    try:
+        stamps = [p.stat().st_mtime for p in path.glob("*.safetensors")]
+        stamps.append((path / "config.json").stat().st_mtime)
+    except OSError:
+        return None
+    return str(path.resolve()), max(stamps)
+
+
+def _cached_backbone(path: Path) -> tuple[nn.Module, Any, dict[str, Any]]:
+    key = _backbone_key(path)
+    if key is not None and key in _BACKBONES:
+        return _BACKBONES[key]
+    loaded = load_backbone(path)
+    if key is not None:
+        _BACKBONES.clear()  # keep one: a check measures one model many times
+        _BACKBONES[key] = loaded
+    return loaded
+
+
+def load_model(
+    spec: str | Path,
+    *,
+    hidden: str | None = None,
+    concat_order: str | None = None,
+    norm_shift: float = 0.0,
+    with_head: bool = True,
+    revision: str | None = None,
+) -> MtpModel:
+    """Load a model directory with stock mlx-lm and attach its MTP head (if it has one)."""
+    path = resolve_model_path(str(spec), revision)
+    model, tokenizer, config = _cached_backbone(path)
+    head = head_weights = None
+    if with_head:
+        loaded = load_head(path, config, norm_shift=norm_shift, concat_order=concat_order)
+        if loaded is not None:
+            head, head_weights = loaded
+    if hidden is None:
+        manifest = head_weights.manifest if head_weights is not None else None
+        hidden = (manifest or {}).get("hidden") or POST_NORM
+    if hidden not in HIDDEN_MODES:
+        raise GenerateError(f"--hidden must be one of {', '.join(HIDDEN_MODES)}, not {hidden!r}")
+    capture = tap_final_norm(model.model.norm)
+    tap_gated_delta_layers(model)
+    text = config.get("text_config") or config
+    context = text.get("max_position_embeddings") or config.get("max_position_embeddings")
+    return MtpModel(path, model, tokenizer, config, head, head_weights, hidden, capture, context)
