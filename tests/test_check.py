@@ -16,8 +16,9 @@ import pytest
 from typer.testing import CliRunner
 
 from mtpkit.check import CHECKS, check_checkpoint
-from mtpkit.cli import EXIT_FAILED_REQUIREMENT, app
+from mtpkit.cli import app
 from mtpkit.junit import junit_xml
+from mtpkit.options import EXIT_FAILED_REQUIREMENT
 from mtpkit.probes import Measurement, Variant, diagnose, single_variants
 from mtpkit.prompts import BUILTIN_PROMPTS, read_prompts
 from tests import hub_server

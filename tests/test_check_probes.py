@@ -19,7 +19,8 @@ import pytest
 from typer.testing import CliRunner
 
 from mtpkit.check import check_checkpoint
-from mtpkit.cli import EXIT_FAILED_REQUIREMENT, app
+from mtpkit.cli import app
+from mtpkit.options import EXIT_FAILED_REQUIREMENT
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "mtpkit" / "examples" / "tiny-qwen3_5"
 HEAD = Path("mtp") / "weights.safetensors"

@@ -8,7 +8,7 @@ import sys
 
 from typer.testing import CliRunner
 
-from mtpkit import cli
+from mtpkit import options
 from mtpkit.cli import app
 
 runner = CliRunner()
@@ -22,13 +22,13 @@ def test_choices_are_the_librarys():
     from mtpkit.quant import BITS, DTYPES, GROUP_SIZES
     from mtpkit.runtime import HIDDEN_MODES
 
-    assert [d.value for d in cli.Dtype] == list(DTYPES)
-    assert [int(b.value) for b in cli.Bits] == list(BITS)
-    assert [int(g.value) for g in cli.GroupSize] == list(GROUP_SIZES)
-    assert [v.value for v in cli.Layout] == list(LAYOUTS)
-    assert [h.value for h in cli.Hidden] == list(HIDDEN_VARIANTS) == list(HIDDEN_MODES)
-    assert [s.value for s in cli.RandomShape] == list(RANDOM_SHAPES)
-    assert cli.MAX_DEPTH == MAX_DEPTH
+    assert [d.value for d in options.Dtype] == list(DTYPES)
+    assert [int(b.value) for b in options.Bits] == list(BITS)
+    assert [int(g.value) for g in options.GroupSize] == list(GROUP_SIZES)
+    assert [v.value for v in options.Layout] == list(LAYOUTS)
+    assert [h.value for h in options.Hidden] == list(HIDDEN_VARIANTS) == list(HIDDEN_MODES)
+    assert [s.value for s in options.RandomShape] == list(RANDOM_SHAPES)
+    assert options.MAX_DEPTH == MAX_DEPTH
 
 
 def test_help_lists_the_choices():

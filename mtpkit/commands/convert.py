@@ -1,0 +1,109 @@
+"""`mtpkit convert`: an MLX directory with the MTP head kept, or a head grafted into one."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+
+from mtpkit.errors import MtpkitError
+from mtpkit.options import (
+    BitsOpt,
+    DtypeOpt,
+    GroupSizeOpt,
+    Hidden,
+    JsonOpt,
+    KeepMtpBf16Opt,
+    LayoutOpt,
+    MtpBitsOpt,
+    RevisionOpt,
+    SourceArg,
+    friendly_errors,
+    number,
+    value,
+)
+
+
+@friendly_errors
+def convert(
+    source: SourceArg,
+    output: Annotated[
+        str | None, typer.Option("--output", "-o", help="The MLX directory to write.")
+    ] = None,
+    revision: RevisionOpt = None,
+    bits: BitsOpt = None,
+    group_size: GroupSizeOpt = None,
+    keep_mtp_bf16: KeepMtpBf16Opt = False,
+    mtp_bits: MtpBitsOpt = None,
+    dtype: DtypeOpt = None,
+    layout: LayoutOpt = None,
+    hidden: Annotated[
+        Hidden | None,
+        typer.Option(
+            "--hidden",
+            help="Hidden state the head expects, recorded in the manifest: post_norm "
+            "(default) or pre_norm.",
+        ),
+    ] = None,
+    recipe: Annotated[
+        str | None, typer.Option("--recipe", help="A recipes/*.toml file; flags override it.")
+    ] = None,
+    force: Annotated[bool, typer.Option("--force", help="Replace an existing output.")] = False,
+    mtp_only: Annotated[
+        bool, typer.Option("--mtp-only", help="Graft only the MTP head (with --into).")
+    ] = False,
+    into: Annotated[
+        str | None, typer.Option("--into", help="The existing MLX directory to graft into.")
+    ] = None,
+    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress bar.")] = False,
+    json_output: JsonOpt = False,
+) -> None:
+    """Convert a checkpoint to an MLX directory that stock mlx-lm loads, keeping its MTP head.
+
+    The backbone is written as mlx_lm.convert writes it (same names, quantization and dtypes); the head goes to mtp/weights.safetensors and every decision (norm shift, expert layout, quantization, source commit) to mtp/manifest.json. Without --bits nothing is quantized; with --bits the head is quantized like the backbone unless --keep-mtp-bf16 or --mtp-bits says otherwise.
+
+    With --mtp-only --into DIR, only the head is read (on the Hub: its byte ranges) and added to an existing MLX conversion of the same model, quantized like it.
+    """
+    from mtpkit.convert import convert as convert_checkpoint
+    from mtpkit.convert import graft
+    from mtpkit.output import print_convert, print_json
+
+    if mtp_only:
+        if into is None or output is not None or bits is not None or layout or recipe or force:
+            raise MtpkitError(
+                "--mtp-only takes --into DIR and only the head flags "
+                "(--keep-mtp-bf16, --mtp-bits, --group-size, --dtype)"
+            )
+        result = graft(
+            source,
+            into=into,
+            revision=revision,
+            keep_mtp_bf16=keep_mtp_bf16,
+            mtp_bits=number(mtp_bits),
+            group_size=number(group_size),
+            dtype=value(dtype),
+            hidden=value(hidden),
+            quiet=quiet or json_output,
+        )
+    else:
+        if output is None or into is not None:
+            raise MtpkitError("pass -o OUT (or --mtp-only --into DIR to graft a head)")
+        result = convert_checkpoint(
+            source,
+            output=output,
+            revision=revision,
+            bits=number(bits),
+            group_size=number(group_size),
+            keep_mtp_bf16=keep_mtp_bf16,
+            mtp_bits=number(mtp_bits),
+            dtype=value(dtype),
+            layout=value(layout),
+            hidden=value(hidden),
+            recipe=recipe,
+            force=force,
+            quiet=quiet or json_output,
+        )
+    if json_output:
+        print_json(result.as_dict())
+    else:
+        print_convert(result)
