@@ -178,9 +178,18 @@ def resolve_model_path(spec: str, revision: str | None = None) -> Path:
     return path
 
 
-def is_head_tensor(name: str) -> bool:
-    """A tensor of the MTP head (in any layout mtpkit reads) that the backbone never uses."""
-    return name.startswith(HEAD_TENSOR_PREFIXES)
+def head_tensor_filter(config: dict[str, Any]) -> Callable[[str], bool]:
+    """Names the tensors of the MTP head that the backbone never uses: the family's own rule
+    (`Family.is_mtp_tensor`, which knows e.g. layers past `num_hidden_layers`) and, for a
+    model mtpkit has no family for, the head prefixes of mtpkit's own layouts."""
+    from mtpkit.errors import UnsupportedFamily
+    from mtpkit.families import family_for
+
+    try:
+        family = family_for(config)
+    except UnsupportedFamily:
+        return lambda name: name.startswith(HEAD_TENSOR_PREFIXES)
+    return lambda name: name.startswith(HEAD_TENSOR_PREFIXES) or family.is_mtp_tensor(name)
 
 
 def model_classes_without(
@@ -204,15 +213,16 @@ def model_classes_without(
 
 
 def load_backbone(
-    path: Path, *, lazy: bool = False, drop: Callable[[str], bool] = is_head_tensor
+    path: Path, *, lazy: bool = False, drop: Callable[[str], bool] | None = None
 ) -> tuple[nn.Module, Any, dict[str, Any]]:
     """Stock mlx-lm's model (strictly loaded, the head's tensors set aside), tokenizer and
-    config, as `mlx_lm.load` returns them. `drop` names the tensors to set aside."""
+    config, as `mlx_lm.load` returns them. `drop` names the tensors to set aside (default:
+    `head_tensor_filter` of the config)."""
     from mlx_lm.utils import load_model as mlx_load_model
     from mlx_lm.utils import load_tokenizer
 
     def classes(config: dict[str, Any]) -> tuple[type[nn.Module], type]:
-        return model_classes_without(config, drop)
+        return model_classes_without(config, drop or head_tensor_filter(config))
 
     try:
         model, config = mlx_load_model(path, lazy=lazy, get_model_classes=classes)
