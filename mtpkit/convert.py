@@ -17,7 +17,6 @@ from __future__ import annotations
 import os
 import re
 import shutil
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,6 +34,7 @@ from mtpkit.manifest import (
     set_quantization,
     write_manifest,
 )
+from mtpkit.output import progress_bar
 from mtpkit.plan import Converter, Plan, Settings, check_conv1d, refuse_problems
 from mtpkit.writer import (
     read_config,
@@ -211,7 +211,7 @@ def _write_output(
     if plan.head_jobs:
         files.append((tmp / HEAD_WEIGHTS_PATH, plan.head_jobs))
     total = sum(job.nbytes for _, jobs in files for job in jobs)
-    bar = _progress(total, quiet, "convert")
+    bar = progress_bar(total, desc="convert", quiet=quiet)
     meta = tensor_meta(plan.backbone + plan.head)
     write_job_files(files, converter.run, meta, bar.update if bar is not None else None)
     write_index(tmp / "model.safetensors.index.json", weight_map, total_size, plan.total_parameters)
@@ -254,16 +254,6 @@ def _copy_side_files(ckpt: Checkpoint, out: Path) -> None:
         if "/" in name or not COPIED_FILES.match(name):
             continue
         shutil.copyfile(ckpt.source.local_file(name), out / name)
-
-
-def _progress(total: int, quiet: bool, desc: str) -> Any:
-    from mtpkit.output import progress_disabled
-
-    if progress_disabled(quiet):
-        return None
-    from tqdm import tqdm
-
-    return tqdm(total=total, unit="B", unit_scale=True, desc=desc, file=sys.stderr, leave=False)
 
 
 # --------------------------------------------------------------------------- graft
@@ -375,7 +365,7 @@ def _write_graft(
     quiet: bool,
 ) -> None:
     """Head file, manifest and config written beside their targets, then moved over them."""
-    bar = _progress(sum(a.nbytes for _, a in plan.head), quiet, "graft")
+    bar = progress_bar(sum(a.nbytes for _, a in plan.head), desc="graft", quiet=quiet)
     weights = into / HEAD_WEIGHTS_PATH
     tmp_weights = weights.with_name(f".{weights.name}.mtpkit-tmp-{os.getpid()}")
     tmp_weights.parent.mkdir(parents=True, exist_ok=True)
