@@ -68,6 +68,7 @@ MOE_LAYOUTS: tuple[str, ...] = (
     "glm4_moe_lite",
     "deepseek_v32",
     "glm_moe_dsa",
+    "longcat_flash",
 )
 
 

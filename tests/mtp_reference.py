@@ -177,9 +177,14 @@ def mla_attention(w: Weights, prefix: str, x: np.ndarray, cfg: dict[str, Any]) -
     # vLLM; at these sizes the two differ far below the tests' tolerance.
     lat_eps = eps
     qr = rms_norm(linear(w, f"{prefix}.q_a_proj", x), w[f"{prefix}.q_a_layernorm.weight"], lat_eps)
-    q = linear(w, f"{prefix}.q_b_proj", qr).reshape(s, heads, nope + rope_dim).transpose(1, 0, 2)
+    # LongCat scales the latents by sqrt(hidden / rank) (vLLM folds it into the norm weights).
+    hidden = cfg["hidden_size"]
+    q_scale = (hidden / cfg["q_lora_rank"]) ** 0.5 if cfg.get("mla_scale_q_lora") else 1.0
+    kv_scale = (hidden / kv_rank) ** 0.5 if cfg.get("mla_scale_kv_lora") else 1.0
+    q = linear(w, f"{prefix}.q_b_proj", qr * q_scale)
+    q = q.reshape(s, heads, nope + rope_dim).transpose(1, 0, 2)
     ckv = linear(w, f"{prefix}.kv_a_proj_with_mqa", x)
-    latent = rms_norm(ckv[:, :kv_rank], w[f"{prefix}.kv_a_layernorm.weight"], lat_eps)
+    latent = rms_norm(ckv[:, :kv_rank], w[f"{prefix}.kv_a_layernorm.weight"], lat_eps) * kv_scale
     kv = linear(w, f"{prefix}.kv_b_proj", latent).reshape(s, heads, nope + v_dim).transpose(1, 0, 2)
     freqs = rope_frequencies(rope_dim, base, scaling)
     q_pe = rope(q[..., nope:], pos, freqs, interleaved=True)
@@ -227,3 +232,19 @@ def nextn_logits(
     x = linear(w, f"{p}.eh_proj", np.concatenate([e, h], axis=-1))
     x = deepseek_layer(w, p, x, cfg, index)
     return rms_norm(x, w[f"{p}.shared_head.norm.weight"], eps) @ w["lm_head.weight"].T
+
+
+def longcat_logits(
+    w: Weights, cfg: dict[str, Any], hidden: np.ndarray, next_tokens: np.ndarray
+) -> np.ndarray:
+    """LongCat-Flash's MTP step (vLLM `LongCatMultiTokenPredictorLayer`): enorm/hnorm,
+    eh_proj, an MLA + dense-MLP block, `model.mtp.norm`, the shared lm_head."""
+    eps, p = cfg["rms_norm_eps"], "model.mtp.layers.0"
+    e = rms_norm(w["model.mtp.embed_tokens.weight"][next_tokens], w[f"{p}.enorm.m.weight"], eps)
+    h = rms_norm(hidden, w[f"{p}.hnorm.m.weight"], eps)
+    x = linear(w, f"{p}.eh_proj", np.concatenate([e, h], axis=-1))
+    attn_in = rms_norm(x, w[f"{p}.input_layernorm.weight"], eps)
+    x = x + mla_attention(w, f"{p}.self_attn", attn_in, cfg)
+    mlp_in = rms_norm(x, w[f"{p}.post_attention_layernorm.weight"], eps)
+    x = x + swiglu(w, f"{p}.transformer_layer.mlp", mlp_in)
+    return rms_norm(x, w["model.mtp.norm.weight"], eps) @ w["lm_head.weight"].T

@@ -128,6 +128,21 @@ EXPECTED_MTP_KEYS: dict[str, set[str]] = {
     "glm4_moe_lite": _nextn(2, MLA),
     "deepseek_v32": _nextn(2, DSA),
     "glm_moe_dsa": _nextn(3, DSA),
+    "longcat_flash": {"model.mtp.embed_tokens.weight", "model.mtp.norm.weight"}
+    | {
+        f"model.mtp.layers.0.{name}"
+        for name in (
+            "eh_proj.weight",
+            "enorm.m.weight",
+            "hnorm.m.weight",
+            "input_layernorm.weight",
+            "post_attention_layernorm.weight",
+            "transformer_layer.mlp.gate_proj.weight",
+            "transformer_layer.mlp.up_proj.weight",
+            "transformer_layer.mlp.down_proj.weight",
+        )
+    }
+    | {f"model.mtp.layers.0.self_attn.{name}" for name in MLA},
     "mimo": {
         f"model.mtp_layers.0.{name}"
         for name in (
@@ -161,6 +176,7 @@ EXPECTED_MTP_COUNTS = {
     "glm4_moe_lite": 32,
     "deepseek_v32": 37,
     "glm_moe_dsa": 37,
+    "longcat_flash": 17,
     "mimo": 16,
     "stripped": 0,
 }
@@ -198,6 +214,8 @@ def is_mtp_key(layout: str, name: str, config: dict[str, Any]) -> bool:
         return name.startswith(f"model.layers.{config['num_hidden_layers']}.")
     if layout == "mimo":
         return name.startswith("model.mtp_layers.")
+    if layout == "longcat_flash":
+        return name.startswith("model.mtp.")
     if layout == "mlx_inline":
         return name.startswith("language_model.mtp.")
     return name.startswith("mtp.")
@@ -228,6 +246,7 @@ def test_families_are_the_documented_layouts() -> None:
         "glm4_moe",
         "glm4_moe_lite",
         "glm_moe_dsa",
+        "longcat_flash",
         "mimo",
         "qwen3_5",
         "qwen3_5_moe",

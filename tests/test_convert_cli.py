@@ -27,6 +27,7 @@ RECIPE_FAMILIES = {
     "glm4_moe_lite",
     "deepseek_v32",
     "glm_moe_dsa",
+    "longcat_flash",
 }
 
 
@@ -128,6 +129,7 @@ def test_every_recipe_loads():
         "glm-4.7-flash",
         "deepseek-v3.2",
         "glm-5",
+        "longcat-flash-chat",
     ):
         assert wanted in names
     for path in recipes:

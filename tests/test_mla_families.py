@@ -1,4 +1,5 @@
-"""The MLA / DeepSeek-style families: GLM-4.7-Flash, DeepSeek-V3.2, GLM-5.
+"""The MLA families: GLM-4.7-Flash, DeepSeek-V3.2, GLM-5 (DeepSeek's nextn layer) and
+LongCat-Flash (`model.mtp.*`).
 
 Each family's tiny checkpoint (tests/fixtures/<model_type>.py, the published layout) goes
 through every stage: inspect finds the head; convert's backbone equals stock
@@ -28,9 +29,18 @@ from mtpkit.families import family_for
 from mtpkit.generate import MtpDecoder, SamplingSettings, generate, load_model
 from mtpkit.inspect import inspect_checkpoint
 from tests.checkpoints import CheckpointFactory
-from tests.mtp_reference import load_raw, nextn_logits
+from tests.mtp_reference import load_raw, longcat_logits, nextn_logits
 
-LAYOUTS = ("glm4_moe_lite", "deepseek_v32", "glm_moe_dsa")
+LAYOUTS = ("glm4_moe_lite", "deepseek_v32", "glm_moe_dsa", "longcat_flash")
+# layout -> (where the raw head sits, its expert layout, the layers its config declares)
+HEADS = {
+    "glm4_moe_lite": ("nextn", "per_expert", 1),
+    "deepseek_v32": ("nextn", "per_expert", 1),
+    "glm_moe_dsa": ("nextn", "per_expert", 1),
+    # One dense MTP layer; the published config has no MTP field (vLLM builds one layer).
+    "longcat_flash": ("model.mtp.", "dense", None),
+}
+REFERENCE = {"nextn": nextn_logits, "model.mtp.": longcat_logits}
 # Longer than the fixtures' index_topk (8), so DSA's sparse selection is at work.
 PROMPT = [5, 17, 100, 3, 250, 42, 7, 9, 300, 11, 64, 128, 77, 21]
 
@@ -65,16 +75,18 @@ def stock_convert(src: Path, out: Path, **kwargs) -> Path:
 def test_inspect_finds_the_nextn_head(raw, layout: str) -> None:
     root = raw(layout)
     config = json.loads((root / "config.json").read_text())
-    layer = f"model.layers.{config['num_hidden_layers']}."
+    where, experts, declared = HEADS[layout]
+    if where == "nextn":
+        where = f"model.layers.{config['num_hidden_layers']}."
     names = json.loads((root / "model.safetensors.index.json").read_text())["weight_map"]
     result = inspect_checkpoint(str(root))
     mtp = result["mtp"]
     assert result["problems"] == []
     assert mtp["present"] is True
-    assert {t["name"] for t in mtp["tensors"]} == {n for n in names if n.startswith(layer)}
+    assert {t["name"] for t in mtp["tensors"]} == {n for n in names if n.startswith(where)}
     assert (mtp["expert_layout"], mtp["declared_layers"], mtp["norm_convention"]) == (
-        "per_expert",
-        1,
+        experts,
+        declared,
         "plain",
     )
     assert type(family_for(config)).name == layout
@@ -112,9 +124,8 @@ def test_head_logits_match_the_numpy_reference(raw, converted, layout: str) -> N
     x = m.head(hidden, m.embed(tokens[None, 1:]), m.head.make_cache())
     logits = m.lm_head(m.head.final_norm(0)(x))[0]
     config = json.loads((raw(layout) / "config.json").read_text())
-    expected = nextn_logits(
-        load_raw(raw(layout)), config, np.array(hidden[0]), np.array(PROMPT[1:])
-    )
+    reference = REFERENCE[HEADS[layout][0]]
+    expected = reference(load_raw(raw(layout)), config, np.array(hidden[0]), np.array(PROMPT[1:]))
     assert logits.shape == expected.shape
     np.testing.assert_allclose(np.array(logits), expected, rtol=1e-3, atol=1e-4)
 
@@ -127,7 +138,7 @@ def test_greedy_mtp_equals_plain_decoding(converted, layout: str) -> None:
     assert drafted.tokens == plain.tokens and drafted.drafted > 0
 
 
-@pytest.mark.parametrize("layout", ["glm4_moe_lite", "deepseek_v32"])
+@pytest.mark.parametrize("layout", ["glm4_moe_lite", "deepseek_v32", "longcat_flash"])
 def test_partial_acceptance_keeps_the_caches_exact(converted, layout: str) -> None:
     """Drafts right up to depth j, then wrong: the backbone's caches (DSA's cache pairs
     included) are trimmed back each round and the output stays plain decoding's."""
