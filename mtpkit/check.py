@@ -85,10 +85,10 @@ def _head_declared(ckpt: Checkpoint) -> CheckResult:
     declared = family.declared_mtp_layers()
     if declared:
         return CheckResult("head_declared", PASS, f"{family.mtp_field()}={declared}")
-    if mtp and family.name == "qwen3_next":
-        # Qwen3-Next's HF config has no such field; vLLM assumes one layer.
+    if mtp and not family.declared_upstream:
+        # Qwen3-Next's and LongCat's HF configs have no such field; vLLM assumes one layer.
         return CheckResult(
-            "head_declared", PASS, "qwen3_next has no config field; the head is found by name"
+            "head_declared", PASS, f"{family.name} has no config field; the head is found by name"
         )
     if mtp:
         return CheckResult(

@@ -156,7 +156,7 @@ def _check_mtp(ckpt: Checkpoint) -> None:
             f"{where}; it was converted without its MTP head: convert from the original "
             "repo, or graft the head with `mtpkit convert ORIGINAL --mtp-only --into DIR`",
         )
-    if mtp and not declared and family.name != "qwen3_next":
+    if mtp and not declared and family.declared_upstream:
         ckpt.problem(
             "mtp_present_not_declared",
             f"{len(mtp)} MTP tensors exist but the config does not declare {family.mtp_field()}",

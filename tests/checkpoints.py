@@ -11,7 +11,8 @@ Weights are drawn from an RNG keyed on (seed, tensor name), never on draw order,
 checkpoint built with `with_mtp=False` has the same backbone, bit for bit, as its MTP twin.
 
 Formats: `docs/MTP_FORMATS.md`; key names and shapes follow mlx-lm 0.32's
-`models/{qwen3_5,qwen3_5_moe,qwen3_next,deepseek_v3,glm4_moe,mimo}.py`.
+`models/{qwen3_5,qwen3_5_moe,qwen3_next,deepseek_v3,glm4_moe,mimo,glm4_moe_lite,
+deepseek_v32,glm_moe_dsa}.py`.
 """
 
 from __future__ import annotations
@@ -64,6 +65,10 @@ MOE_LAYOUTS: tuple[str, ...] = (
     "qwen3_next",
     "deepseek_v3",
     "glm4_moe",
+    "glm4_moe_lite",
+    "deepseek_v32",
+    "glm_moe_dsa",
+    "longcat_flash",
 )
 
 

@@ -98,6 +98,13 @@ MLA = {
     "kv_b_proj.weight",
     "o_proj.weight",
 }
+DSA = MLA | {
+    "indexer.wq_b.weight",
+    "indexer.wk.weight",
+    "indexer.k_norm.weight",
+    "indexer.k_norm.bias",
+    "indexer.weights_proj.weight",
+}
 GLM_ATTENTION = {
     "q_proj.weight",
     "q_proj.bias",
@@ -118,6 +125,24 @@ EXPECTED_MTP_KEYS: dict[str, set[str]] = {
     "qwen3_next": QWEN_PER_EXPERT_MTP,
     "deepseek_v3": _nextn(2, MLA),
     "glm4_moe": _nextn(3, GLM_ATTENTION),
+    "glm4_moe_lite": _nextn(2, MLA),
+    "deepseek_v32": _nextn(2, DSA),
+    "glm_moe_dsa": _nextn(3, DSA),
+    "longcat_flash": {"model.mtp.embed_tokens.weight", "model.mtp.norm.weight"}
+    | {
+        f"model.mtp.layers.0.{name}"
+        for name in (
+            "eh_proj.weight",
+            "enorm.m.weight",
+            "hnorm.m.weight",
+            "input_layernorm.weight",
+            "post_attention_layernorm.weight",
+            "transformer_layer.mlp.gate_proj.weight",
+            "transformer_layer.mlp.up_proj.weight",
+            "transformer_layer.mlp.down_proj.weight",
+        )
+    }
+    | {f"model.mtp.layers.0.self_attn.{name}" for name in MLA},
     "mimo": {
         f"model.mtp_layers.0.{name}"
         for name in (
@@ -148,6 +173,10 @@ EXPECTED_MTP_COUNTS = {
     "qwen3_next": 29,
     "deepseek_v3": 32,
     "glm4_moe": 34,
+    "glm4_moe_lite": 32,
+    "deepseek_v32": 37,
+    "glm_moe_dsa": 37,
+    "longcat_flash": 17,
     "mimo": 16,
     "stripped": 0,
 }
@@ -181,10 +210,12 @@ def tensor_bytes(path: Path) -> dict[str, bytes]:
 
 
 def is_mtp_key(layout: str, name: str, config: dict[str, Any]) -> bool:
-    if layout in ("deepseek_v3", "glm4_moe"):
+    if layout in ("deepseek_v3", "glm4_moe", "glm4_moe_lite", "deepseek_v32", "glm_moe_dsa"):
         return name.startswith(f"model.layers.{config['num_hidden_layers']}.")
     if layout == "mimo":
         return name.startswith("model.mtp_layers.")
+    if layout == "longcat_flash":
+        return name.startswith("model.mtp.")
     if layout == "mlx_inline":
         return name.startswith("language_model.mtp.")
     return name.startswith("mtp.")
@@ -211,7 +242,11 @@ def built(checkpoint: CheckpointFactory) -> Builder:
 def test_families_are_the_documented_layouts() -> None:
     assert FAMILIES == (
         "deepseek_v3",
+        "deepseek_v32",
         "glm4_moe",
+        "glm4_moe_lite",
+        "glm_moe_dsa",
+        "longcat_flash",
         "mimo",
         "qwen3_5",
         "qwen3_5_moe",

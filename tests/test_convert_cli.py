@@ -17,7 +17,18 @@ from mtpkit.recipes import all_recipes, load_recipe
 from tests.checkpoints import build_checkpoint
 
 runner = CliRunner()
-RECIPE_FAMILIES = {"qwen3_5", "qwen3_5_moe", "qwen3_next", "deepseek_v3", "glm4_moe", "mimo"}
+RECIPE_FAMILIES = {
+    "qwen3_5",
+    "qwen3_5_moe",
+    "qwen3_next",
+    "deepseek_v3",
+    "glm4_moe",
+    "mimo",
+    "glm4_moe_lite",
+    "deepseek_v32",
+    "glm_moe_dsa",
+    "longcat_flash",
+}
 
 
 @pytest.fixture(scope="module")
@@ -115,6 +126,10 @@ def test_every_recipe_loads():
         "deepseek-v3",
         "glm-4.5-air",
         "mimo-7b",
+        "glm-4.7-flash",
+        "deepseek-v3.2",
+        "glm-5",
+        "longcat-flash-chat",
     ):
         assert wanted in names
     for path in recipes:

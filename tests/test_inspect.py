@@ -50,6 +50,10 @@ EXPECTED = {
     ),
     "deepseek_v3": (nextn_rule, 32, "per_expert", 1, "plain"),
     "glm4_moe": (nextn_rule, 34, "per_expert", 1, "plain"),
+    "glm4_moe_lite": (nextn_rule, 32, "per_expert", 1, "plain"),
+    "deepseek_v32": (nextn_rule, 37, "per_expert", 1, "plain"),
+    "glm_moe_dsa": (nextn_rule, 37, "per_expert", 1, "plain"),
+    "longcat_flash": (lambda r: lambda k: k.startswith("model.mtp."), 17, "dense", None, "plain"),
     "mimo": (lambda r: lambda k: k.startswith("model.mtp_layers."), 16, "dense", 1, "plain"),
 }
 
@@ -295,7 +299,8 @@ def test_cli_errors_are_one_line(fixtures, tmp_path: Path) -> None:
     result = runner.invoke(app, ["inspect", str(root)])
     assert result.exit_code == 1
     assert result.stderr.strip().splitlines() == [
-        "Error: model_type 'llama' is not supported; supported: deepseek_v3, glm4_moe, joyai_llm_flash, kimi_k2, "
+        "Error: model_type 'llama' is not supported; supported: deepseek_v3, deepseek_v32, "
+        "glm4_moe, glm4_moe_lite, glm_moe_dsa, joyai_llm_flash, kimi_k2, longcat_flash, "
         "mimo, qwen3_5, qwen3_5_moe, qwen3_5_moe_text, qwen3_5_text, qwen3_next"
     ]
     assert "Traceback" not in result.output

@@ -91,6 +91,8 @@ class Family(ConvertHooks):
     required_mtp_tensors: ClassVar[tuple[str, ...]] = ()
     # The config field that declares the MTP layers (dotted when nested).
     config_field: ClassVar[str] = "num_nextn_predict_layers"
+    # Whether published configs declare their MTP layers (Qwen3-Next's and LongCat's do not).
+    declared_upstream: ClassVar[bool] = True
 
     # -- the rename table: raw root -> head name -------------------------------------------
     # Where mtpkit's sidecar keeps the head's tensors, before the head-relative name.

@@ -28,7 +28,8 @@ class DeepseekV3(NextnFamily):
     def split_tensor(self, name: str) -> list[tuple[str, Any]] | None:
         # mlx-lm's deepseek_v3 sanitize: MLA's kv_b_proj becomes the per-head embed_q
         # (transposed key part) and unembed_out (value part) that its attention multiplies by.
-        if not name.endswith(".self_attn.kv_b_proj.weight"):
+        # LongCat keeps two attentions per layer (`self_attn.{0,1}.kv_b_proj`).
+        if not name.endswith(".kv_b_proj.weight"):
             return None
         import mlx.core as mx
 

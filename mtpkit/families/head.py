@@ -110,8 +110,14 @@ class MtpHead(nn.Module):
         parts = [e, h] if self._concat_order == EMBEDDING_FIRST else [h, e]
         x = self.projection(i)(mx.concatenate(parts, axis=-1))
         layer_cache = cache[i] if cache is not None else None
-        mask = create_attention_mask(x, layer_cache, return_array=self.mask_as_array)
+        mask = create_attention_mask(
+            x, self.mask_cache(layer_cache), return_array=self.mask_as_array
+        )
         return self.layers[i](x, mask, layer_cache)
+
+    def mask_cache(self, layer_cache: Any) -> Any:
+        """The cache whose offset the attention mask follows (a layer may hold several)."""
+        return layer_cache
 
     def make_cache(self) -> list[Any]:
         from mlx_lm.models.cache import KVCache

@@ -15,6 +15,7 @@ from mtpkit.families.qwen3_5 import QwenMtpNames
 @register
 class Qwen3Next(QwenMtpNames):
     name = "qwen3_next"
+    declared_upstream = False
     head_prefixes: ClassVar[tuple[str, ...]] = ("mtp.", "model.mtp.")
     mlx_module = "qwen3_next"
     block_class = "Qwen3NextDecoderLayer"
