@@ -64,6 +64,7 @@ MOE_LAYOUTS: tuple[str, ...] = (
     "qwen3_next",
     "deepseek_v3",
     "glm4_moe",
+    "ernie4_5_moe",
 )
 
 

@@ -139,6 +139,26 @@ EXPECTED_MTP_KEYS: dict[str, set[str]] = {
             "mlp.down_proj.weight",
         )
     },
+    # baidu/ERNIE-4.5-21B-A3B-PT: one role list per name, the block a dense decoder layer.
+    "ernie4_5_moe": {
+        "model.mtp_emb_norm.0.weight",
+        "model.mtp_hidden_norm.0.weight",
+        "model.mtp_linear_proj.0.weight",
+    }
+    | {
+        f"model.mtp_block.0.{name}"
+        for name in (
+            "input_layernorm.weight",
+            "post_attention_layernorm.weight",
+            "self_attn.q_proj.weight",
+            "self_attn.k_proj.weight",
+            "self_attn.v_proj.weight",
+            "self_attn.o_proj.weight",
+            "mlp.gate_proj.weight",
+            "mlp.up_proj.weight",
+            "mlp.down_proj.weight",
+        )
+    },
     "stripped": set(),
 }
 EXPECTED_MTP_COUNTS = {
@@ -149,6 +169,7 @@ EXPECTED_MTP_COUNTS = {
     "deepseek_v3": 32,
     "glm4_moe": 34,
     "mimo": 16,
+    "ernie4_5_moe": 12,
     "stripped": 0,
 }
 
@@ -185,6 +206,8 @@ def is_mtp_key(layout: str, name: str, config: dict[str, Any]) -> bool:
         return name.startswith(f"model.layers.{config['num_hidden_layers']}.")
     if layout == "mimo":
         return name.startswith("model.mtp_layers.")
+    if layout == "ernie4_5_moe":
+        return name.startswith("model.mtp_")
     if layout == "mlx_inline":
         return name.startswith("language_model.mtp.")
     return name.startswith("mtp.")

@@ -29,7 +29,7 @@ from tests.checkpoints import build_checkpoint
 
 hub = hub_server.hub
 
-MOE = ("qwen3_5_moe", "qwen3_6_moe", "qwen3_next", "deepseek_v3", "glm4_moe")
+MOE = ("qwen3_5_moe", "qwen3_6_moe", "qwen3_next", "deepseek_v3", "glm4_moe", "ernie4_5_moe")
 DENSE = ("qwen3_5", "mimo")
 RAW = DENSE + MOE
 PREFIX = {
@@ -40,6 +40,7 @@ PREFIX = {
     "deepseek_v3": "mtp.",
     "glm4_moe": "mtp.",
     "mimo": "mtp.",
+    "ernie4_5_moe": "mtp.",
 }
 TOKENS = mx.array([[5, 17, 100, 3, 250, 42, 7, 9, 300, 11]])
 
