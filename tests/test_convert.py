@@ -448,7 +448,9 @@ def add_tensor(src: Path, shard_name: str, name: str, value: mx.array) -> None:
 def test_unknown_tensor_is_refused_by_name(sources, tmp_path):
     src = tmp_path / "src"
     shutil.copytree(sources("mimo"), src)
-    add_tensor(src, "model-00001-of-00002.safetensors", "model.layers.0.mystery.weight", mx.zeros((4, 4)))
+    add_tensor(
+        src, "model-00001-of-00002.safetensors", "model.layers.0.mystery.weight", mx.zeros((4, 4))
+    )
     with pytest.raises(MtpkitError, match=r"model\.layers\.0\.mystery\.weight"):
         convert(str(src), output=tmp_path / "out")
     assert not (tmp_path / "out").exists()
