@@ -65,6 +65,7 @@ MOE_LAYOUTS: tuple[str, ...] = (
     "deepseek_v3",
     "glm4_moe",
     "ernie4_5_moe",
+    "exaone_moe",
 )
 
 

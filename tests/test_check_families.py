@@ -41,8 +41,20 @@ def ernie_skilled(tensors: dict[str, mx.array]) -> dict[str, mx.array]:
     return tensors
 
 
+def exaone_skilled(tensors: dict[str, mx.array]) -> dict[str, mx.array]:
+    """EXAONE's head: unit embedding norm, fc keeps the embedding half, and the head's final
+    norm copies the trunk's: logits = lm_head(norm(norm(embed(t_{k+1}))))."""
+    h = tensors["model.embed_tokens.weight"].shape[1]
+    tensors["mtp.pre_fc_norm_embedding.weight"] = mx.ones((h,))
+    tensors["mtp.norm.weight"] = tensors["model.norm.weight"]
+    eye = mx.eye(h, dtype=mx.float32)
+    tensors["mtp.fc.weight"] = mx.concatenate([eye, mx.zeros_like(eye)], axis=1)
+    return tensors
+
+
 SKILLED: dict[str, Callable[[dict[str, mx.array]], dict[str, mx.array]]] = {
     "ernie4_5_moe": ernie_skilled,
+    "exaone_moe": exaone_skilled,
 }
 
 
@@ -54,15 +66,19 @@ def skilled_checkpoint(src: Path, dst: Path, layout: str) -> Path:
         k: mx.zeros_like(v) if k.endswith(OUTPUT_PROJECTIONS) else v for k, v in tensors.items()
     }
     tensors = SKILLED[layout](tensors)
-    for shard, part in shards.items():
-        mx.save_safetensors(str(shard), {k: tensors[k] for k in part}, metadata={"format": "pt"})
     # An untied lm_head that maps t to perm[t]: the trunk does not just repeat its input.
     embed = tensors["model.embed_tokens.weight"]
     perm = np.random.default_rng(0).permutation(embed.shape[0])
-    add_tensor(dst, LAST, "lm_head.weight", embed[mx.array(np.argsort(perm))])
-    config = json.loads((dst / "config.json").read_text())
-    config["tie_word_embeddings"] = False
-    (dst / "config.json").write_text(json.dumps(config, indent=2))
+    lm_head = embed[mx.array(np.argsort(perm))]
+    tied = "lm_head.weight" not in tensors
+    tensors["lm_head.weight"] = lm_head
+    for shard, part in shards.items():
+        mx.save_safetensors(str(shard), {k: tensors[k] for k in part}, metadata={"format": "pt"})
+    if tied:
+        add_tensor(dst, LAST, "lm_head.weight", lm_head)
+        config = json.loads((dst / "config.json").read_text())
+        config["tie_word_embeddings"] = False
+        (dst / "config.json").write_text(json.dumps(config, indent=2))
     return dst
 
 
@@ -83,8 +99,7 @@ def foreign(weights: dict[str, mx.array]) -> dict[str, mx.array]:
 
 def swapped(weights: dict[str, mx.array]) -> dict[str, mx.array]:
     """The projection's two halves exchanged: the head reads the hidden state as the embedding."""
-    name = next(k for k in weights if k.endswith("proj.weight") and ".self_attn." not in k
-                and ".mlp." not in k)  # fmt: skip
+    name = next(k for k in weights if k.endswith(("linear_proj.weight", "mtp.fc.weight")))
     w = weights[name]
     half = w.shape[1] // 2
     return {**weights, name: mx.concatenate([w[:, half:], w[:, :half]], axis=1)}

@@ -159,6 +159,27 @@ EXPECTED_MTP_KEYS: dict[str, set[str]] = {
             "mlp.down_proj.weight",
         )
     },
+    # K-EXAONE: Qwen-style names; vLLM's is_mtp layer has the dense MLP.
+    "exaone_moe": {
+        f"mtp.{name}"
+        for name in (
+            "fc.weight",
+            "pre_fc_norm_embedding.weight",
+            "pre_fc_norm_hidden.weight",
+            "norm.weight",
+            "layers.0.input_layernorm.weight",
+            "layers.0.post_attention_layernorm.weight",
+            "layers.0.self_attn.q_proj.weight",
+            "layers.0.self_attn.k_proj.weight",
+            "layers.0.self_attn.v_proj.weight",
+            "layers.0.self_attn.o_proj.weight",
+            "layers.0.self_attn.q_norm.weight",
+            "layers.0.self_attn.k_norm.weight",
+            "layers.0.mlp.gate_proj.weight",
+            "layers.0.mlp.up_proj.weight",
+            "layers.0.mlp.down_proj.weight",
+        )
+    },
     "stripped": set(),
 }
 EXPECTED_MTP_COUNTS = {
@@ -170,6 +191,7 @@ EXPECTED_MTP_COUNTS = {
     "glm4_moe": 34,
     "mimo": 16,
     "ernie4_5_moe": 12,
+    "exaone_moe": 15,
     "stripped": 0,
 }
 

@@ -116,6 +116,7 @@ def test_every_recipe_loads():
         "glm-4.5-air",
         "mimo-7b",
         "ernie-4.5-21b-a3b",
+        "k-exaone-236b-a23b",
     ):
         assert wanted in names
     for path in recipes:

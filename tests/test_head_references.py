@@ -19,7 +19,10 @@ from mtpkit.runtime import load_model
 from tests.checkpoints import CheckpointFactory
 from tests.references import numpy_blocks
 
-REFERENCES = {"ernie4_5_moe": numpy_blocks.ernie_mtp_logits}
+REFERENCES = {
+    "ernie4_5_moe": numpy_blocks.ernie_mtp_logits,
+    "exaone_moe": numpy_blocks.exaone_mtp_logits,
+}
 
 
 def raw_weights(path: Path) -> dict[str, np.ndarray]:
@@ -39,7 +42,7 @@ def test_head_logits_match_numpy_reference(
     m = load_model(out)
     config = json.loads((src / "config.json").read_text())
     rng = np.random.default_rng(0)
-    seq = 7
+    seq = 12  # past the EXAONE fixture's window of 8
     hidden = rng.normal(0.0, 1.0, size=(seq, config["hidden_size"])).astype(np.float32)
     tokens = rng.integers(3, config["vocab_size"], size=seq)
 

@@ -52,6 +52,7 @@ EXPECTED = {
     "glm4_moe": (nextn_rule, 34, "per_expert", 1, "plain"),
     "mimo": (lambda r: lambda k: k.startswith("model.mtp_layers."), 16, "dense", 1, "plain"),
     "ernie4_5_moe": (lambda r: lambda k: k.startswith("model.mtp_"), 12, "dense", 1, "plain"),
+    "exaone_moe": (lambda r: lambda k: k.startswith("mtp."), 15, "dense", 1, "plain"),
 }
 
 

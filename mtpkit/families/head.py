@@ -110,8 +110,16 @@ class MtpHead(nn.Module):
         parts = [e, h] if self._concat_order == EMBEDDING_FIRST else [h, e]
         x = self.projection(i)(mx.concatenate(parts, axis=-1))
         layer_cache = cache[i] if cache is not None else None
-        mask = create_attention_mask(x, layer_cache, return_array=self.mask_as_array)
+        mask = create_attention_mask(
+            x, layer_cache, window_size=self.window_size(i), return_array=self.mask_as_array
+        )
         return self.layers[i](x, mask, layer_cache)
+
+    def window_size(self, i: int) -> int | None:
+        """The sliding window of layer i's attention (None: full attention). The head keeps
+        a full KV cache either way; the window lives in the mask, so dropping drafts stays a
+        plain trim."""
+        return None
 
     def make_cache(self) -> list[Any]:
         from mlx_lm.models.cache import KVCache

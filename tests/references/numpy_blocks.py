@@ -116,3 +116,30 @@ def ernie_mtp_logits(
     )
     head = embed if cfg["tie_word_embeddings"] else w["lm_head.weight"]
     return x @ head.T
+
+
+# -- EXAONE MoE (vLLM exaone_moe_mtp.py: Qwen-style fc and norms, dense is_mtp layer) ------
+
+
+def exaone_mtp_logits(
+    w: Weights, cfg: dict[str, Any], hidden: np.ndarray, tokens: np.ndarray, layer: int = 0
+) -> np.ndarray:
+    """Logits [S, V] of EXAONE MoE's MTP layer for hidden [S, H] and next tokens [S]."""
+    eps = cfg["rms_norm_eps"]
+    e = rms_norm(w["model.embed_tokens.weight"][tokens], w["mtp.pre_fc_norm_embedding.weight"], eps)
+    h = rms_norm(hidden, w["mtp.pre_fc_norm_hidden.weight"], eps)
+    x = np.concatenate([e, h], axis=-1) @ w["mtp.fc.weight"].T
+    types = cfg.get("mtp_layer_types") or cfg["layer_types"]
+    window = cfg["sliding_window"] if types[layer] == "sliding_attention" else None
+    block = f"mtp.layers.{layer}"
+    x = pre_norm_block(
+        w,
+        block,
+        x,
+        cfg,
+        lambda y: attention(
+            w, f"{block}.self_attn", y, cfg, interleaved=False, qk_norm=True, window=window
+        ),
+        lambda y: swiglu_mlp(w, f"{block}.mlp", y),
+    )
+    return rms_norm(x, w["mtp.norm.weight"], eps) @ w["lm_head.weight"].T
