@@ -69,6 +69,8 @@ MOE_LAYOUTS: tuple[str, ...] = (
     "deepseek_v32",
     "glm_moe_dsa",
     "longcat_flash",
+    "ernie4_5_moe",
+    "exaone_moe",
 )
 
 

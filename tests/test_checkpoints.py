@@ -164,6 +164,47 @@ EXPECTED_MTP_KEYS: dict[str, set[str]] = {
             "mlp.down_proj.weight",
         )
     },
+    # baidu/ERNIE-4.5-21B-A3B-PT: one role list per name, the block a dense decoder layer.
+    "ernie4_5_moe": {
+        "model.mtp_emb_norm.0.weight",
+        "model.mtp_hidden_norm.0.weight",
+        "model.mtp_linear_proj.0.weight",
+    }
+    | {
+        f"model.mtp_block.0.{name}"
+        for name in (
+            "input_layernorm.weight",
+            "post_attention_layernorm.weight",
+            "self_attn.q_proj.weight",
+            "self_attn.k_proj.weight",
+            "self_attn.v_proj.weight",
+            "self_attn.o_proj.weight",
+            "mlp.gate_proj.weight",
+            "mlp.up_proj.weight",
+            "mlp.down_proj.weight",
+        )
+    },
+    # K-EXAONE: Qwen-style names; vLLM's is_mtp layer has the dense MLP.
+    "exaone_moe": {
+        f"mtp.{name}"
+        for name in (
+            "fc.weight",
+            "pre_fc_norm_embedding.weight",
+            "pre_fc_norm_hidden.weight",
+            "norm.weight",
+            "layers.0.input_layernorm.weight",
+            "layers.0.post_attention_layernorm.weight",
+            "layers.0.self_attn.q_proj.weight",
+            "layers.0.self_attn.k_proj.weight",
+            "layers.0.self_attn.v_proj.weight",
+            "layers.0.self_attn.o_proj.weight",
+            "layers.0.self_attn.q_norm.weight",
+            "layers.0.self_attn.k_norm.weight",
+            "layers.0.mlp.gate_proj.weight",
+            "layers.0.mlp.up_proj.weight",
+            "layers.0.mlp.down_proj.weight",
+        )
+    },
     "stripped": set(),
 }
 EXPECTED_MTP_COUNTS = {
@@ -178,6 +219,8 @@ EXPECTED_MTP_COUNTS = {
     "glm_moe_dsa": 37,
     "longcat_flash": 17,
     "mimo": 16,
+    "ernie4_5_moe": 12,
+    "exaone_moe": 15,
     "stripped": 0,
 }
 
@@ -216,6 +259,8 @@ def is_mtp_key(layout: str, name: str, config: dict[str, Any]) -> bool:
         return name.startswith("model.mtp_layers.")
     if layout == "longcat_flash":
         return name.startswith("model.mtp.")
+    if layout == "ernie4_5_moe":
+        return name.startswith("model.mtp_")
     if layout == "mlx_inline":
         return name.startswith("language_model.mtp.")
     return name.startswith("mtp.")
@@ -243,6 +288,8 @@ def test_families_are_the_documented_layouts() -> None:
     assert FAMILIES == (
         "deepseek_v3",
         "deepseek_v32",
+        "ernie4_5_moe",
+        "exaone_moe",
         "glm4_moe",
         "glm4_moe_lite",
         "glm_moe_dsa",

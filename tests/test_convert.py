@@ -29,7 +29,15 @@ from tests.checkpoints import build_checkpoint
 
 hub = hub_server.hub
 
-MOE = ("qwen3_5_moe", "qwen3_6_moe", "qwen3_next", "deepseek_v3", "glm4_moe")
+MOE = (
+    "qwen3_5_moe",
+    "qwen3_6_moe",
+    "qwen3_next",
+    "deepseek_v3",
+    "glm4_moe",
+    "ernie4_5_moe",
+    "exaone_moe",
+)
 DENSE = ("qwen3_5", "mimo")
 RAW = DENSE + MOE
 PREFIX = {
@@ -40,7 +48,11 @@ PREFIX = {
     "deepseek_v3": "mtp.",
     "glm4_moe": "mtp.",
     "mimo": "mtp.",
+    "ernie4_5_moe": "mtp.",
+    "exaone_moe": "mtp.",
 }
+# Families whose head keeps fc and norms at its root (`mtp.fc`), not inside each layer.
+QWEN_STYLE_ROOT = ("qwen3_next", "exaone_moe")
 TOKENS = mx.array([[5, 17, 100, 3, 250, 42, 7, 9, 300, 11]])
 
 
@@ -189,7 +201,9 @@ def test_head_names_shift_and_manifest(layout, sources, tmp_path):
     head = _head(out)
     prefix = PREFIX[layout]
     assert head and all(
-        k.startswith(prefix + ("layers." if prefix == "mtp." and layout != "qwen3_next" else ""))
+        k.startswith(
+            prefix + ("layers." if prefix == "mtp." and layout not in QWEN_STYLE_ROOT else "")
+        )
         for k in head
     )
     source = _source_tensors(src)
@@ -447,7 +461,9 @@ def add_tensor(src: Path, shard_name: str, name: str, value: mx.array) -> None:
 def test_unknown_tensor_is_refused_by_name(sources, tmp_path):
     src = tmp_path / "src"
     shutil.copytree(sources("mimo"), src)
-    add_tensor(src, "model-00001-of-00002.safetensors", "model.layers.0.mystery.weight", mx.zeros((4, 4)))
+    add_tensor(
+        src, "model-00001-of-00002.safetensors", "model.layers.0.mystery.weight", mx.zeros((4, 4))
+    )
     with pytest.raises(MtpkitError, match=r"model\.layers\.0\.mystery\.weight"):
         convert(str(src), output=tmp_path / "out")
     assert not (tmp_path / "out").exists()

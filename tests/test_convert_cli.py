@@ -13,22 +13,11 @@ from typer.testing import CliRunner
 from mtpkit.cli import app
 from mtpkit.convert import resolve_settings
 from mtpkit.errors import MtpkitError
+from mtpkit.families import supported
 from mtpkit.recipes import all_recipes, load_recipe
 from tests.checkpoints import build_checkpoint
 
 runner = CliRunner()
-RECIPE_FAMILIES = {
-    "qwen3_5",
-    "qwen3_5_moe",
-    "qwen3_next",
-    "deepseek_v3",
-    "glm4_moe",
-    "mimo",
-    "glm4_moe_lite",
-    "deepseek_v32",
-    "glm_moe_dsa",
-    "longcat_flash",
-}
 
 
 @pytest.fixture(scope="module")
@@ -130,11 +119,13 @@ def test_every_recipe_loads():
         "deepseek-v3.2",
         "glm-5",
         "longcat-flash-chat",
+        "ernie-4.5-21b-a3b",
+        "k-exaone-236b-a23b",
     ):
         assert wanted in names
     for path in recipes:
         recipe = load_recipe(path)
-        assert recipe.repo and recipe.family in RECIPE_FAMILIES, path
+        assert recipe.repo and recipe.family in supported(), path
         assert path.read_text().startswith("#"), f"{path} needs a comment saying why"
         settings, family = resolve_settings(path)
         assert family == recipe.family and settings.bits

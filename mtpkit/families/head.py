@@ -111,13 +111,22 @@ class MtpHead(nn.Module):
         x = self.projection(i)(mx.concatenate(parts, axis=-1))
         layer_cache = cache[i] if cache is not None else None
         mask = create_attention_mask(
-            x, self.mask_cache(layer_cache), return_array=self.mask_as_array
+            x,
+            self.mask_cache(layer_cache),
+            window_size=self.window_size(i),
+            return_array=self.mask_as_array,
         )
         return self.layers[i](x, mask, layer_cache)
 
     def mask_cache(self, layer_cache: Any) -> Any:
         """The cache whose offset the attention mask follows (a layer may hold several)."""
         return layer_cache
+
+    def window_size(self, i: int) -> int | None:
+        """The sliding window of layer i's attention (None: full attention). The head keeps
+        a full KV cache either way; the window lives in the mask, so dropping drafts stays a
+        plain trim."""
+        return None
 
     def make_cache(self) -> list[Any]:
         from mlx_lm.models.cache import KVCache

@@ -1,0 +1,145 @@
+"""Float32 numpy forwards of the MTP steps, written from vLLM's `*_mtp.py` equations.
+
+Independent of MLX and of mtpkit: the weights come straight from the raw checkpoint (the
+names a Hugging Face repo uses) and every block is written out here. `tests/
+test_head_references.py` compares the MLX heads against these.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+Weights = dict[str, np.ndarray]
+
+
+def rms_norm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
+    return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * w
+
+
+def silu(x: np.ndarray) -> np.ndarray:
+    return x / (1.0 + np.exp(-x))
+
+
+def swiglu_mlp(w: Weights, prefix: str, x: np.ndarray) -> np.ndarray:
+    gate = x @ w[f"{prefix}.gate_proj.weight"].T
+    up = x @ w[f"{prefix}.up_proj.weight"].T
+    return (silu(gate) * up) @ w[f"{prefix}.down_proj.weight"].T
+
+
+def rope(x: np.ndarray, positions: np.ndarray, theta: float, interleaved: bool) -> np.ndarray:
+    """Rotary embedding of x [heads, S, D] over all D dims: pairs (2j, 2j+1) when
+    `interleaved` (GPT-J style, vLLM's is_neox_style=False), else (j, j + D/2)."""
+    d = x.shape[-1]
+    inv = 1.0 / theta ** (np.arange(0, d, 2, dtype=np.float64) / d)
+    ang = positions[:, None].astype(np.float64) * inv[None, :]  # [S, D/2]
+    cos, sin = np.cos(ang).astype(np.float32), np.sin(ang).astype(np.float32)
+    if interleaved:
+        a, b = x[..., 0::2], x[..., 1::2]
+        out = np.empty_like(x)
+        out[..., 0::2] = a * cos - b * sin
+        out[..., 1::2] = a * sin + b * cos
+        return out
+    a, b = x[..., : d // 2], x[..., d // 2 :]
+    return np.concatenate([a * cos - b * sin, a * sin + b * cos], axis=-1)
+
+
+def attention(
+    w: Weights,
+    prefix: str,
+    x: np.ndarray,
+    cfg: dict[str, Any],
+    *,
+    interleaved: bool,
+    qk_norm: bool = False,
+    window: int | None = None,
+) -> np.ndarray:
+    """Causal GQA self-attention over x [S, H] at positions 0..S-1 (optionally windowed)."""
+    heads, kv_heads, head_dim = (
+        cfg["num_attention_heads"],
+        cfg["num_key_value_heads"],
+        cfg["head_dim"],
+    )
+    s = x.shape[0]
+    q = (x @ w[f"{prefix}.q_proj.weight"].T).reshape(s, heads, head_dim).transpose(1, 0, 2)
+    k = (x @ w[f"{prefix}.k_proj.weight"].T).reshape(s, kv_heads, head_dim).transpose(1, 0, 2)
+    v = (x @ w[f"{prefix}.v_proj.weight"].T).reshape(s, kv_heads, head_dim).transpose(1, 0, 2)
+    if qk_norm:
+        q = rms_norm(q, w[f"{prefix}.q_norm.weight"], cfg["rms_norm_eps"])
+        k = rms_norm(k, w[f"{prefix}.k_norm.weight"], cfg["rms_norm_eps"])
+    positions = np.arange(s)
+    q = rope(q, positions, cfg["rope_theta"], interleaved)
+    k = rope(k, positions, cfg["rope_theta"], interleaved)
+    k = np.repeat(k, heads // kv_heads, axis=0)
+    v = np.repeat(v, heads // kv_heads, axis=0)
+    scores = q @ k.transpose(0, 2, 1) / np.sqrt(head_dim)
+    allowed = np.tril(np.ones((s, s), dtype=bool))
+    if window is not None:
+        allowed &= np.triu(np.ones((s, s), dtype=bool), -(window - 1))
+    scores = np.where(allowed, scores, -np.inf)
+    scores = np.exp(scores - scores.max(axis=-1, keepdims=True))
+    probs = scores / scores.sum(axis=-1, keepdims=True)
+    out = (probs @ v).transpose(1, 0, 2).reshape(s, heads * head_dim)
+    return out @ w[f"{prefix}.o_proj.weight"].T
+
+
+def pre_norm_block(
+    w: Weights, prefix: str, x: np.ndarray, cfg: dict[str, Any], attn: Any, mlp: Any
+) -> np.ndarray:
+    """x + attn(norm(x)), then h + mlp(norm(h)): the Llama-style decoder layer."""
+    eps = cfg["rms_norm_eps"]
+    h = x + attn(rms_norm(x, w[f"{prefix}.input_layernorm.weight"], eps))
+    return h + mlp(rms_norm(h, w[f"{prefix}.post_attention_layernorm.weight"], eps))
+
+
+# -- ERNIE-4.5 (vLLM ernie_mtp.py: LlamaDecoderLayer block, no norm before the lm_head) ----
+
+
+def ernie_mtp_logits(
+    w: Weights, cfg: dict[str, Any], hidden: np.ndarray, tokens: np.ndarray, layer: int = 0
+) -> np.ndarray:
+    """Logits [S, V] of ERNIE's MTP layer for hidden [S, H] and next tokens [S]."""
+    eps = cfg["rms_norm_eps"]
+    embed = w["model.embed_tokens.weight"]
+    e = rms_norm(embed[tokens], w[f"model.mtp_emb_norm.{layer}.weight"], eps)
+    h = rms_norm(hidden, w[f"model.mtp_hidden_norm.{layer}.weight"], eps)
+    x = np.concatenate([e, h], axis=-1) @ w[f"model.mtp_linear_proj.{layer}.weight"].T
+    block = f"model.mtp_block.{layer}"
+    x = pre_norm_block(
+        w,
+        block,
+        x,
+        cfg,
+        lambda y: attention(w, f"{block}.self_attn", y, cfg, interleaved=True),
+        lambda y: swiglu_mlp(w, f"{block}.mlp", y),
+    )
+    head = embed if cfg["tie_word_embeddings"] else w["lm_head.weight"]
+    return x @ head.T
+
+
+# -- EXAONE MoE (vLLM exaone_moe_mtp.py: Qwen-style fc and norms, dense is_mtp layer) ------
+
+
+def exaone_mtp_logits(
+    w: Weights, cfg: dict[str, Any], hidden: np.ndarray, tokens: np.ndarray, layer: int = 0
+) -> np.ndarray:
+    """Logits [S, V] of EXAONE MoE's MTP layer for hidden [S, H] and next tokens [S]."""
+    eps = cfg["rms_norm_eps"]
+    e = rms_norm(w["model.embed_tokens.weight"][tokens], w["mtp.pre_fc_norm_embedding.weight"], eps)
+    h = rms_norm(hidden, w["mtp.pre_fc_norm_hidden.weight"], eps)
+    x = np.concatenate([e, h], axis=-1) @ w["mtp.fc.weight"].T
+    types = cfg.get("mtp_layer_types") or cfg["layer_types"]
+    window = cfg["sliding_window"] if types[layer] == "sliding_attention" else None
+    block = f"mtp.layers.{layer}"
+    x = pre_norm_block(
+        w,
+        block,
+        x,
+        cfg,
+        lambda y: attention(
+            w, f"{block}.self_attn", y, cfg, interleaved=False, qk_norm=True, window=window
+        ),
+        lambda y: swiglu_mlp(w, f"{block}.mlp", y),
+    )
+    return rms_norm(x, w["mtp.norm.weight"], eps) @ w["lm_head.weight"].T

@@ -1,0 +1,145 @@
+"""`mtpkit check` on the new families: a head with real skill passes, a foreign one fails.
+
+A random head is never accepted, so each family gets a checkpoint whose head is skilled by
+construction: the trunk's attention and MLP outputs are zeroed (every layer passes the
+embedding through, so the trunk is a bigram model whose untied lm_head maps token t to a
+fixed permutation of t), and the head's block is zeroed the same way with a projection that
+keeps only the normed embedding of t_{k+1}. The head then predicts exactly what the trunk
+will say after t_{k+1}: every greedy draft is right. Swapping the projection's halves or
+drawing the head's matrices at random takes that skill away, and `check` must say so.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from mtpkit.check import check_checkpoint
+from mtpkit.convert import convert
+from tests.checkpoints import CheckpointFactory, add_tensor
+
+MAX_TOKENS = 16
+# A head with no skill makes check try every variant on more prompts: shorter generations.
+FAILING_MAX_TOKENS = 8
+HEAD = Path("mtp") / "weights.safetensors"
+LAST = "model-00002-of-00002.safetensors"
+# Tensors whose zeroing makes a residual layer pass its input through.
+OUTPUT_PROJECTIONS = ("o_proj.weight", "down_proj.weight")
+
+
+def ernie_skilled(tensors: dict[str, mx.array]) -> dict[str, mx.array]:
+    """ERNIE's head: emb_norm copies the trunk's final norm, the projection keeps the
+    embedding half, and no norm follows the block: logits = lm_head(norm(embed(t_{k+1})))."""
+    h = tensors["model.embed_tokens.weight"].shape[1]
+    tensors["model.mtp_emb_norm.0.weight"] = tensors["model.norm.weight"]
+    eye = mx.eye(h, dtype=mx.float32)
+    tensors["model.mtp_linear_proj.0.weight"] = mx.concatenate([eye, mx.zeros_like(eye)], axis=1)
+    return tensors
+
+
+def exaone_skilled(tensors: dict[str, mx.array]) -> dict[str, mx.array]:
+    """EXAONE's head: unit embedding norm, fc keeps the embedding half, and the head's final
+    norm copies the trunk's: logits = lm_head(norm(norm(embed(t_{k+1}))))."""
+    h = tensors["model.embed_tokens.weight"].shape[1]
+    tensors["mtp.pre_fc_norm_embedding.weight"] = mx.ones((h,))
+    tensors["mtp.norm.weight"] = tensors["model.norm.weight"]
+    eye = mx.eye(h, dtype=mx.float32)
+    tensors["mtp.fc.weight"] = mx.concatenate([eye, mx.zeros_like(eye)], axis=1)
+    return tensors
+
+
+SKILLED: dict[str, Callable[[dict[str, mx.array]], dict[str, mx.array]]] = {
+    "ernie4_5_moe": ernie_skilled,
+    "exaone_moe": exaone_skilled,
+}
+
+
+def skilled_checkpoint(src: Path, dst: Path, layout: str) -> Path:
+    shutil.copytree(src, dst)
+    shards = {s: dict(mx.load(str(s))) for s in sorted(dst.glob("model-*.safetensors"))}
+    tensors = {k: v for part in shards.values() for k, v in part.items()}
+    tensors = {
+        k: mx.zeros_like(v) if k.endswith(OUTPUT_PROJECTIONS) else v for k, v in tensors.items()
+    }
+    tensors = SKILLED[layout](tensors)
+    # An untied lm_head that maps t to perm[t]: the trunk does not just repeat its input.
+    embed = tensors["model.embed_tokens.weight"]
+    perm = np.random.default_rng(0).permutation(embed.shape[0])
+    lm_head = embed[mx.array(np.argsort(perm))]
+    tied = "lm_head.weight" not in tensors
+    tensors["lm_head.weight"] = lm_head
+    for shard, part in shards.items():
+        mx.save_safetensors(str(shard), {k: tensors[k] for k in part}, metadata={"format": "pt"})
+    if tied:
+        add_tensor(dst, LAST, "lm_head.weight", lm_head)
+        config = json.loads((dst / "config.json").read_text())
+        config["tie_word_embeddings"] = False
+        (dst / "config.json").write_text(json.dumps(config, indent=2))
+    return dst
+
+
+def edit_head(path: Path, edit: Callable[[dict[str, mx.array]], dict[str, mx.array]]) -> Path:
+    weights = dict(mx.load(str(path / HEAD)))
+    mx.save_safetensors(str(path / HEAD), edit(weights), metadata={"format": "mlx"})
+    return path
+
+
+def foreign(weights: dict[str, mx.array]) -> dict[str, mx.array]:
+    """Same shapes and scale, other weights: a head of another model of this architecture."""
+    mx.random.seed(1234)
+    return {
+        k: (mx.random.normal(v.shape) * mx.std(v).item()).astype(v.dtype) if v.ndim >= 2 else v
+        for k, v in weights.items()
+    }
+
+
+def swapped(weights: dict[str, mx.array]) -> dict[str, mx.array]:
+    """The projection's two halves exchanged: the head reads the hidden state as the embedding."""
+    name = next(k for k in weights if k.endswith(("linear_proj.weight", "mtp.fc.weight")))
+    w = weights[name]
+    half = w.shape[1] // 2
+    return {**weights, name: mx.concatenate([w[:, half:], w[:, :half]], axis=1)}
+
+
+@pytest.fixture(scope="module", params=sorted(SKILLED))
+def skilled(request, checkpoint: CheckpointFactory, tmp_path_factory) -> tuple[str, Path]:
+    layout = request.param
+    root = tmp_path_factory.mktemp(f"check-{layout}")
+    src = skilled_checkpoint(checkpoint(layout, dtype="float32"), root / "src", layout)
+    out = root / "mlx"
+    convert(str(src), output=out)
+    return layout, out
+
+
+def statuses(result: dict) -> dict[str, str]:
+    return {c["name"]: c["status"] for c in result["checks"]}
+
+
+def test_skilled_head_passes(skilled) -> None:
+    _, out = skilled
+    result = check_checkpoint(str(out), max_tokens=MAX_TOKENS)
+    assert result["verdict"] == "pass", result["checks"]
+    assert result["acceptance"] >= 0.9
+
+
+def test_foreign_head_fails(skilled, tmp_path: Path) -> None:
+    _, out = skilled
+    damaged = edit_head(Path(shutil.copytree(out, tmp_path / "foreign")), foreign)
+    result = check_checkpoint(str(damaged), max_tokens=FAILING_MAX_TOKENS)
+    assert result["verdict"] == "fail"
+    assert statuses(result)["head_matches_trunk"] == "fail", result["checks"]
+
+
+def test_swapped_projection_fails_concat_order(skilled, tmp_path: Path) -> None:
+    _, out = skilled
+    damaged = edit_head(Path(shutil.copytree(out, tmp_path / "swapped")), swapped)
+    result = check_checkpoint(str(damaged), max_tokens=MAX_TOKENS)
+    assert result["verdict"] == "fail"
+    assert statuses(result)["concat_order"] == "fail", result["checks"]
+    assert result["best_variant"]["concat_order"] == "hidden_first"
