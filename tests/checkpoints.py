@@ -69,6 +69,8 @@ MOE_LAYOUTS: tuple[str, ...] = (
     "deepseek_v32",
     "glm_moe_dsa",
     "longcat_flash",
+    "bailing_moe_v3",
+    "bailing_hybrid",
 )
 
 
