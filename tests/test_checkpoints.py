@@ -210,7 +210,15 @@ def tensor_bytes(path: Path) -> dict[str, bytes]:
 
 
 def is_mtp_key(layout: str, name: str, config: dict[str, Any]) -> bool:
-    if layout in ("deepseek_v3", "glm4_moe", "glm4_moe_lite", "deepseek_v32", "glm_moe_dsa"):
+    if layout in (
+        "deepseek_v3",
+        "glm4_moe",
+        "glm4_moe_lite",
+        "deepseek_v32",
+        "glm_moe_dsa",
+        "bailing_moe_v3",
+        "bailing_hybrid",
+    ):
         return name.startswith(f"model.layers.{config['num_hidden_layers']}.")
     if layout == "mimo":
         return name.startswith("model.mtp_layers.")
@@ -241,6 +249,8 @@ def built(checkpoint: CheckpointFactory) -> Builder:
 
 def test_families_are_the_documented_layouts() -> None:
     assert FAMILIES == (
+        "bailing_hybrid",
+        "bailing_moe_v3",
         "deepseek_v3",
         "deepseek_v32",
         "glm4_moe",

@@ -28,6 +28,7 @@ RECIPE_FAMILIES = {
     "deepseek_v32",
     "glm_moe_dsa",
     "longcat_flash",
+    "bailing_hybrid",
 }
 
 
@@ -130,6 +131,8 @@ def test_every_recipe_loads():
         "deepseek-v3.2",
         "glm-5",
         "longcat-flash-chat",
+        "ling-2.6-flash",
+        "ring-2.6-1t",
     ):
         assert wanted in names
     for path in recipes:
