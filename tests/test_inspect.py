@@ -299,8 +299,8 @@ def test_cli_errors_are_one_line(fixtures, tmp_path: Path) -> None:
     result = runner.invoke(app, ["inspect", str(root)])
     assert result.exit_code == 1
     assert result.stderr.strip().splitlines() == [
-        "Error: model_type 'llama' is not supported; supported: deepseek_v3, deepseek_v32, "
-        "glm4_moe, glm4_moe_lite, glm_moe_dsa, joyai_llm_flash, kimi_k2, longcat_flash, "
+        "Error: model_type 'llama' is not supported; supported: bailing_hybrid, "
+        "bailing_moe_v3, deepseek_v3, deepseek_v32, glm4_moe, glm4_moe_lite, glm_moe_dsa, joyai_llm_flash, kimi_k2, longcat_flash, "
         "mimo, qwen3_5, qwen3_5_moe, qwen3_5_moe_text, qwen3_5_text, qwen3_next"
     ]
     assert "Traceback" not in result.output
