@@ -55,6 +55,8 @@ EXPECTED = {
     "glm_moe_dsa": (nextn_rule, 37, "per_expert", 1, "plain"),
     "longcat_flash": (lambda r: lambda k: k.startswith("model.mtp."), 17, "dense", None, "plain"),
     "mimo": (lambda r: lambda k: k.startswith("model.mtp_layers."), 16, "dense", 1, "plain"),
+    "bailing_moe_v3": (nextn_rule, 43, "per_expert", 1, "plain"),
+    "bailing_hybrid": (nextn_rule, 42, "per_expert", 1, "plain"),
 }
 
 
