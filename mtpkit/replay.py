@@ -37,10 +37,14 @@ def gdn_covers(model: Any, caches: list[Any], is_recurrent: Callable[[Any], bool
     )
 
 
+def _saved_state_of(attributes: dict[str, Any]) -> dict[str, Any]:
+    # Lists (ArraysCache's slots) are copied because layers assign into them in place; the
+    # arrays themselves are never changed in place and are only referenced.
+    return {k: list(v) if isinstance(v, list) else v for k, v in attributes.items()}
+
+
 def _saved_state(cache: Any) -> dict[str, Any]:
-    # The cache's attributes; lists (ArraysCache's slots) are copied because layers assign
-    # into them in place. The arrays themselves are immutable and only referenced.
-    return {k: list(v) if isinstance(v, list) else v for k, v in vars(cache).items()}
+    return _saved_state_of(vars(cache))
 
 
 @dataclass
@@ -67,7 +71,7 @@ class CacheReplay:
             if saved is None:
                 cache.trim(length)
             elif hasattr(cache, "__dict__"):
-                vars(cache).update({k: list(v) if isinstance(v, list) else v for k, v in saved.items()})
+                vars(cache).update(_saved_state_of(saved))
             else:
                 name = type(cache).__name__
                 raise MtpkitError(f"a {name} cannot drop rejected drafts: use --no-mtp")

@@ -88,6 +88,8 @@ def bailing_mtp_logits(
     e = rms_norm(w["model.word_embeddings.weight"][next_tokens], w[f"{p}.enorm.weight"], eps)
     h = rms_norm(hidden, w[f"{p}.hnorm.weight"], eps)
     x = linear(w, f"{p}.eh_proj", np.concatenate([e, h], axis=-1))
-    x = x + bailing_mla(w, f"{p}.attention", rms_norm(x, w[f"{p}.input_layernorm.weight"], eps), cfg)
-    x = x + bailing_moe(w, f"{p}.mlp", rms_norm(x, w[f"{p}.post_attention_layernorm.weight"], eps), cfg)
+    attn_in = rms_norm(x, w[f"{p}.input_layernorm.weight"], eps)
+    x = x + bailing_mla(w, f"{p}.attention", attn_in, cfg)
+    mlp_in = rms_norm(x, w[f"{p}.post_attention_layernorm.weight"], eps)
+    x = x + bailing_moe(w, f"{p}.mlp", mlp_in, cfg)
     return rms_norm(x, w[f"{p}.final_layernorm.weight"], eps) @ w["lm_head.weight"].T
