@@ -71,6 +71,8 @@ MOE_LAYOUTS: tuple[str, ...] = (
     "longcat_flash",
     "ernie4_5_moe",
     "exaone_moe",
+    "bailing_moe_v3",
+    "bailing_hybrid",
 )
 
 

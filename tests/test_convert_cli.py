@@ -121,6 +121,8 @@ def test_every_recipe_loads():
         "longcat-flash-chat",
         "ernie-4.5-21b-a3b",
         "k-exaone-236b-a23b",
+        "ling-2.6-flash",
+        "ring-2.6-1t",
     ):
         assert wanted in names
     for path in recipes:

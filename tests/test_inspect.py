@@ -58,6 +58,8 @@ EXPECTED = {
     "mimo": (lambda r: lambda k: k.startswith("model.mtp_layers."), 16, "dense", 1, "plain"),
     "ernie4_5_moe": (lambda r: lambda k: k.startswith("model.mtp_"), 12, "dense", 1, "plain"),
     "exaone_moe": (lambda r: lambda k: k.startswith("mtp."), 15, "dense", 1, "plain"),
+    "bailing_moe_v3": (nextn_rule, 43, "per_expert", 1, "plain"),
+    "bailing_hybrid": (nextn_rule, 42, "per_expert", 1, "plain"),
 }
 
 
