@@ -7,6 +7,8 @@
   for `post_norm`): the head drafts from it.
 - A verify pass (`MtpModel.verify`) can be rolled back to any accepted prefix: trimmable
   caches are trimmed, gated-delta-net states restored from what `mtpkit.gdn` captured.
+  On a CUDA GPU it runs `mtpkit.kernels`' one-kernel recurrence and `mtpkit.qmv`'s
+  multi-row quantized matmul (installed at load by `use_fast_verify`).
 """
 
 from __future__ import annotations
@@ -29,6 +31,8 @@ from mtpkit.gdn import (
     tap_gated_delta_layers,
 )
 from mtpkit.headload import HeadWeights, MtpHead, load_head
+from mtpkit.kernels import use_fast_verify
+from mtpkit.qmv import multi_row_matmuls
 from mtpkit.source import HubSource, hub_errors, open_source
 
 POST_NORM = "post_norm"
@@ -147,7 +151,8 @@ class MtpModel:
     def verify(self, tokens: mx.array, cache: list[Any]) -> VerifyPass:
         """A forward pass over `tokens` [T] that can be rolled back to any prefix."""
         recurrent = any(is_recurrent_cache(c) for c in cache)
-        with capture_gdn_states(GdnSnapshots() if recurrent else None) as snapshots:
+        snapshots = GdnSnapshots() if recurrent else None
+        with capture_gdn_states(snapshots), multi_row_matmuls():
             logits, hidden = self.forward(tokens[None], cache)
         return VerifyPass(logits, hidden, snapshots, tokens.shape[0])
 
@@ -270,6 +275,7 @@ def load_model(
         raise GenerateError(f"--hidden must be one of {', '.join(HIDDEN_MODES)}, not {hidden!r}")
     capture = tap_final_norm(model.model.norm)
     tap_gated_delta_layers(model)
+    use_fast_verify(model)  # CUDA only: one-kernel recurrence and multi-row matmuls
     text = config.get("text_config") or config
     context = text.get("max_position_embeddings") or config.get("max_position_embeddings")
     return MtpModel(path, model, tokenizer, config, head, head_weights, hidden, capture, context)
