@@ -10,8 +10,9 @@ state after every position: its cost barely grows with T, and the rollback state
 that same pass. `gdn_verify_metal` is the Metal twin, mirroring mlx-lm's Metal kernel with
 the extra per-position state output (it has not been run: no Apple GPU here; it is not
 installed anywhere until it has been). `use_fast_verify` installs the CUDA one (through
-`gdn.set_gdn_verify_impl`) and the multi-row quantized matmul (`mtpkit.qmv`) when a model
-is loaded on a CUDA GPU; the CPU keeps `stepwise_verify`. `MTPKIT_KERNELS=0` turns both off.
+`gdn.set_gdn_verify_impl`, after a self-check against the reference) when a model is loaded
+on a CUDA GPU, and the multi-row quantized matmul (`mtpkit.qmv`) where asked; the CPU keeps
+`stepwise_verify`. `MTPKIT_KERNELS=0` turns both off.
 
 Layouts (mlx-lm's): q, k [B, T, Hk, Dk]; v [B, T, Hv, Dv]; g [B, T, Hv] (or [B, T, Hv, Dk]
 when the decay is per key channel); beta [B, T, Hv]; state [B, Hv, Dv, Dk] (float32).
@@ -249,15 +250,53 @@ def cuda_available() -> bool:
     return bool(cuda is not None and cuda.is_available() and mx.default_device() == mx.gpu)
 
 
+def self_check(impl: Callable[..., Any] | None = None) -> float:
+    """Largest difference between `impl` (default: the CUDA kernel) and the reference on a
+    small float32 case on the default device: outputs and every position's state."""
+    from mlx_lm.models.gated_delta import gated_delta_update
+
+    impl = impl or gdn_verify_cuda
+    ks = mx.random.split(mx.random.key(0), 8)
+    B, T, Hk, Hv, Dk, Dv = 1, 3, 2, 4, 64, 32  # noqa: N806
+    q, k = (mx.random.normal((B, T, Hk, Dk), key=ks[i]) * Dk**-0.5 for i in (0, 1))
+    v = mx.random.normal((B, T, Hv, Dv), key=ks[2])
+    a, b = (mx.random.normal((B, T, Hv), key=ks[i]) for i in (3, 4))
+    A_log, dt_bias = (mx.random.normal((Hv,), key=ks[i]) * 0.5 for i in (5, 6))  # noqa: N806
+    state = mx.random.normal((B, Hv, Dv, Dk), key=ks[7]) * 0.1
+    args = (q, k, v, a, b, A_log, dt_bias, state, None)
+    y, states = impl(gated_delta_update, *args)
+    ref_y, ref_states = stepwise_verify(gated_delta_update, *args)
+    diffs = [mx.abs(y - ref_y).max()] + [
+        mx.abs(s - r).max() for s, r in zip(states, ref_states, strict=True)
+    ]
+    return max(d.item() for d in diffs)
+
+
+# The self-check's bound: float32 sums in another order over Dk = 64 terms.
+SELF_CHECK_TOLERANCE = 1e-4
+
+
 def use_fast_verify(model: nn.Module) -> list[str]:
-    """On a CUDA GPU: the one-kernel gated-delta-net verify (if `model` has such layers)
-    and the multi-row quantized matmul for the verify pass. Returns what it installed."""
+    """On a CUDA GPU: the one-kernel gated-delta-net verify if `model` has such layers (after
+    a self-check against the reference), and, where asked (`MTPKIT_QMV=1`; not yet shown to
+    pay), the multi-row quantized matmul for the verify pass. Returns what it installed."""
     if os.environ.get("MTPKIT_KERNELS", "1") == "0" or not cuda_available():
         return []
+    from mtpkit.output import log
+
     installed = []
     if tap_gated_delta_layers(model):
-        set_gdn_verify_impl(gdn_verify_cuda)
-        installed.append("gdn_verify")
-    if qmv.tap_quantized_layers(model):
+        try:
+            error = self_check()
+        except Exception as e:  # a kernel that fails to build leaves the reference in place
+            error, detail = float("inf"), f"{type(e).__name__}: {e}".splitlines()[0]
+        else:
+            detail = f"differs from the reference by {error:.1e}"
+        if error <= SELF_CHECK_TOLERANCE:
+            set_gdn_verify_impl(gdn_verify_cuda)
+            installed.append("gdn_verify")
+        else:
+            log(f"warning: the CUDA gated-delta-net verify kernel {detail}; using the reference")
+    if os.environ.get("MTPKIT_QMV", "0") == "1" and qmv.tap_quantized_layers(model):
         installed.append("qmv")
     return installed

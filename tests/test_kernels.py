@@ -139,13 +139,41 @@ def test_a_verify_pass_runs_the_installed_implementation_and_keeps_its_states() 
 
 
 def test_nothing_is_installed_off_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
-    """On this CPU machine the reference stays, whatever the model."""
+    """On this CPU machine the reference stays, whatever the model; so it does where
+    `MTPKIT_KERNELS=0` says so."""
     m = load_model(EXAMPLE, with_head=False)
     assert kernels.use_fast_verify(m.model) == []
     assert gdn.set_gdn_verify_impl(gdn.stepwise_verify) is gdn.stepwise_verify
     monkeypatch.setenv("MTPKIT_KERNELS", "0")
     monkeypatch.setattr(kernels, "cuda_available", lambda: True)
     assert kernels.use_fast_verify(m.model) == []
+
+
+def test_the_kernel_is_installed_only_if_it_passes_its_self_check(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """On a CUDA device the kernel is checked against the reference first: one that fails
+    to build (as here, with no CUDA back-end) or to agree leaves the reference, with a
+    warning on stderr; one that agrees is installed."""
+    m = load_model(EXAMPLE, with_head=False)
+    monkeypatch.setattr(kernels, "cuda_available", lambda: True)
+    assert kernels.use_fast_verify(m.model) == []
+    assert "using the reference" in capsys.readouterr().err
+    assert gdn.set_gdn_verify_impl(gdn.stepwise_verify) is gdn.stepwise_verify
+
+    def off_by_a_bit(original, *args, **kwargs):
+        y, states = gdn.stepwise_verify(original, *args, **kwargs)
+        return y + 1e-3, states
+
+    assert kernels.self_check(off_by_a_bit) == pytest.approx(1e-3, rel=1e-2)
+    monkeypatch.setattr(kernels, "gdn_verify_cuda", off_by_a_bit)
+    assert kernels.use_fast_verify(m.model) == []
+    assert "differs from the reference by 1.0e-03" in capsys.readouterr().err
+    monkeypatch.setattr(kernels, "gdn_verify_cuda", gdn.stepwise_verify)
+    try:
+        assert kernels.use_fast_verify(m.model) == ["gdn_verify"]
+    finally:
+        gdn.set_gdn_verify_impl(gdn.stepwise_verify)
 
 
 # ---------------------------------------------------------------------------------------
