@@ -211,7 +211,9 @@ def qmv_exactness_and_costs(n: int, k: int, trials: int) -> dict:
     ks = mx.random.split(mx.random.key(n * 7 + k), 2)
     w = (mx.random.normal((n, k), key=ks[0]) * k**-0.5).astype(mx.bfloat16)
     wq, scales, biases = mx.quantize(w, group_size=64, bits=4)
-    deq = mx.dequantize(wq, scales, biases, group_size=64, bits=4).astype(mx.float32)
+    # float32 scales and biases: the weights s * q + b exactly (bf16 ones would round them)
+    deq = mx.dequantize(wq, scales.astype(mx.float32), biases.astype(mx.float32), group_size=64,
+                        bits=4)  # fmt: skip
     result: dict[str, Any] = {"n": n, "k": k, "err": {}, "time": {}}
     variants: dict[str, Callable[[], None]] = {}
     for rows in range(1, qmv.MAX_ROWS + 1):

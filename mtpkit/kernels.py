@@ -171,7 +171,8 @@ def _input_names(masked: bool) -> list[str]:
 
 
 @functools.cache
-def _cuda_kernel(masked: bool, vectorized: bool) -> Any:
+def cuda_verify_kernel(masked: bool, vectorized: bool) -> Any:
+    """The CUDA kernel object for one variant (built once; MLX compiles it on first use)."""
     suffix = ("_vec" if vectorized else "") + ("_mask" if masked else "")
     return mx.fast.cuda_kernel(
         name=f"mtpkit_gdn_verify{suffix}",
@@ -183,7 +184,8 @@ def _cuda_kernel(masked: bool, vectorized: bool) -> Any:
 
 
 @functools.cache
-def _metal_kernel(masked: bool, vectorized: bool) -> Any:
+def metal_verify_kernel(masked: bool, vectorized: bool) -> Any:
+    """The Metal kernel object for one variant."""
     suffix = ("_vec" if vectorized else "") + ("_mask" if masked else "")
     return mx.fast.metal_kernel(
         name=f"mtpkit_gdn_verify{suffix}",
@@ -234,14 +236,14 @@ def gdn_verify_cuda(original: Callable[..., Any], q, k, v, a, b, A_log, dt_bias,
     """`gdn.stepwise_verify`'s results from one CUDA kernel launch over all T tokens."""
     if not kernel_supports(q, v, kwargs):
         return stepwise_verify(original, q, k, v, a, b, A_log, dt_bias, state, mask, **kwargs)
-    return _launch(_cuda_kernel, (32, 4, 1), q, k, v, a, b, A_log, dt_bias, state, mask, kwargs)
+    return _launch(cuda_verify_kernel, (32, 4, 1), q, k, v, a, b, A_log, dt_bias, state, mask, kwargs)
 
 
 def gdn_verify_metal(original: Callable[..., Any], q, k, v, a, b, A_log, dt_bias, state, mask, **kwargs):  # noqa: N803, E501
     """The Metal twin of `gdn_verify_cuda` (not run yet: written for Apple GPUs)."""
     if not kernel_supports(q, v, kwargs):
         return stepwise_verify(original, q, k, v, a, b, A_log, dt_bias, state, mask, **kwargs)
-    return _launch(_metal_kernel, (32, 4, 1), q, k, v, a, b, A_log, dt_bias, state, mask, kwargs)
+    return _launch(metal_verify_kernel, (32, 4, 1), q, k, v, a, b, A_log, dt_bias, state, mask, kwargs)
 
 
 def cuda_available() -> bool:

@@ -181,7 +181,8 @@ def launch_config(rows: int, n: int, columns: int = COLUMNS_PER_WARP) -> dict[st
 
 
 @functools.cache
-def _kernel() -> Any:
+def cuda_qmv_kernel() -> Any:
+    """The CUDA kernel object (built once; MLX compiles one variant per template)."""
     return mx.fast.cuda_kernel(
         name="mtpkit_qmv_rows",
         input_names=["x", "w", "scales", "biases"],
@@ -204,7 +205,7 @@ def multi_row_qmv(
     x [..., K] of 2..MAX_ROWS rows, on a CUDA GPU."""
     n, k = w.shape[0], x.shape[-1]
     rows = rows_of(x.shape)
-    (out,) = _kernel()(
+    (out,) = cuda_qmv_kernel()(
         inputs=[x.reshape(rows, k), w, scales, biases],
         template=[("R", rows), ("C", columns), ("K", k), ("N", n), ("GS", group_size),
                   ("OutT", x.dtype)],

@@ -16,7 +16,7 @@ from mlx_lm.models.gated_delta import gated_delta_update
 
 from mtpkit import gdn, kernels, qmv
 from mtpkit.runtime import load_model
-from tests import cuda_source
+from tests import cuda_emulator, cuda_source
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "mtpkit" / "examples" / "tiny-qwen3_5"
 
@@ -39,7 +39,7 @@ def numpy_gated_delta(q, k, v, a, b, A_log, dt_bias, state, mask=None):  # noqa:
     ys, states = [], []
     for t in range(q.shape[1]):
         if mask is None or mask[0, t]:
-            state = state * g[:, t, :, None, None]
+            state = state * (g[:, t, :, None, :] if g.ndim == 4 else g[:, t, :, None, None])
             kv_mem = np.einsum("bhvk,bhk->bhv", state, k[:, t])
             delta = (v[:, t] - kv_mem) * beta[:, t, :, None]
             state = state + np.einsum("bhv,bhk->bhvk", delta, k[:, t])
@@ -50,16 +50,19 @@ def numpy_gated_delta(q, k, v, a, b, A_log, dt_bias, state, mask=None):  # noqa:
     return np.stack(ys, axis=1), states
 
 
-def gdn_inputs(T: int, hk: int = 2, hv: int = 4, dk: int = 64, dv: int = 32, seed: int = 0):  # noqa: N803
+def gdn_inputs(T: int, hk: int = 2, hv: int = 4, dk: int = 64, dv: int = 32, seed: int = 0,  # noqa: N803
+               per_channel: bool = False):  # fmt: skip
+    """Random inputs of a gated-delta-net update (decay per key channel if `per_channel`)."""
     key = mx.random.key(seed)
     ks = mx.random.split(key, 8)
+    gate = (hv, dk) if per_channel else (hv,)
     q = mx.random.normal((1, T, hk, dk), key=ks[0]) * dk**-0.5
     k = mx.random.normal((1, T, hk, dk), key=ks[1]) * dk**-0.5
     v = mx.random.normal((1, T, hv, dv), key=ks[2])
-    a = mx.random.normal((1, T, hv), key=ks[3])
+    a = mx.random.normal((1, T, *gate), key=ks[3])
     b = mx.random.normal((1, T, hv), key=ks[4])
-    A_log = mx.random.normal((hv,), key=ks[5]) * 0.5  # noqa: N806
-    dt_bias = mx.random.normal((hv,), key=ks[6]) * 0.5
+    A_log = mx.random.normal(gate, key=ks[5]) * 0.5  # noqa: N806
+    dt_bias = mx.random.normal(gate, key=ks[6]) * 0.5
     state = mx.random.normal((1, hv, dv, dk), key=ks[7]) * 0.1
     return q, k, v, a, b, A_log, dt_bias, state
 
@@ -293,3 +296,96 @@ def test_cuda_sources_compile(tmp_path: Path) -> None:
              ("OutT", dtype)],
         ))  # fmt: skip
     cuda_source.compile_units(units, tmp_path)
+
+
+# ---------------------------------------------------------------------------------------
+# The CUDA sources run on the CPU (tests/cuda_emulator.py): their logic, not their speed.
+
+
+@pytest.fixture
+def emulated_cuda(monkeypatch: pytest.MonkeyPatch):
+    """`mx.fast.cuda_kernel` replaced by the CPU emulator of the same source."""
+    if cuda_emulator.gxx() is None:
+        pytest.skip("no C++ compiler")
+    monkeypatch.setattr(mx.fast, "cuda_kernel", cuda_emulator.EmulatedKernel)
+    built = (kernels.cuda_verify_kernel, qmv.cuda_qmv_kernel)
+    for kernel in built:
+        kernel.cache_clear()
+    yield
+    for kernel in built:
+        kernel.cache_clear()
+
+
+@pytest.mark.parametrize(
+    ("T", "hk", "hv", "dv", "dtype", "masked", "per_channel"),
+    [(3, 2, 4, 8, mx.float32, False, False), (4, 1, 2, 6, mx.bfloat16, True, False),
+     (2, 2, 4, 4, mx.float32, False, True)],
+)  # fmt: skip
+def test_the_cuda_verify_kernel_is_the_recurrence(emulated_cuda, T, hk, hv, dv, dtype, masked,
+                                                  per_channel) -> None:  # noqa: N803  # fmt: skip
+    """The CUDA source (emulated) gives the float32 recurrence's output and every
+    position's state: grouped heads, value rows not a multiple of the block, bf16 inputs,
+    padding masks, per-channel decay."""
+    q, k, v, a, b, A_log, dt_bias, state = gdn_inputs(T, hk, hv, 64, dv, per_channel=per_channel)  # noqa: N806, E501
+    q, k, v = (t.astype(dtype) for t in (q, k, v))
+    mask = mx.array([[True, False] + [True] * (T - 2)]) if masked else None
+    y, states = kernels.gdn_verify_cuda(gated_delta_update, q, k, v, a, b, A_log, dt_bias, state,
+                                        mask)  # fmt: skip
+    ref_y, ref_states = numpy_gated_delta(
+        *(np.array(t.astype(mx.float32)) for t in (q, k, v, a, b, A_log, dt_bias, state)),
+        None if mask is None else np.array(mask),
+    )
+    assert y.dtype == dtype and len(states) == T
+    tol = 1e-5 if dtype == mx.float32 else 1e-2
+    np.testing.assert_allclose(np.array(y.astype(mx.float32)), ref_y, atol=tol, rtol=tol)
+    for t in range(T):
+        np.testing.assert_allclose(np.array(states[t]), ref_states[t], atol=1e-5, rtol=1e-4)
+
+
+def test_a_verify_pass_with_the_emulated_kernel_is_the_references(emulated_cuda, monkeypatch):
+    """Installed as on a CUDA device (its self-check passing), the kernel gives a verify
+    pass the reference's logits and rollback states."""
+    m = load_model(EXAMPLE, with_head=False)
+    cache = m.make_cache()
+    m.forward(mx.array([[1, 2, 3, 4]]), cache)
+    saved = [list(c.cache) if gdn.is_recurrent_cache(c) else None for c in cache]
+    reference = m.verify(mx.array([5, 6, 7]), cache)
+    mx.eval(reference.logits, reference.snapshots.states)
+    for c, kept in zip(cache, saved, strict=True):
+        if kept is None:
+            c.trim(3)
+        else:
+            c.cache = kept
+    monkeypatch.setattr(kernels, "cuda_available", lambda: True)
+    try:
+        assert kernels.use_fast_verify(m.model) == ["gdn_verify"]
+        fused = m.verify(mx.array([5, 6, 7]), cache)
+    finally:
+        gdn.set_gdn_verify_impl(gdn.stepwise_verify)
+    assert mx.allclose(fused.logits, reference.logits, atol=1e-4, rtol=1e-4)
+    for ours, theirs in zip(fused.snapshots.states, reference.snapshots.states, strict=True):
+        for s, r in zip(ours, theirs, strict=True):
+            assert mx.allclose(s, r, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize(("rows", "n", "k", "group_size", "columns"),
+                         [(2, 16, 1536, 64, 1), (5, 8, 1024, 128, 2)])
+def test_the_cuda_qmv_is_the_quantized_product(emulated_cuda, rows, n, k, group_size,
+                                               columns) -> None:  # fmt: skip
+    """The CUDA source (emulated) on bf16 rows and bf16 scales: within one bf16 rounding of
+    the float32 product of the dequantized weights; on float32 inputs it is
+    `mx.quantized_matmul`'s product up to summation order."""
+    w = mx.random.normal((n, k), key=mx.random.key(4)) * k**-0.5
+    wq, scales, biases = mx.quantize(w.astype(mx.bfloat16), group_size=group_size, bits=4)
+    x = mx.random.normal((1, rows, k), key=mx.random.key(5)).astype(mx.bfloat16)
+    out = qmv.multi_row_qmv(x, wq, scales, biases, group_size=group_size, columns=columns)
+    s32, b32 = scales.astype(mx.float32), biases.astype(mx.float32)
+    deq = mx.dequantize(wq, s32, b32, group_size=group_size, bits=4)  # float32: s * q + b exact
+    ref = np.array(x.astype(mx.float32) @ deq.T)
+    assert out.shape == (1, rows, n) and out.dtype == mx.bfloat16
+    got = np.array(out.astype(mx.float32))
+    np.testing.assert_allclose(got, ref, rtol=2**-8, atol=1e-5)
+    x32 = x.astype(mx.float32)
+    out32 = qmv.multi_row_qmv(x32, wq, s32, b32, group_size=group_size, columns=columns)
+    stock = mx.quantized_matmul(x32, wq, s32, b32, transpose=True, group_size=group_size, bits=4)
+    np.testing.assert_allclose(np.array(out32), np.array(stock), atol=1e-4, rtol=1e-4)
