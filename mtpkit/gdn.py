@@ -8,7 +8,8 @@ accepted prefix: a rejection never costs another forward pass.
 
 The per-position states come from one replaceable function: by default it
 runs mlx-lm's own `gated_delta_update` one token at a time; a faster implementation only has
-to return the same outputs and states (see `set_gdn_verify_impl`).
+to return the same outputs and states (see `set_gdn_verify_impl`; on a CUDA GPU
+`mtpkit.kernels` installs a one-launch kernel).
 """
 
 from __future__ import annotations
