@@ -1,4 +1,5 @@
-"""Run `mx.fast.cuda_kernel` sources on the CPU: the very kernel text, compiled as C++.
+"""Run `mx.fast.cuda_kernel` (and `metal_kernel`) sources on the CPU: the very kernel text,
+compiled as C++.
 
 Each kernel body is wrapped the way MLX's CUDA backend wraps it (`tests.cuda_source.wrap`)
 and compiled with g++ against a small stand-in for the CUDA built-ins it uses: `threadIdx`,
@@ -8,6 +9,7 @@ runs the blocks of MLX's grid arithmetic (grid in threads, block = min(threadgro
 one warp at a time. Slow, and only for the kernels' logic (indexing, reductions, casts):
 their speed is measured on a GPU by bench/gpu_kernels.py.
 
+Metal sources get Metal's names for the same built-ins (`EmulatedMetalKernel`).
 `EmulatedKernel` takes `mx.fast.cuda_kernel`'s arguments and returns MLX arrays, so the
 production wrappers (`kernels._launch`, `qmv.multi_row_qmv`) run unchanged around it.
 """
@@ -73,6 +75,23 @@ inline float __shfl_xor_sync(unsigned, float v, int offset) {
 }
 """
 
+# Metal's names for the same things (a SIMD group is a warp of 32 lanes).
+METAL_PRELUDE = r"""
+struct UInt3 { unsigned x = 0, y = 0, z = 0; };
+thread_local UInt3 thread_position_in_grid, thread_position_in_threadgroup;
+thread_local unsigned thread_index_in_simdgroup;
+inline float simd_sum(float v) {
+  const unsigned lane = threadIdx.x;
+  mtpkit_warp->vals[lane] = v;
+  mtpkit_warp->bar.arrive_and_wait();
+  float total = 0.0f;
+  for (int i = 0; i < 32; ++i) total += mtpkit_warp->vals[i];
+  mtpkit_warp->bar.arrive_and_wait();
+  return total;
+}
+#define device
+"""
+
 LAUNCHER = r"""
 extern "C" void launch(void** bufs, int gx, int gy, int gz, int tx, int ty, int tz) {
   const Dim3 block{unsigned(std::min(tx, gx)), unsigned(std::min(ty, gy)),
@@ -85,6 +104,8 @@ extern "C" void launch(void** bufs, int gx, int gy, int gz, int tx, int ty, int 
   for (unsigned bx = 0; bx < grid.x; ++bx)
   for (unsigned z = 0; z < block.z; ++z)
   for (unsigned y = 0; y < block.y; ++y) {
+    // Metal launches exactly `grid` threads (a last, partial threadgroup); CUDA whole blocks.
+    if (METAL && (by * block.y + y >= unsigned(gy) || bz * block.z + z >= unsigned(gz))) continue;
     WarpState warp;
     std::vector<std::thread> lanes;
     for (unsigned lane = 0; lane < 32; ++lane) {
@@ -92,6 +113,7 @@ extern "C" void launch(void** bufs, int gx, int gy, int gz, int tx, int ty, int 
         threadIdx = Dim3{lane, y, z};
         blockIdx = Dim3{bx, by, bz};
         mtpkit_warp = &warp;
+        SET_METAL_POSITION;
         KERNEL_CALL;
       });
     }
@@ -133,6 +155,7 @@ class EmulatedKernel:
     """`mx.fast.cuda_kernel(name, input_names, output_names, source, header)`, on the CPU."""
 
     _built: dict[str, ctypes.CDLL] = {}
+    metal = False
 
     def __init__(self, *, name, input_names, output_names, source, header="", **_: Any):
         self.name, self.inputs, self.outputs = name, input_names, output_names
@@ -146,7 +169,15 @@ class EmulatedKernel:
         args = [f"({'const ' if i < len(ins) else ''}{CPP_TYPES[t]}*)bufs[{i}]"
                 for i, (_, t) in enumerate(ins + outs)]  # fmt: skip
         call = f"mtpkit_test_{self.name}::{self.name}({', '.join(args)})"
-        text = PRELUDE + unit + LAUNCHER.replace("KERNEL_CALL", call)
+        position = (
+            "thread_position_in_grid = UInt3{bx * block.x + lane, by * block.y + y, "
+            "bz * block.z + z}; thread_position_in_threadgroup = UInt3{lane, y, z}; "
+            "thread_index_in_simdgroup = lane"
+            if self.metal else "(void)0"
+        )  # fmt: skip
+        launcher = LAUNCHER.replace("KERNEL_CALL", call).replace("SET_METAL_POSITION", position)
+        prelude = PRELUDE + f"constexpr bool METAL = {'true' if self.metal else 'false'};\n"
+        text = prelude + (METAL_PRELUDE if self.metal else "") + unit + launcher
         key = hashlib.sha1(text.encode()).hexdigest()[:16]
         if key not in self._built:
             src, lib = _workdir() / f"{key}.cpp", _workdir() / f"{key}.so"
@@ -172,3 +203,10 @@ class EmulatedKernel:
         )
         library.launch(buffers, *map(ctypes.c_int, (*grid, *threadgroup)))
         return [_to_mlx(a, d) for a, d in zip(host_out, output_dtypes, strict=True)]
+
+
+class EmulatedMetalKernel(EmulatedKernel):
+    """`mx.fast.metal_kernel(...)` likewise: `thread_position_in_grid` and friends, and
+    `simd_sum` over the 32 lanes of a SIMD group."""
+
+    metal = True

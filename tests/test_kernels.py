@@ -316,6 +316,17 @@ def emulated_cuda(monkeypatch: pytest.MonkeyPatch):
         kernel.cache_clear()
 
 
+@pytest.fixture
+def emulated_metal(monkeypatch: pytest.MonkeyPatch):
+    """`mx.fast.metal_kernel` replaced by the CPU emulator of the same source."""
+    if cuda_emulator.gxx() is None:
+        pytest.skip("no C++ compiler")
+    monkeypatch.setattr(mx.fast, "metal_kernel", cuda_emulator.EmulatedMetalKernel)
+    kernels.metal_verify_kernel.cache_clear()
+    yield
+    kernels.metal_verify_kernel.cache_clear()
+
+
 @pytest.mark.parametrize(
     ("T", "hk", "hv", "dv", "dtype", "masked", "per_channel"),
     [(3, 2, 4, 8, mx.float32, False, False), (4, 1, 2, 6, mx.bfloat16, True, False),
@@ -336,6 +347,26 @@ def test_the_cuda_verify_kernel_is_the_recurrence(emulated_cuda, T, hk, hv, dv, 
         None if mask is None else np.array(mask),
     )
     assert y.dtype == dtype and len(states) == T
+    tol = 1e-5 if dtype == mx.float32 else 1e-2
+    np.testing.assert_allclose(np.array(y.astype(mx.float32)), ref_y, atol=tol, rtol=tol)
+    for t in range(T):
+        np.testing.assert_allclose(np.array(states[t]), ref_states[t], atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize(("dtype", "masked", "per_channel"),
+                         [(mx.bfloat16, True, False), (mx.float32, False, True)])
+def test_the_metal_twin_is_the_recurrence(emulated_metal, dtype, masked, per_channel) -> None:
+    """The Metal source (emulated: no Apple GPU here) gives the same results."""
+    T = 3  # noqa: N806
+    q, k, v, a, b, A_log, dt_bias, state = gdn_inputs(T, 1, 2, 64, 6, per_channel=per_channel)  # noqa: N806, E501
+    q, k, v = (t.astype(dtype) for t in (q, k, v))
+    mask = mx.array([[True, False, True]]) if masked else None
+    y, states = kernels.gdn_verify_metal(gated_delta_update, q, k, v, a, b, A_log, dt_bias,
+                                         state, mask)  # fmt: skip
+    ref_y, ref_states = numpy_gated_delta(
+        *(np.array(t.astype(mx.float32)) for t in (q, k, v, a, b, A_log, dt_bias, state)),
+        None if mask is None else np.array(mask),
+    )
     tol = 1e-5 if dtype == mx.float32 else 1e-2
     np.testing.assert_allclose(np.array(y.astype(mx.float32)), ref_y, atol=tol, rtol=tol)
     for t in range(T):
