@@ -228,19 +228,26 @@ def qmv_exactness_and_costs(n: int, k: int, trials: int) -> dict:
         variants[f"mlx{rows}"] = _repeated(stock)
         errs = {"mlx": float(np.abs(np.array(stock().astype(mx.float32)) - ref).max()) / scale}
         if rows >= qmv.MIN_ROWS:
-            for c in (1, 2):
+            for name, kwargs in QMV_VARIANTS.items():
+                if name == "mma" and not qmv.mma_shape_ok(
+                    rows=rows, n=n, k=k, group_size=64, dtypes=(x.dtype, scales.dtype)
+                ):
+                    continue
 
-                def ours(x=x, c=c) -> mx.array:
-                    return qmv.multi_row_qmv(x, wq, scales, biases, group_size=64, columns=c)
+                def ours(x=x, kwargs=kwargs) -> mx.array:
+                    return qmv.multi_row_qmv(x, wq, scales, biases, group_size=64, **kwargs)
 
-                variants[f"qmv{rows}c{c}"] = _repeated(ours)
+                variants[f"qmv{rows}{name}"] = _repeated(ours)
                 got = np.array(ours().astype(mx.float32))
-                errs[f"qmv_c{c}"] = float(np.abs(got - ref).max()) / scale
-                errs[f"qmv_c{c}_vs_mlx"] = float(
+                errs[f"qmv_{name}"] = float(np.abs(got - ref).max()) / scale
+                errs[f"qmv_{name}_vs_mlx"] = float(
                     np.abs(got - np.array(stock().astype(mx.float32))).max()) / scale
         result["err"][rows] = errs
     result["time"] = interleaved(variants, trials)
     return result
+
+
+QMV_VARIANTS = {"c1": {"columns": 1}, "c2": {"columns": 2}, "mma": {"variant": "mma"}}
 
 
 def _repeated(fn: Callable[[], mx.array]) -> Callable[[], None]:
@@ -369,30 +376,37 @@ def print_gdn_costs(costs: dict[int, dict]) -> None:
 
 
 def print_qmv(results: list[dict], counts: dict[tuple[int, int], int]) -> dict:
-    print("N x K (count) | rows: mlx us -> qmv c1 / c2 us | max err/|ref|max: mlx, qmv")
+    """Per matrix: microseconds per call by rows (mlx -> fma c1 / fma c2 / mma), the errors
+    at 3 rows; then the sums over one forward's matrices."""
+    print("N x K (count) | rows: mlx us -> qmv c1 / c2 / mma us | max err/|ref|max at 3 rows:"
+          " mlx, c1, mma")  # fmt: skip
     totals: dict[str, float] = {}
+
+    def add(key: str, us: float, count: int) -> None:
+        totals[key] = totals.get(key, 0.0) + count * us
+
     for r in results:
-        t = r["time"]
-        count = counts[(r["n"], r["k"])]
+        t, count = r["time"], counts[(r["n"], r["k"])]
         cells = []
         for rows in range(1, qmv.MAX_ROWS + 1):
             mlx_us = t[f"mlx{rows}"]["median"] / REPS * 1e6
-            totals[f"mlx{rows}"] = totals.get(f"mlx{rows}", 0.0) + count * mlx_us
+            add(f"mlx{rows}", mlx_us, count)
             if rows == 1:
                 cells.append(f"1: {mlx_us:.1f}")
                 continue
-            c1, c2 = (t[f"qmv{rows}c{c}"]["median"] / REPS * 1e6 for c in (1, 2))
-            best = min(c1, c2, mlx_us) if qmv.takes_kernel(rows, r["n"], r["k"]) else mlx_us
-            totals[f"qmv{rows}"] = totals.get(f"qmv{rows}", 0.0) + count * min(c1, mlx_us)
-            totals[f"best{rows}"] = totals.get(f"best{rows}", 0.0) + count * best
-            cells.append(f"{rows}: {mlx_us:.1f}->{c1:.1f}/{c2:.1f}")
+            ours = {v: t[f"qmv{rows}{v}"]["median"] / REPS * 1e6 if f"qmv{rows}{v}" in t
+                    else mlx_us for v in QMV_VARIANTS}  # fmt: skip (n/a: counted as mlx)
+            for v, us in ours.items():
+                add(f"{v}{rows}", us, count)
+            add(f"best{rows}", min(mlx_us, *ours.values()), count)
+            cells.append(f"{rows}: {mlx_us:.1f}->" + "/".join(f"{us:.1f}" for us in ours.values()))
         e = r["err"][3]
         print(f"{r['n']}x{r['k']} ({count}) | " + "  ".join(cells)
-              + f" | {e['mlx']:.1e}, {e['qmv_c1']:.1e}")  # fmt: skip
-    line = "  ".join(f"{rows}: {totals[f'mlx{rows}']:.0f}" +
-                     ("" if rows == 1 else f"->{totals[f'qmv{rows}']:.0f}")
-                     for rows in range(1, qmv.MAX_ROWS + 1))  # fmt: skip
-    print(f"sum per forward, us (mlx -> qmv c1 where faster): {line}")
+              + f" | {e['mlx']:.1e}, {e['qmv_c1']:.1e}, {e.get('qmv_mma', float('nan')):.1e}")  # fmt: skip
+    for key in ("mlx", *QMV_VARIANTS, "best"):
+        line = "  ".join(f"{rows}: {totals[f'{key}{rows}']:.0f}"
+                         for rows in range(1, qmv.MAX_ROWS + 1) if f"{key}{rows}" in totals)  # fmt: skip
+        print(f"sum per forward, us, {key:>4}: {line}")
     return totals
 
 

@@ -34,6 +34,7 @@ from tests.cuda_source import wrap
 PRELUDE = r"""
 #include <algorithm>
 #include <barrier>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <thread>
@@ -63,8 +64,59 @@ struct __nv_bfloat16 {
 #define __forceinline__ inline
 #define __global__
 
-struct WarpState { std::barrier<> bar{32}; float vals[32]; };
+#define __shared__ static  // blocks run one after another: one copy serves each in turn
+#define MTPKIT_EMULATED
+
+struct __nv_bfloat162 { __nv_bfloat16 x, y; };
+inline __nv_bfloat162 __bfloat162bfloat162(__nv_bfloat16 v) { return {v, v}; }
+inline __nv_bfloat162 __hsub2(__nv_bfloat162 a, __nv_bfloat162 b) {
+  return {__nv_bfloat16(float(a.x) - float(b.x)), __nv_bfloat16(float(a.y) - float(b.y))};
+}
+inline __nv_bfloat162 __hfma2(__nv_bfloat162 a, __nv_bfloat162 b, __nv_bfloat162 c) {
+  return {__nv_bfloat16(std::fma(float(a.x), float(b.x), float(c.x))),
+          __nv_bfloat16(std::fma(float(a.y), float(b.y), float(c.y)))};
+}
+inline uint32_t __byte_perm(uint32_t x, uint32_t y, uint32_t s) {
+  const uint64_t v = (static_cast<uint64_t>(y) << 32) | x;
+  uint32_t r = 0;
+  for (int i = 0; i < 4; ++i) r |= static_cast<uint32_t>((v >> (8 * ((s >> (4 * i)) & 7))) & 0xffu) << (8 * i);
+  return r;
+}
+
+struct WarpState {
+  std::barrier<> bar{32};
+  float vals[32];
+  uint32_t a[32][4], b[32][2];
+};
 thread_local WarpState* mtpkit_warp = nullptr;
+thread_local std::barrier<>* mtpkit_block = nullptr;
+inline void __syncthreads() { mtpkit_block->arrive_and_wait(); }
+
+inline float mtpkit_half_of(uint32_t v, int high) {
+  __nv_bfloat16 h;
+  h.bits = static_cast<uint16_t>(high ? v >> 16 : v & 0xffffu);
+  return float(h);
+}
+// mma.m16n8k16 (bfloat16, float32 accumulate) from the PTX ISA's fragment layouts.
+inline void mtpkit_mma(float* d, const uint32_t* a, const uint32_t* b) {
+  const unsigned lane = threadIdx.x;
+  WarpState* w = mtpkit_warp;
+  for (int i = 0; i < 4; ++i) w->a[lane][i] = a[i];
+  for (int i = 0; i < 2; ++i) w->b[lane][i] = b[i];
+  w->bar.arrive_and_wait();
+  const int g = lane >> 2, t = lane & 3;
+  for (int i = 0; i < 4; ++i) {
+    const int m = g + 8 * (i >> 1), n = 2 * t + (i & 1);
+    float sum = d[i];
+    for (int k = 0; k < 16; ++k) {
+      const float av = mtpkit_half_of(w->a[(m % 8) * 4 + (k % 8) / 2][(m >= 8) + 2 * (k >= 8)], k % 2);
+      const float bv = mtpkit_half_of(w->b[n * 4 + (k % 8) / 2][k >= 8], k % 2);
+      sum += av * bv;
+    }
+    d[i] = sum;
+  }
+  w->bar.arrive_and_wait();
+}
 inline float __shfl_xor_sync(unsigned, float v, int offset) {
   const unsigned lane = threadIdx.x;
   mtpkit_warp->vals[lane] = v;
@@ -101,23 +153,31 @@ extern "C" void launch(void** bufs, int gx, int gy, int gz, int tx, int ty, int 
   blockDim = block;
   for (unsigned bz = 0; bz < grid.z; ++bz)
   for (unsigned by = 0; by < grid.y; ++by)
-  for (unsigned bx = 0; bx < grid.x; ++bx)
-  for (unsigned z = 0; z < block.z; ++z)
-  for (unsigned y = 0; y < block.y; ++y) {
+  for (unsigned bx = 0; bx < grid.x; ++bx) {
+    // All threads of a block at once (for __syncthreads); a warp is 32 lanes along x.
     // Metal launches exactly `grid` threads (a last, partial threadgroup); CUDA whole blocks.
-    if (METAL && (by * block.y + y >= unsigned(gy) || bz * block.z + z >= unsigned(gz))) continue;
-    WarpState warp;
-    std::vector<std::thread> lanes;
-    for (unsigned lane = 0; lane < 32; ++lane) {
-      lanes.emplace_back([&, lane] {
-        threadIdx = Dim3{lane, y, z};
-        blockIdx = Dim3{bx, by, bz};
-        mtpkit_warp = &warp;
-        SET_METAL_POSITION;
-        KERNEL_CALL;
-      });
+    std::vector<std::pair<unsigned, unsigned>> warps;
+    for (unsigned z = 0; z < block.z; ++z)
+      for (unsigned y = 0; y < block.y; ++y)
+        if (!METAL || (by * block.y + y < unsigned(gy) && bz * block.z + z < unsigned(gz)))
+          warps.emplace_back(y, z);
+    std::vector<WarpState> states(warps.size());
+    std::barrier<> block_barrier(static_cast<std::ptrdiff_t>(32 * warps.size()));
+    std::vector<std::thread> threads;
+    for (size_t wi = 0; wi < warps.size(); ++wi) {
+      const unsigned y = warps[wi].first, z = warps[wi].second;
+      for (unsigned lane = 0; lane < 32; ++lane) {
+        threads.emplace_back([&, wi, y, z, lane] {
+          threadIdx = Dim3{lane, y, z};
+          blockIdx = Dim3{bx, by, bz};
+          mtpkit_warp = &states[wi];
+          mtpkit_block = &block_barrier;
+          SET_METAL_POSITION;
+          KERNEL_CALL;
+        });
+      }
     }
-    for (auto& t : lanes) t.join();
+    for (auto& t : threads) t.join();
   }
 }
 """

@@ -235,7 +235,8 @@ def test_tapped_layers_route_only_the_verify_rows(monkeypatch: pytest.MonkeyPatc
     stock layer's output; one row, six rows, or outside the block: the stock path."""
     routed: list[int] = []
 
-    def fake_kernel(x, w, scales, biases, *, group_size, columns=1):
+    def fake_kernel(x, w, scales, biases, *, group_size, columns=1, variant="fma"):
+        assert variant == "fma"  # float32 scales: not the bfloat16 tensor-core variant
         routed.append(qmv.rows_of(x.shape))
         out = emulated_qmv(x, w, scales, biases, group_size=group_size)
         return mx.array(out).reshape(*x.shape[:-1], w.shape[0])
@@ -295,6 +296,13 @@ def test_cuda_sources_compile(tmp_path: Path) -> None:
             [("R", rows), ("C", columns), ("K", 2560), ("N", 9216), ("GS", 64),
              ("OutT", dtype)],
         ))  # fmt: skip
+    units.append(cuda_source.wrap(
+        "qmv_mma", qmv.MMA_SOURCE, qmv.MMA_HEADER,
+        [("x", "bfloat16"), ("w", "uint32"), ("scales", "bfloat16"), ("biases", "bfloat16")],
+        [("out", "bfloat16")],
+        [("R", 5), ("K", 2560), ("N", 9216), ("GS", 64), ("OutT", "bfloat16"),
+         ("SPLIT", qmv.SPLIT_K), ("SEGMENT", qmv.SEGMENT)],
+    ))  # fmt: skip
     cuda_source.compile_units(units, tmp_path)
 
 
@@ -308,7 +316,7 @@ def emulated_cuda(monkeypatch: pytest.MonkeyPatch):
     if cuda_emulator.gxx() is None:
         pytest.skip("no C++ compiler")
     monkeypatch.setattr(mx.fast, "cuda_kernel", cuda_emulator.EmulatedKernel)
-    built = (kernels.cuda_verify_kernel, qmv.cuda_qmv_kernel)
+    built = (kernels.cuda_verify_kernel, qmv.cuda_qmv_kernel, qmv.cuda_qmv_mma_kernel)
     for kernel in built:
         kernel.cache_clear()
     yield
@@ -420,3 +428,22 @@ def test_the_cuda_qmv_is_the_quantized_product(emulated_cuda, rows, n, k, group_
     out32 = qmv.multi_row_qmv(x32, wq, s32, b32, group_size=group_size, columns=columns)
     stock = mx.quantized_matmul(x32, wq, s32, b32, transpose=True, group_size=group_size, bits=4)
     np.testing.assert_allclose(np.array(out32), np.array(stock), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize(("rows", "n", "k", "group_size"), [(2, 32, 1536, 64), (5, 16, 512, 128)])
+def test_the_tensor_core_qmv_is_the_bf16_product(emulated_cuda, rows, n, k, group_size) -> None:
+    """The mma variant (emulated: the PTX ISA's m16n8k16 fragment layouts) rounds each
+    dequantized weight to bfloat16 once and sums in float32: within a bf16 rounding of the
+    float32 product of the exact weights s * q + b, over split-K warps' shares."""
+    w = mx.random.normal((n, k), key=mx.random.key(6)) * k**-0.5
+    wq, scales, biases = mx.quantize(w.astype(mx.bfloat16), group_size=group_size, bits=4)
+    x = mx.random.normal((1, rows, k), key=mx.random.key(7)).astype(mx.bfloat16)
+    assert qmv.mma_shape_ok(rows=rows, n=n, k=k, group_size=group_size,
+                            dtypes=(x.dtype, scales.dtype, biases.dtype))  # fmt: skip
+    out = qmv.multi_row_qmv(x, wq, scales, biases, group_size=group_size, variant="mma")
+    s32, b32 = scales.astype(mx.float32), biases.astype(mx.float32)
+    deq = mx.dequantize(wq, s32, b32, group_size=group_size, bits=4)
+    ref = np.array(x.astype(mx.float32) @ deq.T)
+    assert out.shape == (1, rows, n) and out.dtype == mx.bfloat16
+    got = np.array(out.astype(mx.float32))
+    np.testing.assert_allclose(got, ref, rtol=2**-8, atol=2**-8 * np.abs(ref).max())
