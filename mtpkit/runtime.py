@@ -7,8 +7,6 @@
   for `post_norm`): the head drafts from it.
 - A verify pass (`MtpModel.verify`) can be rolled back to any accepted prefix: trimmable
   caches are trimmed, gated-delta-net states restored from what `mtpkit.gdn` captured.
-  On a CUDA GPU it runs `mtpkit.kernels`' one-kernel recurrence and `mtpkit.qmv`'s
-  multi-row quantized matmul (installed at load by `use_fast_verify`).
 """
 
 from __future__ import annotations
