@@ -8,7 +8,8 @@ accepted prefix: a rejection never costs another forward pass.
 
 The per-position states come from one replaceable function: by default it
 runs mlx-lm's own `gated_delta_update` one token at a time; a faster implementation only has
-to return the same outputs and states (see `set_gdn_verify_impl`).
+to return the same outputs and states (see `set_gdn_verify_impl`; on a CUDA GPU
+`mtpkit.kernels` installs a one-launch kernel).
 """
 
 from __future__ import annotations
@@ -132,13 +133,17 @@ def _tap_conv_input(conv: nn.Module) -> None:
     )
 
 
-def tap_gated_delta_layers(model: nn.Module) -> None:
-    """Prepare every gated-delta-net layer of `model` for `capture_gdn_states`."""
+def tap_gated_delta_layers(model: nn.Module) -> int:
+    """Prepare every gated-delta-net layer of `model` for `capture_gdn_states`; returns how
+    many there are (tapping twice changes nothing)."""
+    count = 0
     for layer in getattr(model, "layers", []):
         gdn = layer.get("linear_attn") if isinstance(layer, dict) else None
         if gdn is not None:
             _patch_gated_delta(type(gdn).__module__)
             _tap_conv_input(gdn.conv1d)
+            count += 1
+    return count
 
 
 def is_recurrent_cache(cache: Any) -> bool:

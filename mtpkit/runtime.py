@@ -30,6 +30,8 @@ from mtpkit.gdn import (
     tap_gated_delta_layers,
 )
 from mtpkit.headload import HeadWeights, MtpHead, load_head
+from mtpkit.kernels import use_fast_verify
+from mtpkit.qmv import multi_row_matmuls
 from mtpkit.replay import CacheReplay, gdn_covers
 from mtpkit.source import HubSource, hub_errors, open_source
 
@@ -159,7 +161,8 @@ class MtpModel:
         if recurrent and not gdn_covers(self.model, cache, is_recurrent_cache):
             replay = CacheReplay.before(cache, tokens, lambda t, c: self.model(t, cache=c))
             recurrent = False
-        with capture_gdn_states(GdnSnapshots() if recurrent else None) as snapshots:
+        snapshots = GdnSnapshots() if recurrent else None
+        with capture_gdn_states(snapshots), multi_row_matmuls():
             logits, hidden = self.forward(tokens[None], cache)
         return VerifyPass(logits, hidden, snapshots, tokens.shape[0], replay)
 
@@ -292,6 +295,7 @@ def load_model(
         raise GenerateError(f"--hidden must be one of {', '.join(HIDDEN_MODES)}, not {hidden!r}")
     capture = tap_final_norm(model.model.norm)
     tap_gated_delta_layers(model)
+    use_fast_verify(model)  # CUDA only: one-kernel recurrence and multi-row matmuls
     text = config.get("text_config") or config
     context = text.get("max_position_embeddings") or config.get("max_position_embeddings")
     return MtpModel(path, model, tokenizer, config, head, head_weights, hidden, capture, context)

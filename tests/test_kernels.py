@@ -1,0 +1,449 @@
+"""The verify pass's kernels, on a CPU machine: the per-position reference against a float32
+numpy recurrence, the seam that swaps the implementation, the multi-row matmul's math and
+routing (its arithmetic emulated in numpy against `mx.quantized_matmul`), and the kernel
+sources (compiled with nvcc where the CUDA toolkit is installed). The kernels themselves run
+on a CUDA GPU in bench/gpu_kernels.py."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+import pytest
+from mlx_lm.models.gated_delta import gated_delta_update
+
+from mtpkit import gdn, kernels, qmv
+from mtpkit.runtime import load_model
+from tests import cuda_emulator, cuda_source
+
+EXAMPLE = Path(__file__).resolve().parents[1] / "mtpkit" / "examples" / "tiny-qwen3_5"
+
+
+# ---------------------------------------------------------------------------------------
+# The gated delta rule, per position.
+
+
+def numpy_gated_delta(q, k, v, a, b, A_log, dt_bias, state, mask=None):  # noqa: N803
+    """The recurrence as docs/MTP_FORMATS.md writes it, float32 numpy, one token at a time:
+    g = exp(-exp(A_log) * softplus(a + dt_bias)), beta = sigmoid(b), S <- g S;
+    S <- S + beta (v - S k) k^T; y = S q. Returns y and the state after every token."""
+    f = np.float32
+    q, k, v, a, b = (np.asarray(t, dtype=f) for t in (q, k, v, a, b))
+    state = np.asarray(state, dtype=f).copy()
+    g = np.exp(-np.exp(np.asarray(A_log, f)) * np.log1p(np.exp(a + np.asarray(dt_bias, f))))
+    beta = 1 / (1 + np.exp(-b))
+    rep = v.shape[2] // q.shape[2]
+    q, k = np.repeat(q, rep, axis=2), np.repeat(k, rep, axis=2)
+    ys, states = [], []
+    for t in range(q.shape[1]):
+        if mask is None or mask[0, t]:
+            state = state * (g[:, t, :, None, :] if g.ndim == 4 else g[:, t, :, None, None])
+            kv_mem = np.einsum("bhvk,bhk->bhv", state, k[:, t])
+            delta = (v[:, t] - kv_mem) * beta[:, t, :, None]
+            state = state + np.einsum("bhv,bhk->bhvk", delta, k[:, t])
+            ys.append(np.einsum("bhvk,bhk->bhv", state, q[:, t]))
+        else:
+            ys.append(np.zeros_like(v[:, t]))
+        states.append(state.copy())
+    return np.stack(ys, axis=1), states
+
+
+def gdn_inputs(T: int, hk: int = 2, hv: int = 4, dk: int = 64, dv: int = 32, seed: int = 0,  # noqa: N803
+               per_channel: bool = False):  # fmt: skip
+    """Random inputs of a gated-delta-net update (decay per key channel if `per_channel`)."""
+    key = mx.random.key(seed)
+    ks = mx.random.split(key, 8)
+    gate = (hv, dk) if per_channel else (hv,)
+    q = mx.random.normal((1, T, hk, dk), key=ks[0]) * dk**-0.5
+    k = mx.random.normal((1, T, hk, dk), key=ks[1]) * dk**-0.5
+    v = mx.random.normal((1, T, hv, dv), key=ks[2])
+    a = mx.random.normal((1, T, *gate), key=ks[3])
+    b = mx.random.normal((1, T, hv), key=ks[4])
+    A_log = mx.random.normal(gate, key=ks[5]) * 0.5  # noqa: N806
+    dt_bias = mx.random.normal(gate, key=ks[6]) * 0.5
+    state = mx.random.normal((1, hv, dv, dk), key=ks[7]) * 0.1
+    return q, k, v, a, b, A_log, dt_bias, state
+
+
+@pytest.mark.parametrize(("T", "hk", "hv"), [(1, 2, 2), (3, 2, 2), (4, 2, 4), (5, 1, 4)])
+def test_stepwise_verify_matches_the_float32_recurrence(T: int, hk: int, hv: int) -> None:  # noqa: N803
+    """The reference verify (mlx-lm's update, one token at a time) gives every position's
+    output and state of an independent float32 numpy loop, grouped heads included."""
+    inputs = gdn_inputs(T, hk, hv)
+    y, states = gdn.stepwise_verify(gated_delta_update, *inputs, None)
+    ref_y, ref_states = numpy_gated_delta(*(np.array(t) for t in inputs))
+    assert len(states) == T
+    np.testing.assert_allclose(np.array(y), ref_y, atol=2e-5, rtol=1e-4)
+    for t in range(T):
+        np.testing.assert_allclose(np.array(states[t]), ref_states[t], atol=2e-5, rtol=1e-4)
+
+
+def test_stepwise_verify_keeps_the_state_on_masked_positions() -> None:
+    inputs = gdn_inputs(4)
+    mask = mx.array([[True, False, True, True]])
+    y, states = gdn.stepwise_verify(gated_delta_update, *inputs, mask)
+    ref_y, ref_states = numpy_gated_delta(*(np.array(t) for t in inputs), np.array(mask))
+    # A masked (padding) position's output is unused: mlx-lm's ops path computes it, its
+    # Metal kernel (and ours) write zero. Only the state must stay.
+    on = np.array(mask)[0]
+    np.testing.assert_allclose(np.array(y)[:, on], ref_y[:, on], atol=2e-5, rtol=1e-4)
+    np.testing.assert_allclose(np.array(states[1]), ref_states[0], atol=2e-5, rtol=1e-4)
+    np.testing.assert_allclose(np.array(states[3]), ref_states[3], atol=2e-5, rtol=1e-4)
+
+
+def test_the_kernels_gates_are_the_recurrences() -> None:
+    """The g and beta the kernels are fed: mlx-lm's formulas, checked against numpy's."""
+    _, _, _, a, b, A_log, dt_bias, _ = gdn_inputs(3)  # noqa: N806
+    g, beta = kernels.gates(a, b, A_log, dt_bias)
+    a_, b_, A_, dt_ = (np.array(t) for t in (a, b, A_log, dt_bias))  # noqa: N806
+    np.testing.assert_allclose(np.array(g), np.exp(-np.exp(A_) * np.log1p(np.exp(a_ + dt_))),
+                               rtol=1e-5)  # fmt: skip
+    np.testing.assert_allclose(np.array(beta), 1 / (1 + np.exp(-b_)), rtol=1e-5)
+    _, doubled = kernels.gates(a, b, A_log, dt_bias, allow_neg_eigval=True)
+    np.testing.assert_allclose(np.array(doubled), 2 * np.array(beta), rtol=1e-6)
+
+
+def test_kernel_supports_only_what_it_was_written_for() -> None:
+    q, _, v, *_ = gdn_inputs(2, hk=2, hv=4, dk=64)
+    assert kernels.kernel_supports(q, v, {"use_kernel": True})
+    assert not kernels.kernel_supports(q, v, {"something_new": 1})
+    q48 = mx.zeros((1, 2, 2, 48))
+    assert not kernels.kernel_supports(q48, v, {})
+    assert not kernels.kernel_supports(q, mx.zeros((1, 2, 3, 32)), {})
+
+
+def test_a_verify_pass_runs_the_installed_implementation_and_keeps_its_states() -> None:
+    """The seam: a verify pass over T tokens calls the installed implementation once per
+    gated-delta-net layer with all T tokens, and rolls back with the states it returned."""
+    m = load_model(EXAMPLE, with_head=False)
+    calls: list[int] = []
+
+    def recording(original, q, *rest, **kwargs):
+        calls.append(q.shape[1])
+        return gdn.stepwise_verify(original, q, *rest, **kwargs)
+
+    cache = m.make_cache()
+    m.forward(mx.array([[1, 2, 3, 4]]), cache)
+    previous = gdn.set_gdn_verify_impl(recording)
+    try:
+        verified = m.verify(mx.array([5, 6, 7]), cache)
+    finally:
+        gdn.set_gdn_verify_impl(previous)
+    layers = sum(1 for c in cache if gdn.is_recurrent_cache(c))
+    assert calls == [3] * layers and layers > 0
+    assert all(len(s) == 3 for s in verified.snapshots.states)
+    verified.rollback(cache, 1)
+    again, _ = m.forward(mx.array([[6]]), cache)
+    fresh = m.make_cache()
+    expected, _ = m.forward(mx.array([[1, 2, 3, 4, 5, 6]]), fresh)
+    assert mx.allclose(again[0, -1], expected[0, -1], atol=1e-3, rtol=1e-3)
+
+
+def test_nothing_is_installed_off_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On this CPU machine the reference stays, whatever the model; so it does where
+    `MTPKIT_KERNELS=0` says so."""
+    m = load_model(EXAMPLE, with_head=False)
+    assert kernels.use_fast_verify(m.model) == []
+    assert gdn.set_gdn_verify_impl(gdn.stepwise_verify) is gdn.stepwise_verify
+    monkeypatch.setenv("MTPKIT_KERNELS", "0")
+    monkeypatch.setattr(kernels, "cuda_available", lambda: True)
+    assert kernels.use_fast_verify(m.model) == []
+
+
+def test_the_kernel_is_installed_only_if_it_passes_its_self_check(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """On a CUDA device the kernel is checked against the reference first: one that fails
+    to build (as here, with no CUDA back-end) or to agree leaves the reference, with a
+    warning on stderr; one that agrees is installed."""
+    m = load_model(EXAMPLE, with_head=False)
+    monkeypatch.setattr(kernels, "cuda_available", lambda: True)
+    assert kernels.use_fast_verify(m.model) == []
+    assert "using the reference" in capsys.readouterr().err
+    assert gdn.set_gdn_verify_impl(gdn.stepwise_verify) is gdn.stepwise_verify
+
+    def off_by_a_bit(original, *args, **kwargs):
+        y, states = gdn.stepwise_verify(original, *args, **kwargs)
+        return y + 1e-3, states
+
+    assert kernels.self_check(off_by_a_bit) == pytest.approx(1e-3, rel=1e-2)
+    monkeypatch.setattr(kernels, "gdn_verify_cuda", off_by_a_bit)
+    assert kernels.use_fast_verify(m.model) == []
+    assert "differs from the reference by 1.0e-03" in capsys.readouterr().err
+    monkeypatch.setattr(kernels, "gdn_verify_cuda", gdn.stepwise_verify)
+    try:
+        assert kernels.use_fast_verify(m.model) == ["gdn_verify"]
+    finally:
+        gdn.set_gdn_verify_impl(gdn.stepwise_verify)
+
+
+# ---------------------------------------------------------------------------------------
+# The multi-row quantized matmul.
+
+
+def emulated_qmv(x, w, scales, biases, *, group_size, columns=1):
+    """The kernel's arithmetic in numpy: per output feature, per 32-weight chunk,
+    scale * sum(x * q) + bias * sum(x), summed in float32 (MLX's nibble order)."""
+    x = np.asarray(x.astype(mx.float32), np.float32).reshape(-1, x.shape[-1])
+    words = np.asarray(w).astype(np.uint32)
+    q = np.stack([(words >> (4 * i)) & 0xF for i in range(8)], axis=-1).reshape(words.shape[0], -1)
+    s = np.repeat(np.asarray(scales.astype(mx.float32)), group_size // 32, axis=1)
+    bb = np.repeat(np.asarray(biases.astype(mx.float32)), group_size // 32, axis=1)
+    chunks = q.shape[1] // 32
+    qc = q.reshape(q.shape[0], chunks, 32).astype(np.float32)
+    xc = x.reshape(x.shape[0], chunks, 32)
+    dot = np.einsum("rcj,ncj->rnc", xc, qc)
+    xsum = xc.sum(axis=-1)[:, None, :]
+    return (s[None] * dot + bb[None] * xsum).sum(axis=-1)
+
+
+@pytest.mark.parametrize(("rows", "n", "k", "group_size"), [(2, 64, 1024, 64), (5, 96, 2560, 64),
+                                                            (3, 32, 512, 32), (4, 16, 256, 128)])
+def test_the_kernels_arithmetic_is_mlx_quantized_matmul(rows: int, n: int, k: int, group_size: int) -> None:  # noqa: E501
+    """Nibble order, group indexing and the scale/bias split the kernel uses give
+    `mx.quantized_matmul`'s product (float32, so only summation order differs)."""
+    w = mx.random.normal((n, k), key=mx.random.key(1)) * 0.05
+    wq, scales, biases = mx.quantize(w, group_size=group_size, bits=4)
+    x = mx.random.normal((1, rows, k), key=mx.random.key(2))
+    expected = mx.quantized_matmul(x, wq, scales, biases, transpose=True, group_size=group_size,
+                                   bits=4)  # fmt: skip
+    ours = emulated_qmv(x, wq, scales, biases, group_size=group_size)
+    np.testing.assert_allclose(ours, np.array(expected).reshape(rows, n), atol=2e-4, rtol=2e-4)
+    assert qmv.kernel_shape_ok(bits=4, group_size=group_size, mode="affine", n=n, k=k,
+                               biased=True)  # fmt: skip
+
+
+def test_rows_and_shapes_the_kernel_takes() -> None:
+    assert qmv.rows_of((1, 3, 1024)) == 3 and qmv.rows_of((2, 2, 64)) == 4
+    assert qmv.rows_of((1024,)) == 1
+    assert [qmv.takes_kernel(r, 1024, 1024) for r in range(1, 8)] == [False] + [True] * 4 + [
+        False
+    ] * 2
+    assert not qmv.kernel_shape_ok(bits=8, group_size=64, mode="affine", n=64, k=1024, biased=True)
+    assert not qmv.kernel_shape_ok(bits=4, group_size=32, mode="mxfp4", n=64, k=1024, biased=False)
+    assert not qmv.kernel_shape_ok(bits=4, group_size=64, mode="affine", n=64, k=96, biased=True)
+    launch = qmv.launch_config(3, 1000)
+    assert launch == {"grid": (32, 1000, 1), "threadgroup": (32, qmv.WARPS_PER_BLOCK, 1)}
+    assert qmv.launch_config(2, 6)["threadgroup"] == (32, 6, 1)
+    assert qmv.launch_config(2, 1000, columns=4)["grid"] == (32, 250, 1)
+
+
+def test_tapped_layers_route_only_the_verify_rows(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Inside `multi_row_matmuls`, 2..5 rows go to the kernel (emulated here) and give the
+    stock layer's output; one row, six rows, or outside the block: the stock path."""
+    routed: list[int] = []
+
+    def fake_kernel(x, w, scales, biases, *, group_size, columns=1, variant="fma"):
+        assert variant == "fma"  # float32 scales: not the bfloat16 tensor-core variant
+        routed.append(qmv.rows_of(x.shape))
+        out = emulated_qmv(x, w, scales, biases, group_size=group_size)
+        return mx.array(out).reshape(*x.shape[:-1], w.shape[0])
+
+    monkeypatch.setattr(qmv, "multi_row_qmv", fake_kernel)
+    model = nn.Sequential(nn.Linear(256, 64), nn.Linear(64, 64, bias=False))
+    nn.quantize(model, group_size=64, bits=4)
+    stock = [type(layer) for layer in model.layers]
+    assert qmv.tap_quantized_layers(model) == 2 and qmv.tap_quantized_layers(model) == 2
+    assert all(isinstance(layer, s) for layer, s in zip(model.layers, stock, strict=True))
+    x = mx.random.normal((1, 3, 256), key=mx.random.key(3))
+    expected = model(x)
+    assert routed == []
+    for rows in (1, 3, 6):
+        with qmv.multi_row_matmuls():
+            got = model(mx.random.normal((1, rows, 256)))
+        assert got.shape == (1, rows, 64)
+    assert routed == [3, 3]
+    with qmv.multi_row_matmuls():
+        got = model(x)
+    np.testing.assert_allclose(np.array(got), np.array(expected), atol=1e-4, rtol=1e-4)
+
+
+# ---------------------------------------------------------------------------------------
+# The sources.
+
+
+def test_sources_name_only_their_inputs() -> None:
+    for make in (kernels.gdn_cuda_source, kernels.gdn_metal_source):
+        plain, masked = make(masked=False, vectorized=False), make(masked=True, vectorized=False)
+        assert "mask" not in plain and "mask[b_idx * T + t]" in masked
+        assert "hv_idx) * Dk +" in make(masked=False, vectorized=True)
+        assert "states[t * state_size + row" in plain
+
+
+@pytest.mark.skipif(cuda_source.nvcc() is None, reason="no CUDA toolkit (nvcc)")
+def test_cuda_sources_compile(tmp_path: Path) -> None:
+    """Every kernel variant, wrapped the way MLX's CUDA backend wraps it, compiles."""
+    units = []
+    for masked in (False, True):
+        for vec in (False, True):
+            inputs = [("q", "bfloat16"), ("k", "bfloat16"), ("v", "bfloat16"),
+                      ("g", "float32"), ("beta", "bfloat16"), ("state_in", "float32")]
+            inputs += [("mask", "bool")] if masked else []
+            units.append(cuda_source.wrap(
+                f"gdn_{int(masked)}{int(vec)}", kernels.gdn_cuda_source(masked=masked,
+                vectorized=vec), kernels.WARP_SUM_HEADER, inputs,
+                [("y", "bfloat16"), ("states", "float32")],
+                [("InT", "bfloat16"), ("StT", "float32"), ("B", 1), ("T", 3), ("Hk", 16),
+                 ("Hv", 32), ("Dk", 128), ("Dv", 128)],
+            ))  # fmt: skip
+    for rows, columns, dtype in ((2, 1, "bfloat16"), (5, 2, "bfloat16"), (3, 1, "float32")):
+        units.append(cuda_source.wrap(
+            f"qmv_{rows}{columns}{dtype}", qmv.SOURCE, qmv.HEADER,
+            [("x", dtype), ("w", "uint32"), ("scales", dtype), ("biases", dtype)],
+            [("out", dtype)],
+            [("R", rows), ("C", columns), ("K", 2560), ("N", 9216), ("GS", 64),
+             ("OutT", dtype)],
+        ))  # fmt: skip
+    units.append(cuda_source.wrap(
+        "qmv_mma", qmv.MMA_SOURCE, qmv.MMA_HEADER,
+        [("x", "bfloat16"), ("w", "uint32"), ("scales", "bfloat16"), ("biases", "bfloat16")],
+        [("out", "bfloat16")],
+        [("R", 5), ("K", 2560), ("N", 9216), ("GS", 64), ("OutT", "bfloat16"),
+         ("SPLIT", qmv.SPLIT_K), ("SEGMENT", qmv.SEGMENT)],
+    ))  # fmt: skip
+    cuda_source.compile_units(units, tmp_path)
+
+
+# ---------------------------------------------------------------------------------------
+# The CUDA sources run on the CPU (tests/cuda_emulator.py): their logic, not their speed.
+
+
+@pytest.fixture
+def emulated_cuda(monkeypatch: pytest.MonkeyPatch):
+    """`mx.fast.cuda_kernel` replaced by the CPU emulator of the same source."""
+    if cuda_emulator.gxx() is None:
+        pytest.skip("no C++ compiler")
+    monkeypatch.setattr(mx.fast, "cuda_kernel", cuda_emulator.EmulatedKernel)
+    built = (kernels.cuda_verify_kernel, qmv.cuda_qmv_kernel, qmv.cuda_qmv_mma_kernel)
+    for kernel in built:
+        kernel.cache_clear()
+    yield
+    for kernel in built:
+        kernel.cache_clear()
+
+
+@pytest.fixture
+def emulated_metal(monkeypatch: pytest.MonkeyPatch):
+    """`mx.fast.metal_kernel` replaced by the CPU emulator of the same source."""
+    if cuda_emulator.gxx() is None:
+        pytest.skip("no C++ compiler")
+    monkeypatch.setattr(mx.fast, "metal_kernel", cuda_emulator.EmulatedMetalKernel)
+    kernels.metal_verify_kernel.cache_clear()
+    yield
+    kernels.metal_verify_kernel.cache_clear()
+
+
+@pytest.mark.parametrize(
+    ("T", "hk", "hv", "dv", "dtype", "masked", "per_channel"),
+    [(3, 2, 4, 8, mx.float32, False, False), (4, 1, 2, 6, mx.bfloat16, True, False),
+     (2, 2, 4, 4, mx.float32, False, True)],
+)  # fmt: skip
+def test_the_cuda_verify_kernel_is_the_recurrence(emulated_cuda, T, hk, hv, dv, dtype, masked,
+                                                  per_channel) -> None:  # noqa: N803  # fmt: skip
+    """The CUDA source (emulated) gives the float32 recurrence's output and every
+    position's state: grouped heads, value rows not a multiple of the block, bf16 inputs,
+    padding masks, per-channel decay."""
+    q, k, v, a, b, A_log, dt_bias, state = gdn_inputs(T, hk, hv, 64, dv, per_channel=per_channel)  # noqa: N806, E501
+    q, k, v = (t.astype(dtype) for t in (q, k, v))
+    mask = mx.array([[True, False] + [True] * (T - 2)]) if masked else None
+    y, states = kernels.gdn_verify_cuda(gated_delta_update, q, k, v, a, b, A_log, dt_bias, state,
+                                        mask)  # fmt: skip
+    ref_y, ref_states = numpy_gated_delta(
+        *(np.array(t.astype(mx.float32)) for t in (q, k, v, a, b, A_log, dt_bias, state)),
+        None if mask is None else np.array(mask),
+    )
+    assert y.dtype == dtype and len(states) == T
+    tol = 1e-5 if dtype == mx.float32 else 1e-2
+    np.testing.assert_allclose(np.array(y.astype(mx.float32)), ref_y, atol=tol, rtol=tol)
+    for t in range(T):
+        np.testing.assert_allclose(np.array(states[t]), ref_states[t], atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize(("dtype", "masked", "per_channel"),
+                         [(mx.bfloat16, True, False), (mx.float32, False, True)])
+def test_the_metal_twin_is_the_recurrence(emulated_metal, dtype, masked, per_channel) -> None:
+    """The Metal source (emulated: no Apple GPU here) gives the same results."""
+    T = 3  # noqa: N806
+    q, k, v, a, b, A_log, dt_bias, state = gdn_inputs(T, 1, 2, 64, 6, per_channel=per_channel)  # noqa: N806, E501
+    q, k, v = (t.astype(dtype) for t in (q, k, v))
+    mask = mx.array([[True, False, True]]) if masked else None
+    y, states = kernels.gdn_verify_metal(gated_delta_update, q, k, v, a, b, A_log, dt_bias,
+                                         state, mask)  # fmt: skip
+    ref_y, ref_states = numpy_gated_delta(
+        *(np.array(t.astype(mx.float32)) for t in (q, k, v, a, b, A_log, dt_bias, state)),
+        None if mask is None else np.array(mask),
+    )
+    tol = 1e-5 if dtype == mx.float32 else 1e-2
+    np.testing.assert_allclose(np.array(y.astype(mx.float32)), ref_y, atol=tol, rtol=tol)
+    for t in range(T):
+        np.testing.assert_allclose(np.array(states[t]), ref_states[t], atol=1e-5, rtol=1e-4)
+
+
+def test_a_verify_pass_with_the_emulated_kernel_is_the_references(emulated_cuda, monkeypatch):
+    """Installed as on a CUDA device (its self-check passing), the kernel gives a verify
+    pass the reference's logits and rollback states."""
+    m = load_model(EXAMPLE, with_head=False)
+    cache = m.make_cache()
+    m.forward(mx.array([[1, 2, 3, 4]]), cache)
+    saved = [list(c.cache) if gdn.is_recurrent_cache(c) else None for c in cache]
+    reference = m.verify(mx.array([5, 6, 7]), cache)
+    mx.eval(reference.logits, reference.snapshots.states)
+    for c, kept in zip(cache, saved, strict=True):
+        if kept is None:
+            c.trim(3)
+        else:
+            c.cache = kept
+    monkeypatch.setattr(kernels, "cuda_available", lambda: True)
+    try:
+        assert kernels.use_fast_verify(m.model) == ["gdn_verify"]
+        fused = m.verify(mx.array([5, 6, 7]), cache)
+    finally:
+        gdn.set_gdn_verify_impl(gdn.stepwise_verify)
+    assert mx.allclose(fused.logits, reference.logits, atol=1e-4, rtol=1e-4)
+    for ours, theirs in zip(fused.snapshots.states, reference.snapshots.states, strict=True):
+        for s, r in zip(ours, theirs, strict=True):
+            assert mx.allclose(s, r, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize(("rows", "n", "k", "group_size", "columns"),
+                         [(2, 16, 1536, 64, 1), (5, 8, 1024, 128, 2)])
+def test_the_cuda_qmv_is_the_quantized_product(emulated_cuda, rows, n, k, group_size,
+                                               columns) -> None:  # fmt: skip
+    """The CUDA source (emulated) on bf16 rows and bf16 scales: within one bf16 rounding of
+    the float32 product of the dequantized weights; on float32 inputs it is
+    `mx.quantized_matmul`'s product up to summation order."""
+    w = mx.random.normal((n, k), key=mx.random.key(4)) * k**-0.5
+    wq, scales, biases = mx.quantize(w.astype(mx.bfloat16), group_size=group_size, bits=4)
+    x = mx.random.normal((1, rows, k), key=mx.random.key(5)).astype(mx.bfloat16)
+    out = qmv.multi_row_qmv(x, wq, scales, biases, group_size=group_size, columns=columns)
+    s32, b32 = scales.astype(mx.float32), biases.astype(mx.float32)
+    deq = mx.dequantize(wq, s32, b32, group_size=group_size, bits=4)  # float32: s * q + b exact
+    ref = np.array(x.astype(mx.float32) @ deq.T)
+    assert out.shape == (1, rows, n) and out.dtype == mx.bfloat16
+    got = np.array(out.astype(mx.float32))
+    np.testing.assert_allclose(got, ref, rtol=2**-8, atol=1e-5)
+    x32 = x.astype(mx.float32)
+    out32 = qmv.multi_row_qmv(x32, wq, s32, b32, group_size=group_size, columns=columns)
+    stock = mx.quantized_matmul(x32, wq, s32, b32, transpose=True, group_size=group_size, bits=4)
+    np.testing.assert_allclose(np.array(out32), np.array(stock), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize(("rows", "n", "k", "group_size"), [(2, 32, 1536, 64), (5, 16, 512, 128)])
+def test_the_tensor_core_qmv_is_the_bf16_product(emulated_cuda, rows, n, k, group_size) -> None:
+    """The mma variant (emulated: the PTX ISA's m16n8k16 fragment layouts) rounds each
+    dequantized weight to bfloat16 once and sums in float32: within a bf16 rounding of the
+    float32 product of the exact weights s * q + b, over split-K warps' shares."""
+    w = mx.random.normal((n, k), key=mx.random.key(6)) * k**-0.5
+    wq, scales, biases = mx.quantize(w.astype(mx.bfloat16), group_size=group_size, bits=4)
+    x = mx.random.normal((1, rows, k), key=mx.random.key(7)).astype(mx.bfloat16)
+    assert qmv.mma_shape_ok(rows=rows, n=n, k=k, group_size=group_size,
+                            dtypes=(x.dtype, scales.dtype, biases.dtype))  # fmt: skip
+    out = qmv.multi_row_qmv(x, wq, scales, biases, group_size=group_size, variant="mma")
+    s32, b32 = scales.astype(mx.float32), biases.astype(mx.float32)
+    deq = mx.dequantize(wq, s32, b32, group_size=group_size, bits=4)
+    ref = np.array(x.astype(mx.float32) @ deq.T)
+    assert out.shape == (1, rows, n) and out.dtype == mx.bfloat16
+    got = np.array(out.astype(mx.float32))
+    np.testing.assert_allclose(got, ref, rtol=2**-8, atol=2**-8 * np.abs(ref).max())
