@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.metadata
+import io
 import subprocess
 import sys
 
@@ -75,7 +76,12 @@ def test_version_comes_from_the_installed_distribution():
     assert result.stdout == f"mtpkit {importlib.metadata.version('mtpkit')}\n"
 
 
-def test_progress_follows_quiet_and_huggingface_hubs_switch():
+class Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_progress_follows_quiet_the_terminal_and_huggingface_hubs_switch(monkeypatch):
     from huggingface_hub.utils import (
         are_progress_bars_disabled,
         disable_progress_bars,
@@ -84,6 +90,10 @@ def test_progress_follows_quiet_and_huggingface_hubs_switch():
 
     from mtpkit.output import PROGRESS_GROUP, progress_bar
 
+    monkeypatch.setattr(sys, "stderr", io.StringIO())  # a CI log: no bar, no \r frames
+    assert progress_bar(10, desc="x") is None
+    terminal = Terminal()
+    monkeypatch.setattr(sys, "stderr", terminal)
     assert progress_bar(10, desc="x", quiet=True) is None
     disable_progress_bars(PROGRESS_GROUP)
     try:
@@ -95,6 +105,8 @@ def test_progress_follows_quiet_and_huggingface_hubs_switch():
     if are_progress_bars_disabled():  # HF_HUB_DISABLE_PROGRESS_BARS=1 in this environment
         assert bar is None
     else:
-        bar.update(10)
-        assert bar.n == 10 and bar.total == 10
+        for _ in range(10):
+            bar.update(1)
         bar.close()
+        last_frame = terminal.getvalue().split("\r")[-1]
+        assert last_frame.startswith("x: 100%") and "10.0/10.0" in last_frame
