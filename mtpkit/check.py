@@ -19,7 +19,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from mtpkit.errors import MtpkitError
+from mtpkit.errors import MtpkitError, one_line
 from mtpkit.inspect import Checkpoint, read_checkpoint
 from mtpkit.junit import junit_error_xml, write_junit
 from mtpkit.manifest import MANIFEST_FORMAT
@@ -397,9 +397,9 @@ def check_checkpoint(
             measure=measure,
             log=log or (lambda message: None),
         )
-    except MtpkitError as e:
-        if junit is not None:  # CI shows why the check could not run
-            write_junit(junit_error_xml(source, revision, str(e)), junit)
+    except Exception as e:
+        if junit is not None:  # CI shows why the check could not run, whatever the error
+            write_junit(junit_error_xml(source, revision, one_line(e), type(e).__name__), junit)
         raise
     if junit is not None:
         write_junit(result, junit)
