@@ -51,13 +51,18 @@ for args in (
     ["bench", "--model", "m", "--trials", "0"],
     ["bench", "--model", "m", "--max-tokens", "0"],
     ["generate", "-m", "m", "-p", "x", "--temp", "-1"],
+    ["generate", "-m", "m", "-p", "x", "--temp", "nan"],
+    ["generate", "-m", "m", "-p", "x", "--temp", "inf"],
     ["generate", "-m", "m", "-p", "x", "--top-p", "5"],
     ["generate", "-m", "m", "-p", "x", "--max-tokens", "-5"],
     ["check", "m", "--min-acceptance", "2"],
     ["convert", "m", "-o", "o", "--dtype", "int8"],
 ):
     result = runner.invoke(app, args)
-    print(result.exit_code, "Invalid value" in result.stderr)
+    lines = result.stderr.splitlines()
+    # Click's plain form: usage, a hint, a blank line, one `Error:` line; never a box.
+    plain = lines[0].startswith("Usage: ") and lines[1].startswith("Try ") and len(lines) == 4
+    print(result.exit_code, lines[-1].startswith("Error: Invalid value for '--") and plain)
 result = runner.invoke(app, ["bench", "--model", "m", "--depth", "5"])
 print(result.exit_code, result.stderr.strip())
 print("mlx.core" in sys.modules)
@@ -65,9 +70,9 @@ print("mlx.core" in sys.modules)
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     lines = out.stdout.splitlines()
-    assert lines[:7] == ["2 True"] * 7
-    assert lines[7] == "1 Error: --depth must be between 1 and 4, not 5"
-    assert lines[8] == "False"
+    assert lines[:9] == ["2 True"] * 9
+    assert lines[9] == "1 Error: --depth must be between 1 and 4, not 5"
+    assert lines[10] == "False"
 
 
 def test_version_comes_from_the_installed_distribution():
