@@ -407,7 +407,6 @@ def random_model_dir(shape: str) -> Path:
     from importlib.resources import files
 
     if shape not in RANDOM_SHAPES:
-
         raise MtpkitError(f"unknown shape {shape!r}; known: {', '.join(RANDOM_SHAPES)}")
     tmp = Path(tempfile.mkdtemp(prefix=f"mtpkit-bench-{shape}-"))
     tok = Path(str(files("mtpkit") / "examples" / "tiny-qwen3_5"))

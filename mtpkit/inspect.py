@@ -137,8 +137,8 @@ def read_checkpoint(spec: str, *, revision: str | None = None) -> Checkpoint:
         ckpt.problem(
             "missing_model_type",
             f"config.json in {source.describe()} has no top-level model_type (mlx-lm and "
-            f"transformers pick the model class by it): add \"model_type\": "
-            f"\"{family.name}\" or convert from the original repo",
+            f'transformers pick the model class by it): add "model_type": '
+            f'"{family.name}" or convert from the original repo',
         )
     _check_mtp(ckpt)
     return ckpt

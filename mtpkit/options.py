@@ -124,6 +124,8 @@ LayoutOpt = Annotated[
         "Qwen3.5/3.6 only).",
     ),
 ]
+
+
 def finite(value: float) -> float:
     """A number option must be a number: `nan` and `inf` are usage errors (exit 2)."""
     if not math.isfinite(value):
@@ -138,8 +140,10 @@ TempOpt = Annotated[
 TopPOpt = Annotated[
     float,
     typer.Option(
-        "--top-p", min=0.0, max=1.0, help="Nucleus sampling: keep this much probability mass "
-        "(1, the default, is off; so is 0)."
+        "--top-p",
+        min=0.0,
+        max=1.0,
+        help="Nucleus sampling: keep this much probability mass (1, the default, is off; so is 0).",
     ),
 ]
 TopKOpt = Annotated[int, typer.Option("--top-k", min=0, help="Sample among the top K (0: off).")]

@@ -70,12 +70,17 @@ def test_mtpkit_debug_shows_the_traceback(word_count):
 def test_one_line_keeps_a_user_error_as_it_is():
     assert one_line(MtpkitError("no such thing: do this")) == "no such thing: do this"
     assert one_line(KeyError("k")) == "unexpected KeyError: 'k' (MTPKIT_DEBUG=1 shows where)"
-    assert one_line(RuntimeError("a\nb")) == "unexpected RuntimeError: a (MTPKIT_DEBUG=1 shows where)"
+    assert (
+        one_line(RuntimeError("a\nb")) == "unexpected RuntimeError: a (MTPKIT_DEBUG=1 shows where)"
+    )
 
 
 def test_paths_that_exist_nowhere(tmp_path, monkeypatch):
     line = one_error_line(runner.invoke(app, ["inspect", "models/Qwen3.5-été"]))
-    assert line == "Error: no such directory models/Qwen3.5-été, and it is not a Hub repo id (org/name)"
+    assert (
+        line
+        == "Error: no such directory models/Qwen3.5-été, and it is not a Hub repo id (org/name)"
+    )
     import huggingface_hub.constants as constants
 
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)

@@ -186,7 +186,9 @@ def test_matrix(matrix, prompts_file, tmp_path, layout, precision, command):
     elif command == "convert":
         out = tmp_path / "out"
         bits = ["--bits", "4", "--dtype", "float32"] if precision == "4bit" else []
-        result = run(["convert", str(source), "-o", str(out), *bits, "--json"], code=0, untouched=keep)
+        result = run(
+            ["convert", str(source), "-o", str(out), *bits, "--json"], code=0, untouched=keep
+        )
         assert json.loads(result.stdout)["head_tensors"] > 0
         assert (out / "mtp" / "weights.safetensors").is_file()
     elif command == "graft":
@@ -301,6 +303,10 @@ def test_outputs_overlapping_the_source(checkpoint, tmp_path):
     source = Path(shutil.copytree(checkpoint("mimo", dtype="float32"), parent / "mimo"))
     (parent / "notes.txt").write_text("a sibling file\n")
     for out in (parent, source, source / "mlx"):
-        run(["convert", str(source), "-o", str(out), "--force", "--json"], code=1, untouched=(parent,))
+        run(
+            ["convert", str(source), "-o", str(out), "--force", "--json"],
+            code=1,
+            untouched=(parent,),
+        )
     graft = ["convert", str(source), "--mtp-only", "--into", str(source), "--force"]
     run(graft, code=1, untouched=(parent,))
