@@ -93,6 +93,29 @@ def remove_stale(paths: Iterable[Path], log: Callable[[str], None] | None = None
     return removed
 
 
+def work_dir_prefix(stem: str) -> str:
+    """The prefix of this process's scratch directories (`STEM-PID-`), for `tempfile`."""
+    return f"{stem}-{os.getpid()}-"
+
+
+def remove_stale_work_dirs(
+    root: Path, stem: str, log: Callable[[str], None] | None = None
+) -> list[Path]:
+    """Remove the `STEM-PID-*` scratch directories under `root` of runs whose process is
+    gone (a killed `check` leaves a converted model there), with one line each."""
+    if log is None:
+        from mtpkit.output import log
+    pattern = re.compile(rf"^{re.escape(stem)}-(?P<pid>\d+)-")
+    removed = []
+    for entry in sorted(root.iterdir()) if root.is_dir() else []:
+        match = pattern.match(entry.name)
+        if match and entry.is_dir() and not pid_alive(int(match["pid"])):
+            log(f"removing {entry}, left by an earlier run that did not finish")
+            _remove(entry)
+            removed.append(entry)
+    return removed
+
+
 def fresh_temp_dir(out: Path) -> Path:
     """An empty temporary directory beside `out`, named after this process."""
     tmp = temp_sibling(out)
@@ -176,7 +199,9 @@ __all__ = [
     "pid_alive",
     "refuse_overlap",
     "remove_stale",
+    "remove_stale_work_dirs",
     "replace_with",
     "stale_siblings",
     "temp_sibling",
+    "work_dir_prefix",
 ]

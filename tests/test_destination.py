@@ -148,3 +148,21 @@ def test_pid_alive_and_temp_sibling_names(tmp_path):
     assert pid_alive(os.getpid()) and pid_alive(os.getppid())
     assert not pid_alive(dead_pid())
     assert temp_sibling(tmp_path / "out") == tmp_path / f".out.mtpkit-tmp-{os.getpid()}"
+
+
+def test_check_removes_the_scratch_copies_of_killed_checks(checkpoint, tmp_path, monkeypatch):
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("MTPKIT_CACHE", str(cache))
+    dead, live = dead_pid(), os.getppid()
+    stale = cache / f"check-{dead}-abc123"
+    (stale / "converted").mkdir(parents=True)
+    running = cache / f"check-{live}-def456"
+    running.mkdir()
+    prompts = tmp_path / "prompts.json"
+    prompts.write_text('["Say hi."]')
+    args = ["check", str(checkpoint("mimo")), "--prompts", str(prompts), "--max-tokens", "4"]
+    result = runner.invoke(app, args)
+    assert result.exit_code in (0, 3), result.output
+    assert f"removing {stale}, left by an earlier run that did not finish" in result.stderr
+    assert not stale.exists() and running.exists()
+    assert sorted(p.name for p in cache.iterdir()) == [running.name]  # its own copy is gone
