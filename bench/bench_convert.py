@@ -193,7 +193,7 @@ def graft_bytes(src: Path, trunk: Path, work: Path) -> tuple[int, int]:
         close_session()
         server.add_repo("bench/qwen3_5", src)
         server.reset_counters()
-        graft("bench/qwen3_5", into=trunk)
+        graft("bench/qwen3_5", into=trunk, force=True)
         served = server.total_bytes("bench/qwen3_5")
     finally:
         mp.undo()

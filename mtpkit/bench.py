@@ -28,6 +28,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from mtpkit.decode import MtpDecoder, SamplingSettings
+from mtpkit.errors import MtpkitError
 from mtpkit.generate import check_prompt, encode_prompt
 from mtpkit.runtime import MtpModel, NoMtpHead, is_recurrent_cache, load_model, untapped
 
@@ -205,7 +206,10 @@ def bench(
     trials: int = 3,
     progress: Callable[[str], None] | None = None,
 ) -> BenchResult:
-    """Measure plain decoding against MTP decoding at depths 1..max_depth."""
+    """Measure plain decoding against MTP decoding at depths 1..max_depth; `progress` gets a
+    line per stage and per measured run."""
+    if trials < 1 or max_tokens < 1:
+        raise MtpkitError(f"trials and max_tokens must be at least 1, not {trials}, {max_tokens}")
     say = progress or (lambda s: None)
     m = load_model(model)
     if m.head is None:
@@ -245,12 +249,19 @@ def _bench(
     plain = no_mtp = 0.0
     best: dict[int, tuple[float, MtpDecoder]] = {}
     for trial in range(trials):
-        say(f"trial {trial + 1}/{trials}: stock mlx-lm, mtpkit --no-mtp, MTP depths 1..{max_depth}")
-        plain = max(plain, _stock_run(stock_model, stock_tokenizer, tokens, max_tokens))
+        at = f"trial {trial + 1}/{trials}:"
+        tps = _stock_run(stock_model, stock_tokenizer, tokens, max_tokens)
+        say(f"{at} stock mlx-lm {tps:.1f} tok/s")
+        plain = max(plain, tps)
         with untapped(m.model.model.norm):
-            no_mtp = max(no_mtp, _stock_run(m.model, m.tokenizer, tokens, max_tokens))
+            tps = _stock_run(m.model, m.tokenizer, tokens, max_tokens)
+        say(f"{at} mtpkit --no-mtp {tps:.1f} tok/s")
+        no_mtp = max(no_mtp, tps)
         for depth in range(1, max_depth + 1):
             run = _mtp_run(m, tokens, depth, max_tokens)
+            acceptance = run[1].stats.acceptance
+            accepted = "n/a" if acceptance is None else f"{acceptance:.1%}"
+            say(f"{at} MTP depth {depth} {run[0]:.1f} tok/s, acceptance {accepted}")
             if depth not in best or run[0] > best[depth][0]:
                 best[depth] = run
     del stock_model
@@ -396,8 +407,6 @@ def random_model_dir(shape: str) -> Path:
     from importlib.resources import files
 
     if shape not in RANDOM_SHAPES:
-        from mtpkit.errors import MtpkitError
-
         raise MtpkitError(f"unknown shape {shape!r}; known: {', '.join(RANDOM_SHAPES)}")
     tmp = Path(tempfile.mkdtemp(prefix=f"mtpkit-bench-{shape}-"))
     tok = Path(str(files("mtpkit") / "examples" / "tiny-qwen3_5"))

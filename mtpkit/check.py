@@ -19,7 +19,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from mtpkit.errors import MtpkitError
+from mtpkit.destination import remove_stale_work_dirs, work_dir_prefix
+from mtpkit.errors import MtpkitError, one_line
 from mtpkit.inspect import Checkpoint, read_checkpoint
 from mtpkit.junit import junit_error_xml, write_junit
 from mtpkit.manifest import MANIFEST_FORMAT
@@ -346,7 +347,9 @@ def runnable_copy(ckpt: Checkpoint, *, log: Callable[[str], None]) -> Iterator[P
         # A raw checkpoint is run the way users run it: through `mtpkit convert`.
         # In the cache root (on the home disk, like the Hub cache), not in a small /tmp.
         cache_root().mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(prefix="check-", dir=cache_root()) as tmp:
+        remove_stale_work_dirs(cache_root(), "check", log)
+        scratch = work_dir_prefix("check")
+        with tempfile.TemporaryDirectory(prefix=scratch, dir=cache_root()) as tmp:
             out = Path(tmp) / "converted"
             log(f"converting {source.describe()} for the probes")
             convert(source.spec, output=out)
@@ -398,9 +401,9 @@ def check_checkpoint(
             measure=measure,
             log=log or (lambda message: None),
         )
-    except MtpkitError as e:
-        if junit is not None:  # CI shows why the check could not run
-            write_junit(junit_error_xml(source, revision, str(e)), junit)
+    except Exception as e:
+        if junit is not None:  # CI shows why the check could not run, whatever the error
+            write_junit(junit_error_xml(source, revision, one_line(e), type(e).__name__), junit)
         raise
     if junit is not None:
         write_junit(result, junit)

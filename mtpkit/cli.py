@@ -16,6 +16,9 @@ app = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
+    # Click's plain forms: a usage error is two lines of usage and one `Error: ...` line
+    # (exit 2), never a box; help is plain text that logs and pipes keep intact.
+    rich_markup_mode=None,
 )
 
 

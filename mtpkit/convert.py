@@ -14,7 +14,6 @@ two entry points, `convert` and `graft`, and the settings they resolve.
 
 from __future__ import annotations
 
-import os
 import re
 import shutil
 import time
@@ -24,6 +23,14 @@ from typing import Any
 
 import mlx.core as mx
 
+from mtpkit.destination import (
+    FileSwap,
+    fresh_temp_dir,
+    local_source_dir,
+    refuse_overlap,
+    remove_stale,
+    replace_with,
+)
 from mtpkit.errors import MtpkitError
 from mtpkit.inspect import Checkpoint, read_checkpoint
 from mtpkit.manifest import (
@@ -115,9 +122,13 @@ def convert(
         hidden=hidden,
     )
     out = Path(output).expanduser()
-    if out.exists() and not force:
+    refuse_overlap(out, local_source_dir(source))
+    if (out.exists() or out.is_symlink()) and not force:
         raise MtpkitError(f"{out} already exists: pass --force to replace it, or choose another -o")
     ckpt = read_checkpoint(source, revision=revision)
+    if ckpt.source.kind == "local":  # also a Hub repo's cached snapshot, used offline
+        refuse_overlap(out, ckpt.source.snapshot_dir())
+    remove_stale([out])
     _check_convertible(ckpt, settings, out, recipe, recipe_family)
 
     converter = Converter(ckpt, settings)
@@ -130,10 +141,10 @@ def convert(
         config = output_config(ckpt, plan, settings, layers)
         backbone_quant = _backbone_quantization(ckpt, settings)
         manifest = build_manifest(ckpt, plan, settings, layers, backbone_quant=backbone_quant)
-        tmp = _fresh_temp_sibling(out)
+        tmp = fresh_temp_dir(out)
         try:
             _write_output(tmp, ckpt, converter, plan, config, manifest, quiet=quiet)
-            _replace(out, tmp)
+            replace_with(out, tmp)
         except OSError as e:
             shutil.rmtree(tmp, ignore_errors=True)
             raise MtpkitError(f"writing {out} failed, nothing was written: {e}") from None
@@ -167,8 +178,6 @@ def _check_convertible(
         raise MtpkitError(
             f"--layout inline exists only for the Qwen3.5/3.6 families, not {ckpt.family.name}"
         )
-    if out.exists() and Path(ckpt.source.spec).expanduser().resolve() == out.resolve():
-        raise MtpkitError(f"{out} is the source itself: write the conversion elsewhere")
     source_quant = ckpt.config.get("quantization")
     if source_quant is not None and (settings.bits or settings.mtp_bits or settings.keep_mtp_bf16):
         origin = ((ckpt.manifest or {}).get("source") or {}).get("spec")
@@ -210,8 +219,9 @@ def _write_output(
     total_size = sum(job.nbytes for job in model_jobs)
     if plan.head_jobs:
         files.append((tmp / HEAD_WEIGHTS_PATH, plan.head_jobs))
-    total = sum(job.nbytes for _, jobs in files for job in jobs)
-    bar = progress_bar(total, desc="convert", quiet=quiet)
+    # Each job is computed once, however many files hold it (inline: shards and mtp/).
+    unique = {id(job): job for _, jobs in files for job in jobs}
+    bar = progress_bar(sum(job.nbytes for job in unique.values()), desc="convert", quiet=quiet)
     meta = tensor_meta(plan.backbone + plan.head)
     write_job_files(files, converter.run, meta, bar.update if bar is not None else None)
     write_index(tmp / "model.safetensors.index.json", weight_map, total_size, plan.total_parameters)
@@ -221,32 +231,6 @@ def _write_output(
         bar.close()
     write_config(tmp / "config.json", config)
     _copy_side_files(ckpt, tmp)
-
-
-def _fresh_temp_sibling(out: Path) -> Path:
-    """An empty temporary directory beside `out` (hidden, named after this process)."""
-    tmp = out.parent / f".{out.name}.mtpkit-tmp-{os.getpid()}"
-    try:
-        if tmp.exists():
-            shutil.rmtree(tmp)
-        tmp.mkdir(parents=True)
-    except OSError as e:
-        raise MtpkitError(f"cannot write {out}: {e.strerror or e}") from None
-    return tmp
-
-
-def _replace(out: Path, tmp: Path) -> None:
-    """Move the finished `tmp` to `out`, removing what was there only once it is moved."""
-    if not out.exists():
-        tmp.rename(out)
-        return
-    trash = out.parent / f".{out.name}.mtpkit-old-{os.getpid()}"
-    out.rename(trash)
-    tmp.rename(out)
-    if trash.is_dir() and not trash.is_symlink():
-        shutil.rmtree(trash)
-    else:
-        trash.unlink()
 
 
 def _copy_side_files(ckpt: Checkpoint, out: Path) -> None:
@@ -272,21 +256,30 @@ def graft(
     group_size: int | None = None,
     dtype: str | None = None,
     hidden: str | None = None,
+    force: bool = False,
     quiet: bool = True,
 ) -> ConvertResult:
     """Add the MTP head of `source` to the existing MLX conversion `into`.
 
     Only the head's tensors are read (on the Hub: their byte ranges). The trunk must be the
     same model (model_type, hidden size, vocab size, layer count); its quantization is kept
-    and the head is quantized like it unless a head flag says otherwise.
+    and the head is quantized like it unless a head flag says otherwise. A head `into`
+    already has is replaced only with `force`.
     """
     started = time.perf_counter()
     into = Path(into).expanduser()
     if not (into / "config.json").is_file():
         raise MtpkitError(f"--into {into} is not an MLX model directory (no config.json)")
+    refuse_overlap(into, local_source_dir(source), option="--into")
     trunk = read_checkpoint(str(into))
     if trunk.format != "mlx":
         raise MtpkitError(f"--into {into} is not an MLX conversion; run `mtpkit convert` instead")
+    if trunk.mtp_tensors and not force:
+        where = ", ".join(sorted({t.shard for t in trunk.mtp_tensors}))
+        raise MtpkitError(
+            f"--into {into} already has an MTP head ({len(trunk.mtp_tensors)} tensors in "
+            f"{where}): pass --force to replace it"
+        )
     ckpt = read_checkpoint(source, revision=revision)
     _check_graftable(ckpt, trunk, into)
     trunk_quant = trunk.config.get("quantization")
@@ -364,30 +357,27 @@ def _write_graft(
     *,
     quiet: bool,
 ) -> None:
-    """Head file, manifest and config written beside their targets, then moved over them."""
-    bar = progress_bar(sum(a.nbytes for _, a in plan.head), desc="graft", quiet=quiet)
-    weights = into / HEAD_WEIGHTS_PATH
-    tmp_weights = weights.with_name(f".{weights.name}.mtpkit-tmp-{os.getpid()}")
-    tmp_weights.parent.mkdir(parents=True, exist_ok=True)
+    """Head file, manifest and config written beside their targets, then moved over them;
+    a failure leaves `into` as it was (no new empty mtp/)."""
+    targets = [into / HEAD_WEIGHTS_PATH, into / MANIFEST_PATH, into / "config.json"]
+    remove_stale(targets)
+    swap = FileSwap(into)
     try:
+        bar = progress_bar(sum(a.nbytes for _, a in plan.head), desc="graft", quiet=quiet)
         on_bytes = bar.update if bar is not None else None
+        tmp_weights = swap.temp_for(targets[0])
         write_job_files(
             [(tmp_weights, plan.head_jobs)], converter.run, tensor_meta(plan.head), on_bytes
         )
         if bar is not None:
             bar.close()
-        tmp_manifest = weights.parent / f".manifest.json.mtpkit-tmp-{os.getpid()}"
-        write_manifest(tmp_manifest, manifest)
-        tmp_config = into / f".config.json.mtpkit-tmp-{os.getpid()}"
-        write_config(tmp_config, config)
-        os.replace(tmp_weights, weights)
-        os.replace(tmp_manifest, into / MANIFEST_PATH)
-        os.replace(tmp_config, into / "config.json")
+        write_manifest(swap.temp_for(targets[1]), manifest)
+        write_config(swap.temp_for(targets[2]), config)
+        swap.commit()
     except BaseException as e:
-        for leftover in into.glob("**/.*.mtpkit-tmp-*"):
-            leftover.unlink(missing_ok=True)
+        swap.abort()
         if isinstance(e, OSError):
-            raise MtpkitError(f"grafting into {into} failed: {e}") from None
+            raise MtpkitError(f"grafting into {into} failed, nothing was changed: {e}") from None
         raise
 
 

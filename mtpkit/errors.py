@@ -23,3 +23,13 @@ class UnsupportedFamily(MtpkitError):
 
 class CheckpointProblem(MtpkitError):
     """inspect reported a problem that makes the requested operation unsafe."""
+
+
+def one_line(error: BaseException) -> str:
+    """The message of `Error: ...` for any exception: a user-fixable error's own message, else
+    the exception's type and the first line of its text (MTPKIT_DEBUG=1 shows the rest)."""
+    if isinstance(error, MtpkitError):
+        return str(error)
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    text = f"{type(error).__name__}: {lines[0]}" if lines else type(error).__name__
+    return f"unexpected {text} (MTPKIT_DEBUG=1 shows where)"

@@ -109,6 +109,17 @@ def stream_tokens(
     return decoder.tokens(max_tokens), lambda: decoder.stats
 
 
+def warm_up(m: MtpModel, prompt: list[int], *, mtp: bool, depth: int = 1) -> None:
+    """A short untimed greedy run down the same path, so that the reported rates leave out
+    MLX's first-call costs (its CPU backend compiles kernels on first use), as the warm-up
+    of mlx-lm's own benchmark does. Nothing of it is kept (fresh caches, no sampling)."""
+    if not 1 <= depth <= MAX_DEPTH:
+        return  # stream_tokens reports it
+    it, _ = stream_tokens(m, prompt[:2], max_tokens=depth + 1, mtp=mtp, depth=depth)
+    for _ in it:
+        pass
+
+
 def _stock_tokens(
     m: MtpModel, prompt: list[int], *, max_tokens: int, sampling: SamplingSettings
 ) -> tuple[Iterator[int], Callable[[], Stats]]:
@@ -174,6 +185,8 @@ def generate(
         else encode_prompt(m, prompt, chat_template=chat_template)
     )
     sampling = SamplingSettings(temp=temp, top_p=top_p, top_k=top_k)
+    check_prompt(m, tokens)
+    warm_up(m, tokens, mtp=use_mtp, depth=depth)
     mx.reset_peak_memory()
     it, stats_fn = stream_tokens(
         m,

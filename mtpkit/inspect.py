@@ -30,6 +30,7 @@ PROBLEM_CODES = {
     "corrupt_header": "a shard's safetensors header is invalid for its file",
     "unsafe_path": "the index names a file outside the checkpoint; it was not opened",
     "total_size_mismatch": "the index's metadata.total_size differs from the tensors' bytes",
+    "missing_model_type": "config.json has no top-level model_type (loaders need it)",
 }
 # Problems that mean the head cannot be used as it is (`--require-mtp` exits 3 on these).
 HEAD_UNUSABLE = {"mtp_declared_not_present", "incomplete_experts", "incomplete_mtp"}
@@ -132,6 +133,13 @@ def read_checkpoint(spec: str, *, revision: str | None = None) -> Checkpoint:
                     f"index metadata.total_size is {declared} but the shards hold {actual} tensor bytes",
                 )
     ckpt.format = _format(ckpt)
+    if not isinstance(config.get("model_type"), str):
+        ckpt.problem(
+            "missing_model_type",
+            f"config.json in {source.describe()} has no top-level model_type (mlx-lm and "
+            f'transformers pick the model class by it): add "model_type": '
+            f'"{family.name}" or convert from the original repo',
+        )
     _check_mtp(ckpt)
     return ckpt
 

@@ -24,6 +24,7 @@ class Case:
     failure: str | None = None
     error: str | None = None
     warning: str | None = None
+    error_type: str = "MtpkitError"
 
 
 def where(source: str, revision: str | None) -> str:
@@ -49,7 +50,7 @@ def build_xml(suite_name: str, cases: list[Case], properties: dict[str, str]) ->
         if c.failure is not None:
             ET.SubElement(case, "failure", message=c.failure, type=c.name).text = c.failure
         elif c.error is not None:
-            ET.SubElement(case, "error", message=c.error, type="MtpkitError").text = c.error
+            ET.SubElement(case, "error", message=c.error, type=c.error_type).text = c.error
         elif c.warning is not None:
             ET.SubElement(case, "system-out").text = f"warning: {c.warning}"
     ET.indent(suites)
@@ -76,9 +77,12 @@ def junit_xml(result: dict[str, Any]) -> str:
     return build_xml(where(result["source"], result.get("revision")), cases, properties)
 
 
-def junit_error_xml(source: str, revision: str | None, message: str) -> str:
-    """The report of a check that could not run (exit 1)."""
-    return build_xml(where(source, revision), [Case("check", error=message)], {})
+def junit_error_xml(
+    source: str, revision: str | None, message: str, error_type: str = "MtpkitError"
+) -> str:
+    """The report of a check that could not run (exit 1), whatever stopped it."""
+    case = Case("check", error=message, error_type=error_type)
+    return build_xml(where(source, revision), [case], {})
 
 
 def write_junit(report: dict[str, Any] | str, path: str | Path) -> None:

@@ -6,6 +6,7 @@ Checked here, before any heavy import (MLX, mlx-lm take seconds), so a bad value
 from __future__ import annotations
 
 import functools
+import math
 import os
 from collections.abc import Callable
 from enum import Enum
@@ -13,7 +14,7 @@ from typing import Annotated, Any
 
 import typer
 
-from mtpkit.errors import MtpkitError
+from mtpkit.errors import MtpkitError, one_line
 
 # Exit code for "the checkpoint was read, and it fails what was required of it".
 EXIT_FAILED_REQUIREMENT = 3
@@ -76,17 +77,21 @@ def require_depth(depth: int) -> None:
 
 
 def friendly_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """A user-fixable error becomes `Error: ...` on stderr and exit 1 (MTPKIT_DEBUG=1: traceback)."""
+    """Any error becomes one `Error: ...` line on stderr and exit 1 (MTPKIT_DEBUG=1: the
+    traceback): a user-fixable one with its message, anything else with its type and first
+    line. Typer's own exits and usage errors (exit 2) pass through."""
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         try:
             return fn(*args, **kwargs)
-        except MtpkitError as e:
+        except (typer.Exit, typer.Abort, typer.TyperException):
+            raise
+        except Exception as e:  # noqa: BLE001 - the one place every error is turned into a line
             if os.environ.get("MTPKIT_DEBUG") == "1":
                 raise
-            typer.echo(f"Error: {e}", err=True)
-            raise typer.Exit(e.exit_code) from None
+            typer.echo(f"Error: {one_line(e)}", err=True)
+            raise typer.Exit(e.exit_code if isinstance(e, MtpkitError) else 1) from None
 
     return wrapper
 
@@ -119,10 +124,26 @@ LayoutOpt = Annotated[
         "Qwen3.5/3.6 only).",
     ),
 ]
+
+
+def finite(value: float) -> float:
+    """A number option must be a number: `nan` and `inf` are usage errors (exit 2)."""
+    if not math.isfinite(value):
+        raise typer.BadParameter(f"{value} is not a finite number")
+    return value
+
+
 TempOpt = Annotated[
-    float, typer.Option("--temp", min=0.0, help="Sampling temperature; 0 is greedy.")
+    float,
+    typer.Option("--temp", min=0.0, callback=finite, help="Sampling temperature; 0 is greedy."),
 ]
 TopPOpt = Annotated[
-    float, typer.Option("--top-p", min=0.0, max=1.0, help="Nucleus sampling (0 or 1: off).")
+    float,
+    typer.Option(
+        "--top-p",
+        min=0.0,
+        max=1.0,
+        help="Nucleus sampling: keep this much probability mass (1, the default, is off; so is 0).",
+    ),
 ]
 TopKOpt = Annotated[int, typer.Option("--top-k", min=0, help="Sample among the top K (0: off).")]

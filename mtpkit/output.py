@@ -22,15 +22,25 @@ def print_json(obj: Any) -> None:
 
 
 def progress_disabled(quiet: bool = False) -> bool:
-    """Progress bars are off with --quiet, or as huggingface_hub decides for its own bars
+    """Progress bars are off with --quiet, when stderr is not a terminal (a CI log gets no
+    `\r` frames), or as huggingface_hub decides for its own bars
     (HF_HUB_DISABLE_PROGRESS_BARS=1, or `disable_progress_bars()` in Python)."""
     from huggingface_hub.utils import are_progress_bars_disabled
 
-    return quiet or are_progress_bars_disabled(PROGRESS_GROUP)
+    return quiet or not _isatty(sys.stderr) or are_progress_bars_disabled(PROGRESS_GROUP)
+
+
+def _isatty(stream: Any) -> bool:
+    try:
+        return bool(stream.isatty())
+    except (AttributeError, ValueError):  # a replaced or closed stream
+        return False
 
 
 def progress_bar(total: int, *, desc: str, quiet: bool = False) -> Any:
-    """A byte-counting bar on stderr (huggingface_hub's tqdm), or None when bars are off."""
+    """A byte-counting bar on stderr (huggingface_hub's tqdm), or None when bars are off.
+
+    The bar stays on screen when closed, showing the final count (100% once all is done)."""
     if progress_disabled(quiet):
         return None
     from huggingface_hub.utils import tqdm
@@ -41,7 +51,7 @@ def progress_bar(total: int, *, desc: str, quiet: bool = False) -> Any:
         unit_scale=True,
         desc=desc,
         file=sys.stderr,
-        leave=False,
+        leave=True,
         name=PROGRESS_GROUP,
     )
 

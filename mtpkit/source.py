@@ -17,7 +17,8 @@ from typing import Any
 
 from mtpkit.errors import MtpkitError, NotACheckpoint, SourceNotFound
 
-REPO_ID = re.compile(r"^[A-Za-z0-9][\w.\-]*/[\w.\-]+$")
+# What the Hub accepts as a repo id (ASCII only: `huggingface_hub.utils.validate_repo_id`).
+REPO_ID = re.compile(r"^[A-Za-z0-9][\w.\-]*/[\w.\-]+$", re.ASCII)
 
 
 def is_safe_relpath(name: str) -> bool:
@@ -198,16 +199,25 @@ def open_source(spec: str, *, revision: str | None = None) -> Source:
             raise NotACheckpoint(f"{spec} is a file; pass the checkpoint's directory")
         if revision is not None:
             raise MtpkitError(f"--revision applies to Hub repos, not to the directory {spec}")
+        # Before listing the files: a directory such as /usr is not walked to say so.
+        if not (path / "config.json").is_file():
+            raise NotACheckpoint(
+                f"{spec} has no config.json: not a model checkpoint "
+                "(pass the folder that holds config.json and the safetensors files)"
+            )
         return LocalSource(path)
     if spec.startswith((".", "/", "~")) or not REPO_ID.match(spec):
         raise SourceNotFound(f"no such directory {spec}, and it is not a Hub repo id (org/name)")
     try:
         return HubSource(spec, revision)
     except SourceNotFound as e:
-        if "offline" not in str(e) and "cannot reach" not in str(e):
-            raise
-        cached = _cached_snapshot(spec, revision)
+        offline = "offline" in str(e) or "cannot reach" in str(e)
+        cached = _cached_snapshot(spec, revision) if offline else None
         if cached is None:
+            if offline or str(e).startswith("no Hub repo"):
+                raise SourceNotFound(
+                    f"{spec} is neither a local directory nor reachable on the Hub: {e}"
+                ) from None
             raise
         source = LocalSource(cached)
         source.spec, source.revision, source.commit = spec, revision, cached.name

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.metadata
+import io
 import subprocess
 import sys
 
@@ -50,13 +51,18 @@ for args in (
     ["bench", "--model", "m", "--trials", "0"],
     ["bench", "--model", "m", "--max-tokens", "0"],
     ["generate", "-m", "m", "-p", "x", "--temp", "-1"],
+    ["generate", "-m", "m", "-p", "x", "--temp", "nan"],
+    ["generate", "-m", "m", "-p", "x", "--temp", "inf"],
     ["generate", "-m", "m", "-p", "x", "--top-p", "5"],
     ["generate", "-m", "m", "-p", "x", "--max-tokens", "-5"],
     ["check", "m", "--min-acceptance", "2"],
     ["convert", "m", "-o", "o", "--dtype", "int8"],
 ):
     result = runner.invoke(app, args)
-    print(result.exit_code, "Invalid value" in result.stderr)
+    lines = result.stderr.splitlines()
+    # Click's plain form: usage, a hint, a blank line, one `Error:` line; never a box.
+    plain = lines[0].startswith("Usage: ") and lines[1].startswith("Try ") and len(lines) == 4
+    print(result.exit_code, lines[-1].startswith("Error: Invalid value for '--") and plain)
 result = runner.invoke(app, ["bench", "--model", "m", "--depth", "5"])
 print(result.exit_code, result.stderr.strip())
 print("mlx.core" in sys.modules)
@@ -64,9 +70,9 @@ print("mlx.core" in sys.modules)
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     lines = out.stdout.splitlines()
-    assert lines[:7] == ["2 True"] * 7
-    assert lines[7] == "1 Error: --depth must be between 1 and 4, not 5"
-    assert lines[8] == "False"
+    assert lines[:9] == ["2 True"] * 9
+    assert lines[9] == "1 Error: --depth must be between 1 and 4, not 5"
+    assert lines[10] == "False"
 
 
 def test_version_comes_from_the_installed_distribution():
@@ -75,7 +81,12 @@ def test_version_comes_from_the_installed_distribution():
     assert result.stdout == f"mtpkit {importlib.metadata.version('mtpkit')}\n"
 
 
-def test_progress_follows_quiet_and_huggingface_hubs_switch():
+class Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_progress_follows_quiet_the_terminal_and_huggingface_hubs_switch(monkeypatch):
     from huggingface_hub.utils import (
         are_progress_bars_disabled,
         disable_progress_bars,
@@ -84,6 +95,10 @@ def test_progress_follows_quiet_and_huggingface_hubs_switch():
 
     from mtpkit.output import PROGRESS_GROUP, progress_bar
 
+    monkeypatch.setattr(sys, "stderr", io.StringIO())  # a CI log: no bar, no \r frames
+    assert progress_bar(10, desc="x") is None
+    terminal = Terminal()
+    monkeypatch.setattr(sys, "stderr", terminal)
     assert progress_bar(10, desc="x", quiet=True) is None
     disable_progress_bars(PROGRESS_GROUP)
     try:
@@ -95,6 +110,8 @@ def test_progress_follows_quiet_and_huggingface_hubs_switch():
     if are_progress_bars_disabled():  # HF_HUB_DISABLE_PROGRESS_BARS=1 in this environment
         assert bar is None
     else:
-        bar.update(10)
-        assert bar.n == 10 and bar.total == 10
+        for _ in range(10):
+            bar.update(1)
         bar.close()
+        last_frame = terminal.getvalue().split("\r")[-1]
+        assert last_frame.startswith("x: 100%") and "10.0/10.0" in last_frame

@@ -395,7 +395,7 @@ def test_graft_twice_changes_nothing(layout, sources, tmp_path):
     _stock_convert(sources(layout, with_mtp=False), trunk, quantize=True, q_bits=4, q_group_size=64)
     graft(str(src), into=trunk)
     once = _files(trunk)
-    graft(str(src), into=trunk)
+    graft(str(src), into=trunk, force=True)
     assert _files(trunk) == once
     head = _head(trunk)
     assert any(k.endswith(".scales") for k in head)  # quantized like the trunk

@@ -90,9 +90,8 @@ def test_graft_json(mimo, tmp_path):
     trunk = tmp_path / "trunk"
     first = runner.invoke(app, ["convert", str(mimo), "-o", str(trunk), "--quiet"])
     assert first.exit_code == 0
-    result = runner.invoke(
-        app, ["convert", str(mimo), "--mtp-only", "--into", str(trunk), "--mtp-bits", "8", "--json"]
-    )
+    graft = ["convert", str(mimo), "--mtp-only", "--into", str(trunk), "--mtp-bits", "8"]
+    result = runner.invoke(app, [*graft, "--force", "--json"])
     assert result.exit_code == 0, result.output
     data = json.loads(result.stdout)
     assert data["family"] == "mimo" and data["head_tensors"] > 0

@@ -61,7 +61,7 @@ def test_convert_and_graft_write_configs_mlx_lm_reads_back(nan_source, tmp_path)
     written = _strict_json((out / "config.json").read_text())
     assert written["text_config"]["router_aux_loss_coef"] == {"__float__": "NaN"}
     assert math.isnan(load_config(out)["text_config"]["router_aux_loss_coef"])
-    graft(str(nan_source), into=out)
+    graft(str(nan_source), into=out, force=True)
     _strict_json((out / "config.json").read_text())
     assert math.isnan(load_config(out)["text_config"]["router_aux_loss_coef"])
     again = tmp_path / "again"

@@ -45,7 +45,7 @@ def bench(
 
     from mtpkit.bench import DEFAULT_PROMPT, print_bench, random_model_dir
     from mtpkit.bench import bench as run_bench
-    from mtpkit.output import print_json
+    from mtpkit.output import log, print_json
 
     built = random_model_dir(shape) if shape else None
     try:
@@ -55,7 +55,7 @@ def bench(
             max_tokens=max_tokens,
             max_depth=max_depth,
             trials=trials,
-            progress=None if json_output else (lambda s: typer.echo(f"... {s}", err=True)),
+            progress=lambda line: log(f"... {line}"),  # stderr, so also with --json
         )
     finally:
         if built is not None:

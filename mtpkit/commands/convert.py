@@ -48,7 +48,14 @@ def convert(
     recipe: Annotated[
         str | None, typer.Option("--recipe", help="A recipes/*.toml file; flags override it.")
     ] = None,
-    force: Annotated[bool, typer.Option("--force", help="Replace an existing output.")] = False,
+    force: Annotated[
+        bool,
+        typer.Option(
+            "--force",
+            help="Replace an existing output (with --mtp-only: an existing head). Never an "
+            "output that is, holds or lies inside the source.",
+        ),
+    ] = False,
     mtp_only: Annotated[
         bool, typer.Option("--mtp-only", help="Graft only the MTP head (with --into).")
     ] = False,
@@ -69,10 +76,10 @@ def convert(
     from mtpkit.output import print_convert, print_json
 
     if mtp_only:
-        if into is None or output is not None or bits is not None or layout or recipe or force:
+        if into is None or output is not None or bits is not None or layout or recipe:
             raise MtpkitError(
                 "--mtp-only takes --into DIR and only the head flags "
-                "(--keep-mtp-bf16, --mtp-bits, --group-size, --dtype)"
+                "(--keep-mtp-bf16, --mtp-bits, --group-size, --dtype, --hidden, --force)"
             )
         result = graft(
             source,
@@ -83,6 +90,7 @@ def convert(
             group_size=number(group_size),
             dtype=value(dtype),
             hidden=value(hidden),
+            force=force,
             quiet=quiet or json_output,
         )
     else:

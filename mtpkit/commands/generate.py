@@ -44,7 +44,7 @@ def generate(
         int, typer.Option("--depth", help="Draft tokens per step, 1..4 (the head chained).")
     ] = 1,
     temp: TempOpt = 0.0,
-    top_p: TopPOpt = 0.0,
+    top_p: TopPOpt = 1.0,
     top_k: TopKOpt = 0,
     seed: Annotated[int | None, typer.Option("--seed", help="Random seed for sampling.")] = None,
     hidden: Annotated[

@@ -55,6 +55,11 @@ def family_for(config: dict[str, Any]) -> Family:
     if cls is None and isinstance(text, dict) and text.get("model_type") is not None:
         cls = family_class(str(text["model_type"]))
         model_type = model_type if model_type is not None else text["model_type"]
+    if cls is None and model_type is None:
+        raise UnsupportedFamily(
+            "config.json has no model_type, so its model family is unknown: add the "
+            f"original's model_type (supported: {', '.join(supported())})"
+        )
     if cls is None:
         raise UnsupportedFamily(
             f"model_type {model_type!r} is not supported; supported: {', '.join(supported())}"

@@ -1,0 +1,168 @@
+"""Output safety of convert and graft: the source is never touched, leftovers are cleaned up."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from mtpkit.cli import app
+from mtpkit.destination import pid_alive, stale_siblings, temp_sibling
+
+runner = CliRunner()
+
+
+def tree_hashes(root: Path) -> dict[str, str]:
+    """Every file and link under `root` (and its siblings when asked), with a content hash."""
+    out = {}
+    for p in sorted(root.rglob("*")):
+        rel = p.relative_to(root).as_posix()
+        if p.is_symlink():
+            out[rel] = "link:" + os.readlink(p)
+        elif p.is_file():
+            out[rel] = hashlib.sha256(p.read_bytes()).hexdigest()
+        else:
+            out[rel] = "dir"
+    return out
+
+
+def dead_pid() -> int:
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    return proc.pid
+
+
+@pytest.fixture
+def models(checkpoint, tmp_path) -> Path:
+    """`models/` holding a raw checkpoint and a sibling file, as a user's folder does."""
+    root = tmp_path / "models"
+    root.mkdir()
+    shutil.copytree(checkpoint("mimo"), root / "tiny-mimo")
+    (root / "notes.txt").write_text("keep me\n")
+    return root
+
+
+@pytest.mark.parametrize("where", ["ancestor", "itself", "inside", "link_to_ancestor"])
+@pytest.mark.parametrize("force", [False, True])
+def test_output_overlapping_the_source_is_refused(models, tmp_path, where, force):
+    src = models / "tiny-mimo"
+    (tmp_path / "link").symlink_to(models)
+    out = {
+        "ancestor": models,
+        "itself": src,
+        "inside": src / "mlx",
+        "link_to_ancestor": tmp_path / "link",
+    }[where]
+    before = tree_hashes(tmp_path)
+    args = ["convert", str(src), "-o", str(out)] + (["--force"] if force else [])
+    result = runner.invoke(app, args)
+    assert result.exit_code == 1, result.output
+    assert result.stderr.count("\n") == 1 and result.stderr.startswith("Error: -o ")
+    assert "source" in result.stderr
+    assert tree_hashes(tmp_path) == before
+
+
+def test_graft_into_the_source_is_refused(models):
+    src = models / "tiny-mimo"
+    before = tree_hashes(models)
+    result = runner.invoke(app, ["convert", str(src), "--mtp-only", "--into", str(src), "--force"])
+    assert result.exit_code == 1
+    assert result.stderr.startswith("Error: --into ") and "source itself" in result.stderr
+    assert tree_hashes(models) == before
+
+
+def test_graft_refuses_an_existing_head_without_force(checkpoint, tmp_path):
+    src = checkpoint("mimo")
+    into = tmp_path / "mlx"
+    assert runner.invoke(app, ["convert", str(src), "-o", str(into), "-q"]).exit_code == 0
+    before = tree_hashes(into)
+    result = runner.invoke(app, ["convert", str(src), "--mtp-only", "--into", str(into)])
+    assert result.exit_code == 1
+    assert result.stderr.startswith(f"Error: --into {into} already has an MTP head (")
+    assert result.stderr.rstrip().endswith("pass --force to replace it")
+    assert tree_hashes(into) == before
+    forced = ["convert", str(src), "--mtp-only", "--into", str(into), "--force", "-q"]
+    assert runner.invoke(app, forced).exit_code == 0
+    after = tree_hashes(into)
+    assert after.keys() == before.keys()
+    assert after["mtp/weights.safetensors"] == before["mtp/weights.safetensors"]  # same head
+
+
+def test_stale_temp_siblings_of_dead_runs_are_removed(checkpoint, tmp_path):
+    src = checkpoint("mimo")
+    out = tmp_path / "out"
+    dead, live = dead_pid(), os.getppid()
+    stale = tmp_path / f".out.mtpkit-tmp-{dead}"
+    (stale / "mtp").mkdir(parents=True)
+    (stale / "model.safetensors").write_bytes(b"half")
+    old = tmp_path / f".out.mtpkit-old-{dead}"
+    old.write_text("x")
+    running = tmp_path / f".out.mtpkit-tmp-{live}"
+    running.mkdir()
+    other = tmp_path / f".other.mtpkit-tmp-{dead}"
+    other.mkdir()
+    assert stale_siblings([out]) == [old, stale]
+    result = runner.invoke(app, ["convert", str(src), "-o", str(out), "-q"])
+    assert result.exit_code == 0, result.output
+    assert result.stderr.splitlines() == [
+        f"removing {old}, left by an earlier run that did not finish",
+        f"removing {stale}, left by an earlier run that did not finish",
+    ]
+    assert not stale.exists() and not old.exists()
+    assert running.exists() and other.exists()  # a live run's, and another output's
+
+
+def test_failed_graft_leaves_the_directory_as_it_was(checkpoint, tmp_path, monkeypatch):
+    import mtpkit.convert
+
+    trunk = tmp_path / "trunk"
+    shutil.copytree(checkpoint("mlx_plain", dtype="bfloat16"), trunk)
+    dead = dead_pid()
+    (trunk / f".config.json.mtpkit-tmp-{dead}").write_text("{")
+    before = tree_hashes(trunk)
+    del before[f".config.json.mtpkit-tmp-{dead}"]
+
+    def disk_full(path, manifest):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(mtpkit.convert, "write_manifest", disk_full)
+    result = runner.invoke(
+        app, ["convert", str(checkpoint("qwen3_5")), "--mtp-only", "--into", str(trunk)]
+    )
+    assert result.exit_code == 1
+    assert result.stderr.splitlines()[-1] == (
+        f"Error: grafting into {trunk} failed, nothing was changed: "
+        "[Errno 28] No space left on device"
+    )
+    assert tree_hashes(trunk) == before
+    assert not (trunk / "mtp").exists()
+
+
+def test_pid_alive_and_temp_sibling_names(tmp_path):
+    assert pid_alive(os.getpid()) and pid_alive(os.getppid())
+    assert not pid_alive(dead_pid())
+    assert temp_sibling(tmp_path / "out") == tmp_path / f".out.mtpkit-tmp-{os.getpid()}"
+
+
+def test_check_removes_the_scratch_copies_of_killed_checks(checkpoint, tmp_path, monkeypatch):
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("MTPKIT_CACHE", str(cache))
+    dead, live = dead_pid(), os.getppid()
+    stale = cache / f"check-{dead}-abc123"
+    (stale / "converted").mkdir(parents=True)
+    running = cache / f"check-{live}-def456"
+    running.mkdir()
+    prompts = tmp_path / "prompts.json"
+    prompts.write_text('["Say hi."]')
+    args = ["check", str(checkpoint("mimo")), "--prompts", str(prompts), "--max-tokens", "4"]
+    result = runner.invoke(app, args)
+    assert result.exit_code in (0, 3), result.output
+    assert f"removing {stale}, left by an earlier run that did not finish" in result.stderr
+    assert not stale.exists() and running.exists()
+    assert sorted(p.name for p in cache.iterdir()) == [running.name]  # its own copy is gone

@@ -1,0 +1,312 @@
+"""Every command over every family's fixture in every precision, and over broken inputs.
+
+For each run: the documented exit code (0 done, 3 a failed requirement, 1 an error, 2 a usage
+error), no traceback, `--json` stdout that parses, standard input never read, no source file
+changed, and no partial output or temporary sibling left behind. Runs are in-process
+(CliRunner) on tiny fixtures with short generations, so the whole file stays fast.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import logging
+import shutil
+import struct
+import sys
+import xml.etree.ElementTree as ET
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import typer.testing
+from typer.testing import CliRunner
+
+from mtpkit.cli import app
+from mtpkit.convert import convert
+from tests.checkpoints import MOE_LAYOUTS, RAW_WITH_MTP
+
+# MLX's CPU backend cannot run MoE layers in bf16/fp16 (GatherMM is float32-only) until they
+# are computed in float32; until then those runs are skipped and `check` runs without probes.
+HALF_PRECISION_MOE_RUNS = False
+
+PRECISIONS = ("bfloat16", "float16", "float32", "4bit")
+COMMANDS = ("inspect", "convert", "graft", "generate", "bench", "check")
+NUMERIC = ("generate", "bench")
+PROMPT = "Say hi."
+TEMP_MARKS = ("mtpkit-tmp", "mtpkit-old")
+
+
+class StdinRead(AssertionError):
+    """Raised by the standard input of every run: nothing may read it."""
+
+
+class Untouchable(io.RawIOBase):
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: Any) -> int:
+        raise StdinRead("a command read standard input")
+
+
+@pytest.fixture(autouse=True)
+def untouchable_stdin(monkeypatch, tmp_path):
+    """Standard input that fails when read; the probe cache kept inside the test's folder."""
+    monkeypatch.setattr(typer.testing, "make_input_stream", lambda *_: Untouchable())
+    monkeypatch.setenv("MTPKIT_CACHE", str(tmp_path / "mtpkit-cache"))
+
+
+class CurrentStderr:
+    """Writes to whatever `sys.stderr` is now (each CliRunner run has its own)."""
+
+    def write(self, text: str) -> int:
+        return sys.stderr.write(text)
+
+    def flush(self) -> None:
+        sys.stderr.flush()
+
+
+@pytest.fixture(autouse=True)
+def logging_to_current_stderr(monkeypatch):
+    """transformers' log handler keeps the stderr of the run that created it, closed once that
+    CliRunner run ends; a real process has one stderr, so point the handler at the current one."""
+    from transformers.utils import logging as hf_logging
+
+    for handler in hf_logging.get_logger().handlers:
+        if type(handler) is logging.StreamHandler:  # not pytest's capturing subclasses
+            monkeypatch.setattr(handler, "stream", CurrentStderr())
+
+
+def tree_hash(root: Path) -> dict[str, str]:
+    return {
+        p.relative_to(root).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(root.rglob("*"))
+        if p.is_file()
+    }
+
+
+def leftovers(*roots: Path) -> list[Path]:
+    found = []
+    for root in roots:
+        for p in [root, *root.rglob("*")] if root.exists() else []:
+            if any(mark in p.name for mark in TEMP_MARKS):
+                found.append(p)
+    return found
+
+
+def run(
+    args: list[str],
+    *,
+    code: int | tuple[int, ...],
+    untouched: tuple[Path, ...] = (),
+    watched: tuple[Path, ...] = (),
+    absent: tuple[Path, ...] = (),
+) -> typer.testing.Result:
+    """Invoke the CLI and assert what every run must hold (see the module docstring).
+
+    `untouched`: directories whose files must not change; `watched`: directories (with the
+    untouched ones) that must hold no temporary sibling afterwards; `absent`: outputs that
+    must not exist afterwards (a failed run writes nothing)."""
+    before = {root: tree_hash(root) for root in untouched}
+    result = CliRunner().invoke(app, args)
+    codes = (code,) if isinstance(code, int) else code
+    assert not isinstance(result.exception, StdinRead), args
+    assert result.exit_code in codes, (args, result.output)
+    assert "Traceback" not in result.output, result.output
+    if result.exit_code in (1, 2):
+        assert result.stderr.splitlines()[-1].startswith("Error: "), result.stderr
+        if result.exit_code == 1:
+            assert len(result.stderr.splitlines()) == 1 or "Warning" in result.stderr
+    if "--json" in args and result.exit_code in (0, 3):
+        json.loads(result.stdout)
+    for root in untouched:
+        assert tree_hash(root) == before[root], f"{root} changed"
+    dirs = {*untouched, *watched, *(p.parent for p in (*untouched, *watched, *absent))}
+    assert leftovers(*dirs) == []
+    for path in absent:
+        assert not path.exists(), path
+    return result
+
+
+# --------------------------------------------------------------------------- fixtures
+
+
+@pytest.fixture(scope="module")
+def matrix(checkpoint, tmp_path_factory) -> Callable[[str, str], tuple[Path, Path]]:
+    """`matrix(layout, precision)`: the fixture (a raw checkpoint in that dtype; for 4bit the
+    float32 one) and its conversion (as stored; 4bit: --bits 4 with float32 scales)."""
+    cache: dict[tuple[str, str], tuple[Path, Path]] = {}
+
+    def build(layout: str, precision: str) -> tuple[Path, Path]:
+        if (layout, precision) not in cache:
+            dtype = "float32" if precision == "4bit" else precision
+            source = checkpoint(layout, dtype=dtype)
+            out = tmp_path_factory.mktemp("matrix") / f"{layout}-{precision}"
+            if precision == "4bit":
+                convert(str(source), output=out, bits=4, dtype="float32")
+            else:
+                convert(str(source), output=out)
+            cache[layout, precision] = source, out
+        return cache[layout, precision]
+
+    return build
+
+
+@pytest.fixture(scope="module")
+def prompts_file(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("prompts") / "prompts.json"
+    path.write_text(json.dumps([PROMPT]))
+    return path
+
+
+def runs_numerically(layout: str, precision: str) -> bool:
+    return HALF_PRECISION_MOE_RUNS or not (
+        layout in MOE_LAYOUTS and precision in ("bfloat16", "float16")
+    )
+
+
+# --------------------------------------------------------------------------- the matrix
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+@pytest.mark.parametrize("precision", PRECISIONS)
+@pytest.mark.parametrize("layout", RAW_WITH_MTP)
+def test_matrix(matrix, prompts_file, tmp_path, layout, precision, command):
+    numeric = runs_numerically(layout, precision)
+    if command in NUMERIC and not numeric:
+        pytest.skip(f"{layout} in {precision}: MoE on MLX's CPU backend needs float32")
+    source, model = matrix(layout, precision)
+    fixture = model if precision == "4bit" else source
+    keep = (source, model)
+    if command == "inspect":
+        result = run(["inspect", str(fixture), "--json"], code=0, untouched=keep)
+        assert json.loads(result.stdout)["mtp"]["present"] is True
+    elif command == "convert":
+        out = tmp_path / "out"
+        bits = ["--bits", "4", "--dtype", "float32"] if precision == "4bit" else []
+        result = run(
+            ["convert", str(source), "-o", str(out), *bits, "--json"], code=0, untouched=keep
+        )
+        assert json.loads(result.stdout)["head_tensors"] > 0
+        assert (out / "mtp" / "weights.safetensors").is_file()
+    elif command == "graft":
+        into = Path(shutil.copytree(model, tmp_path / "into"))
+        graft = ["convert", str(source), "--mtp-only", "--into", str(into), "--json"]
+        run(graft, code=1, untouched=(*keep, into))  # it has a head: refused without --force
+        result = run([*graft, "--force"], code=0, untouched=keep, watched=(into,))
+        assert json.loads(result.stdout)["head_tensors"] > 0
+    elif command == "generate":
+        args = ["generate", "-m", str(model), "-p", PROMPT, "--max-tokens", "4", "--mtp"]
+        result = run([*args, "--json"], code=0, untouched=keep)
+        assert json.loads(result.stdout)["mtp"] is True
+    elif command == "bench":
+        args = ["bench", "--model", str(model), "--trials", "1", "--max-tokens", "4"]
+        result = run([*args, "--depth", "1", "--json"], code=0, untouched=keep)
+        assert [r["depth"] for r in json.loads(result.stdout)["runs"]] == [1]
+        assert "trial 1/1: MTP depth 1" in result.stderr
+    else:
+        report = tmp_path / "report.xml"
+        probe = ["--prompts", str(prompts_file), "--max-tokens", "4"] if numeric else ["--no-probe"]
+        args = ["check", str(fixture), "--junit", str(report), *probe, "--json"]
+        result = run(args, code=(0, 3), untouched=keep, watched=(tmp_path / "mtpkit-cache",))
+        verdict = json.loads(result.stdout)["verdict"]
+        assert result.exit_code == (0 if verdict != "fail" else 3)
+        suite = ET.parse(report).getroot()
+        assert suite.get("errors") == "0" and int(suite.get("tests")) > 0
+
+
+# --------------------------------------------------------------------------- broken inputs
+
+
+def damaged(checkpoint, tmp_path: Path, how: str) -> Path:
+    """A copy of the mimo fixture damaged in one way."""
+    root = Path(shutil.copytree(checkpoint("mimo", dtype="float32"), tmp_path / f"mimo-{how}"))
+    config = json.loads((root / "config.json").read_text())
+    index_path = root / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text())
+    if how == "word_count":
+        config["num_nextn_predict_layers"] = "one"
+    elif how == "no_model_type":  # and no text_config naming it: the family is unknown
+        del config["model_type"]
+    elif how == "hostile_header":
+        shard = root / sorted(set(index["weight_map"].values()))[-1]
+        data = shard.read_bytes()
+        shard.write_bytes(struct.pack("<Q", 2**62) + data[8:])
+    elif how == "unsafe_path":
+        name = next(iter(index["weight_map"]))
+        index["weight_map"][name] = "../../outside.safetensors"
+    (root / "config.json").write_text(json.dumps(config))
+    index_path.write_text(json.dumps(index))
+    return root
+
+
+# (how the mimo fixture is damaged, command) -> the documented exit code
+BROKEN = {
+    ("word_count", "inspect"): 1,
+    ("word_count", "convert"): 1,
+    ("word_count", "check"): 1,
+    ("no_model_type", "inspect"): 1,
+    ("no_model_type", "convert"): 1,
+    ("no_model_type", "check"): 1,
+    ("hostile_header", "inspect"): 0,
+    ("hostile_header", "convert"): 1,
+    ("hostile_header", "check"): 3,
+    ("unsafe_path", "inspect"): 0,
+    ("unsafe_path", "convert"): 1,
+    ("unsafe_path", "check"): 3,
+}
+
+
+@pytest.mark.parametrize(("how", "command"), list(BROKEN))
+def test_broken_inputs(checkpoint, tmp_path, how, command):
+    root = damaged(checkpoint, tmp_path, how)
+    out, report = tmp_path / "out", tmp_path / "report.xml"
+    args = {
+        "inspect": ["inspect", str(root), "--json"],
+        "convert": ["convert", str(root), "-o", str(out), "--json"],
+        "check": ["check", str(root), "--junit", str(report), "--no-probe", "--json"],
+    }[command]
+    result = run(args, code=BROKEN[how, command], untouched=(root,), absent=(out,))
+    if command == "inspect" and result.exit_code == 0:
+        assert json.loads(result.stdout)["problems"]
+    if command == "check":
+        suite = ET.parse(report).getroot()
+        kind = "error" if result.exit_code == 1 else "failure"
+        assert suite.find(f"testsuite/testcase/{kind}") is not None
+
+
+def test_usage_and_missing_paths(checkpoint, tmp_path):
+    model = tmp_path / "model"
+    convert(str(checkpoint("mimo", dtype="float32")), output=model)
+    m = ["--model", str(model)]
+    for args in (
+        ["bench", *m, "--trials", "0"],
+        ["bench", *m, "--max-tokens", "0"],
+        ["generate", *m, "-p", PROMPT, "--temp", "nan"],
+        ["generate", *m, "-p", PROMPT, "--temp", "-1"],
+        ["generate", *m, "-p", PROMPT, "--max-tokens", "-5"],
+        ["generate", *m, "-p", PROMPT, "--top-p", "5"],
+        ["check", str(model), "--min-acceptance", "2"],
+    ):
+        run(args, code=2, untouched=(model,))
+    run(["inspect", "models/Qwen3.5-été", "--json"], code=1)
+    run(["inspect", str(tmp_path / "nowhere"), "--json"], code=1)
+    headless = checkpoint("mlx_plain", dtype="float32")  # a published build without its head
+    args = ["generate", "-m", str(headless), "-p", PROMPT, "--max-tokens", "4", "--mtp", "--json"]
+    run(args, code=1, untouched=(headless,))
+
+
+def test_outputs_overlapping_the_source(checkpoint, tmp_path):
+    parent = tmp_path / "models"
+    source = Path(shutil.copytree(checkpoint("mimo", dtype="float32"), parent / "mimo"))
+    (parent / "notes.txt").write_text("a sibling file\n")
+    for out in (parent, source, source / "mlx"):
+        run(
+            ["convert", str(source), "-o", str(out), "--force", "--json"],
+            code=1,
+            untouched=(parent,),
+        )
+    graft = ["convert", str(source), "--mtp-only", "--into", str(source), "--force"]
+    run(graft, code=1, untouched=(parent,))
