@@ -29,7 +29,15 @@ import mlx.nn as nn
 
 from mtpkit.decode import MtpDecoder, SamplingSettings
 from mtpkit.generate import check_prompt, encode_prompt
-from mtpkit.runtime import MtpModel, NoMtpHead, is_recurrent_cache, load_model, untapped
+from mtpkit.runtime import (
+    MtpModel,
+    NoMtpHead,
+    is_recurrent_cache,
+    library_io,
+    load_model,
+    untapped,
+)
+from mtpkit.upcast import upcast_experts
 
 DEFAULT_PROMPT = (
     "Write a short explanation of how a hash table works, with an example of inserting "
@@ -58,6 +66,7 @@ class BenchResult:
     no_mtp_tps: float
     prompt_tokens: int
     max_tokens: int
+    moe_dtype: str | None = None
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -65,6 +74,7 @@ class BenchResult:
             "plain_tps": self.plain_tps,
             "beta": self.beta,
             "delta": self.delta,
+            "moe_dtype": self.moe_dtype,
             "runs": [
                 {
                     "depth": r.depth,
@@ -236,7 +246,11 @@ def _bench(
     say("forward and head costs")
     verify, delta, _ = measure_costs(m, tokens, max_depth=max_depth, repeats=repeats)
     # Stock mlx-lm on its own, untouched load of the directory.
-    stock_model, stock_tokenizer = mlx_lm.load(str(m.path))
+    with library_io():  # never remote code, never a question on stdin
+        stock_model, stock_tokenizer = mlx_lm.load(
+            str(m.path), tokenizer_config={"trust_remote_code": False}
+        )
+    upcast_experts([stock_model], what=str(m.path))  # as mtpkit's own load does (CPU only)
     stock_tokenizer.eos_token_ids = []  # every run decodes exactly max_tokens tokens
     _stock_run(stock_model, stock_tokenizer, tokens, 8)  # warm up
     _mtp_run(m, tokens, 1, 8)
@@ -278,6 +292,7 @@ def _bench(
         no_mtp_tps=no_mtp,
         prompt_tokens=len(tokens),
         max_tokens=max_tokens,
+        moe_dtype=m.moe_dtype,
     )
 
 

@@ -9,13 +9,7 @@ Reports: `output.py` prints, `junit.py` writes JUnit XML.
 
 from __future__ import annotations
 
-import math
-import os
-import shutil
-import tempfile
-import time
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +17,7 @@ from mtpkit.errors import MtpkitError
 from mtpkit.inspect import Checkpoint, read_checkpoint
 from mtpkit.junit import junit_error_xml, write_junit
 from mtpkit.manifest import MANIFEST_FORMAT
+from mtpkit.measure import default_measure, model_moe_dtype, probe_directory, runnable_copy
 from mtpkit.metadata import (
     manifest_problems,
     manifest_quantization_problems,
@@ -38,11 +33,10 @@ from mtpkit.probes import (
     Diagnosis,
     MeasureFn,
     Measurement,
-    Variant,
-    diagnose,
     shipped_variant,
 )
 from mtpkit.prompts import BUILTIN_PROMPTS, RESERVE_PROMPTS, read_prompts
+from mtpkit.upcast import ExpertsTooLarge
 
 # Stable check names, in report order (documented in README.md).
 CHECKS = {
@@ -246,121 +240,6 @@ def backbone_check(model_dir: Path, ckpt: Checkpoint | None = None) -> CheckResu
     return CheckResult("backbone_loads", PASS, "stock mlx-lm loads the backbone")
 
 
-# --------------------------------------------------------------------------- measuring
-
-
-def default_measure() -> MeasureFn:
-    """The runtime's acceptance measurement (greedy generation with the head)."""
-    try:
-        from mtpkit.generate import measure_acceptance
-    except ImportError as e:  # pragma: no cover - the runtime ships with mtpkit
-        raise MtpkitError(f"the MTP runtime is not available ({e}); run with --no-probe") from None
-    return measure_acceptance
-
-
-def measure_per_prompt(
-    measure: MeasureFn,
-    model_dir: Path,
-    prompts: Sequence[str],
-    variant: Variant,
-    shipped: Variant,
-    *,
-    max_tokens: int,
-) -> Measurement:
-    """Acceptance of one variant, prompt by prompt (for the paired comparison)."""
-    kwargs: dict[str, Any] = {"max_tokens": max_tokens, "norm_shift": float(variant.norm_shift)}
-    # As shipped, the runtime reads its settings from the checkpoint itself.
-    kwargs["hidden"] = variant.hidden if variant.hidden != shipped.hidden else None
-    kwargs["concat_order"] = (
-        variant.concat_order if variant.concat_order != shipped.concat_order else None
-    )
-    values = []
-    for prompt in prompts:
-        value = float(measure(str(model_dir), [prompt], **kwargs))
-        values.append(value if math.isfinite(value) else 0.0)
-    return Measurement(variant, values)
-
-
-def probe_directory(
-    model_dir: Path,
-    shipped: Variant,
-    prompts: Sequence[str],
-    *,
-    measure: MeasureFn,
-    reserve: Sequence[str],
-    min_acceptance: float,
-    max_tokens: int,
-    zero_centred: bool,
-    log: Callable[[str], None],
-) -> Diagnosis:
-    """Measure the head in `model_dir` as shipped and under its variants, and diagnose it."""
-
-    def measure_on(chosen: Sequence[str], what: str) -> Callable[[Variant], Measurement]:
-        def measure_variant(v: Variant) -> Measurement:
-            log(f"probing {v.describe()} on {len(chosen)} {what}")
-            return measure_per_prompt(measure, model_dir, chosen, v, shipped, max_tokens=max_tokens)
-
-        return measure_variant
-
-    started = time.monotonic()
-    diagnosis = diagnose(
-        measure_on(prompts, "prompts"),
-        shipped,
-        min_acceptance=min_acceptance,
-        zero_centred=zero_centred,
-        measure_more=measure_on(reserve, "more prompts (undecided)") if reserve else None,
-    )
-    log(f"probes took {time.monotonic() - started:.0f} s")
-    return diagnosis
-
-
-# --------------------------------------------------------------------------- a runnable copy
-
-
-def cache_root() -> Path:
-    """Where converted copies of raw checkpoints are kept (`MTPKIT_CACHE`, else ~/.cache)."""
-    root = os.environ.get("MTPKIT_CACHE")
-    return Path(root) if root else Path.home() / ".cache" / "mtpkit"
-
-
-@contextmanager
-def runnable_copy(ckpt: Checkpoint, *, log: Callable[[str], None]) -> Iterator[Path]:
-    """A local MLX directory the runtime can run: the source itself, or a converted copy.
-
-    An MLX directory (mtpkit's sidecar, the inline layout, vllm-mlx sidecars) is probed as it
-    is; on the Hub it is downloaded through `mtpkit.source` into the Hugging Face cache that
-    `generate` also reads. A raw checkpoint is converted with `mtpkit convert` first, into a
-    temporary directory for a local one, and for a Hub repo into the mtpkit cache, keyed by
-    its commit, and reused on the next run.
-    """
-    source = ckpt.source
-    if ckpt.format == "mlx":
-        if source.kind != "local":
-            log(f"downloading {source.describe()}")
-        yield source.snapshot_dir()
-        return
-    from mtpkit.convert import convert
-
-    if source.kind == "local":
-        # A raw checkpoint is run the way users run it: through `mtpkit convert`.
-        # In the cache root (on the home disk, like the Hub cache), not in a small /tmp.
-        cache_root().mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(prefix="check-", dir=cache_root()) as tmp:
-            out = Path(tmp) / "converted"
-            log(f"converting {source.describe()} for the probes")
-            convert(source.spec, output=out)
-            yield out
-        return
-    key = f"{source.spec.replace('/', '--')}--{source.commit or source.revision or 'main'}"
-    out = cache_root() / "check" / key
-    if not (out / "config.json").exists():
-        shutil.rmtree(out, ignore_errors=True)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        log(f"converting {source.describe()} into {out}")
-        convert(source.spec, output=out, revision=source.commit or source.revision, force=True)
-    yield out
-
-
 # --------------------------------------------------------------------------- the whole check
 
 
@@ -431,6 +310,8 @@ def _check(
     if is_local:
         checks.append(backbone_check(Path(ckpt.source.root), ckpt))
     diagnosis: Diagnosis | None = None
+    moe_dtype: str | None = None
+    skipped: list[CheckResult] = []
     if probe and any(c.status == FAIL for c in checks):
         log("probes skipped: a structural check failed")
     elif probe:
@@ -438,6 +319,9 @@ def _check(
             if not is_local and ckpt.format == "mlx":
                 checks.append(backbone_check(model_dir))
             if all(c.status != FAIL for c in checks):
+                moe_dtype, skipped = _load_for_probes(model_dir, measure)
+                checks.extend(skipped)
+            if all(c.status != FAIL for c in checks) and not skipped:
                 diagnosis = probe_directory(
                     model_dir,
                     shipped_variant(ckpt.manifest, ckpt.family.concat_order),
@@ -457,7 +341,25 @@ def _check(
         "checks": [c.as_dict() for c in checks],
         "acceptance": round(diagnosis.acceptance, 4) if diagnosis else None,
         "best_variant": best_variant(diagnosis.best) if diagnosis else None,
+        "moe_dtype": moe_dtype,
     }
+
+
+def _load_for_probes(
+    model_dir: Path, measure: MeasureFn | None
+) -> tuple[str | None, list[CheckResult]]:
+    """The runtime's load, once before the probes: the experts' dtype, or why no probe runs.
+
+    Where the float32 experts MLX's CPU backend needs would not fit in memory, the probes are
+    skipped with a warning naming `moe_float32_exceeds_memory`: the structural checks decide.
+    A caller's own `measure` loads nothing here.
+    """
+    if measure is not None:
+        return None, []
+    try:
+        return model_moe_dtype(model_dir), []
+    except ExpertsTooLarge as e:
+        return None, [CheckResult("acceptance", WARN, f"probes skipped: {e}")]
 
 
 def best_variant(best: Measurement) -> dict[str, Any]:
