@@ -68,16 +68,18 @@ def extra_bytes(layers: Iterable[nn.Module]) -> int:
 
 
 def moe_dtype(model: nn.Module) -> str | None:
-    """The dtype the MoE experts compute in: e.g. `float32`, `bfloat16`, or `4-bit` for
-    quantized experts; None without MoE layers."""
+    """What the MoE experts compute in: `float32`, `bfloat16`, `4-bit` for quantized ones,
+    or several joined by ", " (mlx-lm leaves experts whose width the group size does not
+    divide unquantized); None without MoE layers."""
     from mlx_lm.models.switch_layers import QuantizedSwitchLinear, SwitchLinear
 
+    kinds = set()
     for _, m in model.named_modules():
         if isinstance(m, QuantizedSwitchLinear):
-            return f"{m.bits}-bit"
-        if isinstance(m, SwitchLinear):
-            return "float32" if getattr(type(m), "_mtpkit_float32", False) else _name(m.weight)
-    return None
+            kinds.add(f"{m.bits}-bit")
+        elif isinstance(m, SwitchLinear):
+            kinds.add(_name(m.weight))
+    return ", ".join(sorted(kinds)) or None
 
 
 def _name(a: mx.array) -> str:
