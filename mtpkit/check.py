@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from mtpkit.errors import MtpkitError
-from mtpkit.inspect import Checkpoint, read_checkpoint
+from mtpkit.inspect import UNREADABLE, Checkpoint, read_checkpoint, unread_mtp_shards
 from mtpkit.junit import junit_error_xml, write_junit
 from mtpkit.manifest import MANIFEST_FORMAT
 from mtpkit.measure import default_measure, model_moe_dtype, probe_directory, runnable_copy
@@ -37,15 +37,18 @@ from mtpkit.probes import (
 )
 from mtpkit.prompts import BUILTIN_PROMPTS, RESERVE_PROMPTS, read_prompts
 from mtpkit.upcast import ExpertsTooLarge
+from mtpkit.validate import HEAD_NOT_FINITE, INVALID_CONFIG, LAYER_COUNT_MISMATCH, nonfinite_tensors
 
 # Stable check names, in report order (documented in README.md).
 CHECKS = {
+    "config": "config.json's values have the types and ranges the loaders need",
     "head_declared": "the config declares the MTP layers in the family's own field",
     "head_present": "the declared MTP tensors exist",
     "head_complete": "the head has every tensor (and expert) its family needs",
     "index": "the index, shards and headers agree",
     "quantization": "every quantized layer's scales/biases fit the bits and group size recorded for it",
     "manifest": "mtp/manifest.json is present and agrees with the tensors",
+    "head_finite": "the head's weights hold no NaN or Inf (directories)",
     "backbone_loads": "stock mlx-lm loads the backbone (directories)",
     "acceptance": "greedy acceptance of the head as shipped reaches --min-acceptance",
     "norm_shift": "the head's RMSNorm weights are shifted exactly as the runtime expects",
@@ -61,6 +64,7 @@ CHECKS = {
 def structural_checks(ckpt: Checkpoint) -> list[CheckResult]:
     """Checks that need only what inspect read (no weights)."""
     return [
+        _config(ckpt),
         _head_declared(ckpt),
         _head_present(ckpt),
         _head_complete(ckpt),
@@ -74,9 +78,24 @@ def _codes(ckpt: Checkpoint, *codes: str) -> list[str]:
     return [p["message"] for p in ckpt.problems if p["code"] in codes]
 
 
+def _more(messages: list[str]) -> str:
+    return f"{messages[0]} (+{len(messages) - 1} more)" if len(messages) > 1 else messages[0]
+
+
+def _config(ckpt: Checkpoint) -> CheckResult:
+    messages = _codes(ckpt, INVALID_CONFIG)
+    if messages:
+        return CheckResult("config", FAIL, f"{_more(messages)}: fix config.json")
+    return CheckResult("config", PASS, "the values mtpkit reads have valid types and ranges")
+
+
 def _head_declared(ckpt: Checkpoint) -> CheckResult:
     family, mtp = ckpt.family, ckpt.mtp_tensors
     declared = family.declared_mtp_layers()
+    field = family.mtp_field().rsplit(".", 1)[-1]
+    invalid = [m for m in _codes(ckpt, INVALID_CONFIG) if f"{field}=" in m]
+    if invalid or (invalid := _codes(ckpt, LAYER_COUNT_MISMATCH)):
+        return CheckResult("head_declared", FAIL, invalid[0])
     if declared:
         return CheckResult("head_declared", PASS, f"{family.mtp_field()}={declared}")
     if mtp and family.name == "qwen3_next":
@@ -99,7 +118,23 @@ def _head_declared(ckpt: Checkpoint) -> CheckResult:
     )
 
 
+def _unreadable(ckpt: Checkpoint, name: str) -> CheckResult | None:
+    """A head that sits (or may sit) in a shard that could not be read is unknown, not absent."""
+    unread = unread_mtp_shards(ckpt)
+    if not unread:
+        return None
+    why = _codes(ckpt, *UNREADABLE)
+    return CheckResult(
+        name,
+        FAIL,
+        f"cannot tell: {', '.join(unread)} cannot be read ({_more(why)}); a damaged or "
+        "incomplete download: download the files again",
+    )
+
+
 def _head_present(ckpt: Checkpoint) -> CheckResult:
+    if (unknown := _unreadable(ckpt, "head_present")) is not None:
+        return unknown
     mtp = ckpt.mtp_tensors
     missing = _codes(ckpt, "mtp_declared_not_present")
     if missing:
@@ -111,6 +146,8 @@ def _head_present(ckpt: Checkpoint) -> CheckResult:
 
 
 def _head_complete(ckpt: Checkpoint) -> CheckResult:
+    if (unknown := _unreadable(ckpt, "head_complete")) is not None:
+        return unknown
     if not ckpt.mtp_tensors:
         return CheckResult("head_complete", FAIL, "no head to check")
     messages = _codes(ckpt, "incomplete_mtp", "incomplete_experts")
@@ -189,6 +226,14 @@ def _manifest(ckpt: Checkpoint) -> CheckResult:
         )
     if not isinstance(ckpt.manifest, dict):
         return CheckResult("manifest", FAIL, "mtp/manifest.json is not a JSON object: re-convert")
+    weights = ckpt.manifest.get("weights")
+    if isinstance(weights, str) and not ckpt.source.has(f"mtp/{weights}"):
+        return CheckResult(
+            "manifest",
+            FAIL,
+            f"mtp/manifest.json names the head file mtp/{weights}, which is missing: copy it "
+            "back, or re-convert with `mtpkit convert`",
+        )
     problems = manifest_problems(ckpt)
     if problems:
         more = f" (+{len(problems) - 1} more)" if len(problems) > 1 else ""
@@ -208,6 +253,23 @@ def _manifest(ckpt: Checkpoint) -> CheckResult:
         f"{ckpt.manifest.get('family')}, norms {fmt}, hidden {ckpt.manifest.get('hidden', '?')}, "
         f"{ckpt.manifest.get('concat_order', '?')}",
     )
+
+
+def head_finite_check(root: Path, ckpt: Checkpoint) -> CheckResult:
+    """Read the head's tensors from a local copy: NaN or Inf fails it before any probe."""
+    files: dict[Path, list[str]] = {}
+    for t in ckpt.mtp_tensors:
+        files.setdefault(root / t.shard, []).append(t.name)
+    bad = list(nonfinite_tensors(files))
+    if bad:
+        return CheckResult(
+            "head_finite",
+            FAIL,
+            f"{HEAD_NOT_FINITE}: {_more(bad)} hold NaN or Inf; the head's weights are damaged "
+            "(a bad download or a broken conversion): download again or re-convert from the "
+            "original with `mtpkit convert`",
+        )
+    return CheckResult("head_finite", PASS, f"{len(ckpt.mtp_tensors)} head tensors are finite")
 
 
 def backbone_check(model_dir: Path, ckpt: Checkpoint | None = None) -> CheckResult:
@@ -308,6 +370,8 @@ def _check(
     if not prompts:
         raise MtpkitError("no prompts to probe with: pass a non-empty --prompts FILE")
     if is_local:
+        if ckpt.mtp_tensors and all(c.status != FAIL for c in checks):
+            checks.append(head_finite_check(Path(ckpt.source.root), ckpt))
         checks.append(backbone_check(Path(ckpt.source.root), ckpt))
     diagnosis: Diagnosis | None = None
     moe_dtype: str | None = None
@@ -317,6 +381,7 @@ def _check(
     elif probe:
         with runnable_copy(ckpt, log=log) as model_dir:
             if not is_local and ckpt.format == "mlx":
+                checks.append(head_finite_check(model_dir, ckpt))
                 checks.append(backbone_check(model_dir))
             if all(c.status != FAIL for c in checks):
                 moe_dtype, skipped = _load_for_probes(model_dir, measure)

@@ -19,7 +19,7 @@ import re
 import shutil
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -67,6 +67,8 @@ class ConvertResult:
     backbone_tensors: int
     head_tensors: int
     seconds: float
+    # What was repaired on the way (e.g. the declared MTP layer count), for stderr.
+    warnings: list[str] = field(default_factory=list)
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -145,8 +147,23 @@ def convert(
         converter.close()
     seconds = time.perf_counter() - started
     return ConvertResult(
-        out, ckpt.family.name, manifest, len(plan.backbone), len(plan.head), seconds
+        out,
+        ckpt.family.name,
+        manifest,
+        len(plan.backbone),
+        len(plan.head),
+        seconds,
+        repaired(ckpt, layers),
     )
+
+
+def repaired(ckpt: Checkpoint, layers: int) -> list[str]:
+    """Warnings for the problems convert repairs rather than refuses (TOLERATED_PROBLEMS)."""
+    return [
+        f"{p['message'].split(': set ')[0]}; writing {ckpt.family.mtp_field()}={layers}"
+        for p in ckpt.problems
+        if p["code"] == "mtp_layer_count_mismatch"
+    ]
 
 
 def _check_convertible(

@@ -14,6 +14,7 @@ from typing import Any, ClassVar
 
 from mtpkit.families.head import MtpHead
 from mtpkit.quant import mlx_lm_models
+from mtpkit.validate import as_count
 
 EXPERT_INDEX = re.compile(
     r"^(?P<prefix>.*\.experts)\.(?P<expert>\d+)\.(?P<proj>\w+?)(?:\.weight)?$"
@@ -124,7 +125,8 @@ class Family(ConvertHooks):
         value = self.text_config.get(key)
         if value is None:
             value = self.config.get(key)
-        return None if value is None else int(value)
+        # A value that is not an integer ("one") declares nothing; `mtpkit.validate` names it.
+        return None if value is None else as_count(value)
 
     def mtp_field(self) -> str:
         """The config field that declares MTP layers for this family."""
