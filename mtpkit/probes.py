@@ -29,6 +29,7 @@ from mtpkit.variants import (
     FAIL,
     HIDDEN_VARIANTS,
     PASS,
+    RESPONSE_MARGIN,
     SIGNIFICANCE_Z,
     VARIANT_NAMES,
     VARIANT_RULES,
@@ -90,6 +91,10 @@ class Evidence:
     base: Measurement
     min_acceptance: float
     zero_centred: bool
+    # The single variants that cost the shipped head at least RESPONSE_MARGIN: proof that
+    # the head responds to its conventions at all (a head that uses its inputs collapses
+    # when they are swapped or its norms lose their +1).
+    collapsed: frozenset[str] = frozenset()
 
     @property
     def a0(self) -> float:
@@ -107,7 +112,14 @@ def fails(c: Comparison, e: Evidence) -> bool:
     a = c.measurement.acceptance
     if a < e.min_acceptance:
         return False
-    keeps = e.zero_centred and rule.keep_fraction is not None and a >= rule.keep_fraction * e.a0
+    # Keeping up without one +1 means something only if the head collapses under another
+    # change: a head that no change moves (every variant at the same floor) proves nothing.
+    keeps = (
+        e.zero_centred
+        and rule.keep_fraction is not None
+        and a >= rule.keep_fraction * e.a0
+        and bool(e.collapsed - {c.key})
+    )
     return keeps or c.clears(rule.fail_margin)
 
 
@@ -239,6 +251,8 @@ def diagnose(
     evidence = Evidence(shipped, base, min_acceptance, zero_centred)
     if measure_more is not None:
         evidence = settle_undecided(evidence, comparisons, measurements, measure_more)
+    collapsed = frozenset(k for k, c in comparisons.items() if c.gain <= -RESPONSE_MARGIN)
+    evidence = replace(evidence, collapsed=collapsed)
     checks = [acceptance_check(evidence)]
     winners: list[Comparison] = []
     for check in CONVENTION_CHECKS:
@@ -310,6 +324,16 @@ def best_of_winners(
     return joint if joint.acceptance > best.acceptance else best
 
 
+def unresponsive_detail(e: Evidence) -> str:
+    return (
+        f"{pct(e.a0)} as shipped, and no convention change moves it by "
+        f"{pct(RESPONSE_MARGIN)} (swapped inputs, norms -1/+1, the other hidden state all "
+        "score alike): the head does not use this trunk's hidden state, so its acceptance is "
+        "what the prompts give any head; graft the head from the trunk's own original "
+        "checkpoint with `mtpkit convert ORIGINAL --mtp-only --into DIR`"
+    )
+
+
 def judge_trunk(
     e: Evidence,
     checks: list[CheckResult],
@@ -323,8 +347,11 @@ def judge_trunk(
     combination that rescues the head fails each passing check whose convention it changes.
     """
     if max(m.acceptance for m in measurements) >= e.min_acceptance:
-        top = max(measurements, key=lambda m: m.acceptance)
-        detail = f"{pct(top.acceptance)} under its best variant ({top.variant.describe()})"
+        if not e.collapsed and best.variant == e.shipped:
+            checks.append(CheckResult("head_matches_trunk", FAIL, unresponsive_detail(e)))
+            return best
+        # The variant named is the one `best_variant` reports: the table and text agree.
+        detail = f"{pct(best.acceptance)} under the settled variant ({best.variant.describe()})"
         checks.append(CheckResult("head_matches_trunk", PASS, detail))
         return best
     tried = {m.variant for m in measurements}

@@ -26,6 +26,10 @@ DEFAULT_MAX_TOKENS = 48
 # Standard errors a variant's mean per-prompt gain must clear (one-sided p < 0.002 under a
 # normal approximation), so noise on a healthy head never reads as a convention error.
 SIGNIFICANCE_Z = 3.0
+# What some convention change costs any head that uses its inputs: swapped projection inputs
+# or norms without their +1 collapse it (7% and 0.0% vs 72% on the example). A head that
+# no change moves by this much is not reading the trunk's hidden state.
+RESPONSE_MARGIN = 0.05
 
 
 @dataclass
