@@ -91,14 +91,15 @@ def test_only_the_experts_are_upcast(bf16: dict) -> None:
     assert head and set(head.values()) == {getattr(mx, EXPERTS)}
 
 
-def test_check_generate_bench_cli_on_bf16_moe(bf16: dict, tmp_path: Path) -> None:
+@pytest.mark.parametrize("layout", MOE_FAMILIES)
+def test_check_generate_bench_cli_on_bf16_moe(layout: str, bf16: dict, tmp_path: Path) -> None:
     prompts = tmp_path / "prompts.json"
     prompts.write_text(json.dumps(["The cat sat on", "def add(a, b):"]))
     junit = tmp_path / "report.xml"
     runner = CliRunner()
     result = runner.invoke(
         app,
-        ["check", str(bf16["qwen3_next"]), "--json", "--junit", str(junit),
+        ["check", str(bf16[layout]), "--json", "--junit", str(junit),
          "--prompts", str(prompts), "--max-tokens", "8"],
     )  # fmt: skip
     assert result.exit_code in (0, 3), result.output
@@ -110,18 +111,26 @@ def test_check_generate_bench_cli_on_bf16_moe(bf16: dict, tmp_path: Path) -> Non
     for args in (["--mtp"], ["--no-mtp"]):
         gen = runner.invoke(
             app,
-            ["generate", "-m", str(bf16["glm4_moe"]), "-p", "hi", "--max-tokens", "6",
+            ["generate", "-m", str(bf16[layout]), "-p", "hi", "--max-tokens", "6",
              "--no-chat-template", "--json", *args],
         )  # fmt: skip
         assert gen.exit_code == 0, gen.output
         assert json.loads(gen.stdout)["moe_dtype"] == EXPERTS
     bench = runner.invoke(
         app,
-        ["bench", "--model", str(bf16["deepseek_v3"]), "--max-tokens", "8", "--depth", "1",
+        ["bench", "--model", str(bf16[layout]), "--max-tokens", "8", "--depth", "1",
          "--trials", "1", "--json"],
     )  # fmt: skip
     assert bench.exit_code == 0, bench.output
     assert json.loads(bench.stdout)["moe_dtype"] == EXPERTS
+
+
+def test_check_probes_a_raw_bf16_moe_source(checkpoint: CheckpointFactory) -> None:
+    # A raw checkpoint is converted as stored (bf16) into a temporary directory and probed.
+    report = check_checkpoint(
+        str(checkpoint("glm4_moe", dtype="bfloat16")), prompts=["The cat sat on"], max_tokens=6
+    )
+    assert report["acceptance"] is not None and report["moe_dtype"] == EXPERTS
 
 
 @pytest.mark.skipif(not upcast.needs_float32_experts(), reason="Metal runs bf16 experts")
