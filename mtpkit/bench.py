@@ -425,9 +425,10 @@ def print_bench(result: BenchResult) -> None:
 
     from mtpkit.output import stdout
 
+    experts = f", experts in {result.moe_dtype}" if result.moe_dtype else ""
     stdout.print(
         f"[bold]{result.model}[/bold]: prompt {result.prompt_tokens} tokens, "
-        f"{result.max_tokens} generated per run"
+        f"{result.max_tokens} generated per run{experts}"
     )
     stdout.print(
         f"plain (stock mlx-lm): {result.plain_tps:.1f} tok/s; mtpkit --no-mtp: "
