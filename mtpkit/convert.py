@@ -25,7 +25,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from mtpkit.errors import MtpkitError
+from mtpkit.errors import CheckpointProblem, MtpkitError
 from mtpkit.inspect import Checkpoint, read_checkpoint
 from mtpkit.manifest import (
     HEAD_WEIGHTS_PATH,
@@ -36,6 +36,7 @@ from mtpkit.manifest import (
     write_manifest,
 )
 from mtpkit.plan import Converter, Plan, Settings, check_conv1d, refuse_problems
+from mtpkit.validate import nonfinite_tensors
 from mtpkit.writer import (
     read_config,
     shard_jobs,
@@ -135,6 +136,7 @@ def convert(
         tmp = _fresh_temp_sibling(out)
         try:
             _write_output(tmp, ckpt, converter, plan, config, manifest, quiet=quiet)
+            refuse_nonfinite_head(tmp / HEAD_WEIGHTS_PATH, ckpt)
             _replace(out, tmp)
         except OSError as e:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -155,6 +157,20 @@ def convert(
         seconds,
         repaired(ckpt, layers),
     )
+
+
+def refuse_nonfinite_head(head_file: Path, ckpt: Checkpoint) -> None:
+    """A head with NaN or Inf is never published as a conversion (`head_not_finite`)."""
+    if not head_file.exists():
+        return
+    bad = list(nonfinite_tensors({head_file: None}))
+    if bad:
+        more = f" (+{len(bad) - 1} more)" if len(bad) > 1 else ""
+        raise CheckpointProblem(
+            f"{ckpt.source.describe()} cannot be converted (head_not_finite): the MTP head's "
+            f"{bad[0]}{more} holds NaN or Inf; download the checkpoint again or take the head "
+            "from the original"
+        )
 
 
 def repaired(ckpt: Checkpoint, layers: int) -> list[str]:

@@ -136,14 +136,15 @@ def offsets_problem(spans: Iterable[tuple[str, int, int]], data_size: int) -> st
     return None
 
 
-def nonfinite_tensors(files: dict[Path, list[str]]) -> Iterator[str]:
-    """Names of the listed floating-point tensors that hold NaN or Inf (read lazily, one by
-    one; packed quantized weights are integers and are skipped, their scales are not)."""
+def nonfinite_tensors(files: dict[Path, list[str] | None]) -> Iterator[str]:
+    """Names of the listed floating-point tensors (None: all of a file's) that hold NaN or
+    Inf, read lazily one by one; packed quantized weights are integers and are skipped,
+    their scales are not."""
     import mlx.core as mx
 
     for path, names in files.items():
         tensors = mx.load(str(path))
-        for name in names:
+        for name in tensors if names is None else names:
             t = tensors.get(name)
             if t is None or not mx.issubdtype(t.dtype, mx.floating):
                 continue

@@ -256,3 +256,18 @@ def test_head_matches_trunk_names_the_variant_best_variant_reports() -> None:
     trunk = next(c for c in d.checks if c.name == "head_matches_trunk")
     assert trunk.status == "pass"
     assert f"({d.best.variant.describe()})" in trunk.detail
+
+
+def test_convert_refuses_a_head_with_nan(checkpoint: CheckpointFactory, tmp_path: Path) -> None:
+    path = copy_of(checkpoint("mimo"), tmp_path / "src")
+    index = json.loads((path / "model.safetensors.index.json").read_text())
+    name = next(n for n in index["weight_map"] if n.startswith("model.mtp_layers.0.input_proj"))
+    shard = path / index["weight_map"][name]
+    tensors = dict(mx.load(str(shard)))
+    tensors[name] = tensors[name] * mx.array(float("nan"), tensors[name].dtype)
+    mx.save_safetensors(str(shard), tensors, metadata={"format": "pt"})
+    out = tmp_path / "out"
+    result = runner.invoke(app, ["convert", str(path), "-o", str(out), "--quiet"])
+    assert result.exit_code == 1
+    assert result.stderr.startswith("Error: ") and "(head_not_finite)" in result.stderr
+    assert not out.exists() and sorted(p.name for p in tmp_path.iterdir()) == ["src"]
