@@ -20,6 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from mtpkit.errors import MtpkitError
+
 # Stable problem codes added by this layer (documented in README.md).
 INVALID_CONFIG = "invalid_config"
 LAYER_COUNT_MISMATCH = "mtp_layer_count_mismatch"
@@ -42,6 +44,25 @@ CONFIG_COUNTS: dict[str, int] = {
 }
 # More MTP layers than this is no published model (they ship 1, a few at most).
 MAX_MTP_LAYERS = 64
+
+
+class InvalidConfig(MtpkitError):
+    """A config value that decides how the tensors are named is not a usable integer."""
+
+
+def require_count(config: dict[str, Any], key: str, default: int | None = None) -> int:
+    """A count the checkpoint's layout depends on (`num_hidden_layers`, expert counts);
+    anything but an integer is an error, as nothing can be read without it."""
+    value = config.get(key)
+    if value is None and default is not None:
+        return default
+    count = as_count(value)
+    if count is None or count < 0:
+        raise InvalidConfig(
+            f"config.json: {key}={value!r} is not a non-negative integer ({INVALID_CONFIG}): "
+            "fix config.json"
+        )
+    return count
 
 
 @dataclass(frozen=True)

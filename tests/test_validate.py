@@ -271,3 +271,22 @@ def test_convert_refuses_a_head_with_nan(checkpoint: CheckpointFactory, tmp_path
     assert result.exit_code == 1
     assert result.stderr.startswith("Error: ") and "(head_not_finite)" in result.stderr
     assert not out.exists() and sorted(p.name for p in tmp_path.iterdir()) == ["src"]
+
+
+@pytest.mark.parametrize(
+    ("layout", "key"), [("deepseek_v3", "num_hidden_layers"), ("qwen3_5_moe", "num_experts")]
+)
+def test_a_count_the_tensor_names_depend_on_is_one_error_line(
+    layout: str, key: str, checkpoint: CheckpointFactory, tmp_path: Path
+) -> None:
+    def edit(config: dict[str, Any]) -> None:
+        (config.get("text_config") or config)[key] = "two"
+
+    path = edit_config(copy_of(checkpoint(layout), tmp_path / "src"), edit)
+    junit = tmp_path / "report.xml"
+    for args in (["inspect", str(path)], ["check", str(path), "--junit", str(junit)]):
+        result = runner.invoke(app, args)
+        assert result.exit_code == 1 and result.stdout == ""
+        assert result.stderr == f"Error: config.json: {key}='two' is not a non-negative integer " \
+            "(invalid_config): fix config.json\n"  # fmt: skip
+    assert "invalid_config" in junit.read_text()

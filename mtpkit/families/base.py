@@ -14,7 +14,7 @@ from typing import Any, ClassVar
 
 from mtpkit.families.head import MtpHead
 from mtpkit.quant import mlx_lm_models
-from mtpkit.validate import as_count
+from mtpkit.validate import as_count, require_count
 
 EXPERT_INDEX = re.compile(
     r"^(?P<prefix>.*\.experts)\.(?P<expert>\d+)\.(?P<proj>\w+?)(?:\.weight)?$"
@@ -134,13 +134,12 @@ class Family(ConvertHooks):
 
     @property
     def num_hidden_layers(self) -> int:
-        return int(self.text_config["num_hidden_layers"])
+        return require_count(self.text_config, "num_hidden_layers")
 
     @property
     def num_experts(self) -> int:
-        return int(
-            self.text_config.get("num_experts") or self.text_config.get("n_routed_experts") or 0
-        )
+        key = "num_experts" if self.text_config.get("num_experts") else "n_routed_experts"
+        return require_count(self.text_config, key, default=0)
 
     def mtp_layer_offset(self) -> int:
         """The raw index of MTP layer 0 (`raw_layer_root`), read from the config."""
