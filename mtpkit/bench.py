@@ -30,7 +30,15 @@ import mlx.nn as nn
 from mtpkit.decode import MtpDecoder, SamplingSettings
 from mtpkit.errors import MtpkitError
 from mtpkit.generate import check_prompt, encode_prompt
-from mtpkit.runtime import MtpModel, NoMtpHead, is_recurrent_cache, load_model, untapped
+from mtpkit.runtime import (
+    MtpModel,
+    NoMtpHead,
+    is_recurrent_cache,
+    library_io,
+    load_model,
+    untapped,
+)
+from mtpkit.upcast import upcast_experts
 
 DEFAULT_PROMPT = (
     "Write a short explanation of how a hash table works, with an example of inserting "
@@ -59,6 +67,7 @@ class BenchResult:
     no_mtp_tps: float
     prompt_tokens: int
     max_tokens: int
+    moe_dtype: str | None = None
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -66,6 +75,7 @@ class BenchResult:
             "plain_tps": self.plain_tps,
             "beta": self.beta,
             "delta": self.delta,
+            "moe_dtype": self.moe_dtype,
             "runs": [
                 {
                     "depth": r.depth,
@@ -240,7 +250,11 @@ def _bench(
     say("forward and head costs")
     verify, delta, _ = measure_costs(m, tokens, max_depth=max_depth, repeats=repeats)
     # Stock mlx-lm on its own, untouched load of the directory.
-    stock_model, stock_tokenizer = mlx_lm.load(str(m.path))
+    with library_io():  # never remote code, never a question on stdin
+        stock_model, stock_tokenizer = mlx_lm.load(
+            str(m.path), tokenizer_config={"trust_remote_code": False}
+        )
+    upcast_experts([stock_model], what=str(m.path))  # as mtpkit's own load does (CPU only)
     stock_tokenizer.eos_token_ids = []  # every run decodes exactly max_tokens tokens
     _stock_run(stock_model, stock_tokenizer, tokens, 8)  # warm up
     _mtp_run(m, tokens, 1, 8)
@@ -289,6 +303,7 @@ def _bench(
         no_mtp_tps=no_mtp,
         prompt_tokens=len(tokens),
         max_tokens=max_tokens,
+        moe_dtype=m.moe_dtype,
     )
 
 
@@ -419,9 +434,10 @@ def print_bench(result: BenchResult) -> None:
 
     from mtpkit.output import stdout
 
+    experts = f", experts in {result.moe_dtype}" if result.moe_dtype else ""
     stdout.print(
         f"[bold]{result.model}[/bold]: prompt {result.prompt_tokens} tokens, "
-        f"{result.max_tokens} generated per run"
+        f"{result.max_tokens} generated per run{experts}"
     )
     stdout.print(
         f"plain (stock mlx-lm): {result.plain_tps:.1f} tok/s; mtpkit --no-mtp: "

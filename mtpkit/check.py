@@ -9,21 +9,15 @@ Reports: `output.py` prints, `junit.py` writes JUnit XML.
 
 from __future__ import annotations
 
-import math
-import os
-import shutil
-import tempfile
-import time
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from mtpkit.destination import remove_stale_work_dirs, work_dir_prefix
 from mtpkit.errors import MtpkitError, one_line
-from mtpkit.inspect import Checkpoint, read_checkpoint
+from mtpkit.inspect import UNREADABLE, Checkpoint, read_checkpoint, unread_mtp_shards
 from mtpkit.junit import junit_error_xml, write_junit
 from mtpkit.manifest import MANIFEST_FORMAT
+from mtpkit.measure import default_measure, model_moe_dtype, probe_directory, runnable_copy
 from mtpkit.metadata import (
     manifest_problems,
     manifest_quantization_problems,
@@ -39,20 +33,22 @@ from mtpkit.probes import (
     Diagnosis,
     MeasureFn,
     Measurement,
-    Variant,
-    diagnose,
     shipped_variant,
 )
 from mtpkit.prompts import BUILTIN_PROMPTS, RESERVE_PROMPTS, read_prompts
+from mtpkit.upcast import ExpertsTooLarge
+from mtpkit.validate import HEAD_NOT_FINITE, INVALID_CONFIG, LAYER_COUNT_MISMATCH, nonfinite_tensors
 
 # Stable check names, in report order (documented in README.md).
 CHECKS = {
+    "config": "config.json's values have the types and ranges the loaders need",
     "head_declared": "the config declares the MTP layers in the family's own field",
     "head_present": "the declared MTP tensors exist",
     "head_complete": "the head has every tensor (and expert) its family needs",
     "index": "the index, shards and headers agree",
     "quantization": "every quantized layer's scales/biases fit the bits and group size recorded for it",
     "manifest": "mtp/manifest.json is present and agrees with the tensors",
+    "head_finite": "the head's weights hold no NaN or Inf (directories)",
     "backbone_loads": "stock mlx-lm loads the backbone (directories)",
     "acceptance": "greedy acceptance of the head as shipped reaches --min-acceptance",
     "norm_shift": "the head's RMSNorm weights are shifted exactly as the runtime expects",
@@ -68,6 +64,7 @@ CHECKS = {
 def structural_checks(ckpt: Checkpoint) -> list[CheckResult]:
     """Checks that need only what inspect read (no weights)."""
     return [
+        _config(ckpt),
         _head_declared(ckpt),
         _head_present(ckpt),
         _head_complete(ckpt),
@@ -81,9 +78,24 @@ def _codes(ckpt: Checkpoint, *codes: str) -> list[str]:
     return [p["message"] for p in ckpt.problems if p["code"] in codes]
 
 
+def _more(messages: list[str]) -> str:
+    return f"{messages[0]} (+{len(messages) - 1} more)" if len(messages) > 1 else messages[0]
+
+
+def _config(ckpt: Checkpoint) -> CheckResult:
+    messages = _codes(ckpt, INVALID_CONFIG)
+    if messages:
+        return CheckResult("config", FAIL, f"{_more(messages)}: fix config.json")
+    return CheckResult("config", PASS, "the values mtpkit reads have valid types and ranges")
+
+
 def _head_declared(ckpt: Checkpoint) -> CheckResult:
     family, mtp = ckpt.family, ckpt.mtp_tensors
     declared = family.declared_mtp_layers()
+    field = family.mtp_field().rsplit(".", 1)[-1]
+    invalid = [m for m in _codes(ckpt, INVALID_CONFIG) if f"{field}=" in m]
+    if invalid or (invalid := _codes(ckpt, LAYER_COUNT_MISMATCH)):
+        return CheckResult("head_declared", FAIL, invalid[0])
     if declared:
         return CheckResult("head_declared", PASS, f"{family.mtp_field()}={declared}")
     if mtp and not family.declared_upstream:
@@ -106,7 +118,23 @@ def _head_declared(ckpt: Checkpoint) -> CheckResult:
     )
 
 
+def _unreadable(ckpt: Checkpoint, name: str) -> CheckResult | None:
+    """A head that sits (or may sit) in a shard that could not be read is unknown, not absent."""
+    unread = unread_mtp_shards(ckpt)
+    if not unread:
+        return None
+    why = _codes(ckpt, *UNREADABLE)
+    return CheckResult(
+        name,
+        FAIL,
+        f"cannot tell: {', '.join(unread)} cannot be read ({_more(why)}); a damaged or "
+        "incomplete download: download the files again",
+    )
+
+
 def _head_present(ckpt: Checkpoint) -> CheckResult:
+    if (unknown := _unreadable(ckpt, "head_present")) is not None:
+        return unknown
     mtp = ckpt.mtp_tensors
     missing = _codes(ckpt, "mtp_declared_not_present")
     if missing:
@@ -117,20 +145,18 @@ def _head_present(ckpt: Checkpoint) -> CheckResult:
     return CheckResult("head_present", PASS, f"{len(mtp)} MTP tensors in {where}")
 
 
-def _first_of(messages: list[str]) -> str:
-    """The first message, and how many more there are."""
-    return messages[0] + (f" (+{len(messages) - 1} more)" if len(messages) > 1 else "")
-
-
 def _head_complete(ckpt: Checkpoint) -> CheckResult:
+    if (unknown := _unreadable(ckpt, "head_complete")) is not None:
+        return unknown
     if not ckpt.mtp_tensors:
         return CheckResult("head_complete", FAIL, "no head to check")
     messages = _codes(ckpt, "incomplete_mtp", "incomplete_experts")
     if messages:
+        more = f" (+{len(messages) - 1} more)" if len(messages) > 1 else ""
         return CheckResult(
             "head_complete",
             FAIL,
-            f"{_first_of(messages)}: re-convert from the original repo, or re-graft with "
+            f"{messages[0]}{more}: re-convert from the original repo, or re-graft with "
             "`mtpkit convert ORIGINAL --mtp-only --into DIR`",
         )
     return CheckResult("head_complete", PASS, "every required head tensor is present")
@@ -148,10 +174,11 @@ INDEX_CODES = (
 def _index(ckpt: Checkpoint) -> CheckResult:
     messages = _codes(ckpt, *INDEX_CODES)
     if messages:
+        more = f" (+{len(messages) - 1} more)" if len(messages) > 1 else ""
         return CheckResult(
             "index",
             FAIL,
-            f"{_first_of(messages)}: re-upload the missing or damaged files, or re-convert",
+            f"{messages[0]}{more}: re-upload the missing or damaged files, or re-convert",
         )
     if ckpt.index is None:
         return CheckResult("index", PASS, f"no index; {len(ckpt.shards)} shard(s) read")
@@ -166,10 +193,11 @@ def _quantization(ckpt: Checkpoint) -> CheckResult:
     problems, count = quantization_problems(ckpt)
     problems += manifest_quantization_problems(ckpt)
     if problems:
+        more = f" (+{len(problems) - 1} more)" if len(problems) > 1 else ""
         return CheckResult(
             "quantization",
             FAIL,
-            f"{_first_of(problems)}: the loader would build the wrong layers; record the right "
+            f"{problems[0]}{more}: the loader would build the wrong layers; record the right "
             "per-path params in config.json's `quantization` or re-convert with `mtpkit convert`",
         )
     if not count:
@@ -198,12 +226,21 @@ def _manifest(ckpt: Checkpoint) -> CheckResult:
         )
     if not isinstance(ckpt.manifest, dict):
         return CheckResult("manifest", FAIL, "mtp/manifest.json is not a JSON object: re-convert")
-    problems = manifest_problems(ckpt)
-    if problems:
+    weights = ckpt.manifest.get("weights")
+    if isinstance(weights, str) and not ckpt.source.has(f"mtp/{weights}"):
         return CheckResult(
             "manifest",
             FAIL,
-            f"{_first_of(problems)}: the runtime trusts the manifest; re-convert with `mtpkit convert`",
+            f"mtp/manifest.json names the head file mtp/{weights}, which is missing: copy it "
+            "back, or re-convert with `mtpkit convert`",
+        )
+    problems = manifest_problems(ckpt)
+    if problems:
+        more = f" (+{len(problems) - 1} more)" if len(problems) > 1 else ""
+        return CheckResult(
+            "manifest",
+            FAIL,
+            f"{problems[0]}{more}: the runtime trusts the manifest; re-convert with `mtpkit convert`",
         )
     if ckpt.manifest.get("format") != MANIFEST_FORMAT:
         return CheckResult(
@@ -216,6 +253,23 @@ def _manifest(ckpt: Checkpoint) -> CheckResult:
         f"{ckpt.manifest.get('family')}, norms {fmt}, hidden {ckpt.manifest.get('hidden', '?')}, "
         f"{ckpt.manifest.get('concat_order', '?')}",
     )
+
+
+def head_finite_check(root: Path, ckpt: Checkpoint) -> CheckResult:
+    """Read the head's tensors from a local copy: NaN or Inf fails it before any probe."""
+    files: dict[Path, list[str]] = {}
+    for t in ckpt.mtp_tensors:
+        files.setdefault(root / t.shard, []).append(t.name)
+    bad = list(nonfinite_tensors(files))
+    if bad:
+        return CheckResult(
+            "head_finite",
+            FAIL,
+            f"{HEAD_NOT_FINITE}: {_more(bad)} hold NaN or Inf; the head's weights are damaged "
+            "(a bad download or a broken conversion): download again or re-convert from the "
+            "original with `mtpkit convert`",
+        )
+    return CheckResult("head_finite", PASS, f"{len(ckpt.mtp_tensors)} head tensors are finite")
 
 
 def backbone_check(model_dir: Path, ckpt: Checkpoint | None = None) -> CheckResult:
@@ -246,123 +300,6 @@ def backbone_check(model_dir: Path, ckpt: Checkpoint | None = None) -> CheckResu
             "`mtpkit convert`",
         )
     return CheckResult("backbone_loads", PASS, "stock mlx-lm loads the backbone")
-
-
-# --------------------------------------------------------------------------- measuring
-
-
-def default_measure() -> MeasureFn:
-    """The runtime's acceptance measurement (greedy generation with the head)."""
-    try:
-        from mtpkit.generate import measure_acceptance
-    except ImportError as e:  # pragma: no cover - the runtime ships with mtpkit
-        raise MtpkitError(f"the MTP runtime is not available ({e}); run with --no-probe") from None
-    return measure_acceptance
-
-
-def measure_per_prompt(
-    measure: MeasureFn,
-    model_dir: Path,
-    prompts: Sequence[str],
-    variant: Variant,
-    shipped: Variant,
-    *,
-    max_tokens: int,
-) -> Measurement:
-    """Acceptance of one variant, prompt by prompt (for the paired comparison)."""
-    kwargs: dict[str, Any] = {"max_tokens": max_tokens, "norm_shift": float(variant.norm_shift)}
-    # As shipped, the runtime reads its settings from the checkpoint itself.
-    kwargs["hidden"] = variant.hidden if variant.hidden != shipped.hidden else None
-    kwargs["concat_order"] = (
-        variant.concat_order if variant.concat_order != shipped.concat_order else None
-    )
-    values = []
-    for prompt in prompts:
-        value = float(measure(str(model_dir), [prompt], **kwargs))
-        values.append(value if math.isfinite(value) else 0.0)
-    return Measurement(variant, values)
-
-
-def probe_directory(
-    model_dir: Path,
-    shipped: Variant,
-    prompts: Sequence[str],
-    *,
-    measure: MeasureFn,
-    reserve: Sequence[str],
-    min_acceptance: float,
-    max_tokens: int,
-    zero_centred: bool,
-    log: Callable[[str], None],
-) -> Diagnosis:
-    """Measure the head in `model_dir` as shipped and under its variants, and diagnose it."""
-
-    def measure_on(chosen: Sequence[str], what: str) -> Callable[[Variant], Measurement]:
-        def measure_variant(v: Variant) -> Measurement:
-            log(f"probing {v.describe()} on {len(chosen)} {what}")
-            return measure_per_prompt(measure, model_dir, chosen, v, shipped, max_tokens=max_tokens)
-
-        return measure_variant
-
-    started = time.monotonic()
-    diagnosis = diagnose(
-        measure_on(prompts, "prompts"),
-        shipped,
-        min_acceptance=min_acceptance,
-        zero_centred=zero_centred,
-        measure_more=measure_on(reserve, "more prompts (undecided)") if reserve else None,
-    )
-    log(f"probes took {time.monotonic() - started:.0f} s")
-    return diagnosis
-
-
-# --------------------------------------------------------------------------- a runnable copy
-
-
-def cache_root() -> Path:
-    """Where converted copies of raw checkpoints are kept (`MTPKIT_CACHE`, else ~/.cache)."""
-    root = os.environ.get("MTPKIT_CACHE")
-    return Path(root) if root else Path.home() / ".cache" / "mtpkit"
-
-
-@contextmanager
-def runnable_copy(ckpt: Checkpoint, *, log: Callable[[str], None]) -> Iterator[Path]:
-    """A local MLX directory the runtime can run: the source itself, or a converted copy.
-
-    An MLX directory (mtpkit's sidecar, the inline layout, vllm-mlx sidecars) is probed as it
-    is; on the Hub it is downloaded through `mtpkit.source` into the Hugging Face cache that
-    `generate` also reads. A raw checkpoint is converted with `mtpkit convert` first, into a
-    temporary directory for a local one, and for a Hub repo into the mtpkit cache, keyed by
-    its commit, and reused on the next run.
-    """
-    source = ckpt.source
-    if ckpt.format == "mlx":
-        if source.kind != "local":
-            log(f"downloading {source.describe()}")
-        yield source.snapshot_dir()
-        return
-    from mtpkit.convert import convert
-
-    if source.kind == "local":
-        # A raw checkpoint is run the way users run it: through `mtpkit convert`.
-        # In the cache root (on the home disk, like the Hub cache), not in a small /tmp.
-        cache_root().mkdir(parents=True, exist_ok=True)
-        remove_stale_work_dirs(cache_root(), "check", log)
-        scratch = work_dir_prefix("check")
-        with tempfile.TemporaryDirectory(prefix=scratch, dir=cache_root()) as tmp:
-            out = Path(tmp) / "converted"
-            log(f"converting {source.describe()} for the probes")
-            convert(source.spec, output=out)
-            yield out
-        return
-    key = f"{source.spec.replace('/', '--')}--{source.commit or source.revision or 'main'}"
-    out = cache_root() / "check" / key
-    if not (out / "config.json").exists():
-        shutil.rmtree(out, ignore_errors=True)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        log(f"converting {source.describe()} into {out}")
-        convert(source.spec, output=out, revision=source.commit or source.revision, force=True)
-    yield out
 
 
 # --------------------------------------------------------------------------- the whole check
@@ -402,7 +339,7 @@ def check_checkpoint(
             log=log or (lambda message: None),
         )
     except Exception as e:
-        if junit is not None:  # CI shows why the check could not run, whatever the error
+        if junit is not None:  # CI shows why the check could not run
             write_junit(junit_error_xml(source, revision, one_line(e), type(e).__name__), junit)
         raise
     if junit is not None:
@@ -433,15 +370,23 @@ def _check(
     if not prompts:
         raise MtpkitError("no prompts to probe with: pass a non-empty --prompts FILE")
     if is_local:
+        if ckpt.mtp_tensors and all(c.status != FAIL for c in checks):
+            checks.append(head_finite_check(Path(ckpt.source.root), ckpt))
         checks.append(backbone_check(Path(ckpt.source.root), ckpt))
     diagnosis: Diagnosis | None = None
+    moe_dtype: str | None = None
+    skipped: list[CheckResult] = []
     if probe and any(c.status == FAIL for c in checks):
         log("probes skipped: a structural check failed")
     elif probe:
         with runnable_copy(ckpt, log=log) as model_dir:
             if not is_local and ckpt.format == "mlx":
+                checks.append(head_finite_check(model_dir, ckpt))
                 checks.append(backbone_check(model_dir))
             if all(c.status != FAIL for c in checks):
+                moe_dtype, skipped = _load_for_probes(model_dir, measure)
+                checks.extend(skipped)
+            if all(c.status != FAIL for c in checks) and not skipped:
                 diagnosis = probe_directory(
                     model_dir,
                     shipped_variant(ckpt.manifest, ckpt.family.concat_order),
@@ -461,7 +406,25 @@ def _check(
         "checks": [c.as_dict() for c in checks],
         "acceptance": round(diagnosis.acceptance, 4) if diagnosis else None,
         "best_variant": best_variant(diagnosis.best) if diagnosis else None,
+        "moe_dtype": moe_dtype,
     }
+
+
+def _load_for_probes(
+    model_dir: Path, measure: MeasureFn | None
+) -> tuple[str | None, list[CheckResult]]:
+    """The runtime's load, once before the probes: the experts' dtype, or why no probe runs.
+
+    Where the float32 experts MLX's CPU backend needs would not fit in memory, the probes are
+    skipped with a warning naming `moe_float32_exceeds_memory`: the structural checks decide.
+    A caller's own `measure` loads nothing here.
+    """
+    if measure is not None:
+        return None, []
+    try:
+        return model_moe_dtype(model_dir), []
+    except ExpertsTooLarge as e:
+        return None, [CheckResult("acceptance", WARN, f"probes skipped: {e}")]
 
 
 def best_variant(best: Measurement) -> dict[str, Any]:

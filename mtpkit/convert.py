@@ -17,7 +17,7 @@ from __future__ import annotations
 import re
 import shutil
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +31,7 @@ from mtpkit.destination import (
     remove_stale,
     replace_with,
 )
-from mtpkit.errors import MtpkitError
+from mtpkit.errors import CheckpointProblem, MtpkitError
 from mtpkit.inspect import Checkpoint, read_checkpoint
 from mtpkit.manifest import (
     HEAD_WEIGHTS_PATH,
@@ -43,6 +43,7 @@ from mtpkit.manifest import (
 )
 from mtpkit.output import progress_bar
 from mtpkit.plan import Converter, Plan, Settings, check_conv1d, refuse_problems
+from mtpkit.validate import nonfinite_tensors
 from mtpkit.writer import (
     read_config,
     shard_jobs,
@@ -74,6 +75,8 @@ class ConvertResult:
     backbone_tensors: int
     head_tensors: int
     seconds: float
+    # What was repaired on the way (e.g. the declared MTP layer count), for stderr.
+    warnings: list[str] = field(default_factory=list)
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -144,6 +147,7 @@ def convert(
         tmp = fresh_temp_dir(out)
         try:
             _write_output(tmp, ckpt, converter, plan, config, manifest, quiet=quiet)
+            refuse_nonfinite_head(tmp / HEAD_WEIGHTS_PATH, ckpt)
             replace_with(out, tmp)
         except OSError as e:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -156,8 +160,37 @@ def convert(
         converter.close()
     seconds = time.perf_counter() - started
     return ConvertResult(
-        out, ckpt.family.name, manifest, len(plan.backbone), len(plan.head), seconds
+        out,
+        ckpt.family.name,
+        manifest,
+        len(plan.backbone),
+        len(plan.head),
+        seconds,
+        repaired(ckpt, layers),
     )
+
+
+def refuse_nonfinite_head(head_file: Path, ckpt: Checkpoint) -> None:
+    """A head with NaN or Inf is never published as a conversion (`head_not_finite`)."""
+    if not head_file.exists():
+        return
+    bad = list(nonfinite_tensors({head_file: None}))
+    if bad:
+        more = f" (+{len(bad) - 1} more)" if len(bad) > 1 else ""
+        raise CheckpointProblem(
+            f"{ckpt.source.describe()} cannot be converted (head_not_finite): the MTP head's "
+            f"{bad[0]}{more} holds NaN or Inf; download the checkpoint again or take the head "
+            "from the original"
+        )
+
+
+def repaired(ckpt: Checkpoint, layers: int) -> list[str]:
+    """Warnings for the problems convert repairs rather than refuses (TOLERATED_PROBLEMS)."""
+    return [
+        f"{p['message'].split(': set ')[0]}; writing {ckpt.family.mtp_field()}={layers}"
+        for p in ckpt.problems
+        if p["code"] == "mtp_layer_count_mismatch"
+    ]
 
 
 def _check_convertible(

@@ -40,6 +40,7 @@ class GenerationResult:
     peak_memory_gb: float
     mtp: bool
     depth: int
+    moe_dtype: str | None = None
 
     @property
     def acceptance(self) -> float | None:
@@ -60,6 +61,7 @@ class GenerationResult:
             "peak_memory_gb": self.peak_memory_gb,
             "mtp": self.mtp,
             "depth": self.depth,
+            "moe_dtype": self.moe_dtype,
         }
 
 
@@ -212,6 +214,7 @@ def generate(
         peak_memory_gb=mx.get_peak_memory() / 1e9,
         mtp=use_mtp,
         depth=depth if use_mtp else 0,
+        moe_dtype=m.moe_dtype,
     )
 
 

@@ -13,6 +13,8 @@ import struct
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from mtpkit.validate import offsets_problem
+
 # The safetensors format caps headers at 100 MB; anything larger is corrupt by definition.
 MAX_HEADER_BYTES = 100_000_000
 # First read of a remote shard: the length field plus most real headers in one request.
@@ -100,6 +102,10 @@ def parse_header(shard: str, file_size: int, read: Callable[[int, int], bytes]) 
     tensors: dict[str, TensorInfo] = {}
     for name, entry in header.items():
         tensors[name] = _tensor_info(shard, name, entry, data_start, data_size)
+    spans = ((t.name, t.start - data_start, t.end - data_start) for t in tensors.values())
+    layout = offsets_problem(spans, data_size)
+    if layout is not None:
+        raise HeaderError(f"{shard}: {layout}")
     return ShardHeader(shard, file_size, data_start, metadata, tensors)
 
 

@@ -16,6 +16,12 @@ from mtpkit.families.base import expert_layout, incomplete_experts
 from mtpkit.headers import HeaderError, ShardHeader, TensorInfo, parse_header
 from mtpkit.manifest import MANIFEST_PATH, SIDECAR_WEIGHTS, norm_convention
 from mtpkit.source import Source, is_safe_relpath, open_source
+from mtpkit.validate import (
+    config_problems,
+    layer_count_problem,
+    mtp_field_valid,
+    present_layers,
+)
 
 INDEX_PATH = "model.safetensors.index.json"
 
@@ -31,9 +37,13 @@ PROBLEM_CODES = {
     "unsafe_path": "the index names a file outside the checkpoint; it was not opened",
     "total_size_mismatch": "the index's metadata.total_size differs from the tensors' bytes",
     "missing_model_type": "config.json has no top-level model_type (loaders need it)",
+    "invalid_config": "a config.json value has the wrong type or is out of range",
+    "mtp_layer_count_mismatch": "the declared MTP layer count differs from the layers present",
 }
 # Problems that mean the head cannot be used as it is (`--require-mtp` exits 3 on these).
 HEAD_UNUSABLE = {"mtp_declared_not_present", "incomplete_experts", "incomplete_mtp"}
+# Problems that leave some tensors unread: what they hold is unknown, not absent.
+UNREADABLE = {"missing_shard", "corrupt_header", "unsafe_path"}
 
 
 @dataclass
@@ -92,6 +102,8 @@ def read_checkpoint(spec: str, *, revision: str | None = None) -> Checkpoint:
         raise NotACheckpoint(f"{source.describe()} has config.json but no safetensors weights")
 
     ckpt = Checkpoint(source, config, family, "hf", manifest, index, shards, sidecars)
+    for p in config_problems(config, family.mtp_field()):
+        ckpt.problem(p.code, p.message)
     for shard in shards + sidecars:
         if not is_safe_relpath(shard):
             ckpt.problem(
@@ -152,11 +164,29 @@ def _format(ckpt: Checkpoint) -> str:
     return "mlx" if "mlx" in formats else "hf"
 
 
+def unread_mtp_shards(ckpt: Checkpoint) -> list[str]:
+    """Shards that could not be read and may hold MTP tensors (per the index; without an
+    index, any unread shard may)."""
+    weight_map = (ckpt.index or {}).get("weight_map") or {}
+    unread = [s for s in ckpt.shards + ckpt.sidecars if s not in ckpt.headers]
+    if not weight_map:
+        return unread
+    holding = {s for n, s in weight_map.items() if ckpt.family.is_mtp_tensor(n)}
+    return [s for s in unread if s in holding or s in ckpt.sidecars]
+
+
 def _check_mtp(ckpt: Checkpoint) -> None:
     family = ckpt.family
     mtp = ckpt.mtp_tensors
     declared = family.declared_mtp_layers()
     where = ckpt.source.describe()
+    if not mtp_field_valid(ckpt.config, family.mtp_field()):
+        return  # `invalid_config` names it; nothing is declared to compare
+    if unread_mtp_shards(ckpt):
+        return  # a damaged or missing shard: its problem says so; the head is unknown
+    names = [family.head_relative(t.name) or "" for t in mtp if family.duplicate_of(t.name) is None]
+    if (mismatch := layer_count_problem(family.mtp_field(), declared, present_layers(names))):
+        ckpt.problem(mismatch.code, mismatch.message)
     if declared and not mtp:
         ckpt.problem(
             "mtp_declared_not_present",

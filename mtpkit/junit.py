@@ -72,6 +72,8 @@ def junit_xml(result: dict[str, Any]) -> str:
     properties = {"verdict": result["verdict"]}
     if result.get("acceptance") is not None:
         properties["acceptance"] = str(result["acceptance"])
+    if result.get("moe_dtype") is not None:
+        properties["moe_dtype"] = str(result["moe_dtype"])
     for key, value in (result.get("best_variant") or {}).items():
         properties[f"best_variant.{key}"] = str(value)
     return build_xml(where(result["source"], result.get("revision")), cases, properties)

@@ -139,6 +139,8 @@ def print_check(result: dict[str, Any]) -> None:
         line += ")"
     elif not any(c["name"] == "acceptance" for c in result["checks"]):
         line += " (no probes run)"
+    if result.get("moe_dtype"):
+        line += f"; experts ran in {result['moe_dtype']}"
     style = STATUS_STYLE[result["verdict"]]
     stdout.print(f"[{style}]{line}[/{style}]")
 
@@ -174,4 +176,6 @@ def print_generate(result: Any) -> None:
         )
     else:
         summary += ", no MTP"
+    if result.moe_dtype:
+        summary += f", experts in {result.moe_dtype}"
     log(summary)

@@ -43,7 +43,8 @@ LAYOUTS = ("sidecar", "inline")
 HIDDEN_VARIANTS = ("post_norm", "pre_norm")
 # Problems inspect may report that do not make a conversion unsafe: convert declares the
 # head in the output config itself.
-TOLERATED_PROBLEMS = {"mtp_present_not_declared"}
+# Problems convert repairs: it declares the MTP layers the weights hold, with a warning.
+TOLERATED_PROBLEMS = {"mtp_present_not_declared", "mtp_layer_count_mismatch"}
 
 Entries = list[tuple[str, mx.array]]
 

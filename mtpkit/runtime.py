@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import contextlib
+import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,6 +35,7 @@ from mtpkit.kernels import use_fast_verify
 from mtpkit.qmv import multi_row_matmuls
 from mtpkit.replay import CacheReplay, gdn_covers
 from mtpkit.source import HubSource, hub_errors, open_source
+from mtpkit.upcast import moe_dtype, upcast_experts
 
 POST_NORM = "post_norm"
 PRE_NORM = "pre_norm"
@@ -118,6 +120,11 @@ class MtpModel:
     hidden: str
     capture: HiddenCapture
     context_length: int | None
+
+    @property
+    def moe_dtype(self) -> str | None:
+        """The dtype the MoE experts compute in (`mtpkit.upcast.moe_dtype`); None without."""
+        return moe_dtype(self.model) or (moe_dtype(self.head) if self.head is not None else None)
 
     @property
     def text_model(self) -> nn.Module:
@@ -234,7 +241,6 @@ def load_backbone(
     config, as `mlx_lm.load` returns them. `drop` names the tensors to set aside (default:
     `head_tensor_filter` of the config)."""
     from mlx_lm.utils import load_model as mlx_load_model
-    from mlx_lm.utils import load_tokenizer
 
     def classes(config: dict[str, Any]) -> tuple[type[nn.Module], type]:
         return model_classes_without(config, drop or head_tensor_filter(config))
@@ -245,6 +251,62 @@ def load_backbone(
         raise MtpkitError(f"mlx-lm cannot load {path}: {e}") from None
     tokenizer = load_tokenizer(path, eos_token_ids=config.get("eos_token_id", None))
     return model, tokenizer, config
+
+
+class RemoteCodeRequired(MtpkitError):
+    """The tokenizer exists only as custom code in the repo, which mtpkit never runs."""
+
+
+class StdinClosed:
+    """Standard input while a library loads: reading it is a bug (a question to a user)."""
+
+    def read(self, *args: object) -> str:
+        raise MtpkitError("a library tried to read standard input while loading; refused")
+
+    readline = read
+
+    def isatty(self) -> bool:
+        return False
+
+
+@contextlib.contextmanager
+def library_io() -> Iterator[None]:
+    """While transformers/mlx-lm load: their prints go to stderr, stdin cannot be read.
+
+    stdout carries only the result (`--json` must parse), and a CI job never waits on a
+    question such as transformers' "Do you wish to run the custom code? [y/N]".
+    """
+    stdin = sys.stdin
+    sys.stdin = StdinClosed()  # type: ignore[assignment]
+    try:
+        with contextlib.redirect_stdout(sys.stderr):
+            yield
+    finally:
+        sys.stdin = stdin
+
+
+def load_tokenizer(path: Path, eos_token_ids: Any = None) -> Any:
+    """mlx-lm's tokenizer wrapper over transformers' library classes, never remote code.
+
+    `trust_remote_code=False` keeps transformers from asking on stdin when `config.json`
+    has an `auto_map` and a `model_type` it does not know (MiMo-7B): the tokenizer's own
+    class (`tokenizer_class`, `tokenizer.json`) is used. A tokenizer that exists only as
+    custom code is a one-line error.
+    """
+    from mlx_lm.utils import load_tokenizer as mlx_load_tokenizer
+
+    try:
+        with library_io():
+            return mlx_load_tokenizer(
+                path, {"trust_remote_code": False}, eos_token_ids=eos_token_ids
+            )
+    except ValueError as e:
+        if "custom code" not in str(e) and "trust_remote_code" not in str(e):
+            raise
+        raise RemoteCodeRequired(
+            f"the tokenizer of {path} needs custom code from the repo (its auto_map), which "
+            "mtpkit never runs: publish a tokenizer.json (a library tokenizer class) with it"
+        ) from None
 
 
 _BACKBONES: dict[tuple[str, float], tuple[nn.Module, Any, dict[str, Any]]] = {}
@@ -288,6 +350,7 @@ def load_model(
         loaded = load_head(path, config, norm_shift=norm_shift, concat_order=concat_order)
         if loaded is not None:
             head, head_weights = loaded
+    upcast_experts([model, head], what=str(path))
     if hidden is None:
         manifest = head_weights.manifest if head_weights is not None else None
         hidden = (manifest or {}).get("hidden") or POST_NORM

@@ -29,7 +29,7 @@ hub = hub_server.hub
 
 runner = CliRunner()
 
-JSON_KEYS = {"source", "revision", "verdict", "checks", "acceptance", "best_variant"}
+JSON_KEYS = {"source", "revision", "verdict", "checks", "acceptance", "best_variant", "moe_dtype"}
 
 
 @pytest.fixture(scope="module")

@@ -42,29 +42,45 @@ def one_error_line(result) -> str:
     return lines[0]
 
 
+@pytest.fixture
+def faulty_reader(monkeypatch):
+    """A fault nobody foresaw: reading any safetensors header raises a bare RuntimeError."""
+    import mtpkit.inspect
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("simulated fault\nsecond line")
+
+    monkeypatch.setattr(mtpkit.inspect, "parse_header", broken)
+
+
 @pytest.mark.parametrize("command", ["inspect", "convert", "check"])
-def test_an_unexpected_exception_is_one_line(word_count, tmp_path, command):
+def test_an_unexpected_exception_is_one_line(checkpoint, faulty_reader, tmp_path, command):
+    source = checkpoint("qwen3_5")
     args = {
-        "inspect": ["inspect", str(word_count)],
-        "convert": ["convert", str(word_count), "-o", str(tmp_path / "out")],
-        "check": ["check", str(word_count), "--junit", str(tmp_path / "r.xml"), "--json"],
+        "inspect": ["inspect", str(source)],
+        "convert": ["convert", str(source), "-o", str(tmp_path / "out")],
+        "check": ["check", str(source), "--junit", str(tmp_path / "r.xml"), "--json"],
     }[command]
     line = one_error_line(runner.invoke(app, args))
-    assert line == (
-        "Error: unexpected ValueError: invalid literal for int() with base 10: 'one' "
-        "(MTPKIT_DEBUG=1 shows where)"
-    )
+    assert line == "Error: unexpected RuntimeError: simulated fault (MTPKIT_DEBUG=1 shows where)"
     assert not (tmp_path / "out").exists()
     if command == "check":
         case = ET.parse(tmp_path / "r.xml").getroot().find("testsuite/testcase")
         error = case.find("error")
-        assert case.get("name") == "check" and error.get("type") == "ValueError"
+        assert case.get("name") == "check" and error.get("type") == "RuntimeError"
         assert error.get("message") == line.removeprefix("Error: ")
 
 
-def test_mtpkit_debug_shows_the_traceback(word_count):
-    result = runner.invoke(app, ["inspect", str(word_count)], env={"MTPKIT_DEBUG": "1"})
-    assert result.exit_code == 1 and isinstance(result.exception, ValueError)
+def test_a_word_for_a_layer_count_is_a_named_problem_not_a_traceback(word_count):
+    result = runner.invoke(app, ["inspect", str(word_count), "--json"])
+    assert result.exit_code == 0 and "Traceback" not in result.output
+    codes = {p["code"] for p in json.loads(result.stdout)["problems"]}
+    assert "invalid_config" in codes
+
+
+def test_mtpkit_debug_shows_the_traceback(checkpoint, faulty_reader):
+    result = runner.invoke(app, ["inspect", str(checkpoint("qwen3_5"))], env={"MTPKIT_DEBUG": "1"})
+    assert result.exit_code == 1 and isinstance(result.exception, RuntimeError)
 
 
 def test_one_line_keeps_a_user_error_as_it_is():

@@ -26,6 +26,7 @@ GENERATE_KEYS = {
     "peak_memory_gb",
     "mtp",
     "depth",
+    "moe_dtype",
 }
 
 
@@ -114,7 +115,7 @@ def test_bench_json(converted: Path) -> None:
     result = run("bench", "--model", str(converted), "--max-tokens", "16", "--depth", "2", "--json")
     assert result.exit_code == 0, result.output
     out = json.loads(result.stdout)
-    assert set(out) == {"model", "plain_tps", "beta", "delta", "runs"}
+    assert set(out) == {"model", "plain_tps", "beta", "delta", "moe_dtype", "runs"}
     assert [r["depth"] for r in out["runs"]] == [1, 2]
     for r in out["runs"]:
         assert set(r) == {"depth", "acceptance", "decode_tps", "speedup", "ceiling"}

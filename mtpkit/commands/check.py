@@ -54,7 +54,7 @@ def check(
 
     Structural checks read only config, index, manifest and headers. The probes generate greedily with the head, then re-run it with its norms shifted by -1 and +1, with the other hidden-state variant and with the other concat order, to name a double or missing norm shift or a mismatched convention with its fix.
 
-    Exit 0 on pass, 3 on fail, 1 on an error.
+    On a CPU, bf16/fp16 MoE experts run in float32 (reported as moe_dtype). Exit 0 on pass, 3 on fail, 1 on an error.
     """
     from mtpkit.check import check_checkpoint
     from mtpkit.output import log, print_check, print_json

@@ -73,7 +73,7 @@ def convert(
     """
     from mtpkit.convert import convert as convert_checkpoint
     from mtpkit.convert import graft
-    from mtpkit.output import print_convert, print_json
+    from mtpkit.output import log, print_convert, print_json
 
     if mtp_only:
         if into is None or output is not None or bits is not None or layout or recipe:
@@ -111,6 +111,8 @@ def convert(
             force=force,
             quiet=quiet or json_output,
         )
+    for warning in result.warnings:
+        log(f"warning: {warning}")
     if json_output:
         print_json(result.as_dict())
     else:

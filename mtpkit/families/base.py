@@ -14,6 +14,7 @@ from typing import Any, ClassVar
 
 from mtpkit.families.head import MtpHead
 from mtpkit.quant import mlx_lm_models
+from mtpkit.validate import as_count, require_count
 
 EXPERT_INDEX = re.compile(
     r"^(?P<prefix>.*\.experts)\.(?P<expert>\d+)\.(?P<proj>\w+?)(?:\.weight)?$"
@@ -126,7 +127,8 @@ class Family(ConvertHooks):
         value = self.text_config.get(key)
         if value is None:
             value = self.config.get(key)
-        return None if value is None else int(value)
+        # A value that is not an integer ("one") declares nothing; `mtpkit.validate` names it.
+        return None if value is None else as_count(value)
 
     def mtp_field(self) -> str:
         """The config field that declares MTP layers for this family."""
@@ -134,13 +136,12 @@ class Family(ConvertHooks):
 
     @property
     def num_hidden_layers(self) -> int:
-        return int(self.text_config["num_hidden_layers"])
+        return require_count(self.text_config, "num_hidden_layers")
 
     @property
     def num_experts(self) -> int:
-        return int(
-            self.text_config.get("num_experts") or self.text_config.get("n_routed_experts") or 0
-        )
+        key = "num_experts" if self.text_config.get("num_experts") else "n_routed_experts"
+        return require_count(self.text_config, key, default=0)
 
     def mtp_layer_offset(self) -> int:
         """The raw index of MTP layer 0 (`raw_layer_root`), read from the config."""
