@@ -71,6 +71,7 @@ MOE_LAYOUTS: tuple[str, ...] = (
     "longcat_flash",
     "ernie4_5_moe",
     "exaone_moe",
+    "mimo_v2_flash",
 )
 
 

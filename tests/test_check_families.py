@@ -54,10 +54,28 @@ def exaone_skilled(tensors: dict[str, mx.array]) -> dict[str, mx.array]:
     return tensors
 
 
+def mimo_v2_flash_skilled(tensors: dict[str, mx.array]) -> dict[str, mx.array]:
+    """MiMo-V2-Flash's three layers alike: unit enorm, eh_proj keeps the embedding half, and
+    final_layernorm copies the trunk's norm: logits = lm_head(norm(norm(embed(t_{k+1}))))."""
+    h = tensors["model.embed_tokens.weight"].shape[1]
+    eye = mx.eye(h, dtype=mx.float32)
+    layers = {k.split(".")[3] for k in tensors if k.startswith("model.mtp.layers.")}
+    for i in layers:
+        tensors[f"model.mtp.layers.{i}.enorm.weight"] = mx.ones((h,))
+        tensors[f"model.mtp.layers.{i}.final_layernorm.weight"] = tensors["model.norm.weight"]
+        tensors[f"model.mtp.layers.{i}.eh_proj.weight"] = mx.concatenate(
+            [eye, mx.zeros_like(eye)], axis=1
+        )
+    return tensors
+
+
 SKILLED: dict[str, Callable[[dict[str, mx.array]], dict[str, mx.array]]] = {
     "ernie4_5_moe": ernie_skilled,
     "exaone_moe": exaone_skilled,
+    "mimo_v2_flash": mimo_v2_flash_skilled,
 }
+# The projection's name in each family's converted head.
+PROJECTIONS = ("linear_proj.weight", "mtp.fc.weight", "eh_proj.weight")
 
 
 def skilled_checkpoint(src: Path, dst: Path, layout: str) -> Path:
@@ -100,11 +118,14 @@ def foreign(weights: dict[str, mx.array]) -> dict[str, mx.array]:
 
 
 def swapped(weights: dict[str, mx.array]) -> dict[str, mx.array]:
-    """The projection's two halves exchanged: the head reads the hidden state as the embedding."""
-    name = next(k for k in weights if k.endswith(("linear_proj.weight", "mtp.fc.weight")))
-    w = weights[name]
-    half = w.shape[1] // 2
-    return {**weights, name: mx.concatenate([w[:, half:], w[:, :half]], axis=1)}
+    """Every projection's two halves exchanged: the head reads the hidden state as the
+    embedding."""
+    out = dict(weights)
+    for name in (k for k in weights if k.endswith(PROJECTIONS)):
+        w = weights[name]
+        half = w.shape[1] // 2
+        out[name] = mx.concatenate([w[:, half:], w[:, :half]], axis=1)
+    return out
 
 
 @pytest.fixture(scope="module", params=sorted(SKILLED))

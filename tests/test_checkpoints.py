@@ -205,6 +205,27 @@ EXPECTED_MTP_KEYS: dict[str, set[str]] = {
             "layers.0.mlp.down_proj.weight",
         )
     },
+    # MiMo-V2-Flash: three nextn layers, each a sliding-window block with a sink.
+    "mimo_v2_flash": {
+        f"model.mtp.layers.{i}.{name}"
+        for i in range(3)
+        for name in (
+            "enorm.weight",
+            "hnorm.weight",
+            "eh_proj.weight",
+            "final_layernorm.weight",
+            "input_layernorm.weight",
+            "pre_mlp_layernorm.weight",
+            "self_attn.q_proj.weight",
+            "self_attn.k_proj.weight",
+            "self_attn.v_proj.weight",
+            "self_attn.o_proj.weight",
+            "self_attn.attention_sink_bias",
+            "mlp.gate_proj.weight",
+            "mlp.up_proj.weight",
+            "mlp.down_proj.weight",
+        )
+    },
     "stripped": set(),
 }
 EXPECTED_MTP_COUNTS = {
@@ -221,6 +242,7 @@ EXPECTED_MTP_COUNTS = {
     "mimo": 16,
     "ernie4_5_moe": 12,
     "exaone_moe": 15,
+    "mimo_v2_flash": 42,
     "stripped": 0,
 }
 
@@ -257,7 +279,7 @@ def is_mtp_key(layout: str, name: str, config: dict[str, Any]) -> bool:
         return name.startswith(f"model.layers.{config['num_hidden_layers']}.")
     if layout == "mimo":
         return name.startswith("model.mtp_layers.")
-    if layout == "longcat_flash":
+    if layout in ("longcat_flash", "mimo_v2_flash"):
         return name.startswith("model.mtp.")
     if layout == "ernie4_5_moe":
         return name.startswith("model.mtp_")
@@ -295,6 +317,7 @@ def test_families_are_the_documented_layouts() -> None:
         "glm_moe_dsa",
         "longcat_flash",
         "mimo",
+        "mimo_v2_flash",
         "qwen3_5",
         "qwen3_5_moe",
         "qwen3_6_moe",

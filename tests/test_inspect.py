@@ -58,6 +58,7 @@ EXPECTED = {
     "mimo": (lambda r: lambda k: k.startswith("model.mtp_layers."), 16, "dense", 1, "plain"),
     "ernie4_5_moe": (lambda r: lambda k: k.startswith("model.mtp_"), 12, "dense", 1, "plain"),
     "exaone_moe": (lambda r: lambda k: k.startswith("mtp."), 15, "dense", 1, "plain"),
+    "mimo_v2_flash": (lambda r: lambda k: k.startswith("model.mtp."), 42, "dense", None, "plain"),
 }
 
 

@@ -143,3 +143,66 @@ def exaone_mtp_logits(
         lambda y: swiglu_mlp(w, f"{block}.mlp", y),
     )
     return rms_norm(x, w["mtp.norm.weight"], eps) @ w["lm_head.weight"].T
+
+
+# -- MiMo-V2-Flash (vLLM mimo_v2_flash_mtp.py: nextn parts, sliding-window block, sink) -----
+
+
+def partial_rope(x: np.ndarray, positions: np.ndarray, theta: float, dims: int) -> np.ndarray:
+    """Neox-style rotary embedding over the first `dims` of x's last axis; the rest passes."""
+    rotated = rope(x[..., :dims], positions, theta, interleaved=False)
+    return np.concatenate([rotated, x[..., dims:]], axis=-1)
+
+
+def sink_attention(
+    q: np.ndarray, k: np.ndarray, v: np.ndarray, sinks: np.ndarray | None, window: int | None
+) -> np.ndarray:
+    """Causal attention of q [heads, S, D] over k, v [heads, S, *] with an optional
+    per-head sink logit that joins every softmax and attends to nothing."""
+    s = q.shape[1]
+    scores = q @ k.transpose(0, 2, 1) / np.sqrt(q.shape[-1])
+    allowed = np.tril(np.ones((s, s), dtype=bool))
+    if window is not None:
+        allowed &= np.triu(np.ones((s, s), dtype=bool), -(window - 1))
+    scores = np.where(allowed, scores, -np.inf)
+    if sinks is not None:
+        column = np.broadcast_to(sinks[:, None, None], (*scores.shape[:2], 1))
+        scores = np.concatenate([scores, column], axis=-1)
+    scores = np.exp(scores - scores.max(axis=-1, keepdims=True))
+    probs = scores / scores.sum(axis=-1, keepdims=True)
+    return probs[..., :s] @ v
+
+
+def mimo_v2_swa_attention(w: Weights, prefix: str, x: np.ndarray, cfg: dict[str, Any]) -> np.ndarray:
+    """MiMo-V2's sliding-window attention: q/k heads of `swa_head_dim`, v heads of
+    `swa_v_head_dim` scaled by `attention_value_scale`, partial rotary, a sink per head."""
+    heads, kv_heads = cfg["swa_num_attention_heads"], cfg["swa_num_key_value_heads"]
+    head_dim, v_dim = cfg["swa_head_dim"], cfg["swa_v_head_dim"]
+    s = x.shape[0]
+    q = (x @ w[f"{prefix}.q_proj.weight"].T).reshape(s, heads, head_dim).transpose(1, 0, 2)
+    k = (x @ w[f"{prefix}.k_proj.weight"].T).reshape(s, kv_heads, head_dim).transpose(1, 0, 2)
+    v = (x @ w[f"{prefix}.v_proj.weight"].T).reshape(s, kv_heads, v_dim).transpose(1, 0, 2)
+    v = v * cfg.get("attention_value_scale", 1.0)
+    dims = int(cfg["partial_rotary_factor"] * head_dim)
+    positions = np.arange(s)
+    q = partial_rope(q, positions, cfg["swa_rope_theta"], dims)
+    k = partial_rope(k, positions, cfg["swa_rope_theta"], dims)
+    k = np.repeat(k, heads // kv_heads, axis=0)
+    v = np.repeat(v, heads // kv_heads, axis=0)
+    sinks = w.get(f"{prefix}.attention_sink_bias")
+    out = sink_attention(q, k, v, sinks, cfg["sliding_window_size"])
+    return out.transpose(1, 0, 2).reshape(s, heads * v_dim) @ w[f"{prefix}.o_proj.weight"].T
+
+
+def mimo_v2_flash_mtp_logits(
+    w: Weights, cfg: dict[str, Any], hidden: np.ndarray, tokens: np.ndarray, layer: int = 0
+) -> np.ndarray:
+    """Logits [S, V] of MiMo-V2-Flash's MTP layer `layer` for hidden [S, H] and next tokens."""
+    eps = cfg["layernorm_epsilon"]
+    p = f"model.mtp.layers.{layer}"
+    e = rms_norm(w["model.embed_tokens.weight"][tokens], w[f"{p}.enorm.weight"], eps)
+    h = rms_norm(hidden, w[f"{p}.hnorm.weight"], eps)
+    x = np.concatenate([e, h], axis=-1) @ w[f"{p}.eh_proj.weight"].T
+    x = x + mimo_v2_swa_attention(w, f"{p}.self_attn", rms_norm(x, w[f"{p}.input_layernorm.weight"], eps), cfg)
+    x = x + swiglu_mlp(w, f"{p}.mlp", rms_norm(x, w[f"{p}.pre_mlp_layernorm.weight"], eps))
+    return rms_norm(x, w[f"{p}.final_layernorm.weight"], eps) @ w["lm_head.weight"].T
