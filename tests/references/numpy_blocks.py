@@ -173,7 +173,9 @@ def sink_attention(
     return probs[..., :s] @ v
 
 
-def mimo_v2_swa_attention(w: Weights, prefix: str, x: np.ndarray, cfg: dict[str, Any]) -> np.ndarray:
+def mimo_v2_swa_attention(
+    w: Weights, prefix: str, x: np.ndarray, cfg: dict[str, Any]
+) -> np.ndarray:
     """MiMo-V2's sliding-window attention: q/k heads of `swa_head_dim`, v heads of
     `swa_v_head_dim` scaled by `attention_value_scale`, partial rotary, a sink per head."""
     heads, kv_heads = cfg["swa_num_attention_heads"], cfg["swa_num_key_value_heads"]
@@ -203,6 +205,8 @@ def mimo_v2_flash_mtp_logits(
     e = rms_norm(w["model.embed_tokens.weight"][tokens], w[f"{p}.enorm.weight"], eps)
     h = rms_norm(hidden, w[f"{p}.hnorm.weight"], eps)
     x = np.concatenate([e, h], axis=-1) @ w[f"{p}.eh_proj.weight"].T
-    x = x + mimo_v2_swa_attention(w, f"{p}.self_attn", rms_norm(x, w[f"{p}.input_layernorm.weight"], eps), cfg)
+    x = x + mimo_v2_swa_attention(
+        w, f"{p}.self_attn", rms_norm(x, w[f"{p}.input_layernorm.weight"], eps), cfg
+    )
     x = x + swiglu_mlp(w, f"{p}.mlp", rms_norm(x, w[f"{p}.pre_mlp_layernorm.weight"], eps))
     return rms_norm(x, w[f"{p}.final_layernorm.weight"], eps) @ w["lm_head.weight"].T
