@@ -72,6 +72,7 @@ MOE_LAYOUTS: tuple[str, ...] = (
     "ernie4_5_moe",
     "exaone_moe",
     "mimo_v2_flash",
+    "step3p5",
 )
 
 

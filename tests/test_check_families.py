@@ -69,10 +69,24 @@ def mimo_v2_flash_skilled(tensors: dict[str, mx.array]) -> dict[str, mx.array]:
     return tensors
 
 
+def step3p5_skilled(tensors: dict[str, mx.array]) -> dict[str, mx.array]:
+    """Step-3.5's nextn layers: zero-centred, so a zero enorm is the unit one; eh_proj keeps
+    the embedding half and shared_head.norm copies the trunk's norm."""
+    h = tensors["model.embed_tokens.weight"].shape[1]
+    eye = mx.eye(h, dtype=mx.float32)
+    for name in [k for k in tensors if k.endswith(".eh_proj.weight")]:
+        layer = name.removesuffix("eh_proj.weight")
+        tensors[f"{layer}enorm.weight"] = mx.zeros((h,))
+        tensors[f"{layer}transformer.shared_head.norm.weight"] = tensors["model.norm.weight"]
+        tensors[name] = mx.concatenate([eye, mx.zeros_like(eye)], axis=1)
+    return tensors
+
+
 SKILLED: dict[str, Callable[[dict[str, mx.array]], dict[str, mx.array]]] = {
     "ernie4_5_moe": ernie_skilled,
     "exaone_moe": exaone_skilled,
     "mimo_v2_flash": mimo_v2_flash_skilled,
+    "step3p5": step3p5_skilled,
 }
 # The projection's name in each family's converted head.
 PROJECTIONS = ("linear_proj.weight", "mtp.fc.weight", "eh_proj.weight")

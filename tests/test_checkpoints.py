@@ -226,6 +226,31 @@ EXPECTED_MTP_KEYS: dict[str, set[str]] = {
             "mlp.down_proj.weight",
         )
     },
+    # Step-3.5: nextn layers N, N+1 with a dense block, the gate `g_proj`, and the lm_head's
+    # copy `transformer.shared_head.output`.
+    "step3p5": {
+        f"model.layers.{layer}.{name}"
+        for layer in (3, 4)
+        for name in (
+            "enorm.weight",
+            "hnorm.weight",
+            "eh_proj.weight",
+            "transformer.shared_head.norm.weight",
+            "transformer.shared_head.output.weight",
+            "input_layernorm.weight",
+            "post_attention_layernorm.weight",
+            "self_attn.q_proj.weight",
+            "self_attn.k_proj.weight",
+            "self_attn.v_proj.weight",
+            "self_attn.o_proj.weight",
+            "self_attn.g_proj.weight",
+            "self_attn.q_norm.weight",
+            "self_attn.k_norm.weight",
+            "mlp.gate_proj.weight",
+            "mlp.up_proj.weight",
+            "mlp.down_proj.weight",
+        )
+    },
     "stripped": set(),
 }
 EXPECTED_MTP_COUNTS = {
@@ -243,6 +268,7 @@ EXPECTED_MTP_COUNTS = {
     "ernie4_5_moe": 12,
     "exaone_moe": 15,
     "mimo_v2_flash": 42,
+    "step3p5": 34,
     "stripped": 0,
 }
 
@@ -275,8 +301,17 @@ def tensor_bytes(path: Path) -> dict[str, bytes]:
 
 
 def is_mtp_key(layout: str, name: str, config: dict[str, Any]) -> bool:
-    if layout in ("deepseek_v3", "glm4_moe", "glm4_moe_lite", "deepseek_v32", "glm_moe_dsa"):
-        return name.startswith(f"model.layers.{config['num_hidden_layers']}.")
+    if layout in (
+        "deepseek_v3",
+        "glm4_moe",
+        "glm4_moe_lite",
+        "deepseek_v32",
+        "glm_moe_dsa",
+        "step3p5",
+    ):
+        # Every layer from num_hidden_layers on (Step-3.5 keeps several).
+        parts = name.split(".")
+        return name.startswith("model.layers.") and int(parts[2]) >= config["num_hidden_layers"]
     if layout == "mimo":
         return name.startswith("model.mtp_layers.")
     if layout in ("longcat_flash", "mimo_v2_flash"):
@@ -322,6 +357,7 @@ def test_families_are_the_documented_layouts() -> None:
         "qwen3_5_moe",
         "qwen3_6_moe",
         "qwen3_next",
+        "step3p5",
         "stripped",
         "mlx_inline",
         "mlx_plain",

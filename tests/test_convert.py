@@ -38,6 +38,7 @@ MOE = (
     "ernie4_5_moe",
     "exaone_moe",
     "mimo_v2_flash",
+    "step3p5",
 )
 DENSE = ("qwen3_5", "mimo")
 RAW = DENSE + MOE
@@ -52,9 +53,10 @@ PREFIX = {
     "ernie4_5_moe": "mtp.",
     "exaone_moe": "mtp.",
     "mimo_v2_flash": "mtp.",
+    "step3p5": "mtp.",
 }
 # Fixtures with more than one MTP layer (MiMo-V2-Flash publishes three).
-HEAD_LAYERS = {"mimo_v2_flash": 3}
+HEAD_LAYERS = {"mimo_v2_flash": 3, "step3p5": 2}
 # Families whose head keeps fc and norms at its root (`mtp.fc`), not inside each layer.
 QWEN_STYLE_ROOT = ("qwen3_next", "exaone_moe")
 TOKENS = mx.array([[5, 17, 100, 3, 250, 42, 7, 9, 300, 11]])
@@ -243,6 +245,14 @@ def test_head_names_shift_and_manifest(layout, sources, tmp_path):
     elif layout == "qwen3_next":
         assert config["num_nextn_predict_layers"] == 1
         assert manifest["rmsnorm_weight_format"] == "mlx_gamma"
+    elif layout == "step3p5":  # every norm zero-centred, the nextn ones included
+        assert config["num_nextn_predict_layers"] == layers
+        assert manifest["rmsnorm_weight_format"] == "mlx_gamma"
+        n = json.loads((src / "config.json").read_text())["num_hidden_layers"]
+        raw = source[f"model.layers.{n}.transformer.shared_head.norm.weight"].astype(mx.float32)
+        norm = head["mtp.layers.0.shared_head.norm.weight"]
+        assert mx.array_equal(norm, (raw + 1.0).astype(norm.dtype)).item()
+        assert f"model.layers.{n}.transformer.shared_head.output.weight" in manifest["dropped"]
     else:
         assert config["num_nextn_predict_layers"] == layers
         assert manifest["rmsnorm_weight_format"] == "plain"

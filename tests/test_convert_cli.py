@@ -122,6 +122,7 @@ def test_every_recipe_loads():
         "ernie-4.5-21b-a3b",
         "k-exaone-236b-a23b",
         "mimo-v2-flash",
+        "step-3.5-flash",
     ):
         assert wanted in names
     for path in recipes:

@@ -23,6 +23,7 @@ REFERENCES = {
     "ernie4_5_moe": numpy_blocks.ernie_mtp_logits,
     "exaone_moe": numpy_blocks.exaone_mtp_logits,
     "mimo_v2_flash": numpy_blocks.mimo_v2_flash_mtp_logits,
+    "step3p5": numpy_blocks.step3p5_mtp_logits,
 }
 
 
@@ -43,7 +44,7 @@ def test_head_logits_match_numpy_reference(
     m = load_model(out)
     config = json.loads((src / "config.json").read_text())
     rng = np.random.default_rng(0)
-    seq = 12  # past the EXAONE and MiMo-V2-Flash fixtures' window of 8
+    seq = 12  # past the sliding windows (8) of the EXAONE, MiMo-V2 and Step-3.5 fixtures
     hidden = rng.normal(0.0, 1.0, size=(seq, config["hidden_size"])).astype(np.float32)
     tokens = rng.integers(3, config["vocab_size"], size=seq)
 

@@ -75,7 +75,9 @@ def test_build_head_rejects_unknown_family() -> None:
         build_head({"model_type": "llama"})
 
 
-@pytest.mark.parametrize("layout", ["qwen3_5", "qwen3_next", "exaone_moe", "mimo_v2_flash"])
+@pytest.mark.parametrize(
+    "layout", ["qwen3_5", "qwen3_next", "exaone_moe", "mimo_v2_flash", "step3p5"]
+)
 def test_injected_drafts_partial_acceptance_keeps_caches_exact(tmp_path: Path, layout: str) -> None:
     """Drafts right up to depth j (then wrong) for every j in 0..4: the output must stay the
     backbone's, and exactly j drafts must be accepted each round."""

@@ -37,6 +37,16 @@ def nextn_rule(root: Path):
     return lambda k: k.startswith(f"model.layers.{n}.")
 
 
+def nextn_rule_from(layers: int):
+    """Keys of the nextn layers N..N+layers-1 (Step-3.5 keeps several)."""
+
+    def rule(root: Path):
+        n = json.loads((root / "config.json").read_text())["num_hidden_layers"]
+        return lambda k: any(k.startswith(f"model.layers.{n + i}.") for i in range(layers))
+
+    return rule
+
+
 # layout -> (rule picking MTP keys, count, expert layout, declared layers, norm convention)
 EXPECTED = {
     "qwen3_5": (lambda r: lambda k: k.startswith("mtp."), 15, "dense", 1, "zero_centred"),
@@ -59,6 +69,7 @@ EXPECTED = {
     "ernie4_5_moe": (lambda r: lambda k: k.startswith("model.mtp_"), 12, "dense", 1, "plain"),
     "exaone_moe": (lambda r: lambda k: k.startswith("mtp."), 15, "dense", 1, "plain"),
     "mimo_v2_flash": (lambda r: lambda k: k.startswith("model.mtp."), 42, "dense", None, "plain"),
+    "step3p5": (nextn_rule_from(2), 34, "dense", 2, "zero_centred"),
 }
 
 

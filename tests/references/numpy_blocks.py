@@ -210,3 +210,70 @@ def mimo_v2_flash_mtp_logits(
     )
     x = x + swiglu_mlp(w, f"{p}.mlp", rms_norm(x, w[f"{p}.pre_mlp_layernorm.weight"], eps))
     return rms_norm(x, w[f"{p}.final_layernorm.weight"], eps) @ w["lm_head.weight"].T
+
+
+# -- Step-3.5 (vLLM step3p5_mtp.py: nextn parts, GemmaRMSNorm everywhere, Step3p5 block) ---
+
+
+def gemma_rms_norm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
+    """vLLM's GemmaRMSNorm: the stored weight is zero-centred, the model applies 1 + w."""
+    return rms_norm(x, 1.0 + w, eps)
+
+
+def step3p5_attention(
+    w: Weights, prefix: str, x: np.ndarray, cfg: dict[str, Any], index: int
+) -> np.ndarray:
+    """Step3p5Attention of layer `index`: per-head zero-centred q/k norms, partial rotary
+    with the layer's base, sliding window by `layer_types`, a sigmoid gate per head."""
+    eps, head_dim = cfg["rms_norm_eps"], cfg["head_dim"]
+    sliding = cfg["layer_types"][index] == "sliding_attention"
+    kv_heads = cfg["num_attention_groups"]
+    heads = cfg["num_attention_heads"]
+    other = cfg.get("attention_other_setting")
+    if sliding and other:
+        heads, kv_heads = other["num_attention_heads"], other["num_attention_groups"]
+    s = x.shape[0]
+    q = (x @ w[f"{prefix}.q_proj.weight"].T).reshape(s, heads, head_dim)
+    k = (x @ w[f"{prefix}.k_proj.weight"].T).reshape(s, kv_heads, head_dim)
+    v = (x @ w[f"{prefix}.v_proj.weight"].T).reshape(s, kv_heads, head_dim).transpose(1, 0, 2)
+    q = gemma_rms_norm(q, w[f"{prefix}.q_norm.weight"], eps).transpose(1, 0, 2)
+    k = gemma_rms_norm(k, w[f"{prefix}.k_norm.weight"], eps).transpose(1, 0, 2)
+    theta = cfg["rope_theta"][index] if isinstance(cfg["rope_theta"], list) else cfg["rope_theta"]
+    dims = int(head_dim * cfg["partial_rotary_factors"][index])
+    positions = np.arange(s)
+    q, k = partial_rope(q, positions, theta, dims), partial_rope(k, positions, theta, dims)
+    k = np.repeat(k, heads // kv_heads, axis=0)
+    v = np.repeat(v, heads // kv_heads, axis=0)
+    out = sink_attention(q, k, v, None, cfg["sliding_window"] if sliding else None)
+    gate = 1.0 / (1.0 + np.exp(-(x @ w[f"{prefix}.g_proj.weight"].T)))  # [S, heads]
+    out = out.transpose(1, 0, 2) * gate[..., None]
+    return out.reshape(s, heads * head_dim) @ w[f"{prefix}.o_proj.weight"].T
+
+
+def clamped_swiglu_mlp(w: Weights, prefix: str, x: np.ndarray, limit: float) -> np.ndarray:
+    """SwiGLU whose activated gate is capped at `limit` and up projection clipped to
+    [-limit, limit] (Step-3.5's `swiglu_limits`); no clamp when the limit is 0."""
+    gate = silu(x @ w[f"{prefix}.gate_proj.weight"].T)
+    up = x @ w[f"{prefix}.up_proj.weight"].T
+    if limit:
+        gate, up = np.minimum(gate, limit), np.clip(up, -limit, limit)
+    return (gate * up) @ w[f"{prefix}.down_proj.weight"].T
+
+
+def step3p5_mtp_logits(
+    w: Weights, cfg: dict[str, Any], hidden: np.ndarray, tokens: np.ndarray, layer: int = 0
+) -> np.ndarray:
+    """Logits [S, V] of Step-3.5's MTP layer `layer` (a dense one, as every published MTP
+    layer is: `moe_layers_enum` stops at the trunk) for hidden [S, H] and next tokens [S]."""
+    eps = cfg["rms_norm_eps"]
+    index = cfg["num_hidden_layers"] + layer
+    p = f"model.layers.{index}"
+    e = gemma_rms_norm(w["model.embed_tokens.weight"][tokens], w[f"{p}.enorm.weight"], eps)
+    h = gemma_rms_norm(hidden, w[f"{p}.hnorm.weight"], eps)
+    x = np.concatenate([e, h], axis=-1) @ w[f"{p}.eh_proj.weight"].T
+    y = gemma_rms_norm(x, w[f"{p}.input_layernorm.weight"], eps)
+    x = x + step3p5_attention(w, f"{p}.self_attn", y, cfg, index)
+    y = gemma_rms_norm(x, w[f"{p}.post_attention_layernorm.weight"], eps)
+    x = x + clamped_swiglu_mlp(w, f"{p}.mlp", y, cfg["swiglu_limits_shared"][index])
+    x = gemma_rms_norm(x, w[f"{p}.transformer.shared_head.norm.weight"], eps)
+    return x @ w[f"{p}.transformer.shared_head.output.weight"].T
