@@ -178,10 +178,15 @@ class VerifyPass:
     hidden: mx.array  # [1, T, H]: the head's input after each verified token
     snapshots: GdnSnapshots | None
     length: int
+    # Set when a non-trimmable cache is not a gated delta net's (`mtpkit.replay`).
+    replay: Any = None
 
     def rollback(self, caches: list[Any], kept: int) -> None:
         """Keep the caches' state after the first `kept` verified tokens only."""
         if kept == self.length:
+            return
+        if self.replay is not None:
+            self.replay.rollback(caches, kept)
             return
         recurrent = []
         for cache in caches:

@@ -6,7 +6,8 @@
 - A tap on the final norm keeps the last hidden state (its input for `pre_norm`, its output
   for `post_norm`): the head drafts from it.
 - A verify pass (`MtpModel.verify`) can be rolled back to any accepted prefix: trimmable
-  caches are trimmed, gated-delta-net states restored from what `mtpkit.gdn` captured.
+  caches are trimmed, gated-delta-net states restored from what `mtpkit.gdn` captured, and
+  any other non-trimmable cache restored and replayed (`mtpkit.replay`).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from mtpkit.gdn import (
     tap_gated_delta_layers,
 )
 from mtpkit.headload import HeadWeights, MtpHead, load_head
+from mtpkit.replay import CacheReplay, gdn_covers
 from mtpkit.source import HubSource, hub_errors, open_source
 
 POST_NORM = "post_norm"
@@ -123,13 +125,19 @@ class MtpModel:
     def inner(self) -> nn.Module:
         return self.model.model
 
+    @property
+    def embedding(self) -> nn.Module:
+        """The token embedding (`word_embeddings` in mlx-lm's Bailing models)."""
+        inner = self.inner
+        return inner.embed_tokens if "embed_tokens" in inner else inner.word_embeddings
+
     def embed(self, tokens: mx.array) -> mx.array:
-        return self.inner.embed_tokens(tokens)
+        return self.embedding(tokens)
 
     def lm_head(self, x: mx.array) -> mx.array:
         if "lm_head" in self.text_model:
             return self.text_model.lm_head(x)
-        return self.inner.embed_tokens.as_linear(x)
+        return self.embedding.as_linear(x)
 
     def hidden_state(self) -> mx.array:
         return self.capture.post if self.hidden == POST_NORM else self.capture.pre
@@ -147,9 +155,13 @@ class MtpModel:
     def verify(self, tokens: mx.array, cache: list[Any]) -> VerifyPass:
         """A forward pass over `tokens` [T] that can be rolled back to any prefix."""
         recurrent = any(is_recurrent_cache(c) for c in cache)
+        replay = None
+        if recurrent and not gdn_covers(self.model, cache, is_recurrent_cache):
+            replay = CacheReplay.before(cache, tokens, lambda t, c: self.model(t, cache=c))
+            recurrent = False
         with capture_gdn_states(GdnSnapshots() if recurrent else None) as snapshots:
             logits, hidden = self.forward(tokens[None], cache)
-        return VerifyPass(logits, hidden, snapshots, tokens.shape[0])
+        return VerifyPass(logits, hidden, snapshots, tokens.shape[0], replay)
 
 
 # ---------------------------------------------------------------------------------------

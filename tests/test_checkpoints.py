@@ -116,7 +116,27 @@ GLM_ATTENTION = {
     "q_norm.weight",
     "k_norm.weight",
 }
+BAILING_MLA = MLA - {"o_proj.weight"} | {"dense.weight"}
+
+
+def _bailing(layer: int, attention: set[str]) -> set[str]:
+    """The Bailing MTP layer (vLLM `bailing_moe_v3_mtp.py`): no embedding or head copies."""
+    p = f"model.layers.{layer}"
+    experts = {f"{p}.mlp.experts.{e}.{w}.weight" for e in range(8) for w in SWIGLU}
+    return (
+        {f"{p}.{n}.weight" for n in ("enorm", "hnorm", "eh_proj", "final_layernorm")}
+        | {f"{p}.{n}.weight" for n in ("input_layernorm", "post_attention_layernorm")}
+        | {f"{p}.mlp.gate.weight", f"{p}.mlp.gate.expert_bias"}
+        | {f"{p}.mlp.shared_experts.{w}.weight" for w in SWIGLU}
+        | {f"{p}.attention.{name}" for name in attention}
+        | experts
+    )
+
+
+SWIGLU = ("gate_proj", "up_proj", "down_proj")
 EXPECTED_MTP_KEYS: dict[str, set[str]] = {
+    "bailing_moe_v3": _bailing(4, BAILING_MLA | {"g_proj.weight"}),
+    "bailing_hybrid": _bailing(4, BAILING_MLA),
     "qwen3_5": QWEN_MTP_COMMON
     | {f"mtp.layers.0.mlp.{p}.weight" for p in ("gate_proj", "up_proj", "down_proj")},
     "qwen3_5_moe": QWEN_PER_EXPERT_MTP,
@@ -254,6 +274,8 @@ EXPECTED_MTP_KEYS: dict[str, set[str]] = {
     "stripped": set(),
 }
 EXPECTED_MTP_COUNTS = {
+    "bailing_moe_v3": 43,
+    "bailing_hybrid": 42,
     "qwen3_5": 15,
     "qwen3_5_moe": 29,
     "qwen3_6_moe": 19,
@@ -308,6 +330,8 @@ def is_mtp_key(layout: str, name: str, config: dict[str, Any]) -> bool:
         "deepseek_v32",
         "glm_moe_dsa",
         "step3p5",
+        "bailing_moe_v3",
+        "bailing_hybrid",
     ):
         # Every layer from num_hidden_layers on (Step-3.5 keeps several).
         parts = name.split(".")
@@ -343,6 +367,8 @@ def built(checkpoint: CheckpointFactory) -> Builder:
 
 def test_families_are_the_documented_layouts() -> None:
     assert FAMILIES == (
+        "bailing_hybrid",
+        "bailing_moe_v3",
         "deepseek_v3",
         "deepseek_v32",
         "ernie4_5_moe",

@@ -123,6 +123,8 @@ def test_every_recipe_loads():
         "k-exaone-236b-a23b",
         "mimo-v2-flash",
         "step-3.5-flash",
+        "ling-2.6-flash",
+        "ring-2.6-1t",
     ):
         assert wanted in names
     for path in recipes:

@@ -107,7 +107,8 @@ def test_aliases_come_from_mlx_lm_model_remapping() -> None:
 
 
 def test_unknown_model_type_lists_the_supported_ones() -> None:
-    with pytest.raises(UnsupportedFamily, match="'llama' is not supported; supported: deepseek_v3"):
+    expected = "'llama' is not supported; supported: bailing_hybrid, bailing_moe_v3, deepseek_v3"
+    with pytest.raises(UnsupportedFamily, match=expected):
         family_for({"model_type": "llama"})
 
 
