@@ -247,7 +247,7 @@ def _bench(
     for trial in range(trials):
         say(f"trial {trial + 1}/{trials}: stock mlx-lm, mtpkit --no-mtp, MTP depths 1..{max_depth}")
         plain = max(plain, _stock_run(stock_model, stock_tokenizer, tokens, max_tokens))
-        with untapped(m.model.model.norm):
+        with untapped(m.final_norm):
             no_mtp = max(no_mtp, _stock_run(m.model, m.tokenizer, tokens, max_tokens))
         for depth in range(1, max_depth + 1):
             run = _mtp_run(m, tokens, depth, max_tokens)

@@ -164,7 +164,7 @@ def _check_mtp(ckpt: Checkpoint) -> None:
     if not mtp:
         return
     shapes = {t.name: t.shape for t in mtp}
-    for message in incomplete_experts(shapes, family.num_experts):
+    for message in incomplete_experts(shapes, family.num_experts, family.expert_projections):
         ckpt.problem("incomplete_experts", message)
     if not ckpt.sidecars or ckpt.manifest is not None:
         missing = family.missing_mtp_tensors(t.name for t in mtp)

@@ -73,6 +73,7 @@ MOE_LAYOUTS: tuple[str, ...] = (
     "exaone_moe",
     "mimo_v2_flash",
     "step3p5",
+    "nemotron_h",
     "bailing_moe_v3",
     "bailing_hybrid",
 )

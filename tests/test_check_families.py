@@ -82,12 +82,30 @@ def step3p5_skilled(tensors: dict[str, mx.array]) -> dict[str, mx.array]:
     return tensors
 
 
+def nemotron_h_skilled(tensors: dict[str, mx.array]) -> dict[str, mx.array]:
+    """Nemotron-H: the Mamba-2 mixers pass through too (zero `out_proj`); the step's first
+    block has a unit enorm and an eh_proj that keeps the embedding half, its last block's
+    final_layernorm copies the trunk's `norm_f`."""
+    h = tensors["backbone.embeddings.weight"].shape[1]
+    for name in [k for k in tensors if k.endswith("mixer.out_proj.weight")]:
+        tensors[name] = mx.zeros_like(tensors[name])
+    eye = mx.eye(h, dtype=mx.float32)
+    tensors["mtp.layers.0.enorm.weight"] = mx.ones((h,))
+    tensors["mtp.layers.0.eh_proj.weight"] = mx.concatenate([eye, mx.zeros_like(eye)], axis=1)
+    last = max(k for k in tensors if k.endswith(".final_layernorm.weight"))
+    tensors[last] = tensors["backbone.norm_f.weight"]
+    return tensors
+
+
 SKILLED: dict[str, Callable[[dict[str, mx.array]], dict[str, mx.array]]] = {
     "ernie4_5_moe": ernie_skilled,
     "exaone_moe": exaone_skilled,
     "mimo_v2_flash": mimo_v2_flash_skilled,
     "step3p5": step3p5_skilled,
+    "nemotron_h": nemotron_h_skilled,
 }
+# The token embedding's name in each family's raw checkpoint.
+EMBEDDINGS = ("model.embed_tokens.weight", "backbone.embeddings.weight")
 # The projection's name in each family's converted head.
 PROJECTIONS = ("linear_proj.weight", "mtp.fc.weight", "eh_proj.weight")
 
@@ -101,7 +119,7 @@ def skilled_checkpoint(src: Path, dst: Path, layout: str) -> Path:
     }
     tensors = SKILLED[layout](tensors)
     # An untied lm_head that maps t to perm[t]: the trunk does not just repeat its input.
-    embed = tensors["model.embed_tokens.weight"]
+    embed = tensors[next(k for k in EMBEDDINGS if k in tensors)]
     perm = np.random.default_rng(0).permutation(embed.shape[0])
     lm_head = embed[mx.array(np.argsort(perm))]
     tied = "lm_head.weight" not in tensors

@@ -271,6 +271,38 @@ EXPECTED_MTP_KEYS: dict[str, set[str]] = {
             "mlp.down_proj.weight",
         )
     },
+    # Nemotron 3 Super: one MTP layer of two blocks ("*E"), the latent MoE per expert.
+    "nemotron_h": {
+        f"mtp.layers.0.{name}"
+        for name in (
+            "enorm.weight",
+            "hnorm.weight",
+            "eh_proj.weight",
+            "norm.weight",
+            "mixer.q_proj.weight",
+            "mixer.k_proj.weight",
+            "mixer.v_proj.weight",
+            "mixer.o_proj.weight",
+        )
+    }
+    | {
+        f"mtp.layers.1.{name}"
+        for name in (
+            "norm.weight",
+            "final_layernorm.weight",
+            "mixer.gate.weight",
+            "mixer.gate.e_score_correction_bias",
+            "mixer.shared_experts.up_proj.weight",
+            "mixer.shared_experts.down_proj.weight",
+            "mixer.fc1_latent_proj.weight",
+            "mixer.fc2_latent_proj.weight",
+        )
+    }
+    | {
+        f"mtp.layers.1.mixer.experts.{e}.{p}.weight"
+        for e in range(4)
+        for p in ("up_proj", "down_proj")
+    },
     "stripped": set(),
 }
 EXPECTED_MTP_COUNTS = {
@@ -291,6 +323,7 @@ EXPECTED_MTP_COUNTS = {
     "exaone_moe": 15,
     "mimo_v2_flash": 42,
     "step3p5": 34,
+    "nemotron_h": 24,
     "stripped": 0,
 }
 
@@ -379,6 +412,7 @@ def test_families_are_the_documented_layouts() -> None:
         "longcat_flash",
         "mimo",
         "mimo_v2_flash",
+        "nemotron_h",
         "qwen3_5",
         "qwen3_5_moe",
         "qwen3_6_moe",

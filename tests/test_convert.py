@@ -39,6 +39,7 @@ MOE = (
     "exaone_moe",
     "mimo_v2_flash",
     "step3p5",
+    "nemotron_h",
 )
 DENSE = ("qwen3_5", "mimo")
 RAW = DENSE + MOE
@@ -54,6 +55,7 @@ PREFIX = {
     "exaone_moe": "mtp.",
     "mimo_v2_flash": "mtp.",
     "step3p5": "mtp.",
+    "nemotron_h": "mtp.",
 }
 # Fixtures with more than one MTP layer (MiMo-V2-Flash publishes three).
 HEAD_LAYERS = {"mimo_v2_flash": 3, "step3p5": 2}

@@ -123,6 +123,7 @@ def test_every_recipe_loads():
         "k-exaone-236b-a23b",
         "mimo-v2-flash",
         "step-3.5-flash",
+        "nemotron-3-super-120b-a12b",
         "ling-2.6-flash",
         "ring-2.6-1t",
     ):

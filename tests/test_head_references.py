@@ -24,6 +24,7 @@ REFERENCES = {
     "exaone_moe": numpy_blocks.exaone_mtp_logits,
     "mimo_v2_flash": numpy_blocks.mimo_v2_flash_mtp_logits,
     "step3p5": numpy_blocks.step3p5_mtp_logits,
+    "nemotron_h": numpy_blocks.nemotron_h_mtp_logits,
 }
 
 
@@ -49,7 +50,8 @@ def test_head_logits_match_numpy_reference(
     tokens = rng.integers(3, config["vocab_size"], size=seq)
 
     weights = raw_weights(src)
-    for layer in range(len(m.head.layers)):  # depth d drafts with layer d % num_layers
+    steps = getattr(m.head, "num_steps", len(m.head.layers))  # Nemotron-H: blocks per step
+    for layer in range(steps):  # depth d drafts with layer d % num_layers
         x = m.head(mx.array(hidden)[None], m.embed(mx.array(tokens)[None]), step=layer)
         got = np.array(m.lm_head(m.head.final_norm(layer)(x))[0])
         want = REFERENCES[layout](weights, config, hidden, tokens, layer)

@@ -70,6 +70,7 @@ EXPECTED = {
     "exaone_moe": (lambda r: lambda k: k.startswith("mtp."), 15, "dense", 1, "plain"),
     "mimo_v2_flash": (lambda r: lambda k: k.startswith("model.mtp."), 42, "dense", None, "plain"),
     "step3p5": (nextn_rule_from(2), 34, "dense", 2, "zero_centred"),
+    "nemotron_h": (lambda r: lambda k: k.startswith("mtp."), 24, "per_expert", 1, "plain"),
     "bailing_moe_v3": (nextn_rule, 43, "per_expert", 1, "plain"),
     "bailing_hybrid": (nextn_rule, 42, "per_expert", 1, "plain"),
 }

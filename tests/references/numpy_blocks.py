@@ -277,3 +277,76 @@ def step3p5_mtp_logits(
     x = x + clamped_swiglu_mlp(w, f"{p}.mlp", y, cfg["swiglu_limits_shared"][index])
     x = gemma_rms_norm(x, w[f"{p}.transformer.shared_head.norm.weight"], eps)
     return x @ w[f"{p}.transformer.shared_head.output.weight"].T
+
+
+# -- Nemotron-H (vLLM nemotron_h_mtp.py: one MTP layer = blocks of the `mtp` pattern) -------
+
+
+def relu2_mlp(w: Weights, prefix: str, x: np.ndarray) -> np.ndarray:
+    """Nemotron-H's non-gated MLP: down(relu(up(x))^2)."""
+    return (
+        np.maximum(x @ w[f"{prefix}.up_proj.weight"].T, 0.0) ** 2
+        @ w[f"{prefix}.down_proj.weight"].T
+    )
+
+
+def nemotron_moe(w: Weights, prefix: str, x: np.ndarray, cfg: dict[str, Any]) -> np.ndarray:
+    """Sigmoid router with the correction bias choosing the top k (its scores weigh them,
+    normalised and scaled), ReLU^2 experts in the latent space, shared experts."""
+    scores = 1.0 / (1.0 + np.exp(-(x @ w[f"{prefix}.gate.weight"].T)))  # [S, E]
+    chosen = scores + w[f"{prefix}.gate.e_score_correction_bias"]
+    k = cfg["num_experts_per_tok"]
+    latent = x
+    if cfg.get("moe_latent_size"):
+        latent = x @ w[f"{prefix}.fc1_latent_proj.weight"].T
+    out = np.zeros_like(latent)
+    for s in range(x.shape[0]):
+        top = np.argsort(-chosen[s])[:k]
+        weights = scores[s, top]
+        if cfg["norm_topk_prob"]:
+            weights = weights / (weights.sum() + 1e-20)
+        for e, weight in zip(top, weights * cfg["routed_scaling_factor"], strict=True):
+            out[s] += weight * relu2_mlp(w, f"{prefix}.experts.{e}", latent[s : s + 1])[0]
+    if cfg.get("moe_latent_size"):
+        out = out @ w[f"{prefix}.fc2_latent_proj.weight"].T
+    return out + relu2_mlp(w, f"{prefix}.shared_experts", x)
+
+
+def nope_attention(w: Weights, prefix: str, x: np.ndarray, cfg: dict[str, Any]) -> np.ndarray:
+    """Nemotron-H's causal GQA attention: no positional encoding at all."""
+    heads, kv_heads, head_dim = (
+        cfg["num_attention_heads"],
+        cfg["num_key_value_heads"],
+        cfg["head_dim"],
+    )
+    s = x.shape[0]
+    q = (x @ w[f"{prefix}.q_proj.weight"].T).reshape(s, heads, head_dim).transpose(1, 0, 2)
+    k = (x @ w[f"{prefix}.k_proj.weight"].T).reshape(s, kv_heads, head_dim).transpose(1, 0, 2)
+    v = (x @ w[f"{prefix}.v_proj.weight"].T).reshape(s, kv_heads, head_dim).transpose(1, 0, 2)
+    k = np.repeat(k, heads // kv_heads, axis=0)
+    v = np.repeat(v, heads // kv_heads, axis=0)
+    out = sink_attention(q, k, v, None, None)
+    return out.transpose(1, 0, 2).reshape(s, heads * head_dim) @ w[f"{prefix}.o_proj.weight"].T
+
+
+def nemotron_h_mtp_logits(
+    w: Weights, cfg: dict[str, Any], hidden: np.ndarray, tokens: np.ndarray, layer: int = 0
+) -> np.ndarray:
+    """Logits [S, V] of Nemotron-H's MTP layer `layer` (its blocks `mtp.layers.{layer * P +
+    j}`, P the pattern's length) for hidden [S, H] and next tokens [S]."""
+    eps = cfg["layer_norm_epsilon"]
+    pattern = cfg["mtp_hybrid_override_pattern"]
+    blocks = [f"mtp.layers.{layer * len(pattern) + j}" for j in range(len(pattern))]
+    first, last = blocks[0], blocks[-1]
+    e = rms_norm(w["backbone.embeddings.weight"][tokens], w[f"{first}.enorm.weight"], eps)
+    h = rms_norm(hidden, w[f"{first}.hnorm.weight"], eps)
+    x = np.concatenate([e, h], axis=-1) @ w[f"{first}.eh_proj.weight"].T
+    for block, kind in zip(blocks, pattern, strict=True):
+        y = rms_norm(x, w[f"{block}.norm.weight"], eps)
+        if kind == "*":
+            x = x + nope_attention(w, f"{block}.mixer", y, cfg)
+        elif kind == "E":
+            x = x + nemotron_moe(w, f"{block}.mixer", y, cfg)
+        else:
+            x = x + relu2_mlp(w, f"{block}.mixer", y)
+    return rms_norm(x, w[f"{last}.final_layernorm.weight"], eps) @ w["lm_head.weight"].T
