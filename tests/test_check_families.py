@@ -106,6 +106,9 @@ SKILLED: dict[str, Callable[[dict[str, mx.array]], dict[str, mx.array]]] = {
 }
 # The token embedding's name in each family's raw checkpoint.
 EMBEDDINGS = ("model.embed_tokens.weight", "backbone.embeddings.weight")
+# Step-3.5's head steps through MtpHead.__call__ as ERNIE's, EXAONE's and MiMo-V2's do; its
+# swapped-projection run (the slowest here) adds nothing they do not prove.
+SHARED_CONCAT = ("step3p5",)
 # The projection's name in each family's converted head.
 PROJECTIONS = ("linear_proj.weight", "mtp.fc.weight", "eh_proj.weight")
 
@@ -190,7 +193,9 @@ def test_foreign_head_fails(skilled, tmp_path: Path) -> None:
 
 
 def test_swapped_projection_fails_concat_order(skilled, tmp_path: Path) -> None:
-    _, out = skilled
+    layout, out = skilled
+    if layout in SHARED_CONCAT:
+        pytest.skip(f"{layout} concatenates in MtpHead.__call__, proven on the other families")
     damaged = edit_head(Path(shutil.copytree(out, tmp_path / "swapped")), swapped)
     result = check_checkpoint(str(damaged), max_tokens=MAX_TOKENS)
     assert result["verdict"] == "fail"
