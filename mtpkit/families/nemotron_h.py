@@ -144,7 +144,7 @@ class NemotronHHead(MtpHead):
 @register
 class NemotronH(Family):
     name = "nemotron_h"
-    raw_head_roots: ClassVar[tuple[str, ...]] = ("language_model.mtp.", "mtp.")
+    raw_head_roots: ClassVar[tuple[str, ...]] = ("mtp.",)
     required_mtp_tensors = (
         "layers.0.enorm.weight",
         "layers.0.hnorm.weight",
