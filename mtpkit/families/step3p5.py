@@ -17,6 +17,7 @@ from __future__ import annotations
 import re
 from typing import Any, ClassVar
 
+from mtpkit.errors import MtpkitError
 from mtpkit.families.base import register
 from mtpkit.families.head import MtpHead, NextnHead
 from mtpkit.families.nextn import NextnFamily
@@ -45,6 +46,12 @@ class Step3p5Head(NextnHead):
     attends through a windowed mask over the head's full cache."""
 
     def __init__(self, args: Any, block: Any, num_layers: int) -> None:
+        needed = args.num_hidden_layers + num_layers
+        if args.layer_types and len(args.layer_types) < needed:
+            raise MtpkitError(
+                f"config layer_types has {len(args.layer_types)} entries; the MTP layers need "
+                f"{needed} (the trunk's and one per MTP layer, as Step-3.5's configs have)"
+            )
         super().__init__(args, block, num_layers)
         self._windows = [args.sliding_window if layer.is_sliding else None for layer in self.layers]
 
