@@ -4,7 +4,8 @@
 - Qwen3.5 (the bundled tiny example): gated-delta-net snapshots, restored without a forward
   pass. The replay machinery adds one check per verify pass (`gdn_covers`); its time is
   reported as a fraction of the verify pass, which is what "no slower" rests on.
-- Ling-3 (`bailing_moe_v3`) and Ling-2.6 (`bailing_hybrid`) fixtures: rollback by replay.
+- Ling-3 (`bailing_moe_v3`), Ling-2.6 (`bailing_hybrid`) and Nemotron-H (`nemotron_h`, Mamba-2)
+  fixtures: rollback by replay.
   Keeping all T verify inputs costs nothing; keeping k < T re-runs the backbone over k tokens.
 
 Every figure is the best of --reps runs.
@@ -101,7 +102,7 @@ def main() -> None:
     results = {}
     with tempfile.TemporaryDirectory(prefix="mtpkit-bench-rollback-") as tmp:
         sources = {"qwen3_5 (snapshots)": ROOT / "mtpkit" / "examples" / "tiny-qwen3_5"}
-        for layout in ("bailing_moe_v3", "bailing_hybrid"):
+        for layout in ("bailing_moe_v3", "bailing_hybrid", "nemotron_h"):
             raw = build_checkpoint(layout, Path(tmp) / f"{layout}-raw", dtype="float32")
             sources[f"{layout} (replay)"] = raw
         for name, src in sources.items():

@@ -267,7 +267,7 @@ def _bench(
         tps = _stock_run(stock_model, stock_tokenizer, tokens, max_tokens)
         say(f"{at} stock mlx-lm {tps:.1f} tok/s")
         plain = max(plain, tps)
-        with untapped(m.model.model.norm):
+        with untapped(m.final_norm):
             tps = _stock_run(m.model, m.tokenizer, tokens, max_tokens)
         say(f"{at} mtpkit --no-mtp {tps:.1f} tok/s")
         no_mtp = max(no_mtp, tps)

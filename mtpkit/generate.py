@@ -133,7 +133,7 @@ def _stock_tokens(
     def run() -> Iterator[int]:
         start = time.perf_counter()
         first = None
-        with untapped(m.model.model.norm):
+        with untapped(m.final_norm):
             for response in stream_generate(
                 m.model,
                 m.tokenizer,

@@ -105,7 +105,7 @@ def _read_sidecar(
     if manifest and manifest.get("rmsnorm_weight_format") == "zero_centred":
         hw.weights = shift_norms(hw.weights, family)
         hw.transforms.append("shifted zero-centred norms by +1 (manifest)")
-    hw.weights = stack_experts(hw.weights)
+    hw.weights = stack_experts(hw.weights, family.expert_projections)
     return hw
 
 
@@ -144,7 +144,7 @@ def _read_shards(
     if zero_centred:
         hw.weights = shift_norms(hw.weights, family)
         hw.transforms.append("shifted zero-centred norms by +1 (raw checkpoint)")
-    hw.weights = stack_experts(hw.weights)
+    hw.weights = stack_experts(hw.weights, family.expert_projections)
     return hw
 
 

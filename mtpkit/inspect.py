@@ -185,7 +185,8 @@ def _check_mtp(ckpt: Checkpoint) -> None:
     if unread_mtp_shards(ckpt):
         return  # a damaged or missing shard: its problem says so; the head is unknown
     names = [family.head_relative(t.name) or "" for t in mtp if family.duplicate_of(t.name) is None]
-    if (mismatch := layer_count_problem(family.mtp_field(), declared, present_layers(names))):
+    present = family.config_mtp_layers(present_layers(names))
+    if (mismatch := layer_count_problem(family.mtp_field(), declared, present)):
         ckpt.problem(mismatch.code, mismatch.message)
     if declared and not mtp:
         ckpt.problem(
@@ -202,7 +203,7 @@ def _check_mtp(ckpt: Checkpoint) -> None:
     if not mtp:
         return
     shapes = {t.name: t.shape for t in mtp}
-    for message in incomplete_experts(shapes, family.num_experts):
+    for message in incomplete_experts(shapes, family.num_experts, family.expert_projections):
         ckpt.problem("incomplete_experts", message)
     if not ckpt.sidecars or ckpt.manifest is not None:
         missing = family.missing_mtp_tensors(t.name for t in mtp)

@@ -109,8 +109,10 @@ class Plan:
     backbone_dtype: str | None = None
 
     def head_layers(self, family: Family) -> int:
-        """MTP layers among the head's outputs."""
-        return head_layer_count(family.head_prefix, [n for n, _ in self.head])
+        """MTP layers among the head's outputs, as the config counts them."""
+        return family.config_mtp_layers(
+            head_layer_count(family.head_prefix, [n for n, _ in self.head])
+        )
 
 
 def refuse_problems(ckpt: Checkpoint) -> None:

@@ -65,6 +65,18 @@ class HiddenCapture:
         self.post: mx.array | None = None
 
 
+def inner_model(model: nn.Module) -> nn.Module:
+    """The decoder stack of an mlx-lm model: `model.model`, or `model.backbone` (Nemotron-H)."""
+    inner = getattr(model, "model", None)
+    return inner if inner is not None else model.backbone
+
+
+def final_norm_of(model: nn.Module) -> nn.Module:
+    """The backbone's final norm: `norm`, or `norm_f` (Nemotron-H)."""
+    inner = inner_model(model)
+    return inner.norm if "norm" in inner else inner.norm_f
+
+
 def tap_final_norm(norm: nn.Module) -> HiddenCapture:
     """Make `norm` record its input and output, keeping its class, weights and result.
 
@@ -132,13 +144,21 @@ class MtpModel:
 
     @property
     def inner(self) -> nn.Module:
-        return self.model.model
+        return inner_model(self.model)
+
+    @property
+    def final_norm(self) -> nn.Module:
+        return final_norm_of(self.model)
 
     @property
     def embedding(self) -> nn.Module:
-        """The token embedding (`word_embeddings` in mlx-lm's Bailing models)."""
+        """The token embedding (`word_embeddings` in mlx-lm's Bailing models, `embeddings`
+        in Nemotron-H)."""
         inner = self.inner
-        return inner.embed_tokens if "embed_tokens" in inner else inner.word_embeddings
+        for name in ("embed_tokens", "word_embeddings"):
+            if name in inner:
+                return inner[name]
+        return inner.embeddings
 
     def embed(self, tokens: mx.array) -> mx.array:
         return self.embedding(tokens)
@@ -356,7 +376,7 @@ def load_model(
         hidden = (manifest or {}).get("hidden") or POST_NORM
     if hidden not in HIDDEN_MODES:
         raise GenerateError(f"--hidden must be one of {', '.join(HIDDEN_MODES)}, not {hidden!r}")
-    capture = tap_final_norm(model.model.norm)
+    capture = tap_final_norm(final_norm_of(model))
     tap_gated_delta_layers(model)
     use_fast_verify(model)  # CUDA only: one-kernel recurrence and multi-row matmuls
     text = config.get("text_config") or config

@@ -77,15 +77,20 @@ def shift_norm(array: mx.array, dtype: mx.Dtype | None = None) -> mx.array:
     return (array.astype(mx.float32) + 1.0).astype(dtype or array.dtype)
 
 
-def stack_experts(weights: dict[str, mx.array]) -> dict[str, mx.array]:
+def stack_experts(
+    weights: dict[str, mx.array], projections: dict[str, str] | None = None
+) -> dict[str, mx.array]:
     """Per-expert (`experts.{e}.*_proj.{weight,scales,biases}`) and fused
     (`experts.gate_up_proj`, `experts.down_proj`) experts to mlx-lm's stacked
-    `switch_mlp.*_proj.*`; already stacked weights and every other tensor pass through."""
+    `switch_mlp.*_proj.*` (a per-expert projection renamed by `projections`, a family's
+    `expert_projections`); already stacked weights and every other tensor pass through."""
+    projections = projections or {}
     out: dict[str, mx.array] = {}
     groups: dict[str, dict[int, mx.array]] = {}
     for name, array in weights.items():
         if m := PER_EXPERT.match(name):
-            key = f"{m['mlp']}.switch_mlp.{m['proj']}.{m['part']}"
+            proj = projections.get(m["proj"], m["proj"])
+            key = f"{m['mlp']}.switch_mlp.{proj}.{m['part']}"
             groups.setdefault(key, {})[int(m["expert"])] = array
         elif m := FUSED_GATE_UP.match(name):
             gate, up = split_gate_up(array)
@@ -235,7 +240,8 @@ class TensorRules:
     def _experts(self, role: str, item: Item) -> Iterator[Job]:
         name = item.names[0]
         if m := PER_EXPERT.match(name):
-            key = (f"{m['mlp']}.switch_mlp.{m['proj']}.{m['part']}", role)
+            proj = self.family.expert_projections.get(m["proj"], m["proj"])
+            key = (f"{m['mlp']}.switch_mlp.{proj}.{m['part']}", role)
             slot = self.experts.setdefault(key, {})
             expert = int(m["expert"])
             if expert in slot:

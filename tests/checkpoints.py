@@ -71,6 +71,9 @@ MOE_LAYOUTS: tuple[str, ...] = (
     "longcat_flash",
     "ernie4_5_moe",
     "exaone_moe",
+    "mimo_v2_flash",
+    "step3p5",
+    "nemotron_h",
     "bailing_moe_v3",
     "bailing_hybrid",
 )

@@ -225,6 +225,84 @@ EXPECTED_MTP_KEYS: dict[str, set[str]] = {
             "layers.0.mlp.down_proj.weight",
         )
     },
+    # MiMo-V2-Flash: three nextn layers, each a sliding-window block with a sink.
+    "mimo_v2_flash": {
+        f"model.mtp.layers.{i}.{name}"
+        for i in range(3)
+        for name in (
+            "enorm.weight",
+            "hnorm.weight",
+            "eh_proj.weight",
+            "final_layernorm.weight",
+            "input_layernorm.weight",
+            "pre_mlp_layernorm.weight",
+            "self_attn.q_proj.weight",
+            "self_attn.k_proj.weight",
+            "self_attn.v_proj.weight",
+            "self_attn.o_proj.weight",
+            "self_attn.attention_sink_bias",
+            "mlp.gate_proj.weight",
+            "mlp.up_proj.weight",
+            "mlp.down_proj.weight",
+        )
+    },
+    # Step-3.5: nextn layers N, N+1 with a dense block, the gate `g_proj`, and the lm_head's
+    # copy `transformer.shared_head.output`.
+    "step3p5": {
+        f"model.layers.{layer}.{name}"
+        for layer in (3, 4)
+        for name in (
+            "enorm.weight",
+            "hnorm.weight",
+            "eh_proj.weight",
+            "transformer.shared_head.norm.weight",
+            "transformer.shared_head.output.weight",
+            "input_layernorm.weight",
+            "post_attention_layernorm.weight",
+            "self_attn.q_proj.weight",
+            "self_attn.k_proj.weight",
+            "self_attn.v_proj.weight",
+            "self_attn.o_proj.weight",
+            "self_attn.g_proj.weight",
+            "self_attn.q_norm.weight",
+            "self_attn.k_norm.weight",
+            "mlp.gate_proj.weight",
+            "mlp.up_proj.weight",
+            "mlp.down_proj.weight",
+        )
+    },
+    # Nemotron 3 Super: one MTP layer of two blocks ("*E"), the latent MoE per expert.
+    "nemotron_h": {
+        f"mtp.layers.0.{name}"
+        for name in (
+            "enorm.weight",
+            "hnorm.weight",
+            "eh_proj.weight",
+            "norm.weight",
+            "mixer.q_proj.weight",
+            "mixer.k_proj.weight",
+            "mixer.v_proj.weight",
+            "mixer.o_proj.weight",
+        )
+    }
+    | {
+        f"mtp.layers.1.{name}"
+        for name in (
+            "norm.weight",
+            "final_layernorm.weight",
+            "mixer.gate.weight",
+            "mixer.gate.e_score_correction_bias",
+            "mixer.shared_experts.up_proj.weight",
+            "mixer.shared_experts.down_proj.weight",
+            "mixer.fc1_latent_proj.weight",
+            "mixer.fc2_latent_proj.weight",
+        )
+    }
+    | {
+        f"mtp.layers.1.mixer.experts.{e}.{p}.weight"
+        for e in range(4)
+        for p in ("up_proj", "down_proj")
+    },
     "stripped": set(),
 }
 EXPECTED_MTP_COUNTS = {
@@ -243,6 +321,9 @@ EXPECTED_MTP_COUNTS = {
     "mimo": 16,
     "ernie4_5_moe": 12,
     "exaone_moe": 15,
+    "mimo_v2_flash": 42,
+    "step3p5": 34,
+    "nemotron_h": 24,
     "stripped": 0,
 }
 
@@ -281,13 +362,16 @@ def is_mtp_key(layout: str, name: str, config: dict[str, Any]) -> bool:
         "glm4_moe_lite",
         "deepseek_v32",
         "glm_moe_dsa",
+        "step3p5",
         "bailing_moe_v3",
         "bailing_hybrid",
     ):
-        return name.startswith(f"model.layers.{config['num_hidden_layers']}.")
+        # Every layer from num_hidden_layers on (Step-3.5 keeps several).
+        parts = name.split(".")
+        return name.startswith("model.layers.") and int(parts[2]) >= config["num_hidden_layers"]
     if layout == "mimo":
         return name.startswith("model.mtp_layers.")
-    if layout == "longcat_flash":
+    if layout in ("longcat_flash", "mimo_v2_flash"):
         return name.startswith("model.mtp.")
     if layout == "ernie4_5_moe":
         return name.startswith("model.mtp_")
@@ -327,10 +411,13 @@ def test_families_are_the_documented_layouts() -> None:
         "glm_moe_dsa",
         "longcat_flash",
         "mimo",
+        "mimo_v2_flash",
+        "nemotron_h",
         "qwen3_5",
         "qwen3_5_moe",
         "qwen3_6_moe",
         "qwen3_next",
+        "step3p5",
         "stripped",
         "mlx_inline",
         "mlx_plain",

@@ -37,6 +37,9 @@ MOE = (
     "glm4_moe",
     "ernie4_5_moe",
     "exaone_moe",
+    "mimo_v2_flash",
+    "step3p5",
+    "nemotron_h",
 )
 DENSE = ("qwen3_5", "mimo")
 RAW = DENSE + MOE
@@ -50,7 +53,12 @@ PREFIX = {
     "mimo": "mtp.",
     "ernie4_5_moe": "mtp.",
     "exaone_moe": "mtp.",
+    "mimo_v2_flash": "mtp.",
+    "step3p5": "mtp.",
+    "nemotron_h": "mtp.",
 }
+# Fixtures with more than one MTP layer (MiMo-V2-Flash publishes three).
+HEAD_LAYERS = {"mimo_v2_flash": 3, "step3p5": 2}
 # Families whose head keeps fc and norms at its root (`mtp.fc`), not inside each layer.
 QWEN_STYLE_ROOT = ("qwen3_next", "exaone_moe")
 TOKENS = mx.array([[5, 17, 100, 3, 250, 42, 7, 9, 300, 11]])
@@ -209,7 +217,8 @@ def test_head_names_shift_and_manifest(layout, sources, tmp_path):
     source = _source_tensors(src)
     manifest = json.loads((out / "mtp" / "manifest.json").read_text())
     assert manifest["format"] == "mtpkit" and manifest["family"] == result.family
-    assert manifest["prefix"] == prefix and manifest["num_layers"] == 1
+    layers = HEAD_LAYERS.get(layout, 1)
+    assert manifest["prefix"] == prefix and manifest["num_layers"] == layers
     assert manifest["hidden"] == "post_norm"
     assert manifest["concat_order"] == ("hidden_first" if layout == "mimo" else "embedding_first")
     for key in (
@@ -238,8 +247,16 @@ def test_head_names_shift_and_manifest(layout, sources, tmp_path):
     elif layout == "qwen3_next":
         assert config["num_nextn_predict_layers"] == 1
         assert manifest["rmsnorm_weight_format"] == "mlx_gamma"
+    elif layout == "step3p5":  # every norm zero-centred, the nextn ones included
+        assert config["num_nextn_predict_layers"] == layers
+        assert manifest["rmsnorm_weight_format"] == "mlx_gamma"
+        n = json.loads((src / "config.json").read_text())["num_hidden_layers"]
+        raw = source[f"model.layers.{n}.transformer.shared_head.norm.weight"].astype(mx.float32)
+        norm = head["mtp.layers.0.shared_head.norm.weight"]
+        assert mx.array_equal(norm, (raw + 1.0).astype(norm.dtype)).item()
+        assert f"model.layers.{n}.transformer.shared_head.output.weight" in manifest["dropped"]
     else:
-        assert config["num_nextn_predict_layers"] == 1
+        assert config["num_nextn_predict_layers"] == layers
         assert manifest["rmsnorm_weight_format"] == "plain"
         assert manifest["norm_shift"]["mtp"] == [] and manifest["norm_shift"]["backbone"] == []
     if layout in ("deepseek_v3", "glm4_moe"):

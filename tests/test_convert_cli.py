@@ -120,6 +120,9 @@ def test_every_recipe_loads():
         "longcat-flash-chat",
         "ernie-4.5-21b-a3b",
         "k-exaone-236b-a23b",
+        "mimo-v2-flash",
+        "step-3.5-flash",
+        "nemotron-3-super-120b-a12b",
         "ling-2.6-flash",
         "ring-2.6-1t",
     ):

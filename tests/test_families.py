@@ -18,7 +18,7 @@ import pytest
 from mlx.utils import tree_flatten
 
 from mtpkit.convert import convert
-from mtpkit.errors import UnsupportedFamily
+from mtpkit.errors import MtpkitError, UnsupportedFamily
 from mtpkit.families import FAMILIES, family_for, supported
 from mtpkit.generate import generate, load_model
 from mtpkit.quant import build_model
@@ -119,3 +119,35 @@ def test_layer_offset_is_read_from_the_config() -> None:
             "mtp.layers.0.eh_proj.weight"
         )
         assert not family.is_mtp_tensor(f"model.layers.{layers - 1}.eh_proj.weight")
+
+
+def test_step3p5_config_lists_must_cover_the_mtp_layers(
+    checkpoint: CheckpointFactory, tmp_path: Path
+) -> None:
+    src = Path(shutil.copytree(checkpoint("step3p5", dtype="float32"), tmp_path / "src"))
+    config = json.loads((src / "config.json").read_text())
+    config["layer_types"] = config["layer_types"][: config["num_hidden_layers"]]
+    (src / "config.json").write_text(json.dumps(config))
+    with pytest.raises(MtpkitError, match="layer_types has 3 entries; the MTP layers need 5"):
+        convert(str(src), output=tmp_path / "mlx")
+
+
+@pytest.mark.parametrize(
+    ("fields", "pattern"),
+    [
+        ({"mtp_hybrid_override_pattern": "*E"}, "*E"),
+        ({"mtp_layers_block_type": ["attention", "moe", "mlp"]}, "*E-"),
+        ({}, "*E"),  # transformers' default
+    ],
+)
+def test_nemotron_h_mtp_pattern(fields: dict, pattern: str) -> None:
+    from mtpkit.families.nemotron_h import mtp_pattern
+
+    assert mtp_pattern(fields) == pattern
+
+
+def test_nemotron_h_refuses_a_mamba_mtp_block() -> None:
+    from mtpkit.families.nemotron_h import mtp_pattern
+
+    with pytest.raises(MtpkitError, match="only attention"):
+        mtp_pattern({"mtp_hybrid_override_pattern": "M*E"})

@@ -22,6 +22,9 @@ from tests.references import numpy_blocks
 REFERENCES = {
     "ernie4_5_moe": numpy_blocks.ernie_mtp_logits,
     "exaone_moe": numpy_blocks.exaone_mtp_logits,
+    "mimo_v2_flash": numpy_blocks.mimo_v2_flash_mtp_logits,
+    "step3p5": numpy_blocks.step3p5_mtp_logits,
+    "nemotron_h": numpy_blocks.nemotron_h_mtp_logits,
 }
 
 
@@ -42,12 +45,15 @@ def test_head_logits_match_numpy_reference(
     m = load_model(out)
     config = json.loads((src / "config.json").read_text())
     rng = np.random.default_rng(0)
-    seq = 12  # past the EXAONE fixture's window of 8
+    seq = 12  # past the sliding windows (8) of the EXAONE, MiMo-V2 and Step-3.5 fixtures
     hidden = rng.normal(0.0, 1.0, size=(seq, config["hidden_size"])).astype(np.float32)
     tokens = rng.integers(3, config["vocab_size"], size=seq)
 
-    x = m.head(mx.array(hidden)[None], m.embed(mx.array(tokens)[None]))
-    got = np.array(m.lm_head(m.head.final_norm(0)(x))[0])
-    want = REFERENCES[layout](raw_weights(src), config, hidden, tokens)
-    assert got.shape == want.shape
-    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+    weights = raw_weights(src)
+    steps = getattr(m.head, "num_steps", len(m.head.layers))  # Nemotron-H: blocks per step
+    for layer in range(steps):  # depth d drafts with layer d % num_layers
+        x = m.head(mx.array(hidden)[None], m.embed(mx.array(tokens)[None]), step=layer)
+        got = np.array(m.lm_head(m.head.final_norm(layer)(x))[0])
+        want = REFERENCES[layout](weights, config, hidden, tokens, layer)
+        assert got.shape == want.shape
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)

@@ -75,7 +75,9 @@ def test_build_head_rejects_unknown_family() -> None:
         build_head({"model_type": "llama"})
 
 
-@pytest.mark.parametrize("layout", ["qwen3_5", "qwen3_next", "exaone_moe"])
+@pytest.mark.parametrize(
+    "layout", ["qwen3_5", "qwen3_next", "exaone_moe", "mimo_v2_flash", "step3p5", "nemotron_h"]
+)
 def test_injected_drafts_partial_acceptance_keeps_caches_exact(tmp_path: Path, layout: str) -> None:
     """Drafts right up to depth j (then wrong) for every j in 0..4: the output must stay the
     backbone's, and exactly j drafts must be accepted each round."""
@@ -85,7 +87,7 @@ def test_injected_drafts_partial_acceptance_keeps_caches_exact(tmp_path: Path, l
     reference = stock_tokens(path, PROMPT, n)
     assert len(reference) == n
     decoder = MtpDecoder(m, PROMPT, depth=4, sampling=SamplingSettings(), adaptive=False)
-    vocab = m.inner.embed_tokens.weight.shape[0]
+    vocab = m.embedding.weight.shape[0]
     plan = [0, 4, 1, 3, 2, 4, 0, 2, 1, 3] * 10
     rights: list[int] = []
 

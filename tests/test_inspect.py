@@ -20,6 +20,7 @@ from safetensors import safe_open
 from typer.testing import CliRunner
 
 from mtpkit.cli import app
+from mtpkit.convert import convert
 from mtpkit.families import supported
 from mtpkit.inspect import inspect_checkpoint
 from tests import hub_server
@@ -35,6 +36,16 @@ ITEMSIZE = {"BF16": 2, "F16": 2, "F32": 4, "U32": 4}
 def nextn_rule(root: Path):
     n = json.loads((root / "config.json").read_text())["num_hidden_layers"]
     return lambda k: k.startswith(f"model.layers.{n}.")
+
+
+def nextn_rule_from(layers: int):
+    """Keys of the nextn layers N..N+layers-1 (Step-3.5 keeps several)."""
+
+    def rule(root: Path):
+        n = json.loads((root / "config.json").read_text())["num_hidden_layers"]
+        return lambda k: any(k.startswith(f"model.layers.{n + i}.") for i in range(layers))
+
+    return rule
 
 
 # layout -> (rule picking MTP keys, count, expert layout, declared layers, norm convention)
@@ -58,6 +69,9 @@ EXPECTED = {
     "mimo": (lambda r: lambda k: k.startswith("model.mtp_layers."), 16, "dense", 1, "plain"),
     "ernie4_5_moe": (lambda r: lambda k: k.startswith("model.mtp_"), 12, "dense", 1, "plain"),
     "exaone_moe": (lambda r: lambda k: k.startswith("mtp."), 15, "dense", 1, "plain"),
+    "mimo_v2_flash": (lambda r: lambda k: k.startswith("model.mtp."), 42, "dense", None, "plain"),
+    "step3p5": (nextn_rule_from(2), 34, "dense", 2, "zero_centred"),
+    "nemotron_h": (lambda r: lambda k: k.startswith("mtp."), 24, "per_expert", 1, "plain"),
     "bailing_moe_v3": (nextn_rule, 43, "per_expert", 1, "plain"),
     "bailing_hybrid": (nextn_rule, 42, "per_expert", 1, "plain"),
 }
@@ -257,6 +271,25 @@ def test_incomplete_experts_and_head(fixtures, tmp_path: Path) -> None:
     root = copy_of(fixtures, "qwen3_5", tmp_path / "c")
     drop_tensors(root, LAST, {"mtp.fc.weight"})
     assert codes(root) == ["incomplete_mtp"]
+
+
+def test_incomplete_non_gated_experts(fixtures, tmp_path: Path) -> None:
+    """Nemotron-H's experts have no gate_proj: a complete set is no problem (the raw
+    layout test above), a missing up_proj is, and so is one once stacked (fc1/fc2)."""
+    root = copy_of(fixtures, "nemotron_h", tmp_path / "a")
+    drop_tensors(root, LAST, {"mtp.layers.1.mixer.experts.2.up_proj.weight"})
+    problems = inspect_checkpoint(str(root))["problems"]
+    assert [p["code"] for p in problems] == ["incomplete_experts"]
+    assert "experts.*.up_proj: 1 of 4 experts missing (first: 2)" in problems[0]["message"]
+
+    out = convert(str(fixtures["nemotron_h"]), output=tmp_path / "mlx").output
+    assert inspect_checkpoint(str(out))["problems"] == []
+    head = out / "mtp" / "weights.safetensors"
+    weights = dict(mx.load(str(head)))
+    del weights["mtp.layers.1.mixer.switch_mlp.fc2.weight"]
+    mx.save_safetensors(str(head), weights, metadata={"format": "mlx"})
+    messages = [p["message"] for p in inspect_checkpoint(str(out))["problems"]]
+    assert any("switch_mlp.fc2.weight missing" in m for m in messages), messages
 
 
 def test_present_not_declared(fixtures, tmp_path: Path) -> None:

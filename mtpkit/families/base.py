@@ -43,6 +43,9 @@ class ConvertHooks:
     head_norm_suffixes: ClassVar[tuple[str, ...]] = ()
     # Hybrid families store a depthwise conv1d as [C, 1, K]; mlx wants [C, K, 1].
     has_conv1d: ClassVar[bool] = False
+    # A per-expert projection's name once stacked, where mlx-lm's `switch_mlp` names it
+    # otherwise (Nemotron-H's SwitchMLP: `up_proj` -> `fc1`, `down_proj` -> `fc2`).
+    expert_projections: ClassVar[dict[str, str]] = {}
 
     config: dict[str, Any]
     text_config: dict[str, Any]
@@ -129,6 +132,11 @@ class Family(ConvertHooks):
             value = self.config.get(key)
         # A value that is not an integer ("one") declares nothing; `mtpkit.validate` names it.
         return None if value is None else as_count(value)
+
+    def config_mtp_layers(self, head_layers: int) -> int:
+        """The MTP layers a config declares for a head of `head_layers` layer groups
+        (`layers.{i}`): the same number, except where one MTP layer spans several blocks."""
+        return head_layers
 
     def mtp_field(self) -> str:
         """The config field that declares MTP layers for this family."""
@@ -307,18 +315,26 @@ def expert_layout(names: Iterable[str]) -> str | None:
     return "dense"
 
 
-def incomplete_experts(names: dict[str, tuple[int, ...]], num_experts: int) -> list[str]:
-    """Messages for expert sets that do not cover 0..num_experts-1 with all projections."""
+GLU_PROJECTIONS = {"gate_proj": "gate_proj", "up_proj": "up_proj", "down_proj": "down_proj"}
+
+
+def incomplete_experts(
+    names: dict[str, tuple[int, ...]], num_experts: int, projections: dict[str, str] | None = None
+) -> list[str]:
+    """Messages for expert sets that do not cover 0..num_experts-1 with all projections
+    (`projections`: per-expert name -> stacked name, a family's `expert_projections`; a
+    gated MLP's three by default)."""
+    projections = projections or GLU_PROJECTIONS
     problems: list[str] = []
     per_expert: dict[str, dict[str, set[int]]] = {}
     for n in names:
         m = EXPERT_INDEX.match(n)
-        if m and m["proj"] in ("gate_proj", "up_proj", "down_proj"):
+        if m and m["proj"] in projections:
             per_expert.setdefault(m["prefix"], {}).setdefault(m["proj"], set()).add(
                 int(m["expert"])
             )
     for prefix, projs in sorted(per_expert.items()):
-        for proj in ("gate_proj", "up_proj", "down_proj"):
+        for proj in projections:
             have = projs.get(proj, set())
             missing = sorted(set(range(num_experts)) - have)
             extra = sorted(have - set(range(num_experts)))
@@ -344,7 +360,7 @@ def incomplete_experts(names: dict[str, tuple[int, ...]], num_experts: int) -> l
                 )
     stacked = {n.split(".switch_mlp.")[0] for n in names if ".switch_mlp." in n}
     for prefix in sorted(stacked):
-        for proj in ("gate_proj", "up_proj", "down_proj"):
+        for proj in projections.values():
             shape = names.get(f"{prefix}.switch_mlp.{proj}.weight")
             if shape is None:
                 problems.append(f"{prefix}.switch_mlp.{proj}.weight missing")
