@@ -12,92 +12,20 @@ When drafting loses to plain decoding, `AdaptiveDrafting` pauses it.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import mlx.core as mx
 
+from mtpkit.accept import SamplingSettings, read_verdict, rejection_sample, verdict
 from mtpkit.runtime import POST_NORM, MtpModel, NoMtpHead, VerifyPass
+
+# SamplingSettings and rejection_sample live in mtpkit.accept; importable from here too.
+__all__ = ["AdaptiveDrafting", "MtpDecoder", "SamplingSettings", "Stats", "rejection_sample"]
 
 MAX_DEPTH = 4
 HEAD_CHUNK = 2048  # pairs per head forward when it catches up with confirmed tokens
 CATCH_UP_AFTER = 256  # plain steps after which the head catches up while drafting is off
-
-
-# ---------------------------------------------------------------------------------------
-# Sampling.
-
-
-@dataclass(frozen=True)
-class SamplingSettings:
-    temp: float = 0.0
-    top_p: float = 0.0
-    top_k: int = 0
-
-    @property
-    def greedy(self) -> bool:
-        return self.temp == 0
-
-    def sampler(self) -> Callable[[mx.array], mx.array]:
-        from mlx_lm.sample_utils import make_sampler
-
-        return make_sampler(temp=self.temp, top_p=self.top_p, top_k=self.top_k)
-
-    def probs(self, logits: mx.array) -> mx.array:
-        """The distribution mlx-lm's sampler draws from, for each row of `logits`."""
-        from mlx_lm.sample_utils import apply_top_k, apply_top_p
-
-        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-        if 0 < self.top_p < 1.0:
-            logprobs = apply_top_p(logprobs, self.top_p)
-        if self.top_k > 0:
-            logprobs = apply_top_k(logprobs, self.top_k)
-        return mx.softmax(logprobs.astype(mx.float32) * (1 / self.temp), axis=-1)
-
-
-def rejection_sample(target: mx.array, draft: mx.array, drafts: list[int]) -> tuple[int, int]:
-    """Exact speculative sampling: how many drafts to keep, and the token that follows.
-
-    `target` [K+1, V] are the backbone's distributions after each verify input, `draft`
-    [K, V] the head's distributions each draft was drawn from. Draft j is kept with
-    probability min(1, p_j(d)/q_j(d)); on the first rejection the next token is drawn from
-    normalize(max(p_j - q_j, 0)); when all are kept, from p_K. (Leviathan et al., 2023.)
-
-    Written here because mlx-lm's `speculative_generate_step` keeps a draft only when it
-    equals a token sampled from the target: also lossless, but it accepts with probability
-    sum(p q) instead of sum(min(p, q)), which wastes most drafts at a temperature.
-    """
-    for j, d in enumerate(drafts):
-        p, q = target[j, d].item(), draft[j, d].item()
-        u = mx.random.uniform().item()
-        if q > 0 and u < min(1.0, p / q):
-            continue
-        residual = mx.maximum(target[j] - draft[j], 0.0)
-        if residual.sum().item() <= 0:
-            residual = target[j]
-        token = mx.random.categorical(mx.log(residual)).item()
-        return j, int(token)
-    return len(drafts), int(mx.random.categorical(mx.log(target[len(drafts)])).item())
-
-
-def accept_drafts(
-    logits: mx.array, drafts_arr: mx.array, dists: mx.array | None, sampling: SamplingSettings
-) -> tuple[list[int], int, int]:
-    """The drafts, how many of them to keep, and the backbone's token after them, from the
-    verify logits [K+1, V]: greedy keeps the drafts equal to the backbone's argmax."""
-    if not sampling.greedy:
-        target = sampling.probs(logits)
-        mx.eval(target, drafts_arr, dists)
-        drafts = drafts_arr.tolist()
-        return drafts, *rejection_sample(target, dists, drafts)
-    logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-    targets_arr = mx.argmax(logprobs, axis=-1)
-    mx.eval(targets_arr, drafts_arr)
-    drafts, targets = drafts_arr.tolist(), targets_arr.tolist()
-    accepted = 0
-    while accepted < len(drafts) and drafts[accepted] == targets[accepted]:
-        accepted += 1
-    return drafts, accepted, targets[accepted]
 
 
 # ---------------------------------------------------------------------------------------
@@ -239,8 +167,11 @@ class AdaptiveDrafting:
 
 
 class HeadDrafter:
-    """Drafts with the MTP head. Pairs (h_k, t_{k+1}) wait in `pending` until the head runs
-    over them: at the start of the next round, or in chunks while drafting is paused."""
+    """Drafts with the MTP head. Confirmed pairs (h_k, t_{k+1}) reach the head's cache in two
+    ways: after a drafting round, all K+1 pairs of the verify pass in one step (queued before
+    the round's acceptance is read; the pairs past the accepted prefix are trimmed after it),
+    leaving `ready`, the head's output at the last confirmed pair; after plain steps, they
+    wait in `pending` until the next draft or a catch-up runs the head over them."""
 
     def __init__(self, m: MtpModel) -> None:
         self.m = m
@@ -248,6 +179,7 @@ class HeadDrafter:
         self.cache = m.head.make_cache()
         self.pending_hidden: list[mx.array] = []
         self.pending_tokens: list[int] = []
+        self.ready: mx.array | None = None
 
     def add(self, hidden: mx.array, tokens: list[int]) -> None:
         self.pending_hidden.append(hidden)
@@ -267,13 +199,20 @@ class HeadDrafter:
         self.pending_hidden = [hidden[:, n:]]
         self.pending_tokens = tokens[n:]
 
+    def can_draft(self) -> bool:
+        return bool(self.pending_tokens) or self.ready is not None
+
     def draft(self, depth: int, sampling: SamplingSettings) -> tuple[mx.array, mx.array | None]:
         """`depth` draft tokens (lazy, [K] int32) and, when sampling, their distributions
-        [K, V]. Consumes the pending pairs."""
+        [K, V]. Consumes the pending pairs (or `ready`)."""
         head, m = self.head, self.m
-        hidden, tokens = self._pending()
-        self.pending_hidden, self.pending_tokens = [], []
-        x = head(hidden, m.embed(mx.array(tokens)[None]), self.cache, step=0)[:, -1:]
+        if self.pending_tokens:
+            hidden, tokens = self._pending()
+            self.pending_hidden, self.pending_tokens = [], []
+            x = head(hidden, m.embed(mx.array(tokens)[None]), self.cache, step=0)[:, -1:]
+        else:
+            x = self.ready
+        self.ready = None
         drafts: list[mx.array] = []
         dists = []
         normed = None
@@ -293,14 +232,25 @@ class HeadDrafter:
         return mx.concatenate(drafts), (mx.stack(dists) if dists else None)
 
     def drop_drafts(self, depth: int) -> None:
-        """Drop the head-cache entries built on drafts (steps 1..depth-1); the pairs the
-        backbone confirms are fed to the head next round."""
+        """Drop the head-cache entries built on drafts (steps 1..depth-1)."""
         per_layer = [0] * len(self.cache)
         for step in range(1, depth):
             per_layer[self.head.layer_for_step(step)] += 1
         for cache, n in zip(self.cache, per_layer, strict=True):
             if n:
                 cache.trim(n)
+
+    def queue_pairs(self, hidden: mx.array, followers: mx.array) -> mx.array:
+        """The head's step over every pair of a verify pass (hidden [1, K+1, H], the token
+        after each input), before knowing how many are confirmed. Returns its output (lazy)."""
+        return self.head(hidden, self.m.embed(followers[None]), self.cache, step=0)
+
+    def settle(self, out: mx.array, kept: int) -> None:
+        """Keep the first `kept` pairs of `queue_pairs`' step; draft next from the last."""
+        rejected = out.shape[1] - kept
+        if rejected:
+            self.cache[self.head.layer_for_step(0)].trim(rejected)
+        self.ready = out[:, kept - 1 : kept]
 
 
 # ---------------------------------------------------------------------------------------
@@ -354,34 +304,36 @@ class MtpDecoder:
                 self.drafter.catch_up()  # the head's KV cache over the prompt
         self.stats.prompt_time = time.perf_counter() - start
 
-    # -- the round: draft, verify, accept, roll back --------------------------------------
-    def draft(self) -> tuple[mx.array, mx.array | None]:
-        return self.drafter.draft(self.depth, self.sampling)
-
+    # -- the round: draft, verify, judge, read once, roll back ---------------------------
     def verify(self, drafts: mx.array) -> VerifyPass:
         tokens = mx.concatenate([mx.array([self.last_token], dtype=mx.int32), drafts])
         return self.m.verify(tokens, self.cache)
 
-    def accept(
-        self, verified: VerifyPass, drafts: mx.array, dists: mx.array | None
-    ) -> tuple[list[int], int, int]:
-        return accept_drafts(verified.logits[0], drafts, dists, self.sampling)
-
-    def rollback(self, verified: VerifyPass, kept: int) -> None:
-        """Undo the effect of the rejected verify inputs on the backbone and head caches."""
+    def queue_next(self, verified: VerifyPass, followers: mx.array) -> mx.array:
+        """Queue the next round's head step over this round's pairs, which needs no host
+        value, so the device runs it while the host settles this round."""
         self.drafter.drop_drafts(self.depth)
+        out = self.drafter.queue_pairs(verified.hidden, followers)
+        mx.async_eval(out)
+        return out
+
+    def settle(self, verified: VerifyPass, head_out: mx.array, kept: int) -> None:
+        """Undo the effect of the rejected verify inputs on the backbone and head caches."""
+        self.drafter.settle(head_out, kept)
         verified.rollback(self.cache, kept)
 
     def draft_round(self) -> list[int]:
         """One drafting round; returns the tokens it confirms (at least one)."""
-        drafts_arr, dists = self.draft()
+        drafts_arr, dists = self.drafter.draft(self.depth, self.sampling)
         verified = self.verify(drafts_arr)
-        drafts, accepted, next_token = self.accept(verified, drafts_arr, dists)
+        packed, followers = verdict(verified.logits[0], drafts_arr, dists, self.sampling)
+        mx.async_eval(packed)
+        head_out = self.queue_next(verified, followers)
+        accepted, next_token, drafts = read_verdict(packed)  # the round's one host read
         kept = accepted + 1  # verify inputs whose effect on the caches stays
-        self.rollback(verified, kept)
+        self.settle(verified, head_out, kept)
         confirmed = drafts[:accepted] + [next_token]
         self.stats.record_round(len(self.prompt) + self.n_confirmed, drafts, accepted)
-        self.drafter.add(verified.hidden[:, :kept], confirmed)
         self.n_confirmed += len(confirmed)
         self.last_token = next_token
         return confirmed
@@ -421,7 +373,7 @@ class MtpDecoder:
         t0 = time.perf_counter()
         can_draft = self.use_mtp and self.drafter is not None
         drafting = can_draft and self.adaptive.want_draft() and self._ahead is None
-        if drafting and self.drafter.pending_tokens:
+        if drafting and self.drafter.can_draft():
             new = self.draft_round()
             self.adaptive.record_round(time.perf_counter() - t0, len(new), self.depth + 1)
             return new
