@@ -1,0 +1,115 @@
+"""The decoder of another git revision against this one, in one process, interleaved.
+
+    python bench/decode_ab.py MODEL_DIR [--before REV] [--trials N] [--max-tokens N]
+
+Loads `mtpkit/decode.py` (and `mtpkit/accept.py` if it has one) as of REV (default: main)
+beside the working tree's, on the same loaded model, and times per trial, interleaved:
+stock `mlx_lm.stream_generate`, then for each decoder MTP at depths 1..3 (no adaptive
+drafting) and depth 1 with adaptive drafting (`generate --mtp`'s default). Prints, per
+configuration, the median decode tok/s over stock's in the same trial, with its range.
+Greedy outputs of both decoders are checked equal to stock's on the way.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import statistics
+import subprocess
+import sys
+import tempfile
+import types
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+
+def load_revision(rev: str, tmp: Path) -> types.ModuleType:
+    """`mtpkit.decode` as of `rev`, importable beside the current one (as `decode_<rev>`)."""
+    files = {}
+    for name in ("accept", "decode"):
+        shown = subprocess.run(
+            ["git", "show", f"{rev}:mtpkit/{name}.py"], cwd=ROOT, capture_output=True, text=True
+        )
+        if shown.returncode == 0:
+            files[name] = shown.stdout
+    if "accept" in files:  # a revision with its own accept.py: import that one beside it
+        path = tmp / "accept_before.py"
+        path.write_text(files["accept"])
+        spec = importlib.util.spec_from_file_location("mtpkit_accept_before", path)
+        accept = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(accept)
+        sys.modules["mtpkit_accept_before"] = accept
+        files["decode"] = files["decode"].replace("from mtpkit.accept ", "from mtpkit_accept_before ")
+    path = tmp / "decode_before.py"
+    path.write_text(files["decode"])
+    spec = importlib.util.spec_from_file_location("mtpkit_decode_before", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("model")
+    parser.add_argument("--before", default="main")
+    parser.add_argument("--trials", type=int, default=9)
+    parser.add_argument("--max-tokens", type=int, default=128)
+    args = parser.parse_args()
+
+    import mlx_lm
+
+    from mtpkit import decode
+    from mtpkit.bench import DEFAULT_PROMPT
+    from mtpkit.generate import encode_prompt
+    from mtpkit.runtime import load_model
+
+    before = load_revision(args.before, Path(tempfile.mkdtemp()))
+    m = load_model(args.model)
+    m.tokenizer.eos_token_ids = []
+    stock_model, stock_tok = mlx_lm.load(args.model)
+    stock_tok.eos_token_ids = []
+    prompt = encode_prompt(m, DEFAULT_PROMPT)
+    n = args.max_tokens
+
+    def stock() -> tuple[float, list[int]]:
+        out, last = [], None
+        for r in mlx_lm.stream_generate(stock_model, stock_tok, prompt, max_tokens=n):
+            out.append(r.token)
+            last = r
+        return last.generation_tps, out
+
+    def mtp(module: types.ModuleType, depth: int, adaptive: bool) -> tuple[float, list[int]]:
+        d = module.MtpDecoder(
+            m, prompt, depth=depth, sampling=module.SamplingSettings(), adaptive=adaptive
+        )
+        out = list(d.tokens(n))
+        return d.stats.decode_tokens / d.stats.decode_time, out
+
+    configs = [(f"d{k}", k, False) for k in (1, 2, 3)] + [("adaptive d1", 1, True)]
+    decoders = {"before": before, "after": decode}
+    ratios: dict[str, list[float]] = {}
+    reference = stock()[1]
+    for dec in decoders.values():  # warm up, and check greedy identity
+        for _, k, ad in configs:
+            assert mtp(dec, k, ad)[1] == reference, "greedy output differs from stock"
+    for trial in range(args.trials):
+        base, _ = stock()
+        for label, dec in decoders.items():
+            for name, k, ad in configs:
+                ratios.setdefault(f"{label} {name}", []).append(mtp(dec, k, ad)[0] / base)
+        print(f"trial {trial + 1}/{args.trials}: stock {base:.1f} tok/s", file=sys.stderr)
+    print(f"{args.model}: MTP decode tok/s over stock mlx-lm's in the same trial "
+          f"(median [min-max] of {args.trials} interleaved trials, {n} tokens)")
+    for name, _, _ in configs:
+        cells = []
+        for label in decoders:
+            r = ratios[f"{label} {name}"]
+            cells.append(f"{label} {statistics.median(r):.3f} [{min(r):.2f}-{max(r):.2f}]")
+        b, a = (statistics.median(ratios[f"{x} {name}"]) for x in decoders)
+        print(f"  {name:12s} " + "  ".join(cells) + f"  after/before {a / b:.3f}")
+
+
+if __name__ == "__main__":
+    main()
