@@ -39,13 +39,14 @@ def load_revision(rev: str, tmp: Path) -> types.ModuleType:
         path.write_text(files["accept"])
         spec = importlib.util.spec_from_file_location("mtpkit_accept_before", path)
         accept = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(accept)
         sys.modules["mtpkit_accept_before"] = accept
+        spec.loader.exec_module(accept)
         files["decode"] = files["decode"].replace("from mtpkit.accept ", "from mtpkit_accept_before ")
     path = tmp / "decode_before.py"
     path.write_text(files["decode"])
     spec = importlib.util.spec_from_file_location("mtpkit_decode_before", path)
     module = importlib.util.module_from_spec(spec)
+    sys.modules["mtpkit_decode_before"] = module  # dataclasses look their module up
     spec.loader.exec_module(module)
     return module
 
