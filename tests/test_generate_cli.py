@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import shutil
 from pathlib import Path
@@ -10,6 +11,8 @@ import pytest
 from typer.testing import CliRunner
 
 from mtpkit.cli import app
+
+ROOT = Path(__file__).resolve().parents[1]
 
 PROMPT = "Return a new list of the"
 GENERATE_KEYS = {
@@ -128,3 +131,9 @@ def test_bench_json(converted: Path) -> None:
         assert low <= r["speedup"] <= high
     assert out["plain_tps"] > 0 and out["beta"] > 0 and out["delta"] > 0
     assert out["trials"] == 2 and set(out["verify_costs"]) == {"2", "3"}
+    # bench/bench_table.py turns it into a markdown row with every depth's figures.
+    spec = importlib.util.spec_from_file_location("bench_table", ROOT / "bench" / "bench_table.py")
+    bench_table = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench_table)
+    row = bench_table.table([out]).splitlines()[2]
+    assert row.startswith(f"| {converted} |") and row.count("x /") == 2
