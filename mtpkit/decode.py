@@ -81,8 +81,11 @@ class AdaptiveDrafting:
       the tokens a round can yield (depth + 1), so no acceptance rate could pay for it
       (a verify pass that costs as much as the tokens in it, as on CPUs): off for 256
       tokens, doubling to 4096;
-    - losing: over the last 6 rounds, seconds per emitted token exceed plain decoding's:
-      off for 32 tokens, doubling to 1024, reset after a long winning run.
+    - barren: the head has not had one draft accepted in its first 4 rounds, and rounds
+      cost more than a plain step: treated as hopeless;
+    - losing: over the last 6 rounds, or clearly (by a quarter) over the last 2, seconds
+      per emitted token exceed plain decoding's: off for 32 tokens, doubling to 1024,
+      reset after a long winning run.
     Each retry costs at most a few rounds, a few percent of the plain time at worst.
     """
 
@@ -95,6 +98,8 @@ class AdaptiveDrafting:
         self.plain_times: list[float] = []
         self.plain_left = 0
         self.capacity = 2  # tokens a round can yield: depth + 1
+        self.rounds = 0  # drafting rounds so far, and those that kept a draft
+        self.fruitful = 0
         # Plain speed is measured after the first two rounds (so that short generations
         # draft from the start), over four steps.
         self.probing_plain = False
@@ -133,6 +138,8 @@ class AdaptiveDrafting:
             return
         self.mtp_times.append((seconds, emitted))
         self.capacity = capacity
+        self.rounds += 1
+        self.fruitful += emitted > 1
         if not self.plain_times:
             if len(self.mtp_times) >= 2:
                 self.probing_plain = True
@@ -144,22 +151,30 @@ class AdaptiveDrafting:
         plain_per_token = self._plain_per_token()
         if len(self.mtp_times) >= 2:
             fastest = min(s for s, _ in self.mtp_times[-2:])
-            if fastest > capacity * plain_per_token:
+            barren = self.rounds >= 4 and not self.fruitful and fastest > plain_per_token
+            if fastest > capacity * plain_per_token or barren:
                 self.plain_left = self.hopeless_stretch
                 self.hopeless_stretch = min(self.hopeless_stretch * 2, 4096)
                 self.mtp_times = []
+                return
+            best_per_token = min(s / n for s, n in self.mtp_times[-2:])
+            if best_per_token > 1.25 * plain_per_token:
+                self._pause()
                 return
         if len(self.mtp_times) < self.window:
             return
         recent = self.mtp_times[-self.window :]
         mtp_per_token = sum(s for s, _ in recent) / sum(n for _, n in recent)
         if mtp_per_token > plain_per_token:
-            self.plain_left = self.plain_stretch
-            self.plain_stretch = min(self.plain_stretch * 2, 1024)
-            self.mtp_times = []
+            self._pause()
         elif len(self.mtp_times) >= 4 * self.window:
             self.plain_stretch = 32
             self.mtp_times = self.mtp_times[-self.window :]
+
+    def _pause(self) -> None:
+        self.plain_left = self.plain_stretch
+        self.plain_stretch = min(self.plain_stretch * 2, 1024)
+        self.mtp_times = []
 
 
 # ---------------------------------------------------------------------------------------
