@@ -12,11 +12,12 @@
 #      run(command="bash bench/gpu_bench.sh stage", carry=[".gpu/part-ab"])   # ... every part
 # 3. Still warm, the benches, a few targets per call (each call must end inside 10 minutes;
 #    every target has its own limit, BENCH_LIMIT seconds, default 280):
-#      run(command="bash bench/gpu_bench.sh bench tiny qwen3_5-0.8b", carry=[".gpu/install.sh"])
+#      run(command="bash bench/gpu_bench.sh bench compile tiny qwen3_5-0.8b", carry=[".gpu/install.sh"])
 #      run(command="bash bench/gpu_bench.sh bench qwen3_5-4b", carry=[".gpu/install.sh"])
 #      run(command="bash bench/gpu_bench.sh bench qwen3_5-9b", carry=[".gpu/install.sh"])
 #      run(command="bash bench/gpu_bench.sh bench qwen3_5_moe-35b-a3b-8l", carry=[".gpu/install.sh"])
-#    Each call returns $OUT/bench-<target>.json, its log, and bench-table.md for its targets.
+#    Each call returns $OUT/bench-<target>.json, its log, and bench-table.md for its targets
+#    (target `compile`: bench/compile_verdict.py's output, compile-verdict.txt).
 # 4. Here, one table of everything that came back:
 #      python bench/bench_table.py /work/.device/<...>/bench-*.json
 #
@@ -52,7 +53,10 @@ bench() {
   git rev-parse HEAD 2>/dev/null >> "$OUT/gpu.txt"
   for target in "$@"; do
     echo "== $target" >&2
-    if [ "$target" = tiny ]; then
+    if [ "$target" = compile ]; then  # does mx.compile pay for the acceptance step here?
+      timeout "$limit" python3 bench/compile_verdict.py | tee "$OUT/compile-verdict.txt"
+      continue
+    elif [ "$target" = tiny ]; then
       python3 -m mtpkit convert mtpkit/examples/tiny-qwen3_5 -o /tmp/mtpkit-tiny --force >&2
       timeout "$limit" python3 -m mtpkit bench --model /tmp/mtpkit-tiny "${args[@]}" \
         > "$OUT/bench-$target.json" 2> "$OUT/bench-$target.log"
@@ -63,11 +67,12 @@ bench() {
     echo "rc $? for $target" >&2
     tail -3 "$OUT/bench-$target.log" >&2
   done
-  python3 bench/bench_table.py "$OUT"/bench-*.json | tee "$OUT/bench-table.md"
+  ls "$OUT"/bench-*.json >/dev/null 2>&1 &&
+    python3 bench/bench_table.py "$OUT"/bench-*.json | tee "$OUT/bench-table.md"
 }
 
 case "${1:-}" in
   stage) stage ;;
   bench) shift; bench "$@" ;;
-  *) sed -n '2,27p' "$0"; exit 2 ;;
+  *) sed -n '2,29p' "$0"; exit 2 ;;
 esac
