@@ -7,6 +7,11 @@ draft iff it equals the backbone's argmax, so the output is the backbone's greed
 at a temperature, exact rejection sampling keeps the output distribution the backbone's.
 After a partial acceptance the caches roll back to the kept prefix (`runtime.VerifyPass`).
 When drafting loses to plain decoding, `AdaptiveDrafting` pauses it.
+
+The host waits on the device once per round: the acceptance is decided on the device
+(`mtpkit.accept`) and read back as one small array, and before that read the head's step
+over the first verified pair (always confirmed; the next round drafts from there) is queued
+with `mx.async_eval`, as mlx-lm's `generate_step` queues the next token's forward.
 """
 
 from __future__ import annotations
@@ -183,10 +188,10 @@ class AdaptiveDrafting:
 
 class HeadDrafter:
     """Drafts with the MTP head. Confirmed pairs (h_k, t_{k+1}) reach the head's cache in two
-    ways: after a drafting round, all K+1 pairs of the verify pass in one step (queued before
-    the round's acceptance is read; the pairs past the accepted prefix are trimmed after it),
-    leaving `ready`, the head's output at the last confirmed pair; after plain steps, they
-    wait in `pending` until the next draft or a catch-up runs the head over them."""
+    ways: after a drafting round, by `queue` (the first pair, before the round's acceptance
+    is read) and `settle` (the other confirmed ones), leaving `ready`, the head's output at
+    the last confirmed pair; after plain steps, they wait in `pending` until the next draft
+    or a catch-up runs the head over them."""
 
     def __init__(self, m: MtpModel) -> None:
         self.m = m
@@ -195,6 +200,7 @@ class HeadDrafter:
         self.pending_hidden: list[mx.array] = []
         self.pending_tokens: list[int] = []
         self.ready: mx.array | None = None
+        self._queued: tuple[mx.array, mx.array, mx.array] | None = None
 
     def add(self, hidden: mx.array, tokens: list[int]) -> None:
         self.pending_hidden.append(hidden)
@@ -255,17 +261,24 @@ class HeadDrafter:
             if n:
                 cache.trim(n)
 
-    def queue_pairs(self, hidden: mx.array, followers: mx.array) -> mx.array:
-        """The head's step over every pair of a verify pass (hidden [1, K+1, H], the token
-        after each input), before knowing how many are confirmed. Returns its output (lazy)."""
-        return self.head(hidden, self.m.embed(followers[None]), self.cache, step=0)
+    def queue(self, depth: int, hidden: mx.array, followers: mx.array) -> None:
+        """Start the head's step over a verify pass's pairs (hidden [1, K+1, H], the token
+        after each input) before the host knows how many are confirmed: the first pair
+        always is, so its step is queued now (`mx.async_eval`); `settle` adds the rest."""
+        self.drop_drafts(depth)
+        first = self.head(hidden[:, :1], self.m.embed(followers[None, :1]), self.cache, step=0)
+        mx.async_eval(first)
+        self._queued = (hidden, followers, first)
 
-    def settle(self, out: mx.array, kept: int) -> None:
-        """Keep the first `kept` pairs of `queue_pairs`' step; draft next from the last."""
-        rejected = out.shape[1] - kept
-        if rejected:
-            self.cache[self.head.layer_for_step(0)].trim(rejected)
-        self.ready = out[:, kept - 1 : kept]
+    def settle(self, kept: int) -> None:
+        """The head's step over the other confirmed pairs of the queued pass, if any; the
+        next draft starts from its output at the last one."""
+        hidden, followers, out = self._queued
+        self._queued = None
+        if kept > 1:
+            tokens = self.m.embed(followers[None, 1:kept])
+            out = self.head(hidden[:, 1:kept], tokens, self.cache, step=0)
+        self.ready = out[:, -1:]
 
 
 # ---------------------------------------------------------------------------------------
@@ -324,17 +337,10 @@ class MtpDecoder:
         tokens = mx.concatenate([mx.array([self.last_token], dtype=mx.int32), drafts])
         return self.m.verify(tokens, self.cache)
 
-    def queue_next(self, verified: VerifyPass, followers: mx.array) -> mx.array:
-        """Queue the next round's head step over this round's pairs, which needs no host
-        value, so the device runs it while the host settles this round."""
-        self.drafter.drop_drafts(self.depth)
-        out = self.drafter.queue_pairs(verified.hidden, followers)
-        mx.async_eval(out)
-        return out
-
-    def settle(self, verified: VerifyPass, head_out: mx.array, kept: int) -> None:
-        """Undo the effect of the rejected verify inputs on the backbone and head caches."""
-        self.drafter.settle(head_out, kept)
+    def settle(self, verified: VerifyPass, kept: int) -> None:
+        """Undo the effect of the rejected verify inputs on the backbone's caches, and give
+        the head the confirmed pairs."""
+        self.drafter.settle(kept)
         verified.rollback(self.cache, kept)
 
     def draft_round(self) -> list[int]:
@@ -343,10 +349,12 @@ class MtpDecoder:
         verified = self.verify(drafts_arr)
         packed, followers = verdict(verified.logits[0], drafts_arr, dists, self.sampling)
         mx.async_eval(packed)
-        head_out = self.queue_next(verified, followers)
+        # The next round's head step, queued before the read so the device runs it while
+        # the host settles this round.
+        self.drafter.queue(self.depth, verified.hidden, followers)
         accepted, next_token, drafts = read_verdict(packed)  # the round's one host read
         kept = accepted + 1  # verify inputs whose effect on the caches stays
-        self.settle(verified, head_out, kept)
+        self.settle(verified, kept)
         confirmed = drafts[:accepted] + [next_token]
         self.stats.record_round(len(self.prompt) + self.n_confirmed, drafts, accepted)
         self.n_confirmed += len(confirmed)
