@@ -361,7 +361,7 @@ def print_bench(result: BenchResult) -> None:
     costs = result.costs
     stdout.print(
         f"[bold]{result.model}[/bold] on {mx.default_device()}: prompt {result.prompt_tokens} "
-        f"tokens, {result.max_tokens} generated per run, median [min-max] of "
+        f"tokens, {result.max_tokens} generated per run, median \\[min-max] of "
         f"{result.trials} interleaved trials"
     )
     verify = ", ".join(f"{k + 1} tokens {v}" for k, v in sorted(costs.verify.items()))
