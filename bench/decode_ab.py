@@ -4,8 +4,9 @@
 
 Loads `mtpkit/decode.py` (and `mtpkit/accept.py` if it has one) as of REV (default: main)
 beside the working tree's, on the same loaded model, and times per trial, interleaved:
-stock `mlx_lm.stream_generate`, then for each decoder MTP at depths 1..3 (no adaptive
-drafting) and depth 1 with adaptive drafting (`generate --mtp`'s default). Prints, per
+stock `mlx_lm.stream_generate`, then for each decoder its plain decoding (no MTP), MTP at
+depths 1..3 (no adaptive drafting) and depth 1 with adaptive drafting (`generate --mtp`'s
+default), which it also reports over its own plain decoding. Prints, per
 configuration, the median decode tok/s over stock's in the same trial, with its range, by
 the wall clock and by the process's CPU time (on a machine shared with other jobs the wall
 clock mostly measures them; CPU time does not see the overlap `mx.async_eval` buys).
@@ -93,13 +94,16 @@ def main() -> None:
         stream = mlx_lm.stream_generate(stock_model, stock_tok, prompt, max_tokens=n)
         return timed(r.token for r in stream)
 
-    def mtp(module: types.ModuleType, depth: int, adaptive: bool):
+    def mtp(module: types.ModuleType, depth: int, adaptive: bool | None):
+        """adaptive None: the decoder's plain decoding (no MTP), the baseline of the others."""
         d = module.MtpDecoder(
-            m, prompt, depth=depth, sampling=module.SamplingSettings(), adaptive=adaptive
-        )
+            m, prompt, depth=depth, sampling=module.SamplingSettings(),
+            adaptive=bool(adaptive), use_mtp=adaptive is not None,
+        )  # fmt: skip
         return timed(d.tokens(n))
 
-    configs = [(f"d{k}", k, False) for k in (1, 2, 3)] + [("adaptive d1", 1, True)]
+    configs = [("plain", 1, None)] + [(f"d{k}", k, False) for k in (1, 2, 3)]
+    configs.append(("adaptive d1", 1, True))
     decoders = {"before": before, "after": decode}
     ratios: dict[tuple[str, str], list[float]] = {}
     reference = stock()[1]
@@ -128,6 +132,11 @@ def main() -> None:
                 cells.append(f"{label} {statistics.median(r):.3f} [{min(r):.2f}-{max(r):.2f}]")
             b, a = (statistics.median(ratios[(clock, f"{x} {name}")]) for x in decoders)
             print(f"  {name:12s} " + "  ".join(cells) + f"  after/before {a / b:.3f}")
+        for label in decoders:  # MTP over the same decoder's plain decoding, per trial
+            plain = ratios[(clock, f"{label} plain")]
+            r = [x / p for x, p in zip(ratios[(clock, f"{label} adaptive d1")], plain, strict=True)]
+            print(f"  {label} adaptive d1 / {label} plain: {statistics.median(r):.3f} "
+                  f"[{min(r):.2f}-{max(r):.2f}]")
 
 
 if __name__ == "__main__":
