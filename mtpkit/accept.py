@@ -2,7 +2,9 @@
 rejection sampling, packed into one small array so that a round reads the host once.
 
 `verdict` returns, lazily:
-- `packed` int32 [K+2]: the number of drafts kept, the backbone's token after them, the drafts;
+- `packed` int32: what `read_verdict` turns into the number of drafts kept, the backbone's
+  token after them, and the drafts (greedy: the backbone's argmaxes and the drafts;
+  sampling: the count, the token, the drafts);
 - `followers` int32 [K+1]: the confirmed token after each verify input (valid up to the
   number kept), which the head pairs with the backbone's hidden states next round.
 """
@@ -49,12 +51,12 @@ def _kept(matches: mx.array) -> mx.array:
 
 def greedy_verdict(logits: mx.array, drafts: mx.array) -> tuple[mx.array, mx.array]:
     """Keep the drafts equal to the backbone's argmax (of its log-probabilities, as mlx-lm's
-    greedy sampler takes it); `logits` [K+1, V], `drafts` [K]."""
+    greedy sampler takes it); `logits` [K+1, V], `drafts` [K]. Packed here: [the K+1
+    argmaxes, the drafts]; `read_verdict` finds the leading matches on the host, which costs
+    fewer device operations than counting them on the device."""
     logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
     targets = mx.argmax(logprobs, axis=-1).astype(mx.int32)
-    kept = _kept(drafts == targets[:-1])
-    packed = mx.concatenate([kept[None], targets[kept][None], drafts.astype(mx.int32)])
-    return packed, targets
+    return mx.concatenate([targets, drafts]), targets
 
 
 def sampled_verdict(
@@ -99,14 +101,22 @@ def verdict(
     return sampled_verdict(sampling.probs(logits), dists, drafts)
 
 
-def read_verdict(packed: mx.array) -> tuple[int, int, list[int]]:
+def read_verdict(packed: mx.array, greedy: bool) -> tuple[int, int, list[int]]:
     """The round's one host read: drafts kept, the token after them, the drafts."""
-    kept, token, *drafts = packed.tolist()
-    return kept, token, drafts
+    values = packed.tolist()
+    if not greedy:
+        kept, token, *drafts = values
+        return kept, token, drafts
+    k = (len(values) - 1) // 2
+    targets, drafts = values[: k + 1], values[k + 1 :]
+    kept = 0
+    while kept < k and drafts[kept] == targets[kept]:
+        kept += 1
+    return kept, targets[kept], drafts
 
 
 def rejection_sample(target: mx.array, draft: mx.array, drafts: list[int]) -> tuple[int, int]:
     """`sampled_verdict` for drafts given as a list: how many to keep, and the next token."""
     packed, _ = sampled_verdict(target, draft, mx.array(drafts, dtype=mx.int32))
-    kept, token, _ = read_verdict(packed)
+    kept, token, _ = read_verdict(packed, greedy=False)
     return kept, token

@@ -10,8 +10,9 @@ When drafting loses to plain decoding, `AdaptiveDrafting` pauses it.
 
 The host waits on the device once per round: the acceptance is decided on the device
 (`mtpkit.accept`) and read back as one small array, and before that read the head's step
-over the first verified pair (always confirmed; the next round drafts from there) is queued
-with `mx.async_eval`, as mlx-lm's `generate_step` queues the next token's forward.
+over the verified pairs (the next round drafts from the last confirmed one) is queued with
+`mx.async_eval`, as mlx-lm's `generate_step` queues the next token's forward. The pairs past
+the accepted prefix are trimmed from the head's cache after the read.
 """
 
 from __future__ import annotations
@@ -188,10 +189,10 @@ class AdaptiveDrafting:
 
 class HeadDrafter:
     """Drafts with the MTP head. Confirmed pairs (h_k, t_{k+1}) reach the head's cache in two
-    ways: after a drafting round, by `queue` (the first pair, before the round's acceptance
-    is read) and `settle` (the other confirmed ones), leaving `ready`, the head's output at
-    the last confirmed pair; after plain steps, they wait in `pending` until the next draft
-    or a catch-up runs the head over them."""
+    ways: after a drafting round, by `queue` (all of the round's pairs in one step, before its
+    acceptance is read) and `settle` (the unconfirmed ones trimmed), leaving `ready`, the
+    head's output at the last confirmed pair; after plain steps, they wait in `pending`
+    until the next draft or a catch-up runs the head over them."""
 
     def __init__(self, m: MtpModel) -> None:
         self.m = m
@@ -200,7 +201,7 @@ class HeadDrafter:
         self.pending_hidden: list[mx.array] = []
         self.pending_tokens: list[int] = []
         self.ready: mx.array | None = None
-        self._queued: tuple[mx.array, mx.array, mx.array] | None = None
+        self._queued: mx.array | None = None
 
     def add(self, hidden: mx.array, tokens: list[int]) -> None:
         self.pending_hidden.append(hidden)
@@ -262,23 +263,21 @@ class HeadDrafter:
                 cache.trim(n)
 
     def queue(self, depth: int, hidden: mx.array, followers: mx.array) -> None:
-        """Start the head's step over a verify pass's pairs (hidden [1, K+1, H], the token
-        after each input) before the host knows how many are confirmed: the first pair
-        always is, so its step is queued now (`mx.async_eval`); `settle` adds the rest."""
+        """Start the head's step over every pair of a verify pass (hidden [1, K+1, H], the
+        token after each input) before the host knows how many are confirmed (one call,
+        queued with `mx.async_eval`); `settle` trims the pairs past the confirmed ones."""
         self.drop_drafts(depth)
-        first = self.head(hidden[:, :1], self.m.embed(followers[None, :1]), self.cache, step=0)
-        mx.async_eval(first)
-        self._queued = (hidden, followers, first)
+        out = self.head(hidden, self.m.embed(followers[None]), self.cache, step=0)
+        mx.async_eval(out)
+        self._queued = out
 
     def settle(self, kept: int) -> None:
-        """The head's step over the other confirmed pairs of the queued pass, if any; the
-        next draft starts from its output at the last one."""
-        hidden, followers, out = self._queued
-        self._queued = None
-        if kept > 1:
-            tokens = self.m.embed(followers[None, 1:kept])
-            out = self.head(hidden[:, 1:kept], tokens, self.cache, step=0)
-        self.ready = out[:, -1:]
+        """Keep the queued step's first `kept` pairs; the next draft starts from the last."""
+        out, self._queued = self._queued, None
+        rejected = out.shape[1] - kept
+        if rejected:  # step 0's entries, at the end of its layer's cache
+            self.cache[self.head.layer_for_step(0)].trim(rejected)
+        self.ready = out[:, kept - 1 : kept]
 
 
 # ---------------------------------------------------------------------------------------
@@ -349,10 +348,10 @@ class MtpDecoder:
         verified = self.verify(drafts_arr)
         packed, followers = verdict(verified.logits[0], drafts_arr, dists, self.sampling)
         mx.async_eval(packed)
-        # The next round's head step, queued before the read so the device runs it while
-        # the host settles this round.
+        # The next round's head step, queued before the read so that the device runs it
+        # while the host settles this round.
         self.drafter.queue(self.depth, verified.hidden, followers)
-        accepted, next_token, drafts = read_verdict(packed)  # the round's one host read
+        accepted, next_token, drafts = read_verdict(packed, self.sampling.greedy)  # one host read
         kept = accepted + 1  # verify inputs whose effect on the caches stays
         self.settle(verified, kept)
         confirmed = drafts[:accepted] + [next_token]
