@@ -30,6 +30,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from mtpkit.decode import MtpDecoder, SamplingSettings
+from mtpkit.errors import MtpkitError
 from mtpkit.generate import check_prompt, encode_prompt
 from mtpkit.runtime import MtpModel, NoMtpHead, is_recurrent_cache, load_model, untapped
 
@@ -273,7 +274,10 @@ def bench(
     trials: int = 5,
     progress: Callable[[str], None] | None = None,
 ) -> BenchResult:
-    """Measure plain decoding against MTP decoding at depths 1..max_depth."""
+    """Measure plain decoding against MTP decoding at depths 1..max_depth; `progress` gets a
+    line per stage and per measured run."""
+    if trials < 1 or max_tokens < 1:
+        raise MtpkitError(f"trials and max_tokens must be at least 1, not {trials}, {max_tokens}")
     say = progress or (lambda s: None)
     m = load_model(model)
     if m.head is None:
@@ -317,16 +321,22 @@ def _trials(
     speedup = {c: Figure() for c in _configs(max_depth)}
     last: dict[tuple[int, bool], MtpDecoder] = {}
     for trial in range(trials):
-        say(f"trial {trial + 1}/{trials}: stock, --no-mtp, MTP depths 1..{max_depth}, adaptive")
+        at = f"trial {trial + 1}/{trials}:"
         base = _stock_run(stock_model, stock_tokenizer, tokens, max_tokens)
+        say(f"{at} stock mlx-lm {base:.1f} tok/s")
         plain.values.append(base)
         with untapped(m.model.model.norm):
             no_mtp.values.append(_stock_run(m.model, m.tokenizer, tokens, max_tokens))
+        say(f"{at} mtpkit --no-mtp {no_mtp.values[-1]:.1f} tok/s")
         no_mtp_speedup.values.append(no_mtp.values[-1] / base if base else 0.0)
         for config in _configs(max_depth):
             rate, last[config] = _mtp_run(m, tokens, config[0], max_tokens, adaptive=config[1])
             tps[config].values.append(rate)
             speedup[config].values.append(rate / base if base else 0.0)
+            acceptance = last[config].stats.acceptance
+            accepted = "n/a" if acceptance is None else f"{acceptance:.1%}"
+            name = f"MTP depth {config[0]}" + (" adaptive" if config[1] else "")
+            say(f"{at} {name} {rate:.1f} tok/s, acceptance {accepted}")
     del stock_model
     runs = []
     for depth, adaptive in _configs(max_depth):

@@ -62,11 +62,11 @@ def bench(
 
     from mtpkit.bench import DEFAULT_PROMPT, print_bench
     from mtpkit.bench import bench as run_bench
-    from mtpkit.output import print_json
+    from mtpkit.output import log, print_json
     from mtpkit.shapes import random_model_dir
 
-    if shape and not json_output:
-        typer.echo(f"... building a random {shape} model ({dtype.value} scales)", err=True)
+    if shape:
+        log(f"... building a random {shape} model ({dtype.value} scales)")
     built = random_model_dir(shape, dtype.value) if shape else None
     try:
         result = run_bench(
@@ -75,7 +75,7 @@ def bench(
             max_tokens=max_tokens,
             max_depth=max_depth,
             trials=trials,
-            progress=None if json_output else (lambda s: typer.echo(f"... {s}", err=True)),
+            progress=lambda line: log(f"... {line}"),  # stderr, so also with --json
         )
     finally:
         if built is not None:
