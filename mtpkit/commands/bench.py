@@ -44,7 +44,7 @@ def bench(
     trials: Annotated[
         int,
         typer.Option(
-            "--trials", min=1, help="Interleaved trials; each figure is their median [min-max]."
+            "--trials", min=1, help="Interleaved trials; each figure is their median and range."
         ),
     ] = 5,
     json_output: JsonOpt = False,
