@@ -1,7 +1,8 @@
 """`mtpkit bench`: plain decoding against MTP decoding at depths 1..K, in one run.
 
 Plain decoding is stock `mlx_lm.stream_generate` on a separately loaded, untouched copy of
-the same directory. Next to the realized speedups it reports the two costs that bound them:
+the same directory; `--no-mtp` is the same on mtpkit's load. Next to the realized speedups
+it reports the two costs that bound them:
 
 - beta: a 2-token verify forward (with mtpkit's gated-delta-net snapshots, as decoding runs
   it) over a 1-token forward;
@@ -10,14 +11,15 @@ the same directory. Next to the realized speedups it reports the two costs that 
 and the ceiling (1 + a) / (beta + delta) at depth 1, generalised for depth K to
 E_K / (beta_K + K delta), where E_K = 1 + a_1 + a_1 a_2 + ... is the expected number of
 tokens per round from the per-depth acceptance and beta_K the (K+1)-token verify cost.
+
+Every figure is the median of interleaved trials with its range (min-max): each trial runs
+every configuration once, so a disturbance of the machine hits them all alike, and each
+speedup is a ratio to stock decoding within the same trial.
 """
 
 from __future__ import annotations
 
-import json
-import shutil
 import statistics
-import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -47,56 +49,107 @@ DEFAULT_PROMPT = (
 
 
 @dataclass
+class Figure:
+    """Repeated measurements of one quantity: the median and the range."""
+
+    values: list[float] = field(default_factory=list)
+
+    @property
+    def median(self) -> float:
+        return statistics.median(self.values) if self.values else 0.0
+
+    @property
+    def range(self) -> list[float]:
+        return [min(self.values), max(self.values)] if self.values else [0.0, 0.0]
+
+    def __str__(self) -> str:
+        low, high = self.range
+        return f"{self.median:.3g} [{low:.3g}-{high:.3g}]"
+
+
+@dataclass
 class BenchRun:
     depth: int
+    adaptive: bool
     acceptance: float | None
-    decode_tps: float
-    speedup: float
+    acceptance_by_depth: list[float | None]
+    decode_tps: Figure
+    speedup: Figure  # decode tok/s over stock's in the same trial
     ceiling: float | None
-    acceptance_by_depth: list[float | None] = field(default_factory=list)
+    plain_steps: int = 0
+    rounds: int = 0
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "depth": self.depth,
+            "adaptive": self.adaptive,
+            "acceptance": self.acceptance,
+            "acceptance_by_depth": self.acceptance_by_depth,
+            "decode_tps": self.decode_tps.median,
+            "decode_tps_range": self.decode_tps.range,
+            "speedup": self.speedup.median,
+            "speedup_range": self.speedup.range,
+            "ceiling": self.ceiling,
+            "realized_over_ceiling": (self.speedup.median / self.ceiling)
+            if self.ceiling
+            else None,
+            "rounds": self.rounds,
+            "plain_steps": self.plain_steps,
+        }
+
+
+@dataclass
+class Costs:
+    """Per repeat, interleaved: a 1-token forward's seconds, the (K+1)-token verify over it,
+    and a head step over it."""
+
+    one: Figure = field(default_factory=Figure)
+    verify: dict[int, Figure] = field(default_factory=dict)
+    delta: Figure = field(default_factory=Figure)
 
 
 @dataclass
 class BenchResult:
     model: str
-    plain_tps: float
-    beta: float
-    delta: float
+    plain_tps: Figure
+    no_mtp_tps: Figure
+    costs: Costs
     runs: list[BenchRun]
-    verify_costs: dict[int, float]
-    no_mtp_tps: float
     prompt_tokens: int
     max_tokens: int
-    moe_dtype: str | None = None
+    trials: int
+    no_mtp_speedup: Figure = field(default_factory=Figure)
+    dtype: str | None = None
+    moe_dtype: str | None = None  # what the experts ran in (bf16 experts run in float32 on CPU)
+
+    @property
+    def beta(self) -> Figure:
+        return self.costs.verify[1]
 
     def to_json(self) -> dict[str, Any]:
         return {
             "model": self.model,
-            "plain_tps": self.plain_tps,
-            "beta": self.beta,
-            "delta": self.delta,
+            "device": str(mx.default_device()),
+            "mlx": mx.__version__,
+            "dtype": self.dtype,
             "moe_dtype": self.moe_dtype,
-            "runs": [
-                {
-                    "depth": r.depth,
-                    "acceptance": r.acceptance,
-                    "decode_tps": r.decode_tps,
-                    "speedup": r.speedup,
-                    "ceiling": r.ceiling,
-                }
-                for r in self.runs
-            ],
+            "prompt_tokens": self.prompt_tokens,
+            "max_tokens": self.max_tokens,
+            "trials": self.trials,
+            "plain_tps": self.plain_tps.median,
+            "plain_tps_range": self.plain_tps.range,
+            "no_mtp_tps": self.no_mtp_tps.median,
+            "no_mtp_tps_range": self.no_mtp_tps.range,
+            "no_mtp_speedup": self.no_mtp_speedup.median,
+            "forward_seconds": self.costs.one.median,
+            "beta": self.beta.median,
+            "beta_range": self.beta.range,
+            "delta": self.costs.delta.median,
+            "delta_range": self.costs.delta.range,
+            "verify_costs": {str(k + 1): v.median for k, v in self.costs.verify.items()},
+            "runs": [r.to_json() for r in self.runs if not r.adaptive],
+            "adaptive": [r.to_json() for r in self.runs if r.adaptive],
         }
-
-
-def _median_time(fn: Callable[[], Any], repeats: int) -> float:
-    fn()  # warm up
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
 
 
 class _ForwardTimer:
@@ -125,35 +178,50 @@ class _ForwardTimer:
                 c.cache = list(saved)
 
 
-def measure_costs(
-    m: MtpModel, prompt: list[int], *, max_depth: int, repeats: int = 20
-) -> tuple[dict[int, float], float, float]:
-    """Seconds of a 1-token forward, and verify costs {K: t(K+1 tokens)/t(1)}, and delta."""
+def measure_costs(m: MtpModel, prompt: list[int], *, max_depth: int, repeats: int = 20) -> Costs:
+    """Interleaved per repeat: a 1-token forward, verifies of 2..K+1 tokens, a head step."""
     timer = _ForwardTimer(m, prompt)
-    one = _median_time(lambda: timer.forward(1), repeats)
-    verify = {
-        k: _median_time(lambda k=k: timer.forward(k + 1), repeats) / one
-        for k in range(1, max_depth + 1)
-    }
-    delta = 0.0
-    if m.head is not None:
-        head = m.head
-        token = mx.array([[prompt[-1]]])
-        dtype = m.embed(token).dtype
-        h = mx.random.normal((1, 1, _hidden_size(m))).astype(dtype)
-        cache = head.make_cache()
-        warm = head(mx.repeat(h, len(prompt), axis=1), m.embed(mx.array(prompt)[None]), cache)
-        mx.eval(warm)
+    head_step = _head_step(m, prompt) if m.head is not None else None
+    steps: list[tuple[int, Callable[[], None]]] = [(0, lambda: timer.forward(1))]
+    steps += [(k, lambda k=k: timer.forward(k + 1)) for k in range(1, max_depth + 1)]
+    if head_step is not None:
+        steps.append((-1, head_step))
+    for _, fn in steps:  # warm up
+        fn()
+    costs = Costs(verify={k: Figure() for k in range(1, max_depth + 1)})
+    for _ in range(repeats):
+        seconds = {}
+        for key, fn in steps:
+            t0 = time.perf_counter()
+            fn()
+            seconds[key] = time.perf_counter() - t0
+        one = seconds[0]
+        costs.one.values.append(one)
+        for k in range(1, max_depth + 1):
+            costs.verify[k].values.append(seconds[k] / one)
+        if head_step is not None:
+            costs.delta.values.append(seconds[-1] / one)
+    return costs
 
-        def head_step() -> None:
-            x = head(h, m.embed(token), cache)
-            logits = m.lm_head(head.final_norm(0)(x))
-            mx.eval(mx.argmax(logits, axis=-1))
-            for c in cache:
-                c.trim(1)
 
-        delta = _median_time(head_step, repeats) / one
-    return verify, delta, one
+def _head_step(m: MtpModel, prompt: list[int]) -> Callable[[], None]:
+    """One head step (block, final norm, lm_head, argmax) at the prompt's position."""
+    head = m.head
+    token = mx.array([[prompt[-1]]])
+    dtype = m.embed(token).dtype
+    h = mx.random.normal((1, 1, _hidden_size(m))).astype(dtype)
+    cache = head.make_cache()
+    warm = head(mx.repeat(h, len(prompt), axis=1), m.embed(mx.array(prompt)[None]), cache)
+    mx.eval(warm)
+
+    def step() -> None:
+        x = head(h, m.embed(token), cache)
+        logits = m.lm_head(head.final_norm(0)(x))
+        mx.eval(mx.argmax(logits, axis=-1))
+        for c in cache:
+            c.trim(1)
+
+    return step
 
 
 def _hidden_size(m: MtpModel) -> int:
@@ -174,11 +242,11 @@ def _stock_run(model: nn.Module, tokenizer: Any, prompt: list[int], max_tokens: 
 
 
 def _mtp_run(
-    m: MtpModel, prompt: list[int], depth: int, max_tokens: int
+    m: MtpModel, prompt: list[int], depth: int, max_tokens: int, adaptive: bool = False
 ) -> tuple[float, MtpDecoder]:
     """Decode tok/s over rounds 2..end (the first round's tokens arrive with the prompt's
     cost, as the first token does in mlx-lm's figure), and the decoder with its stats."""
-    decoder = MtpDecoder(m, prompt, depth=depth, sampling=SamplingSettings(), adaptive=False)
+    decoder = MtpDecoder(m, prompt, depth=depth, sampling=SamplingSettings(), adaptive=adaptive)
     n = first_round = 0
     t0 = None
     for _ in decoder.tokens(max_tokens):
@@ -213,7 +281,7 @@ def bench(
     max_depth: int = 3,
     chat_template: bool = True,
     repeats: int = 20,
-    trials: int = 3,
+    trials: int = 5,
     progress: Callable[[str], None] | None = None,
 ) -> BenchResult:
     """Measure plain decoding against MTP decoding at depths 1..max_depth; `progress` gets a
@@ -227,28 +295,32 @@ def bench(
     eos = m.tokenizer.eos_token_ids
     m.tokenizer.eos_token_ids = []  # every run decodes exactly max_tokens tokens
     try:
-        return _bench(m, model, prompt, max_tokens, max_depth, chat_template, repeats, say, trials)
+        tokens = encode_prompt(m, prompt, chat_template=chat_template)
+        check_prompt(m, tokens)
+        say("forward and head costs")
+        costs = measure_costs(m, tokens, max_depth=max_depth, repeats=repeats)
+        return _trials(m, str(model), tokens, costs, max_tokens, max_depth, trials, say)
     finally:
         m.tokenizer.eos_token_ids = eos
 
 
-def _bench(
+def _configs(max_depth: int) -> list[tuple[int, bool]]:
+    """(depth, adaptive) of the MTP runs each trial makes after stock and --no-mtp."""
+    return [(d, False) for d in range(1, max_depth + 1)] + [(1, True)]
+
+
+def _trials(
     m: MtpModel,
-    model: str | Path,
-    prompt: str,
+    model: str,
+    tokens: list[int],
+    costs: Costs,
     max_tokens: int,
     max_depth: int,
-    chat_template: bool,
-    repeats: int,
-    say: Callable[[str], None],
     trials: int,
+    say: Callable[[str], None],
 ) -> BenchResult:
     import mlx_lm
 
-    tokens = encode_prompt(m, prompt, chat_template=chat_template)
-    check_prompt(m, tokens)
-    say("forward and head costs")
-    verify, delta, _ = measure_costs(m, tokens, max_depth=max_depth, repeats=repeats)
     # Stock mlx-lm on its own, untouched load of the directory.
     with library_io():  # never remote code, never a question on stdin
         stock_model, stock_tokenizer = mlx_lm.load(
@@ -258,174 +330,51 @@ def _bench(
     stock_tokenizer.eos_token_ids = []  # every run decodes exactly max_tokens tokens
     _stock_run(stock_model, stock_tokenizer, tokens, 8)  # warm up
     _mtp_run(m, tokens, 1, 8)
-    # Trials interleave every configuration, and each figure is its best trial: the one
-    # least disturbed by other work on the machine.
-    plain = no_mtp = 0.0
-    best: dict[int, tuple[float, MtpDecoder]] = {}
+    plain, no_mtp, no_mtp_speedup = Figure(), Figure(), Figure()
+    tps = {c: Figure() for c in _configs(max_depth)}
+    speedup = {c: Figure() for c in _configs(max_depth)}
+    last: dict[tuple[int, bool], MtpDecoder] = {}
     for trial in range(trials):
         at = f"trial {trial + 1}/{trials}:"
-        tps = _stock_run(stock_model, stock_tokenizer, tokens, max_tokens)
-        say(f"{at} stock mlx-lm {tps:.1f} tok/s")
-        plain = max(plain, tps)
+        base = _stock_run(stock_model, stock_tokenizer, tokens, max_tokens)
+        say(f"{at} stock mlx-lm {base:.1f} tok/s")
+        plain.values.append(base)
         with untapped(m.final_norm):
-            tps = _stock_run(m.model, m.tokenizer, tokens, max_tokens)
-        say(f"{at} mtpkit --no-mtp {tps:.1f} tok/s")
-        no_mtp = max(no_mtp, tps)
-        for depth in range(1, max_depth + 1):
-            run = _mtp_run(m, tokens, depth, max_tokens)
-            acceptance = run[1].stats.acceptance
+            no_mtp.values.append(_stock_run(m.model, m.tokenizer, tokens, max_tokens))
+        say(f"{at} mtpkit --no-mtp {no_mtp.values[-1]:.1f} tok/s")
+        no_mtp_speedup.values.append(no_mtp.values[-1] / base if base else 0.0)
+        for config in _configs(max_depth):
+            rate, last[config] = _mtp_run(m, tokens, config[0], max_tokens, adaptive=config[1])
+            tps[config].values.append(rate)
+            speedup[config].values.append(rate / base if base else 0.0)
+            acceptance = last[config].stats.acceptance
             accepted = "n/a" if acceptance is None else f"{acceptance:.1%}"
-            say(f"{at} MTP depth {depth} {run[0]:.1f} tok/s, acceptance {accepted}")
-            if depth not in best or run[0] > best[depth][0]:
-                best[depth] = run
+            name = f"MTP depth {config[0]}" + (" adaptive" if config[1] else "")
+            say(f"{at} {name} {rate:.1f} tok/s, acceptance {accepted}")
     del stock_model
     runs = []
-    for depth in range(1, max_depth + 1):
-        tps, decoder = best[depth]
-        by_depth = decoder.stats.acceptance_by_depth(depth)
+    for depth, adaptive in _configs(max_depth):
+        stats = last[(depth, adaptive)].stats
+        by_depth = stats.acceptance_by_depth(depth)
         runs.append(
             BenchRun(
                 depth=depth,
-                acceptance=decoder.stats.acceptance,
-                decode_tps=tps,
-                speedup=tps / plain if plain else 0.0,
-                ceiling=ceiling(by_depth, verify[depth], delta),
+                adaptive=adaptive,
+                acceptance=stats.acceptance,
                 acceptance_by_depth=by_depth,
+                decode_tps=tps[(depth, adaptive)],
+                speedup=speedup[(depth, adaptive)],
+                ceiling=None
+                if adaptive
+                else ceiling(by_depth, costs.verify[depth].median, costs.delta.median),
+                plain_steps=stats.plain_steps,
+                rounds=stats.rounds,
             )
         )
     return BenchResult(
-        model=str(model),
-        plain_tps=plain,
-        beta=verify[1],
-        delta=delta,
-        runs=runs,
-        verify_costs=verify,
-        no_mtp_tps=no_mtp,
-        prompt_tokens=len(tokens),
-        max_tokens=max_tokens,
+        model, plain, no_mtp, costs, runs, len(tokens), max_tokens, trials, no_mtp_speedup,
         moe_dtype=m.moe_dtype,
-    )
-
-
-# ---------------------------------------------------------------------------------------
-# A random-weight model of a real shape, for speed measurements that need size, not skill.
-
-# Qwen3.5-0.8B's text config (hidden 1024, 24 layers in 3:1 linear/full attention, tied
-# 248k vocabulary).
-RANDOM_SHAPES: dict[str, dict[str, Any]] = {
-    "qwen3_5-0.8b": {
-        "model_type": "qwen3_5_text",
-        "hidden_size": 1024,
-        "intermediate_size": 3584,
-        "num_hidden_layers": 24,
-        "num_attention_heads": 8,
-        "num_key_value_heads": 2,
-        "head_dim": 256,
-        "linear_num_key_heads": 16,
-        "linear_num_value_heads": 16,
-        "linear_key_head_dim": 128,
-        "linear_value_head_dim": 128,
-        "linear_conv_kernel_dim": 4,
-        "full_attention_interval": 4,
-        "rms_norm_eps": 1e-6,
-        "vocab_size": 248320,
-        "max_position_embeddings": 262144,
-        "tie_word_embeddings": True,
-        "mtp_num_hidden_layers": 1,
-        "rope_parameters": {
-            "mrope_interleaved": True,
-            "mrope_section": [11, 11, 10],
-            "partial_rotary_factor": 0.25,
-            "rope_theta": 10000000,
-            "rope_type": "default",
-        },
-    },
-}
-
-
-def build_random_model(
-    shape: str,
-    out: Path,
-    *,
-    bits: int = 4,
-    group_size: int = 64,
-    tokenizer_from: Path | None = None,
-) -> Path:
-    """Write a random-weight mlx-lm directory of `shape`, quantized, with an MTP sidecar.
-
-    Scales and unquantized weights are float32: MLX's CPU backend multiplies 4-bit weights
-    with float32 scales about ten times faster than with bfloat16 ones (on Apple silicon
-    the GPU runs either at the same speed).
-    """
-    from mlx.utils import tree_flatten
-    from mlx_lm.models import qwen3_5
-    from mlx_lm.utils import quantize_model, save_config, save_model
-
-    from mtpkit.headload import build_head
-
-    text = dict(RANDOM_SHAPES[shape])
-    config: dict[str, Any] = {
-        "model_type": "qwen3_5",
-        "text_config": text,
-        "tie_word_embeddings": True,
-    }
-    mx.random.seed(0)
-    model = qwen3_5.Model(qwen3_5.ModelArgs.from_dict(config))
-    _scale_init(model)
-    model, config = quantize_model(model, config, group_size, bits)
-    out.mkdir(parents=True, exist_ok=True)
-    save_model(out, model)
-    save_config(config, out / "config.json")
-    head = build_head(config, 1)
-    _scale_init(head)
-    nn.quantize(head, group_size=group_size, bits=bits)
-    (out / "mtp").mkdir(exist_ok=True)
-    weights = {f"language_model.mtp.{k}": v for k, v in tree_flatten(head.parameters())}
-    mx.save_safetensors(
-        str(out / "mtp" / "weights.safetensors"), weights, metadata={"format": "mlx"}
-    )
-    manifest = {
-        "format": "mtpkit",
-        "family": "qwen3_5",
-        "prefix": "language_model.mtp.",
-        "num_layers": 1,
-        "rmsnorm_weight_format": "mlx_gamma",
-        "hidden": "post_norm",
-        "concat_order": "embedding_first",
-        "mtp_quantization": {"bits": bits, "group_size": group_size},
-        "note": f"random weights of shape {shape}, built by mtpkit bench",
-    }
-    (out / "mtp" / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
-    if tokenizer_from is not None:
-        for f in tokenizer_from.iterdir():
-            if f.name.startswith(("tokenizer", "special_tokens")) or f.suffix in (".jinja",):
-                shutil.copy(f, out / f.name)
-    return out
-
-
-def _scale_init(module: nn.Module, dtype: mx.Dtype = mx.float32) -> None:
-    """Small random weights (A_log stays float32, as mlx-lm keeps it), so activations stay
-    finite through a deep random stack."""
-    from mlx.utils import tree_flatten, tree_unflatten
-
-    params = []
-    for k, v in tree_flatten(module.parameters()):
-        if v.ndim >= 2 and "conv1d" not in k:
-            v = mx.random.normal(v.shape) * 0.02
-        params.append((k, v if k.endswith("A_log") else v.astype(dtype)))
-        mx.eval(params[-1][1])
-    module.update(tree_unflatten(params))
-
-
-def random_model_dir(shape: str) -> Path:
-    """A temporary directory holding a random model of `shape` (the caller removes it)."""
-    from importlib.resources import files
-
-    if shape not in RANDOM_SHAPES:
-        raise MtpkitError(f"unknown shape {shape!r}; known: {', '.join(RANDOM_SHAPES)}")
-    tmp = Path(tempfile.mkdtemp(prefix=f"mtpkit-bench-{shape}-"))
-    tok = Path(str(files("mtpkit") / "examples" / "tiny-qwen3_5"))
-    return build_random_model(shape, tmp / shape, tokenizer_from=tok)
+    )  # fmt: skip
 
 
 def print_bench(result: BenchResult) -> None:
@@ -434,31 +383,34 @@ def print_bench(result: BenchResult) -> None:
 
     from mtpkit.output import stdout
 
-    experts = f", experts in {result.moe_dtype}" if result.moe_dtype else ""
+    costs = result.costs
     stdout.print(
-        f"[bold]{result.model}[/bold]: prompt {result.prompt_tokens} tokens, "
-        f"{result.max_tokens} generated per run{experts}"
+        f"[bold]{result.model}[/bold] on {mx.default_device()}: prompt {result.prompt_tokens} "
+        f"tokens, {result.max_tokens} generated per run, median \\[min-max] of "
+        f"{result.trials} interleaved trials"
+        + (f", experts in {result.moe_dtype}" if result.moe_dtype else "")
     )
+    verify = ", ".join(f"{k + 1} tokens {v}" for k, v in sorted(costs.verify.items()))
     stdout.print(
-        f"plain (stock mlx-lm): {result.plain_tps:.1f} tok/s; mtpkit --no-mtp: "
-        f"{result.no_mtp_tps:.1f} tok/s"
-    )
-    costs = ", ".join(f"{k + 1} tokens {v:.2f}" for k, v in sorted(result.verify_costs.items()))
-    stdout.print(
-        f"beta {result.beta:.3f}, delta {result.delta:.3f}, beta+delta "
-        f"{result.beta + result.delta:.3f} (verify cost over a 1-token forward: {costs})"
+        f"1-token forward {costs.one.median * 1e3:.2f} ms; beta {result.beta}, delta "
+        f"{costs.delta}, beta+delta {result.beta.median + costs.delta.median:.3f} "
+        f"(verify over a 1-token forward: {verify})"
     )
     table = Table(title_justify="left")
-    for col in ("depth", "acceptance", "by depth", "tok/s", "speedup", "ceiling"):
-        table.add_column(col, justify="left" if col == "by depth" else "right")
+    for col in ("decoding", "tok/s", "vs stock", "acceptance", "by depth", "ceiling", "of ceiling"):
+        table.add_column(col, justify="left" if col in ("decoding", "by depth") else "right")
+    table.add_row("stock mlx-lm", str(result.plain_tps), "1", "", "", "", "")
+    table.add_row("--no-mtp", str(result.no_mtp_tps), str(result.no_mtp_speedup), *[""] * 4)
     for r in result.runs:
         by_depth = " ".join("-" if a is None else f"{a:.0%}" for a in r.acceptance_by_depth)
+        name = f"depth {r.depth}" + (", adaptive" if r.adaptive else "")
         table.add_row(
-            str(r.depth),
+            name,
+            str(r.decode_tps),
+            str(r.speedup),
             "-" if r.acceptance is None else f"{r.acceptance:.1%}",
             by_depth,
-            f"{r.decode_tps:.1f}",
-            f"{r.speedup:.2f}x",
-            "-" if r.ceiling is None else f"{r.ceiling:.2f}x",
+            "-" if r.ceiling is None else f"{r.ceiling:.2f}",
+            "-" if not r.ceiling else f"{r.speedup.median / r.ceiling:.0%}",
         )
     stdout.print(table)

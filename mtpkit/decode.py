@@ -7,97 +7,31 @@ draft iff it equals the backbone's argmax, so the output is the backbone's greed
 at a temperature, exact rejection sampling keeps the output distribution the backbone's.
 After a partial acceptance the caches roll back to the kept prefix (`runtime.VerifyPass`).
 When drafting loses to plain decoding, `AdaptiveDrafting` pauses it.
+
+The host waits on the device once per round: the acceptance is decided on the device
+(`mtpkit.accept`) and read back as one small array, and before that read the head's step
+over the verified pairs (the next round drafts from the last confirmed one) is queued with
+`mx.async_eval`, as mlx-lm's `generate_step` queues the next token's forward. The pairs past
+the accepted prefix are trimmed from the head's cache after the read.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import mlx.core as mx
 
+from mtpkit.accept import SamplingSettings, read_verdict, rejection_sample, verdict
 from mtpkit.runtime import POST_NORM, MtpModel, NoMtpHead, VerifyPass
+
+# SamplingSettings and rejection_sample live in mtpkit.accept; importable from here too.
+__all__ = ["AdaptiveDrafting", "MtpDecoder", "SamplingSettings", "Stats", "rejection_sample"]
 
 MAX_DEPTH = 4
 HEAD_CHUNK = 2048  # pairs per head forward when it catches up with confirmed tokens
 CATCH_UP_AFTER = 256  # plain steps after which the head catches up while drafting is off
-
-
-# ---------------------------------------------------------------------------------------
-# Sampling.
-
-
-@dataclass(frozen=True)
-class SamplingSettings:
-    temp: float = 0.0
-    top_p: float = 0.0
-    top_k: int = 0
-
-    @property
-    def greedy(self) -> bool:
-        return self.temp == 0
-
-    def sampler(self) -> Callable[[mx.array], mx.array]:
-        from mlx_lm.sample_utils import make_sampler
-
-        return make_sampler(temp=self.temp, top_p=self.top_p, top_k=self.top_k)
-
-    def probs(self, logits: mx.array) -> mx.array:
-        """The distribution mlx-lm's sampler draws from, for each row of `logits`."""
-        from mlx_lm.sample_utils import apply_top_k, apply_top_p
-
-        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-        if 0 < self.top_p < 1.0:
-            logprobs = apply_top_p(logprobs, self.top_p)
-        if self.top_k > 0:
-            logprobs = apply_top_k(logprobs, self.top_k)
-        return mx.softmax(logprobs.astype(mx.float32) * (1 / self.temp), axis=-1)
-
-
-def rejection_sample(target: mx.array, draft: mx.array, drafts: list[int]) -> tuple[int, int]:
-    """Exact speculative sampling: how many drafts to keep, and the token that follows.
-
-    `target` [K+1, V] are the backbone's distributions after each verify input, `draft`
-    [K, V] the head's distributions each draft was drawn from. Draft j is kept with
-    probability min(1, p_j(d)/q_j(d)); on the first rejection the next token is drawn from
-    normalize(max(p_j - q_j, 0)); when all are kept, from p_K. (Leviathan et al., 2023.)
-
-    Written here because mlx-lm's `speculative_generate_step` keeps a draft only when it
-    equals a token sampled from the target: also lossless, but it accepts with probability
-    sum(p q) instead of sum(min(p, q)), which wastes most drafts at a temperature.
-    """
-    for j, d in enumerate(drafts):
-        p, q = target[j, d].item(), draft[j, d].item()
-        u = mx.random.uniform().item()
-        if q > 0 and u < min(1.0, p / q):
-            continue
-        residual = mx.maximum(target[j] - draft[j], 0.0)
-        if residual.sum().item() <= 0:
-            residual = target[j]
-        token = mx.random.categorical(mx.log(residual)).item()
-        return j, int(token)
-    return len(drafts), int(mx.random.categorical(mx.log(target[len(drafts)])).item())
-
-
-def accept_drafts(
-    logits: mx.array, drafts_arr: mx.array, dists: mx.array | None, sampling: SamplingSettings
-) -> tuple[list[int], int, int]:
-    """The drafts, how many of them to keep, and the backbone's token after them, from the
-    verify logits [K+1, V]: greedy keeps the drafts equal to the backbone's argmax."""
-    if not sampling.greedy:
-        target = sampling.probs(logits)
-        mx.eval(target, drafts_arr, dists)
-        drafts = drafts_arr.tolist()
-        return drafts, *rejection_sample(target, dists, drafts)
-    logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-    targets_arr = mx.argmax(logprobs, axis=-1)
-    mx.eval(targets_arr, drafts_arr)
-    drafts, targets = drafts_arr.tolist(), targets_arr.tolist()
-    accepted = 0
-    while accepted < len(drafts) and drafts[accepted] == targets[accepted]:
-        accepted += 1
-    return drafts, accepted, targets[accepted]
 
 
 # ---------------------------------------------------------------------------------------
@@ -153,8 +87,11 @@ class AdaptiveDrafting:
       the tokens a round can yield (depth + 1), so no acceptance rate could pay for it
       (a verify pass that costs as much as the tokens in it, as on CPUs): off for 256
       tokens, doubling to 4096;
-    - losing: over the last 6 rounds, seconds per emitted token exceed plain decoding's:
-      off for 32 tokens, doubling to 1024, reset after a long winning run.
+    - barren: the head has not had one draft accepted in its first 4 rounds, and rounds
+      cost more than a plain step: treated as hopeless;
+    - losing: over the last 6 rounds, or clearly (by a quarter) over the last 2, seconds
+      per emitted token exceed plain decoding's: off for 32 tokens, doubling to 1024,
+      reset after a long winning run.
     Each retry costs at most a few rounds, a few percent of the plain time at worst.
     """
 
@@ -167,6 +104,8 @@ class AdaptiveDrafting:
         self.plain_times: list[float] = []
         self.plain_left = 0
         self.capacity = 2  # tokens a round can yield: depth + 1
+        self.rounds = 0  # drafting rounds so far, and those that kept a draft
+        self.fruitful = 0
         # Plain speed is measured after the first two rounds (so that short generations
         # draft from the start), over four steps.
         self.probing_plain = False
@@ -205,6 +144,8 @@ class AdaptiveDrafting:
             return
         self.mtp_times.append((seconds, emitted))
         self.capacity = capacity
+        self.rounds += 1
+        self.fruitful += emitted > 1
         if not self.plain_times:
             if len(self.mtp_times) >= 2:
                 self.probing_plain = True
@@ -216,22 +157,30 @@ class AdaptiveDrafting:
         plain_per_token = self._plain_per_token()
         if len(self.mtp_times) >= 2:
             fastest = min(s for s, _ in self.mtp_times[-2:])
-            if fastest > capacity * plain_per_token:
+            barren = self.rounds >= 4 and not self.fruitful and fastest > plain_per_token
+            if fastest > capacity * plain_per_token or barren:
                 self.plain_left = self.hopeless_stretch
                 self.hopeless_stretch = min(self.hopeless_stretch * 2, 4096)
                 self.mtp_times = []
+                return
+            best_per_token = min(s / n for s, n in self.mtp_times[-2:])
+            if best_per_token > 1.25 * plain_per_token:
+                self._pause()
                 return
         if len(self.mtp_times) < self.window:
             return
         recent = self.mtp_times[-self.window :]
         mtp_per_token = sum(s for s, _ in recent) / sum(n for _, n in recent)
         if mtp_per_token > plain_per_token:
-            self.plain_left = self.plain_stretch
-            self.plain_stretch = min(self.plain_stretch * 2, 1024)
-            self.mtp_times = []
+            self._pause()
         elif len(self.mtp_times) >= 4 * self.window:
             self.plain_stretch = 32
             self.mtp_times = self.mtp_times[-self.window :]
+
+    def _pause(self) -> None:
+        self.plain_left = self.plain_stretch
+        self.plain_stretch = min(self.plain_stretch * 2, 1024)
+        self.mtp_times = []
 
 
 # ---------------------------------------------------------------------------------------
@@ -239,8 +188,11 @@ class AdaptiveDrafting:
 
 
 class HeadDrafter:
-    """Drafts with the MTP head. Pairs (h_k, t_{k+1}) wait in `pending` until the head runs
-    over them: at the start of the next round, or in chunks while drafting is paused."""
+    """Drafts with the MTP head. Confirmed pairs (h_k, t_{k+1}) reach the head's cache in two
+    ways: after a drafting round, by `queue` (all of the round's pairs in one step, before its
+    acceptance is read) and `settle` (the unconfirmed ones trimmed), leaving `ready`, the
+    head's output at the last confirmed pair; after plain steps, they wait in `pending`
+    until the next draft or a catch-up runs the head over them."""
 
     def __init__(self, m: MtpModel) -> None:
         self.m = m
@@ -248,6 +200,8 @@ class HeadDrafter:
         self.cache = m.head.make_cache()
         self.pending_hidden: list[mx.array] = []
         self.pending_tokens: list[int] = []
+        self.ready: mx.array | None = None
+        self._queued: mx.array | None = None
 
     def add(self, hidden: mx.array, tokens: list[int]) -> None:
         self.pending_hidden.append(hidden)
@@ -267,13 +221,20 @@ class HeadDrafter:
         self.pending_hidden = [hidden[:, n:]]
         self.pending_tokens = tokens[n:]
 
+    def can_draft(self) -> bool:
+        return bool(self.pending_tokens) or self.ready is not None
+
     def draft(self, depth: int, sampling: SamplingSettings) -> tuple[mx.array, mx.array | None]:
         """`depth` draft tokens (lazy, [K] int32) and, when sampling, their distributions
-        [K, V]. Consumes the pending pairs."""
+        [K, V]. Consumes the pending pairs (or `ready`)."""
         head, m = self.head, self.m
-        hidden, tokens = self._pending()
-        self.pending_hidden, self.pending_tokens = [], []
-        x = head(hidden, m.embed(mx.array(tokens)[None]), self.cache, step=0)[:, -1:]
+        if self.pending_tokens:
+            hidden, tokens = self._pending()
+            self.pending_hidden, self.pending_tokens = [], []
+            x = head(hidden, m.embed(mx.array(tokens)[None]), self.cache, step=0)[:, -1:]
+        else:
+            x = self.ready
+        self.ready = None
         drafts: list[mx.array] = []
         dists = []
         normed = None
@@ -293,14 +254,30 @@ class HeadDrafter:
         return mx.concatenate(drafts), (mx.stack(dists) if dists else None)
 
     def drop_drafts(self, depth: int) -> None:
-        """Drop the head-cache entries built on drafts (steps 1..depth-1); the pairs the
-        backbone confirms are fed to the head next round."""
+        """Drop the head-cache entries built on drafts (steps 1..depth-1)."""
         per_layer = [0] * len(self.cache)
         for step in range(1, depth):
             per_layer[self.head.layer_for_step(step)] += 1
         for cache, n in zip(self.cache, per_layer, strict=True):
             if n:
                 cache.trim(n)
+
+    def queue(self, depth: int, hidden: mx.array, followers: mx.array) -> None:
+        """Start the head's step over every pair of a verify pass (hidden [1, K+1, H], the
+        token after each input) before the host knows how many are confirmed (one call,
+        queued with `mx.async_eval`); `settle` trims the pairs past the confirmed ones."""
+        self.drop_drafts(depth)
+        out = self.head(hidden, self.m.embed(followers[None]), self.cache, step=0)
+        mx.async_eval(out)
+        self._queued = out
+
+    def settle(self, kept: int) -> None:
+        """Keep the queued step's first `kept` pairs; the next draft starts from the last."""
+        out, self._queued = self._queued, None
+        rejected = out.shape[1] - kept
+        if rejected:  # step 0's entries, at the end of its layer's cache
+            self.cache[self.head.layer_for_step(0)].trim(rejected)
+        self.ready = out[:, kept - 1 : kept]
 
 
 # ---------------------------------------------------------------------------------------
@@ -354,34 +331,31 @@ class MtpDecoder:
                 self.drafter.catch_up()  # the head's KV cache over the prompt
         self.stats.prompt_time = time.perf_counter() - start
 
-    # -- the round: draft, verify, accept, roll back --------------------------------------
-    def draft(self) -> tuple[mx.array, mx.array | None]:
-        return self.drafter.draft(self.depth, self.sampling)
-
+    # -- the round: draft, verify, judge, read once, roll back ---------------------------
     def verify(self, drafts: mx.array) -> VerifyPass:
         tokens = mx.concatenate([mx.array([self.last_token], dtype=mx.int32), drafts])
         return self.m.verify(tokens, self.cache)
 
-    def accept(
-        self, verified: VerifyPass, drafts: mx.array, dists: mx.array | None
-    ) -> tuple[list[int], int, int]:
-        return accept_drafts(verified.logits[0], drafts, dists, self.sampling)
-
-    def rollback(self, verified: VerifyPass, kept: int) -> None:
-        """Undo the effect of the rejected verify inputs on the backbone and head caches."""
-        self.drafter.drop_drafts(self.depth)
+    def settle(self, verified: VerifyPass, kept: int) -> None:
+        """Undo the effect of the rejected verify inputs on the backbone's caches, and give
+        the head the confirmed pairs."""
+        self.drafter.settle(kept)
         verified.rollback(self.cache, kept)
 
     def draft_round(self) -> list[int]:
         """One drafting round; returns the tokens it confirms (at least one)."""
-        drafts_arr, dists = self.draft()
+        drafts_arr, dists = self.drafter.draft(self.depth, self.sampling)
         verified = self.verify(drafts_arr)
-        drafts, accepted, next_token = self.accept(verified, drafts_arr, dists)
+        packed, followers = verdict(verified.logits[0], drafts_arr, dists, self.sampling)
+        mx.async_eval(packed)
+        # The next round's head step, queued before the read so that the device runs it
+        # while the host settles this round.
+        self.drafter.queue(self.depth, verified.hidden, followers)
+        accepted, next_token, drafts = read_verdict(packed, self.sampling.greedy)  # one host read
         kept = accepted + 1  # verify inputs whose effect on the caches stays
-        self.rollback(verified, kept)
+        self.settle(verified, kept)
         confirmed = drafts[:accepted] + [next_token]
         self.stats.record_round(len(self.prompt) + self.n_confirmed, drafts, accepted)
-        self.drafter.add(verified.hidden[:, :kept], confirmed)
         self.n_confirmed += len(confirmed)
         self.last_token = next_token
         return confirmed
@@ -421,7 +395,7 @@ class MtpDecoder:
         t0 = time.perf_counter()
         can_draft = self.use_mtp and self.drafter is not None
         drafting = can_draft and self.adaptive.want_draft() and self._ahead is None
-        if drafting and self.drafter.pending_tokens:
+        if drafting and self.drafter.can_draft():
             new = self.draft_round()
             self.adaptive.record_round(time.perf_counter() - t0, len(new), self.depth + 1)
             return new

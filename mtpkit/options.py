@@ -56,6 +56,14 @@ class GroupSize(str, Enum):
 
 class RandomShape(str, Enum):
     qwen3_5_0_8b = "qwen3_5-0.8b"
+    qwen3_5_4b = "qwen3_5-4b"
+    qwen3_5_9b = "qwen3_5-9b"
+    qwen3_5_moe_35b_a3b_8l = "qwen3_5_moe-35b-a3b-8l"
+
+
+class ScaleDtype(str, Enum):
+    float32 = "float32"
+    bfloat16 = "bfloat16"
 
 
 # Draft depths the runtime supports (mtpkit.decode.MAX_DEPTH; tests/test_cli.py holds them equal).

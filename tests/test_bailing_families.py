@@ -139,7 +139,7 @@ def test_partial_acceptance_replays_the_linear_attention_states(converted, layou
         drafts = [t if j < right else (t + 1) % vocab for j, t in enumerate(truth)]
         return mx.array(drafts, dtype=mx.int32), None
 
-    decoder.draft = injected_draft
+    decoder.drafter.draft = lambda depth, sampling: injected_draft()
     verify = decoder.verify
     replays: list[bool] = []
 

@@ -16,19 +16,21 @@ runner = CliRunner()
 
 
 def test_choices_are_the_librarys():
-    from mtpkit.bench import RANDOM_SHAPES
     from mtpkit.decode import MAX_DEPTH
     from mtpkit.plan import LAYOUTS
     from mtpkit.probes import HIDDEN_VARIANTS
     from mtpkit.quant import BITS, DTYPES, GROUP_SIZES
     from mtpkit.runtime import HIDDEN_MODES
+    from mtpkit.shapes import DTYPES as SCALE_DTYPES
+    from mtpkit.shapes import SHAPES
 
     assert [d.value for d in options.Dtype] == list(DTYPES)
     assert [int(b.value) for b in options.Bits] == list(BITS)
     assert [int(g.value) for g in options.GroupSize] == list(GROUP_SIZES)
     assert [v.value for v in options.Layout] == list(LAYOUTS)
     assert [h.value for h in options.Hidden] == list(HIDDEN_VARIANTS) == list(HIDDEN_MODES)
-    assert [s.value for s in options.RandomShape] == list(RANDOM_SHAPES)
+    assert [s.value for s in options.RandomShape] == list(SHAPES)
+    assert [d.value for d in options.ScaleDtype] == list(SCALE_DTYPES)
     assert options.MAX_DEPTH == MAX_DEPTH
 
 

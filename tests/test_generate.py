@@ -154,8 +154,8 @@ def test_chained_drafts_are_the_head_applied_to_its_own_output(model) -> None:
 def test_adaptive_drafting_pauses_a_hopeless_or_losing_head() -> None:
     from mtpkit.decode import AdaptiveDrafting
 
-    def run(round_seconds: float, emitted: int, rounds: int) -> AdaptiveDrafting:
-        a = AdaptiveDrafting(enabled=True)
+    def run(round_seconds: float, emitted: int, rounds: int, a=None) -> AdaptiveDrafting:
+        a = a or AdaptiveDrafting(enabled=True)
         for _ in range(rounds):
             while a.probing_plain:
                 a.record_plain(1.0)
@@ -170,6 +170,14 @@ def test_adaptive_drafting_pauses_a_hopeless_or_losing_head() -> None:
     assert not losing.want_draft() and losing.plain_left == 32
     winning = run(1.3, 2, rounds=50)
     assert winning.want_draft()
+    # A head that never had a draft accepted, losing narrowly (by less than a quarter per
+    # token): after its first 4 rounds it is paused like a hopeless one.
+    barren = run(1.2, 1, rounds=4)
+    assert not barren.want_draft() and barren.plain_left == 256
+    # One that had: the same rounds only count as losing, over the 6-round window.
+    fruitful = run(1.2, 2, rounds=1)
+    fruitful = run(1.2, 1, rounds=10, a=fruitful)
+    assert not fruitful.want_draft() and fruitful.plain_left == 32
 
 
 def test_the_raw_checkpoint_runs_directly(converted: Path) -> None:

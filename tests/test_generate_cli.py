@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import shutil
 from pathlib import Path
@@ -10,6 +11,8 @@ import pytest
 from typer.testing import CliRunner
 
 from mtpkit.cli import app
+
+ROOT = Path(__file__).resolve().parents[1]
 
 PROMPT = "Return a new list of the"
 GENERATE_KEYS = {
@@ -112,12 +115,27 @@ def test_bad_depth_and_stray_word(converted: Path) -> None:
 
 
 def test_bench_json(converted: Path) -> None:
-    result = run("bench", "--model", str(converted), "--max-tokens", "16", "--depth", "2", "--json")
+    result = run(
+        "bench", "--model", str(converted), "--max-tokens", "16", "--depth", "2", "--trials", "2",
+        "--json",
+    )  # fmt: skip
     assert result.exit_code == 0, result.output
     out = json.loads(result.stdout)
-    assert set(out) == {"model", "plain_tps", "beta", "delta", "moe_dtype", "runs"}
+    figures = {"plain_tps", "no_mtp_tps", "beta", "delta"}
+    assert figures | {f"{k}_range" for k in figures} | {"runs", "adaptive"} <= set(out)
+    assert "moe_dtype" in out
     assert [r["depth"] for r in out["runs"]] == [1, 2]
+    assert [(r["depth"], r["adaptive"]) for r in out["adaptive"]] == [(1, True)]
     for r in out["runs"]:
-        assert set(r) == {"depth", "acceptance", "decode_tps", "speedup", "ceiling"}
+        assert {"depth", "acceptance", "decode_tps", "speedup", "ceiling"} <= set(r)
         assert r["decode_tps"] > 0 and r["ceiling"] > 0
+        low, high = r["speedup_range"]
+        assert low <= r["speedup"] <= high
     assert out["plain_tps"] > 0 and out["beta"] > 0 and out["delta"] > 0
+    assert out["trials"] == 2 and set(out["verify_costs"]) == {"2", "3"}
+    # bench/bench_table.py turns it into a markdown row with every depth's figures.
+    spec = importlib.util.spec_from_file_location("bench_table", ROOT / "bench" / "bench_table.py")
+    bench_table = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench_table)
+    row = bench_table.table([out]).splitlines()[2]
+    assert row.startswith(f"| {converted} |") and row.count("x /") == 2

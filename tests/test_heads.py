@@ -99,7 +99,7 @@ def test_injected_drafts_partial_acceptance_keeps_caches_exact(tmp_path: Path, l
         drafts = [t if j < right else (t + 1) % vocab for j, t in enumerate(truth)]
         return mx.array(drafts, dtype=mx.int32), None
 
-    decoder.draft = injected_draft
+    decoder.drafter.draft = lambda depth, sampling: injected_draft()
     assert list(decoder.tokens(n)) == reference
     positions = [p for p, _ in decoder.stats.draft_log]
     accepted = [b - a - 1 for a, b in zip(positions, positions[1:], strict=False)]

@@ -1,0 +1,78 @@
+#!/bin/bash
+# mtpkit bench on the GPU machine (MLX's CUDA build), every --random shape and the bundled
+# tiny example, with --json into $OUT; then one markdown table (bench/bench_table.py).
+#
+# The exact steps (the GPU machine reaches no registry; at most 64 MiB travels per call):
+#
+# 1. Here, in the project root, stage the wheels as parts of 62 MB:
+#      PART_MB=62 bash ../shared/gpu/prepare.sh          # .gpu/part-aa, -ab, ... + .gpu/install.sh
+# 2. With the device tool, one call per part, in quick succession (a machine idle for ~30 s
+#    is given back and its /tmp is lost; then start again at the first part):
+#      run(command="bash bench/gpu_bench.sh stage", carry=[".gpu/part-aa"])
+#      run(command="bash bench/gpu_bench.sh stage", carry=[".gpu/part-ab"])   # ... every part
+# 3. Still warm, the benches, a few targets per call (each call must end inside 10 minutes;
+#    every target has its own limit, BENCH_LIMIT seconds, default 280):
+#      run(command="bash bench/gpu_bench.sh bench compile tiny qwen3_5-0.8b", carry=[".gpu/install.sh"])
+#      run(command="bash bench/gpu_bench.sh bench qwen3_5-4b", carry=[".gpu/install.sh"])
+#      run(command="bash bench/gpu_bench.sh bench qwen3_5-9b", carry=[".gpu/install.sh"])
+#      run(command="bash bench/gpu_bench.sh bench qwen3_5_moe-35b-a3b-8l", carry=[".gpu/install.sh"])
+#    Each call returns $OUT/bench-<target>.json, its log, and bench-table.md for its targets
+#    (target `compile`: bench/compile_verdict.py's output, compile-verdict.txt).
+# 4. Here, one table of everything that came back:
+#      python bench/bench_table.py /work/.device/<...>/bench-*.json
+#
+# Environment: DTYPE (scales of the random models, default bfloat16, as published 4-bit
+# checkpoints carry), TRIALS (default 5), MAX_TOKENS (default 128), BENCH_LIMIT (default 280).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/mtpkit-bench-out}
+mkdir -p "$OUT"
+
+stage() {
+  mkdir -p /tmp/w
+  cp .gpu/part-* /tmp/w/ || { echo "no .gpu/part-* carried" >&2; exit 1; }
+  ls -la /tmp/w
+}
+
+install() {
+  if PYTHONPATH=/tmp/site python3 -c "import mlx.core, mlx_lm, typer" 2>/dev/null; then
+    return 0
+  fi
+  ls /tmp/w/part-* >/dev/null 2>&1 || {
+    echo "no staged parts in /tmp/w: the machine was given back; stage every part again" >&2
+    exit 1
+  }
+  bash .gpu/install.sh || exit 1
+}
+
+bench() {
+  install
+  export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
+  local limit=${BENCH_LIMIT:-280} args=(--trials "${TRIALS:-5}" --max-tokens "${MAX_TOKENS:-128}" --json)
+  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
+  git rev-parse HEAD 2>/dev/null >> "$OUT/gpu.txt"
+  for target in "$@"; do
+    echo "== $target" >&2
+    if [ "$target" = compile ]; then  # does mx.compile pay for the acceptance step here?
+      timeout "$limit" python3 bench/compile_verdict.py | tee "$OUT/compile-verdict.txt"
+      continue
+    elif [ "$target" = tiny ]; then
+      python3 -m mtpkit convert mtpkit/examples/tiny-qwen3_5 -o /tmp/mtpkit-tiny --force >&2
+      timeout "$limit" python3 -m mtpkit bench --model /tmp/mtpkit-tiny "${args[@]}" \
+        > "$OUT/bench-$target.json" 2> "$OUT/bench-$target.log"
+    else
+      timeout "$limit" python3 -m mtpkit bench --random "$target" --dtype "${DTYPE:-bfloat16}" \
+        "${args[@]}" > "$OUT/bench-$target.json" 2> "$OUT/bench-$target.log"
+    fi
+    echo "rc $? for $target" >&2
+    tail -3 "$OUT/bench-$target.log" >&2
+  done
+  ls "$OUT"/bench-*.json >/dev/null 2>&1 &&
+    python3 bench/bench_table.py "$OUT"/bench-*.json | tee "$OUT/bench-table.md"
+}
+
+case "${1:-}" in
+  stage) stage ;;
+  bench) shift; bench "$@" ;;
+  *) sed -n '2,29p' "$0"; exit 2 ;;
+esac

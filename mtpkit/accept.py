@@ -1,0 +1,122 @@
+"""Which drafts a verify pass keeps, decided on the device: greedy matching and exact
+rejection sampling, packed into one small array so that a round reads the host once.
+
+`verdict` returns, lazily:
+- `packed` int32: what `read_verdict` turns into the number of drafts kept, the backbone's
+  token after them, and the drafts (greedy: the backbone's argmaxes and the drafts;
+  sampling: the count, the token, the drafts);
+- `followers` int32 [K+1]: the confirmed token after each verify input (valid up to the
+  number kept), which the head pairs with the backbone's hidden states next round.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import mlx.core as mx
+
+
+@dataclass(frozen=True)
+class SamplingSettings:
+    temp: float = 0.0
+    top_p: float = 0.0
+    top_k: int = 0
+
+    @property
+    def greedy(self) -> bool:
+        return self.temp == 0
+
+    def sampler(self) -> Callable[[mx.array], mx.array]:
+        from mlx_lm.sample_utils import make_sampler
+
+        return make_sampler(temp=self.temp, top_p=self.top_p, top_k=self.top_k)
+
+    def probs(self, logits: mx.array) -> mx.array:
+        """The distribution mlx-lm's sampler draws from, for each row of `logits`."""
+        from mlx_lm.sample_utils import apply_top_k, apply_top_p
+
+        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        if 0 < self.top_p < 1.0:
+            logprobs = apply_top_p(logprobs, self.top_p)
+        if self.top_k > 0:
+            logprobs = apply_top_k(logprobs, self.top_k)
+        return mx.softmax(logprobs.astype(mx.float32) * (1 / self.temp), axis=-1)
+
+
+def _kept(matches: mx.array) -> mx.array:
+    """The length of the leading run of True in `matches` [K] (a 0-d int32)."""
+    return mx.cumprod(matches.astype(mx.int32)).sum().astype(mx.int32)
+
+
+def greedy_verdict(logits: mx.array, drafts: mx.array) -> tuple[mx.array, mx.array]:
+    """Keep the drafts equal to the backbone's argmax (of its log-probabilities, as mlx-lm's
+    greedy sampler takes it); `logits` [K+1, V], `drafts` [K]. Packed here: [the K+1
+    argmaxes, the drafts]; `read_verdict` finds the leading matches on the host, which costs
+    fewer device operations than counting them on the device."""
+    logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    targets = mx.argmax(logprobs, axis=-1).astype(mx.int32)
+    return mx.concatenate([targets, drafts]), targets
+
+
+def sampled_verdict(
+    target: mx.array, draft: mx.array, drafts: mx.array
+) -> tuple[mx.array, mx.array]:
+    """Exact speculative sampling (Leviathan et al., 2023), all positions at once.
+
+    `target` [K+1, V] are the backbone's distributions after each verify input, `draft`
+    [K, V] the head's distributions each draft was drawn from. Draft j is kept with
+    probability min(1, p_j(d)/q_j(d)); on the first rejection the next token is drawn from
+    normalize(max(p_j - q_j, 0)); when all are kept, from p_K. Each position gets its own
+    uniform and its own residual draw; only those up to the first rejection are used, so the
+    decisions are the sequential algorithm's.
+
+    Written here because mlx-lm's `speculative_generate_step` keeps a draft only when it
+    equals a token sampled from the target: also lossless, but it accepts with probability
+    sum(p q) instead of sum(min(p, q)), which wastes most drafts at a temperature.
+    """
+    k = drafts.shape[0]
+    drafts = drafts.astype(mx.int32)
+    p = mx.take_along_axis(target[:k], drafts[:, None], axis=-1)[:, 0]
+    q = mx.take_along_axis(draft, drafts[:, None], axis=-1)[:, 0]
+    u = mx.random.uniform(shape=(k,))
+    kept = _kept((q > 0) & (u * q < p))  # u < min(1, p/q), as u < 1
+    residual = mx.maximum(target[:k] - draft, 0.0)
+    residual = mx.where(residual.sum(axis=-1, keepdims=True) > 0, residual, target[:k])
+    rows = mx.concatenate([residual, target[k:]])
+    samples = mx.random.categorical(mx.log(rows)).astype(mx.int32)
+    token = samples[kept]
+    packed = mx.concatenate([kept[None], token[None], drafts])
+    positions = mx.arange(k + 1)
+    followers = mx.where(positions < kept, mx.concatenate([drafts, token[None]]), token)
+    return packed, followers
+
+
+def verdict(
+    logits: mx.array, drafts: mx.array, dists: mx.array | None, sampling: SamplingSettings
+) -> tuple[mx.array, mx.array]:
+    """`packed` [K+2] and `followers` [K+1] (see the module's docstring), lazily."""
+    if sampling.greedy:
+        return greedy_verdict(logits, drafts)
+    return sampled_verdict(sampling.probs(logits), dists, drafts)
+
+
+def read_verdict(packed: mx.array, greedy: bool) -> tuple[int, int, list[int]]:
+    """The round's one host read: drafts kept, the token after them, the drafts."""
+    values = packed.tolist()
+    if not greedy:
+        kept, token, *drafts = values
+        return kept, token, drafts
+    k = (len(values) - 1) // 2
+    targets, drafts = values[: k + 1], values[k + 1 :]
+    kept = 0
+    while kept < k and drafts[kept] == targets[kept]:
+        kept += 1
+    return kept, targets[kept], drafts
+
+
+def rejection_sample(target: mx.array, draft: mx.array, drafts: list[int]) -> tuple[int, int]:
+    """`sampled_verdict` for drafts given as a list: how many to keep, and the next token."""
+    packed, _ = sampled_verdict(target, draft, mx.array(drafts, dtype=mx.int32))
+    kept, token, _ = read_verdict(packed, greedy=False)
+    return kept, token
