@@ -23,13 +23,41 @@ from mtpkit.options import (
     value,
 )
 
+OutputOpt = Annotated[
+    str | None, typer.Option("--output", "-o", help="The MLX directory to write.")
+]
+HiddenOpt = Annotated[
+    Hidden | None,
+    typer.Option(
+        "--hidden",
+        help="Hidden state the head expects, recorded in the manifest: post_norm "
+        "(default) or pre_norm.",
+    ),
+]
+RecipeOpt = Annotated[
+    str | None, typer.Option("--recipe", help="A recipes/*.toml file; flags override it.")
+]
+ForceOpt = Annotated[
+    bool,
+    typer.Option(
+        "--force",
+        help="Replace an existing output (with --mtp-only: an existing head). Never an "
+        "output that is, holds or lies inside the source.",
+    ),
+]
+MtpOnlyOpt = Annotated[
+    bool, typer.Option("--mtp-only", help="Graft only the MTP head (with --into).")
+]
+IntoOpt = Annotated[
+    str | None, typer.Option("--into", help="The existing MLX directory to graft into.")
+]
+QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="No progress bar.")]
+
 
 @friendly_errors
 def convert(
     source: SourceArg,
-    output: Annotated[
-        str | None, typer.Option("--output", "-o", help="The MLX directory to write.")
-    ] = None,
+    output: OutputOpt = None,
     revision: RevisionOpt = None,
     bits: BitsOpt = None,
     group_size: GroupSizeOpt = None,
@@ -37,32 +65,12 @@ def convert(
     mtp_bits: MtpBitsOpt = None,
     dtype: DtypeOpt = None,
     layout: LayoutOpt = None,
-    hidden: Annotated[
-        Hidden | None,
-        typer.Option(
-            "--hidden",
-            help="Hidden state the head expects, recorded in the manifest: post_norm "
-            "(default) or pre_norm.",
-        ),
-    ] = None,
-    recipe: Annotated[
-        str | None, typer.Option("--recipe", help="A recipes/*.toml file; flags override it.")
-    ] = None,
-    force: Annotated[
-        bool,
-        typer.Option(
-            "--force",
-            help="Replace an existing output (with --mtp-only: an existing head). Never an "
-            "output that is, holds or lies inside the source.",
-        ),
-    ] = False,
-    mtp_only: Annotated[
-        bool, typer.Option("--mtp-only", help="Graft only the MTP head (with --into).")
-    ] = False,
-    into: Annotated[
-        str | None, typer.Option("--into", help="The existing MLX directory to graft into.")
-    ] = None,
-    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress bar.")] = False,
+    hidden: HiddenOpt = None,
+    recipe: RecipeOpt = None,
+    force: ForceOpt = False,
+    mtp_only: MtpOnlyOpt = False,
+    into: IntoOpt = None,
+    quiet: QuietOpt = False,
     json_output: JsonOpt = False,
 ) -> None:
     """Convert a checkpoint to an MLX directory that stock mlx-lm loads, keeping its MTP head.
@@ -75,41 +83,29 @@ def convert(
     from mtpkit.convert import graft
     from mtpkit.output import log, print_convert, print_json
 
+    # The flags both paths take: how the head is stored, and how the run behaves.
+    common = {
+        "revision": revision,
+        "keep_mtp_bf16": keep_mtp_bf16,
+        "mtp_bits": number(mtp_bits),
+        "group_size": number(group_size),
+        "dtype": value(dtype),
+        "hidden": value(hidden),
+        "force": force,
+        "quiet": quiet or json_output,
+    }
     if mtp_only:
         if into is None or output is not None or bits is not None or layout or recipe:
             raise MtpkitError(
                 "--mtp-only takes --into DIR and only the head flags "
                 "(--keep-mtp-bf16, --mtp-bits, --group-size, --dtype, --hidden, --force)"
             )
-        result = graft(
-            source,
-            into=into,
-            revision=revision,
-            keep_mtp_bf16=keep_mtp_bf16,
-            mtp_bits=number(mtp_bits),
-            group_size=number(group_size),
-            dtype=value(dtype),
-            hidden=value(hidden),
-            force=force,
-            quiet=quiet or json_output,
-        )
+        result = graft(source, into=into, **common)
     else:
         if output is None or into is not None:
             raise MtpkitError("pass -o OUT (or --mtp-only --into DIR to graft a head)")
         result = convert_checkpoint(
-            source,
-            output=output,
-            revision=revision,
-            bits=number(bits),
-            group_size=number(group_size),
-            keep_mtp_bf16=keep_mtp_bf16,
-            mtp_bits=number(mtp_bits),
-            dtype=value(dtype),
-            layout=value(layout),
-            hidden=value(hidden),
-            recipe=recipe,
-            force=force,
-            quiet=quiet or json_output,
+            source, output=output, bits=number(bits), layout=value(layout), recipe=recipe, **common
         )
     for warning in result.warnings:
         log(f"warning: {warning}")
