@@ -288,15 +288,16 @@ def test_cli_table(fixtures) -> None:
 
 
 def test_cli_errors_are_one_line(fixtures, tmp_path: Path) -> None:
-    root = copy_of(fixtures, "mimo", tmp_path / "llama")
+    root = copy_of(fixtures, "mimo", tmp_path / "gpt2")
     config = json.loads((root / "config.json").read_text())
-    config["model_type"] = "llama"
+    config["model_type"] = "gpt2"
     (root / "config.json").write_text(json.dumps(config))
     result = runner.invoke(app, ["inspect", str(root)])
     assert result.exit_code == 1
     assert result.stderr.strip().splitlines() == [
-        "Error: model_type 'llama' is not supported; supported: deepseek_v3, glm4_moe, joyai_llm_flash, kimi_k2, "
-        "mimo, qwen3_5, qwen3_5_moe, qwen3_5_moe_text, qwen3_5_text, qwen3_next"
+        "Error: model_type 'gpt2' is not supported; supported: deepseek_v3, glm4_moe, iquestcoder, "
+        "joyai_llm_flash, kimi_k2, llama, mimo, mistral, qwen2, qwen3, qwen3_5, qwen3_5_moe, "
+        "qwen3_5_moe_text, qwen3_5_text, qwen3_next, xverse"
     ]
     assert "Traceback" not in result.output
 

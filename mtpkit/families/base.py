@@ -91,6 +91,9 @@ class Family(ConvertHooks):
     required_mtp_tensors: ClassVar[tuple[str, ...]] = ()
     # The config field that declares the MTP layers (dotted when nested).
     config_field: ClassVar[str] = "num_nextn_predict_layers"
+    # Whether published checkpoints of the family carry an MTP head (dense decoders such as
+    # Llama get theirs from `mtpkit train-head`).
+    ships_head: ClassVar[bool] = True
 
     # -- the rename table: raw root -> head name -------------------------------------------
     # Where mtpkit's sidecar keeps the head's tensors, before the head-relative name.
