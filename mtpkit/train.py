@@ -307,9 +307,10 @@ def prepare_data(
     spec = settings.data
     pool = None
     if not spec.files:
-        log(f"generating {len(spec.prompts) * spec.samples_per_prompt} samples to train on")
+        chunks = settings.steps * settings.batch_size
+        log(f"generating text to train on from {len(spec.prompts)} prompts")
         pool = generate_pool(
-            m.model, m.tokenizer, spec, length=settings.seq_len, seed=settings.seed
+            m.model, m.tokenizer, spec, length=settings.seq_len, seed=settings.seed, chunks=chunks
         )
     stream = ChunkStream(
         length=settings.seq_len,
@@ -430,8 +431,8 @@ def train_and_write(
     force: bool = False,
     data: list[str] | None = None,
     prompts: str | None = None,
-    samples_per_prompt: int = 8,
-    temperature: float = 0.8,
+    samples_per_prompt: int | None = None,
+    temperature: float = 1.0,
     chat_template: bool = True,
     checkpoint_dir: Path | None = None,
     resume: bool = False,

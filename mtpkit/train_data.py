@@ -65,7 +65,8 @@ class DataSpec:
 
     files: tuple[str, ...] = ()
     prompts: tuple[str, ...] = TRAIN_PROMPTS
-    samples_per_prompt: int = 8
+    # None: enough for every chunk of the run to be new (steps x batch size / prompts).
+    samples_per_prompt: int | None = None
     temperature: float = 1.0
     chat_template: bool = True
 
@@ -75,7 +76,7 @@ class DataSpec:
         return {
             "source": "self_generated",
             "prompts": len(self.prompts),
-            "samples_per_prompt": self.samples_per_prompt,
+            "samples_per_prompt": self.samples_per_prompt or "auto",
             "temperature": self.temperature,
         }
 
@@ -171,22 +172,29 @@ def file_documents(tokenizer: Any, files: Sequence[str]) -> Iterator[list[int]]:
 def sample_continuations(
     model: Any, prompt: list[int], *, count: int, max_tokens: int, temperature: float
 ) -> list[list[int]]:
-    """`count` sampled continuations of one prompt, in one batch (the prompt is the same in
-    every row, so no padding), each cut after its first end-of-text token by the caller."""
+    """`count` continuations of one prompt, in one batch (the prompt is the same in every
+    row, so no padding); temperature 0 makes them all greedy.
+
+    Odd rows sample at `temperature` throughout: the model's own spread, which sampled
+    drafting meets. Even rows sample their first few tokens (1 up to half the length,
+    spread over the rows) and continue greedily: the states greedy drafting meets, reached
+    from many starting points rather than from the prompt alone.
+    """
     from mlx_lm.models.cache import make_prompt_cache
 
     cache = make_prompt_cache(model)
-    tokens = mx.array([prompt] * count)
-    logits = model(tokens, cache=cache)[:, -1]
+    logits = model(mx.array([prompt] * count), cache=cache)[:, -1]
+    rows = mx.arange(count)
+    switch = mx.where(rows % 2 == 0, 1 + (rows * max(max_tokens // 2, 1)) // count, max_tokens)
     out: list[mx.array] = []
-    for _ in range(max_tokens):
+    for j in range(max_tokens):
+        greedy = mx.argmax(logits, axis=-1)
         if temperature > 0:
-            nxt = mx.random.categorical(logits * (1 / temperature))
-        else:
-            nxt = mx.argmax(logits, axis=-1)
-        out.append(nxt)
-        logits = model(nxt[:, None], cache=cache)[:, -1]
-        mx.eval(logits)
+            sampled = mx.random.categorical(logits.astype(mx.float32) * (1 / temperature))
+            greedy = mx.where(switch > j, sampled, greedy)
+        out.append(greedy)
+        logits = model(greedy[:, None], cache=cache)[:, -1]
+        mx.eval(logits, greedy)
     return mx.stack(out, axis=1).tolist() if out else [[] for _ in range(count)]
 
 
@@ -209,10 +217,14 @@ def generate_pool(
     *,
     length: int,
     seed: int,
+    chunks: int,
     progress: Any = None,
 ) -> list[list[int]]:
-    """The self-generated corpus: `samples_per_prompt` continuations of every prompt, each
-    a document of prompt + continuation (at most `length` tokens in all)."""
+    """The self-generated corpus: `samples_per_prompt` continuations of every prompt (by
+    default enough for `chunks` chunks), each a document of prompt + continuation (at most
+    `length` tokens in all). Sampling a batch of continuations of one prompt costs about
+    what one training pass over them does, so the pool is sized to be seen once."""
+    per_prompt = spec.samples_per_prompt or max(1, -(-chunks // len(spec.prompts)))
     mx.random.seed(seed)
     eos = eos_ids(tokenizer)
     pool = []
@@ -221,7 +233,7 @@ def generate_pool(
         rows = sample_continuations(
             model,
             prompt,
-            count=spec.samples_per_prompt,
+            count=per_prompt,
             max_tokens=length - len(prompt),
             temperature=spec.temperature,
         )

@@ -47,11 +47,21 @@ def train_head(
         ),
     ] = None,
     samples: Annotated[
-        int, typer.Option("--samples-per-prompt", min=1, help="Generated samples per prompt.")
-    ] = 8,
+        int | None,
+        typer.Option(
+            "--samples-per-prompt",
+            min=1,
+            help="Generated samples per prompt (default: enough that no chunk repeats).",
+        ),
+    ] = None,
     temperature: Annotated[
-        float, typer.Option("--temperature", min=0.0, help="Sampling temperature of generation.")
-    ] = 0.8,
+        float,
+        typer.Option(
+            "--temperature",
+            min=0.0,
+            help="Sampling temperature of generation (half the samples continue greedily).",
+        ),
+    ] = 1.0,
     chat_template: Annotated[
         bool,
         typer.Option(
