@@ -131,12 +131,9 @@ def random_shape(args: argparse.Namespace, work: Path) -> dict:
         shutil.rmtree(model / "mtp", ignore_errors=True)
         corpus = docstring_corpus(work / "corpus.txt", CORPUS_BYTES)
         steps = args.steps or 30
-        run = train(
-            model,
-            work / "trained",
-            ["--steps", str(steps), "--batch-size", str(args.batch_size), "--seq-len",
-             str(args.seq_len), "--eval-every", str(steps), "--data", str(corpus)],
-        )
+        sizes = ["--batch-size", str(args.batch_size), "--seq-len", str(args.seq_len)]
+        run_args = ["--steps", str(steps), *sizes, "--eval-every", str(steps)]
+        run = train(model, work / "trained", [*run_args, "--data", str(corpus)])
     finally:
         shutil.rmtree(model.parent, ignore_errors=True)
     return {
