@@ -23,8 +23,6 @@ argmax equals the backbone's, which is what a greedy drafting round accepts. A c
 
 from __future__ import annotations
 
-import json
-import os
 import resource
 import shutil
 import sys
@@ -37,19 +35,18 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 import mlx.optimizers as optim
-from mlx.utils import tree_flatten, tree_unflatten
 
 from mtpkit.errors import MtpkitError
 from mtpkit.families import family_for
 from mtpkit.families.head import MtpHead
 from mtpkit.prompts import BUILTIN_PROMPTS
 from mtpkit.runtime import POST_NORM, MtpModel, load_model
+from mtpkit.train_checkpoint import load_checkpoint, save_checkpoint
 from mtpkit.train_data import ChunkStream, DataSpec, end_token, generate_pool, greedy_sequences
 from mtpkit.train_head_init import initial_head
 from mtpkit.train_output import head_dtype
 
 MAX_ROLLOUT = 4
-STATE_FILE = "state.json"
 
 
 class TrainError(MtpkitError):
@@ -202,47 +199,6 @@ def heldout_acceptance(
     return agree / total if total else None
 
 
-# --------------------------------------------------------------------------- checkpoints
-
-
-def save_checkpoint(
-    directory: Path, head: MtpHead, opt: optim.Optimizer, state: dict[str, Any]
-) -> None:
-    """Head, optimizer and run state into `directory`, each file replaced atomically, the
-    state file last (it names the step the other two belong to)."""
-    directory.mkdir(parents=True, exist_ok=True)
-    step = state["step"]
-    for name, tree in (("head", head.parameters()), ("optimizer", opt.state)):
-        tmp = directory / f".{name}-{step}.tmp.safetensors"
-        mx.save_safetensors(str(tmp), dict(tree_flatten(tree)))
-        os.replace(tmp, directory / f"{name}.safetensors")
-    tmp = directory / f".{STATE_FILE}.tmp"
-    tmp.write_text(json.dumps(state, indent=1) + "\n")
-    os.replace(tmp, directory / STATE_FILE)
-
-
-def load_checkpoint(
-    directory: Path, head: MtpHead, opt: optim.Optimizer, settings: TrainSettings, model: str
-) -> dict[str, Any]:
-    path = directory / STATE_FILE
-    if not path.exists():
-        raise TrainError(f"--resume: no checkpoint in {directory}")
-    state = json.loads(path.read_text())
-    recorded = state.get("settings", {})
-    current = settings.record()
-    for key in ("batch_size", "seq_len", "seed", "depth", "data"):
-        if recorded.get(key) != current.get(key):
-            raise TrainError(
-                f"--resume: the checkpoint in {directory} was made with {key}="
-                f"{recorded.get(key)!r}, not {current.get(key)!r}"
-            )
-    if state.get("model") != model:
-        raise TrainError(f"--resume: the checkpoint in {directory} trains {state.get('model')}")
-    head.load_weights(list(mx.load(str(directory / "head.safetensors")).items()), strict=True)
-    opt.state = tree_unflatten(list(mx.load(str(directory / "optimizer.safetensors")).items()))
-    return state
-
-
 # --------------------------------------------------------------------------- the run
 
 
@@ -293,6 +249,17 @@ class Run:
             return loss
 
         return step
+
+    def record(self, step: int, model: str) -> dict[str, Any]:
+        """What a checkpoint keeps beside the weights: enough to resume exactly."""
+        return {
+            "step": step,
+            "chunks": self.stream.consumed,
+            "model": model,
+            "settings": self.settings.record(),
+            "history": self.history,
+            "losses": self.losses,
+        }
 
     def evaluate(self, step: int, loss: float | None) -> float | None:
         acc = heldout_acceptance(self.head, self.m, self.heldout)
@@ -352,7 +319,7 @@ def train_head(
     if resume:
         if checkpoint_dir is None:
             raise TrainError("--resume needs the checkpoint directory of the earlier run")
-        state = load_checkpoint(checkpoint_dir, head, opt, settings, str(model))
+        state = load_checkpoint(checkpoint_dir, head, opt, settings.record(), str(model))
         first_step = int(state["step"])
         log(f"resuming from step {first_step}")
     mx.random.seed(settings.seed)
@@ -375,19 +342,7 @@ def train_head(
         if checkpoint_dir is not None and (
             step % settings.checkpoint_every == 0 or step == settings.steps
         ):
-            save_checkpoint(
-                checkpoint_dir,
-                head,
-                opt,
-                {
-                    "step": step,
-                    "chunks": stream.consumed,
-                    "model": str(model),
-                    "settings": settings.record(),
-                    "history": run.history,
-                    "losses": run.losses,
-                },
-            )
+            save_checkpoint(checkpoint_dir, head, opt, run.record(step, str(model)))
         if on_step is not None:
             on_step(step, loss, acc)
     seconds = time.perf_counter() - train_started
