@@ -220,12 +220,18 @@ def generate_pool(
     chunks: int,
     progress: Any = None,
 ) -> list[list[int]]:
-    """The self-generated corpus: `samples_per_prompt` continuations of every prompt (by
-    default enough for `chunks` chunks), each a document of prompt + continuation (at most
-    `length` tokens in all). Sampling a batch of continuations of one prompt costs about
-    what one training pass over them does, so the pool is sized to be seen once."""
-    per_prompt = spec.samples_per_prompt or max(1, -(-chunks // len(spec.prompts)))
+    """The self-generated corpus: `samples_per_prompt` continuations of every prompt, each
+    a document of prompt + continuation (at most `length` tokens in all).
+
+    By default the pool holds about half the run's `chunks`, so each chunk is seen about
+    twice: sampling a token costs about half what training on it does, and a second pass
+    over the same text still teaches the head (tested on the bundled example). A chat
+    model's sample ends at its end-of-turn token; a base model's goes on past an
+    end-of-text token into the next document, as the model itself does.
+    """
+    per_prompt = spec.samples_per_prompt or max(1, -(-chunks // (2 * len(spec.prompts))))
     mx.random.seed(seed)
+    chat = spec.chat_template and has_chat_template(tokenizer)
     eos = eos_ids(tokenizer)
     pool = []
     for i, text in enumerate(spec.prompts):
@@ -237,7 +243,7 @@ def generate_pool(
             max_tokens=length - len(prompt),
             temperature=spec.temperature,
         )
-        pool.extend(prompt + cut_at_end(row, eos) for row in rows)
+        pool.extend(prompt + (cut_at_end(row, eos) if chat else row) for row in rows)
         if progress is not None:
             progress(i + 1, len(spec.prompts))
     return pool
