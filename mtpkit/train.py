@@ -387,7 +387,7 @@ def train_and_write(
     data: list[str] | None = None,
     prompts: str | None = None,
     samples_per_prompt: int | None = None,
-    temperature: float = 1.0,
+    temperature: float = 0.7,
     chat_template: bool = True,
     checkpoint_dir: Path | None = None,
     resume: bool = False,

@@ -67,7 +67,7 @@ class DataSpec:
     prompts: tuple[str, ...] = TRAIN_PROMPTS
     # None: enough for every chunk of the run to be new (steps x batch size / prompts).
     samples_per_prompt: int | None = None
-    temperature: float = 1.0
+    temperature: float = 0.7
     chat_template: bool = True
 
     def describe(self) -> dict[str, Any]:

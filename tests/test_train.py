@@ -37,7 +37,7 @@ LLAMA_ARGS = ["--steps", "24", "--batch-size", "4", "--seq-len", "32", "--sample
 LLAMA_ARGS += ["--eval-every", "12", "--quiet"]
 
 
-def heldout_prompts(n: int = 8) -> list[str]:
+def heldout_prompts(n: int = 16) -> list[str]:
     lines = [line for line in (EXAMPLE / "heldout.txt").read_text().splitlines() if line.strip()]
     return [line[:60] for line in lines[-n:]]
 

@@ -61,7 +61,7 @@ def train_head(
             min=0.0,
             help="Sampling temperature of generation (half the samples continue greedily).",
         ),
-    ] = 1.0,
+    ] = 0.7,
     chat_template: Annotated[
         bool,
         typer.Option(
