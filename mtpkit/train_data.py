@@ -221,17 +221,11 @@ def generate_pool(
     progress: Any = None,
 ) -> list[list[int]]:
     """The self-generated corpus: `samples_per_prompt` continuations of every prompt, each
-    a document of prompt + continuation (at most `length` tokens in all).
-
-    By default the pool holds about half the run's `chunks`, so each chunk is seen about
-    twice: sampling a token costs about half what training on it does, and a second pass
-    over the same text still teaches the head (tested on the bundled example). A chat
-    model's sample ends at its end-of-turn token; a base model's goes on past an
-    end-of-text token into the next document, as the model itself does.
-    """
-    per_prompt = spec.samples_per_prompt or max(1, -(-chunks // (2 * len(spec.prompts))))
+    a document of prompt + continuation up to its first end-of-text token (at most `length`
+    tokens in all). By default the pool holds enough for the run's `chunks` to be new (on the
+    bundled example this beat a pool seen twice, whose samples ran past end-of-text)."""
+    per_prompt = spec.samples_per_prompt or max(1, -(-chunks // len(spec.prompts)))
     mx.random.seed(seed)
-    chat = spec.chat_template and has_chat_template(tokenizer)
     eos = eos_ids(tokenizer)
     pool = []
     for i, text in enumerate(spec.prompts):
@@ -243,7 +237,7 @@ def generate_pool(
             max_tokens=length - len(prompt),
             temperature=spec.temperature,
         )
-        pool.extend(prompt + (cut_at_end(row, eos) if chat else row) for row in rows)
+        pool.extend(prompt + cut_at_end(row, eos) for row in rows)
         if progress is not None:
             progress(i + 1, len(spec.prompts))
     return pool
