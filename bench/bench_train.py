@@ -5,7 +5,8 @@ Default (CPU): converts `mtpkit/examples/tiny-qwen3_5`, removes its head, retrai
 process, and prints
 
 - greedy depth-1 acceptance of the shipped and the retrained head on held-out docstrings
-  (`heldout.txt`, modules the model never saw), measured by `measure_acceptance`;
+  (`heldout.txt`, modules the model never saw; 32 tokens) and on `check`'s 32 prompts (48
+  tokens), measured by `measure_acceptance` (neither set is among the training prompts);
 - the run's CPU minutes (target <= 10), wall time and steps/s;
 - peak RSS of two more runs on a file corpus of about 1 MB and one 10x larger (flat memory:
   the corpus is streamed, hidden states exist only for the batch at hand).
@@ -95,10 +96,16 @@ def example(args: argparse.Namespace, work: Path) -> dict:
     shutil.copytree(shipped, headless, ignore=shutil.ignore_patterns("mtp"))
     steps = ["--steps", str(args.steps)] if args.steps else []
     run = train(headless, work / "retrained", [*EXAMPLE_ARGS, *steps])
-    prompts = heldout_prompts(args.prompts)
+    from mtpkit.prompts import BUILTIN_PROMPTS, RESERVE_PROMPTS
 
-    def acc(path: Path) -> float:
-        return measure_acceptance(path, prompts, max_tokens=48, chat_template=False)
+    prompts = heldout_prompts(args.prompts)
+    probes = [*BUILTIN_PROMPTS, *RESERVE_PROMPTS]
+
+    def acc(path: Path) -> dict[str, float]:
+        return {
+            "docstrings": measure_acceptance(path, prompts, max_tokens=32, chat_template=False),
+            "check_prompts": measure_acceptance(path, probes, max_tokens=48),
+        }
 
     small = docstring_corpus(work / "small.txt", CORPUS_BYTES)
     large = docstring_corpus(work / "large.txt", 10 * CORPUS_BYTES)
