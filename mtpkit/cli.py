@@ -7,7 +7,7 @@ from typing import Annotated
 import typer
 
 from mtpkit import __version__
-from mtpkit.commands import bench, check, convert, generate, inspect
+from mtpkit.commands import bench, check, convert, generate, inspect, train_head
 
 app = typer.Typer(
     name="mtpkit",
@@ -40,6 +40,7 @@ def _root(
 
 for command in (inspect.inspect, check.check, convert.convert, generate.generate, bench.bench):
     app.command()(command)
+app.command(name="train-head")(train_head.train_head)
 
 
 def main() -> None:

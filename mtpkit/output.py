@@ -179,3 +179,46 @@ def print_generate(result: Any) -> None:
     if result.moe_dtype:
         summary += f", experts in {result.moe_dtype}"
     log(summary)
+
+
+def step_bar(total: int, *, initial: int = 0, desc: str, quiet: bool = False) -> Any:
+    """A step-counting bar on stderr whose postfix shows loss and held-out acceptance, or
+    None when bars are off (`progress_disabled`)."""
+    if progress_disabled(quiet):
+        return None
+    from huggingface_hub.utils import tqdm
+
+    return tqdm(
+        total=total,
+        initial=initial,
+        unit="step",
+        desc=desc,
+        file=sys.stderr,
+        leave=False,
+        name=PROGRESS_GROUP,
+    )
+
+
+def print_train(result: dict[str, Any]) -> None:
+    """`mtpkit train-head`'s summary (the `--json` object of `TrainResult.to_json`)."""
+
+    def acc(x: float | None) -> str:
+        return "n/a" if x is None else _pct(x)
+
+    trained = result["steps"] - result["resumed_from"]
+    resumed = f" (resumed at {result['resumed_from']})" if result["resumed_from"] else ""
+    print(f"wrote {result['output']}: {result['family']} MTP head, {result['steps']} steps{resumed}")
+    print(
+        f"held-out acceptance (estimate): {acc(result['heldout_acceptance_start'])} at start, "
+        f"{acc(result['heldout_acceptance'])} at the end; loss {result['loss_first']:.4f} -> "
+        f"{result['loss_last']:.4f}"
+        if result["loss_first"] is not None
+        else f"held-out acceptance (estimate): {acc(result['heldout_acceptance'])}"
+    )
+    print(
+        f"{trained} steps in {result['seconds']:.1f}s ({result['steps_per_s']:.2f} steps/s, "
+        f"{result['cpu_seconds'] / 60:.1f} CPU minutes), peak RSS "
+        f"{human_bytes(result['peak_rss_bytes'])}, peak MLX memory "
+        f"{human_bytes(result['peak_mlx_bytes'])}",
+        flush=True,
+    )

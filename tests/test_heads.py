@@ -72,7 +72,7 @@ def test_build_head_rejects_unknown_family() -> None:
     from mtpkit.errors import UnsupportedFamily
 
     with pytest.raises(UnsupportedFamily, match="supported: "):
-        build_head({"model_type": "llama"})
+        build_head({"model_type": "gpt2"})
 
 
 @pytest.mark.parametrize(

@@ -97,6 +97,9 @@ class Family(ConvertHooks):
     config_field: ClassVar[str] = "num_nextn_predict_layers"
     # Whether published configs declare their MTP layers (Qwen3-Next's and LongCat's do not).
     declared_upstream: ClassVar[bool] = True
+    # Whether published checkpoints of the family carry an MTP head (dense decoders such as
+    # Llama get theirs from `mtpkit train-head`).
+    ships_head: ClassVar[bool] = True
 
     # -- the rename table: raw root -> head name -------------------------------------------
     # Where mtpkit's sidecar keeps the head's tensors, before the head-relative name.
