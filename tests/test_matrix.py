@@ -87,10 +87,17 @@ def tree_hash(root: Path) -> dict[str, str]:
     }
 
 
-def leftovers(*roots: Path) -> list[Path]:
+def leftovers(*roots: Path, beside: tuple[Path, ...] = ()) -> list[Path]:
+    """Temporary files or directories inside `roots` (at any depth) or directly in the
+    directories `beside` (where a temp sibling of an output would be: their other children
+    belong to other tests)."""
     found = []
     for root in roots:
         for p in [root, *root.rglob("*")] if root.exists() else []:
+            if any(mark in p.name for mark in TEMP_MARKS):
+                found.append(p)
+    for parent in beside:
+        for p in parent.iterdir() if parent.exists() else []:
             if any(mark in p.name for mark in TEMP_MARKS):
                 found.append(p)
     return found
@@ -123,8 +130,8 @@ def run(
         json.loads(result.stdout)
     for root in untouched:
         assert tree_hash(root) == before[root], f"{root} changed"
-    dirs = {*untouched, *watched, *(p.parent for p in (*untouched, *watched, *absent))}
-    assert leftovers(*dirs) == []
+    parents = tuple({p.parent for p in (*untouched, *watched, *absent)})
+    assert leftovers(*untouched, *watched, beside=parents) == []
     for path in absent:
         assert not path.exists(), path
     return result
