@@ -342,7 +342,7 @@ def graft(
         )
         manifest = build_manifest(ckpt, plan, settings, layers, backbone_quant=backbone_quant)
         manifest["grafted_into"] = str(into)
-        _write_graft(into, converter, plan, config, manifest, quiet=quiet)
+        _write_graft(into, ckpt, converter, plan, config, manifest, quiet=quiet)
     finally:
         mx.set_cache_limit(cache_limit)
         converter.close()
@@ -383,6 +383,7 @@ def _trunk_dtype(trunk: Checkpoint) -> str | None:
 
 def _write_graft(
     into: Path,
+    ckpt: Checkpoint,
     converter: Converter,
     plan: Plan,
     config: dict[str, Any],
@@ -391,7 +392,7 @@ def _write_graft(
     quiet: bool,
 ) -> None:
     """Head file, manifest and config written beside their targets, then moved over them;
-    a failure leaves `into` as it was (no new empty mtp/)."""
+    a failure (a NaN/Inf head included) leaves `into` as it was (no new empty mtp/)."""
     targets = [into / HEAD_WEIGHTS_PATH, into / MANIFEST_PATH, into / "config.json"]
     remove_stale(targets)
     swap = FileSwap(into)
@@ -404,6 +405,7 @@ def _write_graft(
         )
         if bar is not None:
             bar.close()
+        refuse_nonfinite_head(tmp_weights, ckpt)
         write_manifest(swap.temp_for(targets[1]), manifest)
         write_config(swap.temp_for(targets[2]), config)
         swap.commit()

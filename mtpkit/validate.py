@@ -164,7 +164,7 @@ def nonfinite_tensors(files: dict[Path, list[str] | None]) -> Iterator[str]:
     import mlx.core as mx
 
     for path, names in files.items():
-        tensors = mx.load(str(path))
+        tensors = mx.load(str(path), format="safetensors")  # a temp sibling has no suffix
         for name in tensors if names is None else names:
             t = tensors.get(name)
             if t is None or not mx.issubdtype(t.dtype, mx.floating):

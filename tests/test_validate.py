@@ -258,19 +258,38 @@ def test_head_matches_trunk_names_the_variant_best_variant_reports() -> None:
     assert f"({d.best.variant.describe()})" in trunk.detail
 
 
-def test_convert_refuses_a_head_with_nan(checkpoint: CheckpointFactory, tmp_path: Path) -> None:
-    path = copy_of(checkpoint("mimo"), tmp_path / "src")
+def nan_head_source(checkpoint: CheckpointFactory, dst: Path) -> Path:
+    """The mimo fixture with NaN in its head's input projection."""
+    path = copy_of(checkpoint("mimo"), dst)
     index = json.loads((path / "model.safetensors.index.json").read_text())
     name = next(n for n in index["weight_map"] if n.startswith("model.mtp_layers.0.input_proj"))
     shard = path / index["weight_map"][name]
     tensors = dict(mx.load(str(shard)))
     tensors[name] = tensors[name] * mx.array(float("nan"), tensors[name].dtype)
     mx.save_safetensors(str(shard), tensors, metadata={"format": "pt"})
+    return path
+
+
+def test_convert_refuses_a_head_with_nan(checkpoint: CheckpointFactory, tmp_path: Path) -> None:
+    path = nan_head_source(checkpoint, tmp_path / "src")
     out = tmp_path / "out"
     result = runner.invoke(app, ["convert", str(path), "-o", str(out), "--quiet"])
     assert result.exit_code == 1
     assert result.stderr.startswith("Error: ") and "(head_not_finite)" in result.stderr
     assert not out.exists() and sorted(p.name for p in tmp_path.iterdir()) == ["src"]
+
+
+def test_graft_never_installs_a_head_with_nan(checkpoint: CheckpointFactory, tmp_path: Path):
+    """Even with --force, a NaN head does not replace a working one (issue: a graft replaced
+    a working head by a NaN one); the target stays byte for byte as it was."""
+    good = tmp_path / "good"
+    assert runner.invoke(app, ["convert", str(checkpoint("mimo")), "-o", str(good), "-q"]).exit_code == 0
+    before = {p: p.read_bytes() for p in good.rglob("*") if p.is_file()}
+    bad = nan_head_source(checkpoint, tmp_path / "bad")
+    args = ["convert", str(bad), "--mtp-only", "--into", str(good), "--force", "-q"]
+    result = runner.invoke(app, args)
+    assert result.exit_code == 1 and "(head_not_finite)" in result.stderr
+    assert {p: p.read_bytes() for p in good.rglob("*") if p.is_file()} == before
 
 
 @pytest.mark.parametrize(
