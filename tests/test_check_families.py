@@ -97,7 +97,36 @@ def nemotron_h_skilled(tensors: dict[str, mx.array]) -> dict[str, mx.array]:
     return tensors
 
 
+def nextn_skilled(tensors: dict[str, mx.array]) -> dict[str, mx.array]:
+    """DeepSeek-style nextn layers (GLM-4.7-Flash, DeepSeek-V3.2, GLM-5; MLA blocks, the DSA
+    indexer's output also ends in o_proj): unit enorm, eh_proj keeps the embedding half,
+    shared_head.norm copies the trunk's norm."""
+    h = tensors["model.embed_tokens.weight"].shape[1]
+    eye = mx.eye(h, dtype=mx.float32)
+    for name in [k for k in tensors if k.endswith(".eh_proj.weight")]:
+        layer = name.removesuffix("eh_proj.weight")
+        tensors[f"{layer}enorm.weight"] = mx.ones((h,))
+        tensors[f"{layer}shared_head.norm.weight"] = tensors["model.norm.weight"]
+        tensors[name] = mx.concatenate([eye, mx.zeros_like(eye)], axis=1)
+    return tensors
+
+
+def longcat_skilled(tensors: dict[str, mx.array]) -> dict[str, mx.array]:
+    """LongCat-Flash's `model.mtp`: unit enorm.m, eh_proj keeps the embedding half, the head's
+    final norm copies the trunk's."""
+    h = tensors["model.embed_tokens.weight"].shape[1]
+    eye = mx.eye(h, dtype=mx.float32)
+    tensors["model.mtp.layers.0.enorm.m.weight"] = mx.ones((h,))
+    tensors["model.mtp.norm.weight"] = tensors["model.norm.weight"]
+    tensors["model.mtp.layers.0.eh_proj.weight"] = mx.concatenate([eye, mx.zeros_like(eye)], axis=1)
+    return tensors
+
+
 SKILLED: dict[str, Callable[[dict[str, mx.array]], dict[str, mx.array]]] = {
+    "glm4_moe_lite": nextn_skilled,
+    "deepseek_v32": nextn_skilled,
+    "glm_moe_dsa": nextn_skilled,
+    "longcat_flash": longcat_skilled,
     "ernie4_5_moe": ernie_skilled,
     "exaone_moe": exaone_skilled,
     "mimo_v2_flash": mimo_v2_flash_skilled,
@@ -106,9 +135,9 @@ SKILLED: dict[str, Callable[[dict[str, mx.array]], dict[str, mx.array]]] = {
 }
 # The token embedding's name in each family's raw checkpoint.
 EMBEDDINGS = ("model.embed_tokens.weight", "backbone.embeddings.weight")
-# Step-3.5's head steps through MtpHead.__call__ as ERNIE's, EXAONE's and MiMo-V2's do; its
-# swapped-projection run (the slowest here) adds nothing they do not prove.
-SHARED_CONCAT = ("step3p5",)
+# These heads step through MtpHead.__call__ as ERNIE's, EXAONE's, MiMo-V2's and GLM-4.7-Flash's
+# do; their swapped-projection runs (slow here) add nothing those do not prove.
+SHARED_CONCAT = ("step3p5", "deepseek_v32", "glm_moe_dsa")
 # The projection's name in each family's converted head.
 PROJECTIONS = ("linear_proj.weight", "mtp.fc.weight", "eh_proj.weight")
 
