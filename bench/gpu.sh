@@ -5,7 +5,7 @@
 # 1. Here, once: stage MLX's CUDA build (wheels split into parts under .gpu/, git-ignored):
 #        ../shared/gpu/prepare.sh                       # in the main checkout
 # 2. Here: copy the code under test beside it (.gpuwork/ is git-excluded too):
-#        bash bench/gpu.sh stage [MAIN_CHECKOUT]        # default /work/main
+#        bash bench/gpu.sh stage [MAIN_CHECKOUT]        # default: this checkout
 # 3. Two `run` calls in quick succession (an idle machine is given back after ~30 s and its
 #    /tmp is lost; at most 64 MiB travels per call, so one wheel part each):
 #        carry [".gpu/part-aa", ".gpuwork"]
@@ -18,7 +18,7 @@ set -euo pipefail
 here=$(cd "$(dirname "$0")/.." && pwd)
 case "${1:-}" in
   stage)
-    main=${2:-/work/main}
+    main=${2:-$here}
     grep -qx '/.gpuwork/' "$main/.git/info/exclude" 2>/dev/null \
       || echo '/.gpuwork/' >> "$main/.git/info/exclude"
     rm -rf "$main/.gpuwork" && mkdir -p "$main/.gpuwork"

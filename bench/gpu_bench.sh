@@ -19,7 +19,7 @@
 #    Each call returns $OUT/bench-<target>.json, its log, and bench-table.md for its targets
 #    (target `compile`: bench/compile_verdict.py's output, compile-verdict.txt).
 # 4. Here, one table of everything that came back:
-#      python bench/bench_table.py /work/.device/<...>/bench-*.json
+#      python bench/bench_table.py DIR/bench-*.json     # DIR: where the run tool put $OUT
 #
 # Environment: DTYPE (scales of the random models, default bfloat16, as published 4-bit
 # checkpoints carry), TRIALS (default 5), MAX_TOKENS (default 128), BENCH_LIMIT (default 280).
