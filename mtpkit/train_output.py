@@ -37,7 +37,7 @@ from mtpkit.manifest import (
     SHIFTED,
     write_manifest,
 )
-from mtpkit.runtime import is_head_tensor
+from mtpkit.runtime import head_tensor_filter
 from mtpkit.writer import read_config, write_config
 
 # A model directory's own head files, left out of the copy (the new head replaces them).
@@ -69,7 +69,8 @@ def has_head(model_dir: Path) -> bool:
     index = model_dir / "model.safetensors.index.json"
     if index.exists():
         names = json.loads(index.read_text()).get("weight_map", {})
-        return any(is_head_tensor(n) for n in names)
+        is_head = head_tensor_filter(json.loads((model_dir / "config.json").read_text()))
+        return any(is_head(n) for n in names)
     return False
 
 
