@@ -280,7 +280,7 @@ def prepare_data(
     pool = None
     if not spec.files:
         chunks = settings.steps * settings.batch_size
-        log(f"generating text to train on from {len(spec.prompts)} prompts")
+        log("generating text to train on")
         pool = generate_pool(
             m.model, m.tokenizer, spec, length=settings.seq_len, seed=settings.seed, chunks=chunks
         )
@@ -408,7 +408,7 @@ def train_and_write(
     check_destination(output, into, force)
     spec = DataSpec(
         files=tuple(data or ()),
-        prompts=tuple(read_prompts(prompts)) if prompts else DataSpec.prompts,
+        prompts=tuple(read_prompts(prompts)) if prompts else None,
         samples_per_prompt=samples_per_prompt,
         temperature=temperature,
         chat_template=chat_template,
