@@ -65,7 +65,7 @@ class TrainSettings:
     depth: int = 1
     warmup: int = 20
     weight_decay: float = 0.0
-    grad_clip: float = 0.0
+    grad_clip: float = 1.0
     eval_every: int = 50
     checkpoint_every: int = 100
     heldout_prompts: tuple[str, ...] = BUILTIN_PROMPTS[:8]
@@ -79,6 +79,8 @@ class TrainSettings:
             raise TrainError(f"--depth must be between 1 and {MAX_ROLLOUT}, not {self.depth}")
         if self.lr <= 0:
             raise TrainError(f"--lr must be positive, not {self.lr}")
+        if self.weight_decay < 0 or self.grad_clip < 0:
+            raise TrainError("--weight-decay and --grad-clip must be >= 0")
 
     def record(self) -> dict[str, Any]:
         out = asdict(self)
