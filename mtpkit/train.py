@@ -282,7 +282,7 @@ def prepare_data(
     pool = None
     if not spec.files:
         chunks = settings.steps * settings.batch_size
-        log("generating text to train on")
+        log(f"generating text to train on from {len(spec.prompts)} prompts")
         pool = generate_pool(
             m.model, m.tokenizer, spec, length=settings.seq_len, seed=settings.seed, chunks=chunks
         )
@@ -410,7 +410,7 @@ def train_and_write(
     check_destination(output, into, force)
     spec = DataSpec(
         files=tuple(data or ()),
-        prompts=tuple(read_prompts(prompts)) if prompts else None,
+        prompts=tuple(read_prompts(prompts)) if prompts else DataSpec.prompts,
         samples_per_prompt=samples_per_prompt,
         temperature=temperature,
         chat_template=chat_template,

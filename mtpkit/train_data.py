@@ -64,8 +64,7 @@ class DataSpec:
     """Where the text comes from: generated (`files` empty) or the user's files."""
 
     files: tuple[str, ...] = ()
-    # None: `TRAIN_PROMPTS` for a model with a chat template, else unconditioned text.
-    prompts: tuple[str, ...] | None = None
+    prompts: tuple[str, ...] = TRAIN_PROMPTS
     # None: enough for every chunk of the run to be new (steps x batch size / prompts).
     samples_per_prompt: int | None = None
     temperature: float = 0.7
@@ -76,7 +75,7 @@ class DataSpec:
             return {"source": "files", "files": list(self.files)}
         return {
             "source": "self_generated",
-            "prompts": "auto" if self.prompts is None else len(self.prompts),
+            "prompts": len(self.prompts),
             "samples_per_prompt": self.samples_per_prompt or "auto",
             "temperature": self.temperature,
         }
@@ -221,25 +220,15 @@ def generate_pool(
     chunks: int,
     progress: Any = None,
 ) -> list[list[int]]:
-    """The self-generated corpus, enough for the run's `chunks` to be new by default.
-
-    A model without a chat template (a base model) writes unconditioned text: every document
-    starts at the end-of-text token and runs for a whole chunk, past any end-of-text it
-    samples, so every token the head trains on is the model's own (on the bundled example
-    this beat prompted samples, whose few prompts then made up most of the corpus). With a
-    chat template, or `--prompts`, it answers the prompts: prompt + continuation up to its
-    first end-of-text token (at most `length` tokens in all).
-    """
+    """The self-generated corpus: `samples_per_prompt` continuations of every prompt, each
+    a document of prompt + continuation up to its first end-of-text token (at most `length`
+    tokens in all). By default the pool holds enough for the run's `chunks` to be new (on the
+    bundled example this beat a pool seen twice, whose samples ran past end-of-text)."""
+    per_prompt = spec.samples_per_prompt or max(1, -(-chunks // len(spec.prompts)))
     mx.random.seed(seed)
-    if spec.prompts is None and not has_chat_template(tokenizer):
-        return unconditioned_pool(
-            model, end_token(tokenizer), spec.samples_per_prompt or chunks, length, spec
-        )
-    prompts = spec.prompts or TRAIN_PROMPTS
-    per_prompt = spec.samples_per_prompt or max(1, -(-chunks // len(prompts)))
     eos = eos_ids(tokenizer)
     pool = []
-    for i, text in enumerate(prompts):
+    for i, text in enumerate(spec.prompts):
         prompt = encode_prompt(tokenizer, text, spec.chat_template)[: length - 1]
         rows = sample_continuations(
             model,
@@ -250,25 +239,7 @@ def generate_pool(
         )
         pool.extend(prompt + cut_at_end(row, eos) for row in rows)
         if progress is not None:
-            progress(i + 1, len(prompts))
-    return pool
-
-
-def unconditioned_pool(
-    model: Any, end: int, count: int, length: int, spec: DataSpec, batch: int = 64
-) -> list[list[int]]:
-    """`count` documents of `length` - 1 tokens: the end-of-text token, then what the model
-    samples after it (packing appends one end-of-text token, so each fills one chunk)."""
-    pool: list[list[int]] = []
-    while len(pool) < count:
-        rows = sample_continuations(
-            model,
-            [end],
-            count=min(batch, count - len(pool)),
-            max_tokens=max(length - 2, 1),
-            temperature=spec.temperature,
-        )
-        pool.extend([end, *row] for row in rows)
+            progress(i + 1, len(spec.prompts))
     return pool
 
 
