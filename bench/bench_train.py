@@ -36,7 +36,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 EXAMPLE = ROOT / "mtpkit" / "examples" / "tiny-qwen3_5"
-# The settings tests/test_train.py trains the example with.
+# The settings tests/test_train.py retrains the example with.
 EXAMPLE_ARGS = ["--steps", "150", "--batch-size", "8", "--seq-len", "64", "--lr", "3e-3"]
 CORPUS_BYTES = 1 << 20
 

@@ -64,6 +64,8 @@ class TrainSettings:
     seed: int = 0
     depth: int = 1
     warmup: int = 20
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
     eval_every: int = 50
     checkpoint_every: int = 100
     heldout_prompts: tuple[str, ...] = BUILTIN_PROMPTS[:8]
@@ -77,6 +79,8 @@ class TrainSettings:
             raise TrainError(f"--depth must be between 1 and {MAX_ROLLOUT}, not {self.depth}")
         if self.lr <= 0:
             raise TrainError(f"--lr must be positive, not {self.lr}")
+        if self.weight_decay < 0 or self.grad_clip < 0:
+            raise TrainError("--weight-decay and --grad-clip must be >= 0")
 
     def record(self) -> dict[str, Any]:
         out = asdict(self)
@@ -216,7 +220,7 @@ def make_optimizer(settings: TrainSettings) -> optim.Optimizer:
         if warmup > 0
         else decay
     )
-    return optim.AdamW(learning_rate=schedule, weight_decay=0.0)
+    return optim.AdamW(learning_rate=schedule, weight_decay=settings.weight_decay)
 
 
 @dataclass
@@ -234,6 +238,7 @@ class Run:
 
     def step_fn(self) -> Callable[[mx.array], mx.array]:
         m, head, opt, depth = self.m, self.head, self.opt, self.settings.depth
+        clip = self.settings.grad_clip
 
         def loss_fn(hidden: mx.array, embedded: mx.array, teacher: mx.array) -> mx.array:
             return distillation_loss(head, m, hidden, embedded, teacher, depth)
@@ -244,6 +249,8 @@ class Run:
             teacher, hidden = backbone_pass(m, tokens)
             embedded = mx.stop_gradient(m.embed(tokens).astype(mx.float32))
             loss, grads = value_and_grad(hidden, embedded, teacher)
+            if clip > 0:
+                grads, _ = optim.clip_grad_norm(grads, clip)
             opt.update(head, grads)
             mx.eval(loss, head.parameters(), opt.state)
             return loss

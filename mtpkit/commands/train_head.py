@@ -28,6 +28,13 @@ def train_head(
     lr: Annotated[float, typer.Option("--lr", min=0.0, help="Peak learning rate (AdamW).")] = 2e-3,
     batch_size: Annotated[int, typer.Option("--batch-size", min=1, help="Chunks per step.")] = 8,
     seq_len: Annotated[int, typer.Option("--seq-len", min=4, help="Tokens per chunk.")] = 128,
+    weight_decay: Annotated[
+        float, typer.Option("--weight-decay", min=0.0, help="AdamW weight decay.")
+    ] = 0.0,
+    grad_clip: Annotated[
+        float,
+        typer.Option("--grad-clip", min=0.0, help="Clip the gradient's global norm (0: off)."),
+    ] = 1.0,
     seed: Annotated[int, typer.Option("--seed", help="Seed of the data, sampling and order.")] = 0,
     depth: Annotated[
         int, typer.Option("--depth", min=1, max=4, help="Rollout steps trained (1: NextN only).")
@@ -115,6 +122,8 @@ def train_head(
         lr=lr,
         batch_size=batch_size,
         seq_len=seq_len,
+        weight_decay=weight_decay,
+        grad_clip=grad_clip,
         seed=seed,
         depth=depth,
         data=[str(p) for p in data or []],
