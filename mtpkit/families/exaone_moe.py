@@ -19,27 +19,21 @@ from typing import Any, ClassVar
 import mlx.nn as nn
 
 from mtpkit.families.base import Family, register
-from mtpkit.families.head import MtpHead
+from mtpkit.families.head import MtpHead, QwenHead
 
 
-class ExaoneHead(MtpHead):
-    roles: ClassVar[dict[str, str]] = {
-        "norm_embedding": "pre_fc_norm_embedding",
-        "norm_hidden": "pre_fc_norm_hidden",
-        "projection": "fc",
-        "final_norm": "norm",
-    }
-    roles_in_layer = False
+class ExaoneHead(QwenHead):
+    """The Qwen-style head (fc, pre_fc_norm_*, norm) around EXAONE's own decoder layers."""
 
     def __init__(self, args: Any, block: type[nn.Module], num_layers: int) -> None:
-        super().__init__()
-        h, eps = args.hidden_size, args.rms_norm_eps
-        self.fc = nn.Linear(2 * h, h, bias=False)
-        self.pre_fc_norm_embedding = nn.RMSNorm(h, eps=eps)
-        self.pre_fc_norm_hidden = nn.RMSNorm(h, eps=eps)
-        self.norm = nn.RMSNorm(h, eps=eps)
+        super().__init__(args, block, num_layers)
+        self._windows = [
+            args.sliding_window if layer.is_sliding_window else None for layer in self.layers
+        ]
+
+    def build_layers(self, args: Any, block: type[nn.Module], num_layers: int) -> list[nn.Module]:
         types = getattr(args, "mtp_layer_types", None) or args.layer_types
-        self.layers = []
+        layers = []
         for i in range(num_layers):
             # Layer i is built as a backbone layer whose MLP is dense and whose attention
             # type is the MTP layer's; the backbone's list still decides whether every
@@ -49,10 +43,8 @@ class ExaoneHead(MtpHead):
             is_moe = list(args.is_moe_layer)
             is_moe[i] = False
             layer_args = dataclasses.replace(args, layer_types=layer_types, is_moe_layer=is_moe)
-            self.layers.append(block(layer_args, i))
-        self._windows = [
-            args.sliding_window if layer.is_sliding_window else None for layer in self.layers
-        ]
+            layers.append(block(layer_args, i))
+        return layers
 
     def window_size(self, i: int) -> int | None:
         return self._windows[i]

@@ -153,9 +153,13 @@ class QwenHead(MtpHead):
         self.pre_fc_norm_embedding = nn.RMSNorm(h, eps=eps)
         self.pre_fc_norm_hidden = nn.RMSNorm(h, eps=eps)
         self.norm = nn.RMSNorm(h, eps=eps)
-        # The layer index only selects the layer type: the last of a full-attention period.
+        self.layers = self.build_layers(args, block, num_layers)
+
+    def build_layers(self, args: Any, block: type[nn.Module], num_layers: int) -> list[nn.Module]:
+        """The head's decoder layers. Qwen: the layer index only selects the layer type, the
+        last of a full-attention period."""
         full_attention_idx = args.full_attention_interval - 1
-        self.layers = [block(args, full_attention_idx) for _ in range(num_layers)]
+        return [block(args, full_attention_idx) for _ in range(num_layers)]
 
 
 class SharedHead(nn.Module):
