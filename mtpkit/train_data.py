@@ -287,7 +287,7 @@ def greedy_sequences(
     model: Any, tokenizer: Any, prompts: Sequence[str], *, max_tokens: int, chat_template: bool
 ) -> list[tuple[list[int], int]]:
     """(prompt + the backbone's greedy continuation, prompt length) for each prompt: what a
-    drafting run would verify, for the held-out acceptance estimate."""
+    drafting run would verify, for the held-out acceptance (its length)."""
     out = []
     for text in prompts:
         prompt = encode_prompt(tokenizer, text, chat_template)
