@@ -58,7 +58,8 @@ def train_head(
         typer.Option(
             "--samples-per-prompt",
             min=1,
-            help="Generated samples per prompt (default: enough that no chunk repeats).",
+            help="Generated samples per prompt, or unconditioned samples for a base model"
+            " (default: enough that no chunk repeats).",
         ),
     ] = None,
     temperature: Annotated[
