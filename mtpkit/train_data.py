@@ -1,8 +1,9 @@
 """What `mtpkit train-head` trains on: token chunks of a fixed length, streamed.
 
 Two sources, one stream of documents (token lists) each:
-- self-generated (the default, offline): the model samples continuations of a prompt set
-  (`TRAIN_PROMPTS`, or `--prompts FILE`), chat-templated where the tokenizer has a template.
+- self-generated (the default, offline): a model with a chat template samples answers to a
+  prompt set (`TRAIN_PROMPTS`, or `--prompts FILE`); a base model writes unconditioned text
+  after its end-of-text token, packed into one stream so that chunks start mid-document.
   A head distilled on the model's own text learns exactly the distribution it will draft for.
 - the user's files: `.txt` (documents separated by blank lines) and `.jsonl` (one object a
   line: `text`, or chat `messages`, or `prompt` + `completion`), read lazily.
