@@ -209,11 +209,11 @@ def print_train(result: dict[str, Any]) -> None:
     resumed = f" (resumed at {result['resumed_from']})" if result["resumed_from"] else ""
     print(f"wrote {result['output']}: {result['family']} MTP head, {result['steps']} steps{resumed}")
     print(
-        f"held-out acceptance (estimate): {acc(result['heldout_acceptance_start'])} at start, "
+        f"held-out acceptance: {acc(result['heldout_acceptance_start'])} at start, "
         f"{acc(result['heldout_acceptance'])} at the end; loss {result['loss_first']:.4f} -> "
         f"{result['loss_last']:.4f}"
         if result["loss_first"] is not None
-        else f"held-out acceptance (estimate): {acc(result['heldout_acceptance'])}"
+        else f"held-out acceptance: {acc(result['heldout_acceptance'])}"
     )
     print(
         f"{trained} steps in {result['seconds']:.1f}s ({result['steps_per_s']:.2f} steps/s, "

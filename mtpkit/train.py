@@ -14,9 +14,8 @@ with the embedding of t_{k+1+j}, against p_{k+1+j}. A rollout step attends over 
 step's outputs, where the runtime attends over step-0 entries: an approximation that only
 the rollout steps make.
 
-Every `eval_every` steps a held-out estimate of depth-1 acceptance is taken: the share of
-positions of the backbone's greedy continuations of held-out prompts where the head's
-argmax equals the backbone's, which is what a greedy drafting round accepts. A checkpoint
+Every `eval_every` steps held-out depth-1 acceptance is measured: greedy drafting with the
+head over held-out prompts, the loop `generate --mtp` runs (`mtpkit.decode.MtpDecoder`). A checkpoint
 (head, optimizer, data position) is written atomically every `checkpoint_every` steps, and
 `resume` continues from it with the same batches an uninterrupted run would see.
 """
@@ -28,7 +27,7 @@ import shutil
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +35,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import mlx.optimizers as optim
 
+from mtpkit.decode import MtpDecoder, SamplingSettings
 from mtpkit.errors import MtpkitError
 from mtpkit.families import family_for
 from mtpkit.families.head import MtpHead
@@ -188,19 +188,20 @@ def distillation_loss(
 def heldout_acceptance(
     head: MtpHead, m: MtpModel, sequences: list[tuple[list[int], int]]
 ) -> float | None:
-    """Share of drafting positions where the head's argmax is the backbone's next token."""
-    agree = total = 0
+    """Greedy depth-1 acceptance of drafting with `head` over the held-out prompts: the
+    drafting loop `generate --mtp` runs (`mtpkit.decode.MtpDecoder`), for as many tokens as the
+    backbone's greedy continuation of each prompt holds."""
+    drafting = replace(m, head=head)
+    drafted = accepted = 0
     for tokens, prompt_len in sequences:
-        t = mx.array(tokens, dtype=mx.int32)[None]
-        teacher, hidden = backbone_pass(m, t)
-        logits = head_steps(head, m, hidden, m.embed(t).astype(mx.float32), 1)[0]
-        # Row k drafts t_{k+2}; the first draft follows the last prompt token (k = P - 1).
-        first = max(prompt_len - 1, 0)
-        drafted = mx.argmax(logits[0, first:], axis=-1)
-        target = mx.argmax(teacher[0, first + 1 :], axis=-1)
-        agree += int((drafted == target).sum().item())
-        total += int(target.size)
-    return agree / total if total else None
+        decoder = MtpDecoder(
+            drafting, tokens[:prompt_len], depth=1, sampling=SamplingSettings(), adaptive=False
+        )
+        for _ in decoder.tokens(len(tokens) - prompt_len):
+            pass
+        drafted += decoder.stats.drafted
+        accepted += decoder.stats.accepted
+    return accepted / drafted if drafted else None
 
 
 # --------------------------------------------------------------------------- the run
@@ -282,7 +283,7 @@ def prepare_data(
     pool = None
     if not spec.files:
         chunks = settings.steps * settings.batch_size
-        log(f"generating text to train on from {len(spec.prompts)} prompts")
+        log("generating text to train on")
         pool = generate_pool(
             m.model, m.tokenizer, spec, length=settings.seq_len, seed=settings.seed, chunks=chunks
         )
@@ -410,7 +411,7 @@ def train_and_write(
     check_destination(output, into, force)
     spec = DataSpec(
         files=tuple(data or ()),
-        prompts=tuple(read_prompts(prompts)) if prompts else DataSpec.prompts,
+        prompts=tuple(read_prompts(prompts)) if prompts else None,
         samples_per_prompt=samples_per_prompt,
         temperature=temperature,
         chat_template=chat_template,

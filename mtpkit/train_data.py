@@ -1,8 +1,9 @@
 """What `mtpkit train-head` trains on: token chunks of a fixed length, streamed.
 
 Two sources, one stream of documents (token lists) each:
-- self-generated (the default, offline): the model samples continuations of a prompt set
-  (`TRAIN_PROMPTS`, or `--prompts FILE`), chat-templated where the tokenizer has a template.
+- self-generated (the default, offline): a model with a chat template samples answers to a
+  prompt set (`TRAIN_PROMPTS`, or `--prompts FILE`); a base model writes unconditioned text
+  after its end-of-text token, packed into one stream so that chunks start mid-document.
   A head distilled on the model's own text learns exactly the distribution it will draft for.
 - the user's files: `.txt` (documents separated by blank lines) and `.jsonl` (one object a
   line: `text`, or chat `messages`, or `prompt` + `completion`), read lazily.
@@ -64,7 +65,8 @@ class DataSpec:
     """Where the text comes from: generated (`files` empty) or the user's files."""
 
     files: tuple[str, ...] = ()
-    prompts: tuple[str, ...] = TRAIN_PROMPTS
+    # None: `TRAIN_PROMPTS` for a model with a chat template, else unconditioned text.
+    prompts: tuple[str, ...] | None = None
     # None: enough for every chunk of the run to be new (steps x batch size / prompts).
     samples_per_prompt: int | None = None
     temperature: float = 0.7
@@ -75,7 +77,7 @@ class DataSpec:
             return {"source": "files", "files": list(self.files)}
         return {
             "source": "self_generated",
-            "prompts": len(self.prompts),
+            "prompts": "auto" if self.prompts is None else len(self.prompts),
             "samples_per_prompt": self.samples_per_prompt or "auto",
             "temperature": self.temperature,
         }
@@ -220,15 +222,21 @@ def generate_pool(
     chunks: int,
     progress: Any = None,
 ) -> list[list[int]]:
-    """The self-generated corpus: `samples_per_prompt` continuations of every prompt, each
-    a document of prompt + continuation up to its first end-of-text token (at most `length`
-    tokens in all). By default the pool holds enough for the run's `chunks` to be new (on the
-    bundled example this beat a pool seen twice, whose samples ran past end-of-text)."""
-    per_prompt = spec.samples_per_prompt or max(1, -(-chunks // len(spec.prompts)))
+    """The self-generated corpus, enough for the run's `chunks` to be new by default.
+
+    A model without a chat template (a base model) writes unconditioned text
+    (`unconditioned_pool`). With a chat template, or `--prompts`, it answers the prompts:
+    prompt + continuation up to its first end-of-text token (at most `length` tokens in all).
+    """
     mx.random.seed(seed)
+    if spec.prompts is None and not has_chat_template(tokenizer):
+        count = spec.samples_per_prompt or -(-chunks // UNCONDITIONED_CHUNKS)
+        return unconditioned_pool(model, tokenizer, count, length, spec, progress)
+    prompts = spec.prompts or TRAIN_PROMPTS
+    per_prompt = spec.samples_per_prompt or max(1, -(-chunks // len(prompts)))
     eos = eos_ids(tokenizer)
     pool = []
-    for i, text in enumerate(spec.prompts):
+    for i, text in enumerate(prompts):
         prompt = encode_prompt(tokenizer, text, spec.chat_template)[: length - 1]
         rows = sample_continuations(
             model,
@@ -239,7 +247,40 @@ def generate_pool(
         )
         pool.extend(prompt + cut_at_end(row, eos) for row in rows)
         if progress is not None:
-            progress(i + 1, len(spec.prompts))
+            progress(i + 1, len(prompts))
+    return pool
+
+
+# An unconditioned sample runs for this many chunks at most, so chunks cut it mid-document.
+UNCONDITIONED_CHUNKS = 3
+
+
+def unconditioned_pool(
+    model: Any,
+    tokenizer: Any,
+    count: int,
+    length: int,
+    spec: DataSpec,
+    progress: Any = None,
+    batch: int = 64,
+) -> list[list[int]]:
+    """`count` documents the model writes after the end-of-text token, each up to its first
+    end-of-text token (at most `UNCONDITIONED_CHUNKS` x `length` tokens). The documents do not
+    keep the leading end-of-text token: packed one after another they make the stream the model
+    itself would write, and chunks start mid-document, as drafting does after a prompt."""
+    eos = eos_ids(tokenizer)
+    pool: list[list[int]] = []
+    while len(pool) < count:
+        rows = sample_continuations(
+            model,
+            [end_token(tokenizer)],
+            count=min(batch, count - len(pool)),
+            max_tokens=UNCONDITIONED_CHUNKS * length,
+            temperature=spec.temperature,
+        )
+        pool.extend(doc for doc in (cut_at_end(row, eos) for row in rows) if doc)
+        if progress is not None:
+            progress(len(pool), count)
     return pool
 
 
@@ -247,7 +288,7 @@ def greedy_sequences(
     model: Any, tokenizer: Any, prompts: Sequence[str], *, max_tokens: int, chat_template: bool
 ) -> list[tuple[list[int], int]]:
     """(prompt + the backbone's greedy continuation, prompt length) for each prompt: what a
-    drafting run would verify, for the held-out acceptance estimate."""
+    drafting run would verify, for the held-out acceptance (its length)."""
     out = []
     for text in prompts:
         prompt = encode_prompt(tokenizer, text, chat_template)

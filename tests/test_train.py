@@ -31,7 +31,7 @@ from tests.conftest import EXAMPLE
 
 runner = CliRunner()
 
-# The example's retraining: what `bench/bench_train.py` runs too (with more prompts measured).
+# The example's retraining, shortened: `bench/bench_train.py` runs 500 steps.
 EXAMPLE_ARGS = ["--steps", "150", "--batch-size", "8", "--seq-len", "64", "--lr", "3e-3"]
 LLAMA_ARGS = ["--steps", "24", "--batch-size", "4", "--seq-len", "32", "--samples-per-prompt", "2"]
 LLAMA_ARGS += ["--eval-every", "12", "--quiet"]
@@ -102,9 +102,10 @@ def test_retrained_example_gets_most_of_the_shipped_acceptance(converted, retrai
     out, summary = retrained
     shipped, trained = acceptance(converted), acceptance(out)
     print(f"acceptance (docstrings, check prompts): shipped {shipped}, retrained {trained}")
-    # The target is >= the shipped head; 150 steps (about two CPU minutes) reach it on
-    # check's prompts for this seed and fall short on docstrings, with a wide spread between
-    # seeds (bench/bench_train.py, README). The bar here holds across the seeds tried.
+    # The target is >= the shipped head: bench/bench_train.py's 500 steps (about six
+    # CPU minutes) reach it on both sets (README). These 150 steps (about two CPU minutes, kept
+    # short for CI) fall short (49.8% / 63.5% on unconditioned text, 60.1% / 74.6% on prompted
+    # samples before it); the bar here holds across the seeds and data tried.
     assert trained[1] >= 0.8 * shipped[1]
     assert trained[0] >= 0.5 * shipped[0]
     assert summary["heldout_acceptance"] > summary["heldout_acceptance_start"] + 0.3

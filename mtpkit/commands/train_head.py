@@ -58,7 +58,8 @@ def train_head(
         typer.Option(
             "--samples-per-prompt",
             min=1,
-            help="Generated samples per prompt (default: enough that no chunk repeats).",
+            help="Generated samples per prompt, or unconditioned samples for a base model"
+            " (default: enough that no chunk repeats).",
         ),
     ] = None,
     temperature: Annotated[
@@ -77,7 +78,7 @@ def train_head(
         ),
     ] = True,
     eval_every: Annotated[
-        int, typer.Option("--eval-every", min=1, help="Steps between held-out estimates.")
+        int, typer.Option("--eval-every", min=1, help="Steps between held-out acceptance measurements.")
     ] = 50,
     checkpoint_every: Annotated[
         int, typer.Option("--checkpoint-every", min=1, help="Steps between checkpoints.")
@@ -101,7 +102,7 @@ def train_head(
     the DeepSeek/Qwen-Next form) starts from the backbone's last layer and learns the
     backbone's own distribution for the token after next; the backbone stays frozen. By default
     it trains on text the model generates from a built-in prompt set (offline). Progress (loss,
-    held-out acceptance estimate) goes to stderr; checkpoints allow --resume. The result is
+    held-out drafting acceptance) goes to stderr; checkpoints allow --resume. The result is
     used unchanged by generate, bench and check.
     """
     from mtpkit.train_output import check_destination
