@@ -1,7 +1,10 @@
 """Random-weight models of real shapes, for speed measurements that need size, not skill.
 
-`SHAPES` holds the text configs of published Qwen3.5 checkpoints (the fields mlx-lm's
-`qwen3_5` model reads); `build_random_model` writes one as an mlx-lm directory, quantized,
+`SHAPES` holds text configs of Qwen3.5 checkpoints (the fields mlx-lm's `qwen3_5` model
+reads). Not checked against the published configs (no Hub here): the 4b intermediate size and
+head counts, the 9b intermediate size (12288) and untied lm_head, and the 35B-A3B's 256
+experts x 512, top-8, came from third-party configs. `build_random_model` writes one as an
+mlx-lm directory, quantized,
 with an MTP sidecar of the same shape, that stock `mlx_lm.load` and `mtpkit` both load.
 """
 
