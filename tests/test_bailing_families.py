@@ -29,6 +29,7 @@ from mtpkit.inspect import inspect_checkpoint
 from mtpkit.replay import CacheReplay
 from tests.bailing_reference import bailing_mtp_logits
 from tests.checkpoints import CheckpointFactory
+from tests.injected import accepted_per_round, inject_drafts
 from tests.mtp_reference import load_raw
 from tests.test_mla_families import stock_convert
 
@@ -129,17 +130,7 @@ def test_partial_acceptance_replays_the_linear_attention_states(converted, layou
     decoder = MtpDecoder(m, PROMPT, depth=3, sampling=SamplingSettings(), adaptive=False)
     vocab = m.embedding.weight.shape[0]
     plan = [0, 3, 1, 2] * 10
-    rights: list[int] = []
-
-    def injected_draft():
-        right = plan[len(rights)]
-        rights.append(right)
-        start = decoder.n_confirmed
-        truth = (reference + [0] * 8)[start : start + 3]
-        drafts = [t if j < right else (t + 1) % vocab for j, t in enumerate(truth)]
-        return mx.array(drafts, dtype=mx.int32), None
-
-    decoder.drafter.draft = lambda depth, sampling: injected_draft()
+    rights = inject_drafts(decoder, reference, plan, vocab)
     verify = decoder.verify
     replays: list[bool] = []
 
@@ -150,8 +141,7 @@ def test_partial_acceptance_replays_the_linear_attention_states(converted, layou
 
     decoder.verify = verify_and_record
     assert list(decoder.tokens(n)) == reference
-    positions = [p for p, _ in decoder.stats.draft_log]
-    accepted = [b - a - 1 for a, b in zip(positions, positions[1:], strict=False)]
+    accepted = accepted_per_round(decoder)
     assert accepted == rights[: len(accepted)] and set(accepted) == {0, 1, 2, 3}
     assert replays and all(replays)
 

@@ -18,6 +18,7 @@ from mtpkit.convert import convert
 from mtpkit.generate import MtpDecoder, SamplingSettings, generate, load_model
 from mtpkit.headload import EMBEDDING_FIRST, HIDDEN_FIRST, build_head, supported_families
 from tests.checkpoints import MLX_LAYOUTS, RAW_WITH_MTP, build_checkpoint, dtype_for
+from tests.injected import accepted_per_round, inject_drafts
 
 PROMPT = list(range(5, 21))
 
@@ -89,20 +90,9 @@ def test_injected_drafts_partial_acceptance_keeps_caches_exact(tmp_path: Path, l
     decoder = MtpDecoder(m, PROMPT, depth=4, sampling=SamplingSettings(), adaptive=False)
     vocab = m.embedding.weight.shape[0]
     plan = [0, 4, 1, 3, 2, 4, 0, 2, 1, 3] * 10
-    rights: list[int] = []
-
-    def injected_draft():
-        right = plan[len(rights)]
-        rights.append(right)
-        start = decoder.n_confirmed
-        truth = (reference + [0] * 8)[start : start + 4]
-        drafts = [t if j < right else (t + 1) % vocab for j, t in enumerate(truth)]
-        return mx.array(drafts, dtype=mx.int32), None
-
-    decoder.drafter.draft = lambda depth, sampling: injected_draft()
+    rights = inject_drafts(decoder, reference, plan, vocab)
     assert list(decoder.tokens(n)) == reference
-    positions = [p for p, _ in decoder.stats.draft_log]
-    accepted = [b - a - 1 for a, b in zip(positions, positions[1:], strict=False)]
+    accepted = accepted_per_round(decoder)
     assert accepted == rights[: len(accepted)]
     assert set(accepted) == {0, 1, 2, 3, 4}
 
