@@ -15,7 +15,6 @@ how the head was made (settings, data, initialisation, steps, held-out acceptanc
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import tempfile
@@ -37,7 +36,6 @@ from mtpkit.manifest import (
     SHIFTED,
     write_manifest,
 )
-from mtpkit.runtime import head_tensor_filter
 from mtpkit.writer import read_config, write_config
 
 # A model directory's own head files, left out of the copy (the new head replaces them).
@@ -63,15 +61,11 @@ def check_destination(output: Path | None, into: Path | None, force: bool) -> No
 
 
 def has_head(model_dir: Path) -> bool:
-    """A sidecar head, or head tensors inline in the shards' index."""
-    if (model_dir / "mtp").exists() or (model_dir / "model-mtp.safetensors").exists():
-        return True
-    index = model_dir / "model.safetensors.index.json"
-    if index.exists():
-        names = json.loads(index.read_text()).get("weight_map", {})
-        is_head = head_tensor_filter(read_config(model_dir / "config.json"))
-        return any(is_head(n) for n in names)
-    return False
+    """Whether the directory already has an MTP head: inspect's reading of it (sidecar files,
+    inline tensors by the family's own rule), as a graft decides it."""
+    from mtpkit.inspect import read_checkpoint
+
+    return bool(read_checkpoint(str(model_dir)).mtp_tensors)
 
 
 def head_dtype(model: Any) -> str:
