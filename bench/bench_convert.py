@@ -61,8 +61,8 @@ def build(path: Path, layers: int) -> None:
     import mlx.core as mx
     from mlx.utils import tree_flatten
 
+    from mtpkit.convert.quant import build_model
     from mtpkit.families import family_for
-    from mtpkit.quant import build_model
     from tests.checkpoints import write_tokenizer
 
     config = _config(layers)
@@ -122,7 +122,7 @@ if tool == "mlx_lm":
     with contextlib.redirect_stdout(io.StringIO()):
         convert(src, out, quantize=True, q_bits=4, q_group_size=64)
 else:
-    from mtpkit.convert import convert
+    from mtpkit.convert.pipeline import convert
     convert(src, output=out, bits=4, quiet=True)
 wall = time.perf_counter() - t
 # VmHWM is this process image's own peak RSS; ru_maxrss would also count the parent's,
@@ -178,8 +178,8 @@ def graft_bytes(src: Path, trunk: Path, work: Path) -> tuple[int, int]:
     import huggingface_hub.hf_api  # noqa: F401 - point_client_at patches it
     import pytest
 
-    from mtpkit.convert import graft
-    from mtpkit.inspect import inspect_checkpoint
+    from mtpkit.checkpoint.inspect import inspect_checkpoint
+    from mtpkit.convert.pipeline import graft
     from tests.hub_server import HubStandIn, point_client_at
 
     needed = inspect_checkpoint(str(src))["mtp"]["bytes_needed"]

@@ -41,9 +41,9 @@ def _best_seconds(fn, reps: int) -> float:
 def measure(model_dir: Path, reps: int) -> dict[str, float]:
     import mlx.core as mx
 
-    from mtpkit.gdn import is_recurrent_cache
-    from mtpkit.replay import gdn_covers
-    from mtpkit.runtime import load_model
+    from mtpkit.runtime.model import load_model
+    from mtpkit.runtime.rollback.gdn import is_recurrent_cache
+    from mtpkit.runtime.rollback.replay import gdn_covers
 
     m = load_model(model_dir)
     tokens = mx.array(VERIFY)
@@ -96,7 +96,7 @@ def main() -> None:
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
 
-    from mtpkit.convert import convert
+    from mtpkit.convert.pipeline import convert
     from tests.checkpoints import build_checkpoint
 
     results = {}

@@ -86,8 +86,8 @@ def docstring_corpus(path: Path, size: int) -> Path:
 
 
 def example(args: argparse.Namespace, work: Path) -> dict:
-    from mtpkit.convert import convert
-    from mtpkit.generate import measure_acceptance
+    from mtpkit.convert.pipeline import convert
+    from mtpkit.spec.generate import measure_acceptance
 
     shipped = work / "tiny-mlx"
     convert(str(EXAMPLE), output=shipped, force=True)
@@ -96,7 +96,7 @@ def example(args: argparse.Namespace, work: Path) -> dict:
     shutil.copytree(shipped, headless, ignore=shutil.ignore_patterns("mtp"))
     steps = ["--steps", str(args.steps)] if args.steps else []
     run = train(headless, work / "retrained", [*EXAMPLE_ARGS, *steps])
-    from mtpkit.prompts import BUILTIN_PROMPTS, RESERVE_PROMPTS
+    from mtpkit.core.prompts import BUILTIN_PROMPTS, RESERVE_PROMPTS
 
     prompts = heldout_prompts(args.prompts)
     probes = [*BUILTIN_PROMPTS, *RESERVE_PROMPTS]
@@ -131,7 +131,7 @@ def example(args: argparse.Namespace, work: Path) -> dict:
 
 
 def random_shape(args: argparse.Namespace, work: Path) -> dict:
-    from mtpkit.bench import random_model_dir
+    from mtpkit.bench.speed import random_model_dir
 
     model = random_model_dir(args.random_shape)
     try:

@@ -2,7 +2,7 @@
 
     python bench/decode_ab.py MODEL_DIR [--before REV] [--trials N] [--max-tokens N]
 
-Loads `mtpkit/decode.py` (and `mtpkit/accept.py` if it has one) as of REV (default: main)
+Loads `mtpkit/spec/decode.py` (and `mtpkit/spec/accept.py` if it has one) as of REV (default: main)
 beside the working tree's, on the same loaded model, and times per trial, interleaved:
 stock `mlx_lm.stream_generate`, then for each decoder its plain decoding (no MTP), MTP at
 depths 1..3 (no adaptive drafting) and depth 1 with adaptive drafting (`generate --mtp`'s
@@ -31,7 +31,7 @@ sys.path.insert(0, str(ROOT))
 
 
 def load_revision(rev: str, tmp: Path) -> types.ModuleType:
-    """`mtpkit.decode` as of `rev`, importable beside the current one (as `decode_<rev>`)."""
+    """`mtpkit.spec.decode` as of `rev`, importable beside the current one (as `decode_<rev>`)."""
     files = {}
     for name in ("accept", "decode"):
         shown = subprocess.run(
@@ -46,7 +46,7 @@ def load_revision(rev: str, tmp: Path) -> types.ModuleType:
         accept = importlib.util.module_from_spec(spec)
         sys.modules["mtpkit_accept_before"] = accept
         spec.loader.exec_module(accept)
-        files["decode"] = files["decode"].replace("from mtpkit.accept ", "from mtpkit_accept_before ")
+        files["decode"] = files["decode"].replace("from mtpkit.spec.accept ", "from mtpkit_accept_before ")
     path = tmp / "decode_before.py"
     path.write_text(files["decode"])
     spec = importlib.util.spec_from_file_location("mtpkit_decode_before", path)
@@ -66,10 +66,10 @@ def main() -> None:
 
     import mlx_lm
 
-    from mtpkit import decode
-    from mtpkit.bench import DEFAULT_PROMPT
-    from mtpkit.generate import encode_prompt
-    from mtpkit.runtime import load_model
+    from mtpkit.bench.speed import DEFAULT_PROMPT
+    from mtpkit.runtime.model import load_model
+    from mtpkit.spec import decode
+    from mtpkit.spec.generate import encode_prompt
 
     before = load_revision(args.before, Path(tempfile.mkdtemp()))
     m = load_model(args.model)

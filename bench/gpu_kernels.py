@@ -40,7 +40,9 @@ import mlx.core as mx  # noqa: E402
 import mlx.nn as nn  # noqa: E402
 import numpy as np  # noqa: E402
 
-from mtpkit import gdn, kernels, qmv  # noqa: E402
+from mtpkit.runtime.kernels import gdn_verify as kernels  # noqa: E402
+from mtpkit.runtime.kernels import qmv  # noqa: E402
+from mtpkit.runtime.rollback import gdn  # noqa: E402
 
 # Qwen3.5 text configs (hidden size, MLP width, layers, heads); 3 linear-attention layers
 # per full-attention layer, 248k vocabulary, as `mtpkit bench --random` builds them.

@@ -1,3 +1,3 @@
-from mtpkit.cli import main
+from mtpkit.cli.app import main
 
 main()

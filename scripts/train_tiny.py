@@ -42,7 +42,7 @@ from mlx.utils import tree_flatten
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from mtpkit.headload import build_head  # noqa: E402
+from mtpkit.runtime.headload import build_head  # noqa: E402
 
 VOCAB_SIZE = 1024
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]

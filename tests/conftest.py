@@ -37,7 +37,7 @@ def converted(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
     Tests that damage it work on a copy.
     """
-    from mtpkit.convert import convert
+    from mtpkit.convert.pipeline import convert
 
     out = tmp_path_factory.mktemp("example") / "tiny-qwen3_5-mlx"
     convert(str(EXAMPLE), output=out)

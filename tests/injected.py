@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from mtpkit.decode import MtpDecoder
+from mtpkit.spec.decode import MtpDecoder
 
 
 def inject_drafts(

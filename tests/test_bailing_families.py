@@ -7,7 +7,7 @@ through every stage: inspect finds the head; convert's backbone equals stock
 converted head's logits equal a float32 numpy forward of vLLM's Bailing MTP step
 (tests/bailing_reference.py); greedy `generate --mtp` equals plain decoding, also when
 injected drafts are accepted part of the way, which rolls the linear-attention states back by
-replay (`mtpkit.replay`); `check` passes the healthy head and fails a damaged one.
+replay (`mtpkit.runtime.rollback.replay`); `check` passes the healthy head and fails a damaged one.
 """
 
 from __future__ import annotations
@@ -21,12 +21,12 @@ import numpy as np
 import pytest
 from mlx.utils import tree_flatten
 
-from mtpkit.check import check_checkpoint
-from mtpkit.convert import convert
+from mtpkit.check.verdict import check_checkpoint
+from mtpkit.checkpoint.inspect import inspect_checkpoint
+from mtpkit.convert.pipeline import convert
 from mtpkit.families import family_for
-from mtpkit.generate import MtpDecoder, SamplingSettings, generate, load_model
-from mtpkit.inspect import inspect_checkpoint
-from mtpkit.replay import CacheReplay
+from mtpkit.runtime.rollback.replay import CacheReplay
+from mtpkit.spec.generate import MtpDecoder, SamplingSettings, generate, load_model
 from tests.bailing_reference import bailing_mtp_logits
 from tests.checkpoints import CheckpointFactory
 from tests.injected import accepted_per_round, inject_drafts

@@ -15,12 +15,12 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from mtpkit.check import CHECKS, check_checkpoint
-from mtpkit.cli import app
-from mtpkit.junit import junit_xml
-from mtpkit.options import EXIT_FAILED_REQUIREMENT
-from mtpkit.probes import Measurement, Variant, diagnose, single_variants
-from mtpkit.prompts import BUILTIN_PROMPTS, read_prompts
+from mtpkit.check.junit import junit_xml
+from mtpkit.check.probes import Measurement, Variant, diagnose, single_variants
+from mtpkit.check.verdict import CHECKS, check_checkpoint
+from mtpkit.cli.app import app
+from mtpkit.cli.options import EXIT_FAILED_REQUIREMENT
+from mtpkit.core.prompts import BUILTIN_PROMPTS, read_prompts
 from tests import hub_server
 from tests.checkpoints import build_checkpoint
 from tests.hub_server import HubStandIn

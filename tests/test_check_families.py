@@ -20,8 +20,8 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from mtpkit.check import check_checkpoint
-from mtpkit.convert import convert
+from mtpkit.check.verdict import check_checkpoint
+from mtpkit.convert.pipeline import convert
 from tests.checkpoints import CheckpointFactory, add_tensor
 
 MAX_TOKENS = 16

@@ -18,9 +18,9 @@ import mlx.core as mx
 import pytest
 from typer.testing import CliRunner
 
-from mtpkit.check import check_checkpoint
-from mtpkit.cli import app
-from mtpkit.options import EXIT_FAILED_REQUIREMENT
+from mtpkit.check.verdict import check_checkpoint
+from mtpkit.cli.app import app
+from mtpkit.cli.options import EXIT_FAILED_REQUIREMENT
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "mtpkit" / "examples" / "tiny-qwen3_5"
 HEAD = Path("mtp") / "weights.safetensors"
@@ -32,7 +32,7 @@ runner = CliRunner()
 
 @pytest.fixture(scope="module")
 def quantized(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from mtpkit.convert import convert
+    from mtpkit.convert.pipeline import convert
 
     out = tmp_path_factory.mktemp("example") / "q4"
     convert(str(EXAMPLE), output=out, bits=4)

@@ -9,20 +9,20 @@ import sys
 
 from typer.testing import CliRunner
 
-from mtpkit import options
-from mtpkit.cli import app
+from mtpkit.cli import options
+from mtpkit.cli.app import app
 
 runner = CliRunner()
 
 
 def test_choices_are_the_librarys():
-    from mtpkit.decode import MAX_DEPTH
-    from mtpkit.plan import LAYOUTS
-    from mtpkit.probes import HIDDEN_VARIANTS
-    from mtpkit.quant import BITS, DTYPES, GROUP_SIZES
-    from mtpkit.runtime import HIDDEN_MODES
-    from mtpkit.shapes import DTYPES as SCALE_DTYPES
-    from mtpkit.shapes import SHAPES
+    from mtpkit.bench.shapes import DTYPES as SCALE_DTYPES
+    from mtpkit.bench.shapes import SHAPES
+    from mtpkit.check.probes import HIDDEN_VARIANTS
+    from mtpkit.convert.plan import LAYOUTS
+    from mtpkit.convert.quant import BITS, DTYPES, GROUP_SIZES
+    from mtpkit.runtime.model import HIDDEN_MODES
+    from mtpkit.spec.decode import MAX_DEPTH
 
     assert [d.value for d in options.Dtype] == list(DTYPES)
     assert [int(b.value) for b in options.Bits] == list(BITS)
@@ -47,7 +47,7 @@ def test_bad_values_are_usage_errors_before_any_heavy_import():
     script = """
 import sys
 from typer.testing import CliRunner
-from mtpkit.cli import app
+from mtpkit.cli.app import app
 runner = CliRunner()
 for args in (
     ["bench", "--model", "m", "--trials", "0"],
@@ -95,7 +95,7 @@ def test_progress_follows_quiet_the_terminal_and_huggingface_hubs_switch(monkeyp
         enable_progress_bars,
     )
 
-    from mtpkit.output import PROGRESS_GROUP, progress_bar
+    from mtpkit.core.console import PROGRESS_GROUP, progress_bar
 
     monkeypatch.setattr(sys, "stderr", io.StringIO())  # a CI log: no bar, no \r frames
     assert progress_bar(10, desc="x") is None

@@ -20,10 +20,10 @@ import numpy as np
 import pytest
 from mlx.utils import tree_flatten
 
-from mtpkit.convert import convert, graft
-from mtpkit.errors import MtpkitError
-from mtpkit.headers import HEADER_PROBE_BYTES
-from mtpkit.inspect import inspect_checkpoint
+from mtpkit.checkpoint.headers import HEADER_PROBE_BYTES
+from mtpkit.checkpoint.inspect import inspect_checkpoint
+from mtpkit.convert.pipeline import convert, graft
+from mtpkit.core.errors import MtpkitError
 from tests import hub_server
 from tests.checkpoints import build_checkpoint
 
@@ -501,7 +501,7 @@ def test_unknown_head_tensor_is_refused_by_name(sources, tmp_path):
 
 
 def test_interrupted_run_leaves_nothing(sources, tmp_path, monkeypatch):
-    import mtpkit.convert as conv
+    import mtpkit.convert.pipeline as conv
 
     def boom(*args, **kwargs):
         raise KeyboardInterrupt
@@ -513,7 +513,7 @@ def test_interrupted_run_leaves_nothing(sources, tmp_path, monkeypatch):
 
 
 def test_failure_while_writing_leaves_nothing(sources, tmp_path, monkeypatch):
-    import mtpkit.convert as conv
+    import mtpkit.convert.pipeline as conv
 
     real = conv.Converter.run
     calls = []

@@ -10,11 +10,11 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from mtpkit.cli import app
-from mtpkit.convert import resolve_settings
-from mtpkit.errors import MtpkitError
+from mtpkit.cli.app import app
+from mtpkit.convert.pipeline import resolve_settings
+from mtpkit.convert.recipes import all_recipes, load_recipe
+from mtpkit.core.errors import MtpkitError
 from mtpkit.families import supported
-from mtpkit.recipes import all_recipes, load_recipe
 from tests.checkpoints import build_checkpoint
 
 runner = CliRunner()

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from mtpkit.convert import convert, graft
-from mtpkit.generate import measure_acceptance
+from mtpkit.convert.pipeline import convert, graft
+from mtpkit.spec.generate import measure_acceptance
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "mtpkit" / "examples" / "tiny-qwen3_5"
 

@@ -17,11 +17,11 @@ import pytest
 from mlx.utils import tree_flatten
 from typer.testing import CliRunner
 
-from mtpkit import upcast
-from mtpkit.check import check_checkpoint
-from mtpkit.cli import app
-from mtpkit.convert import convert
-from mtpkit.generate import generate
+from mtpkit.check.verdict import check_checkpoint
+from mtpkit.cli.app import app
+from mtpkit.convert.pipeline import convert
+from mtpkit.runtime import upcast
+from mtpkit.spec.generate import generate
 from tests.checkpoints import CheckpointFactory
 
 MOE_FAMILIES = ("qwen3_5_moe", "qwen3_next", "deepseek_v3", "glm4_moe")
@@ -77,7 +77,7 @@ def test_greedy_equals_stock_with_float32_experts(layout: str, bf16: dict, tmp_p
 def test_only_the_experts_are_upcast(bf16: dict) -> None:
     import mlx_lm
 
-    from mtpkit.runtime import load_model
+    from mtpkit.runtime.model import load_model
 
     m = load_model(bf16["deepseek_v3"])
     ours = {k: p.dtype for k, p in tree_flatten(m.model.parameters())}
@@ -158,7 +158,7 @@ def test_quantized_experts_are_unaffected(checkpoint: CheckpointFactory, tmp_pat
     import mlx_lm
     from mlx_lm.models.switch_layers import QuantizedSwitchLinear
 
-    from mtpkit.runtime import load_model
+    from mtpkit.runtime.model import load_model
 
     out = tmp_path / "q4"
     convert(str(checkpoint("glm4_moe", dtype="bfloat16")), output=out, bits=4)

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from mtpkit.cli import app
-from mtpkit.destination import pid_alive, stale_siblings, temp_sibling
+from mtpkit.cli.app import app
+from mtpkit.convert.destination import pid_alive, stale_siblings, temp_sibling
 
 runner = CliRunner()
 
@@ -119,7 +119,7 @@ def test_stale_temp_siblings_of_dead_runs_are_removed(checkpoint, tmp_path):
 
 
 def test_failed_graft_leaves_the_directory_as_it_was(checkpoint, tmp_path, monkeypatch):
-    import mtpkit.convert
+    import mtpkit.convert.pipeline
 
     trunk = tmp_path / "trunk"
     shutil.copytree(checkpoint("mlx_plain", dtype="bfloat16"), trunk)
@@ -131,7 +131,7 @@ def test_failed_graft_leaves_the_directory_as_it_was(checkpoint, tmp_path, monke
     def disk_full(path, manifest):
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(mtpkit.convert, "write_manifest", disk_full)
+    monkeypatch.setattr(mtpkit.convert.pipeline, "write_manifest", disk_full)
     result = runner.invoke(
         app, ["convert", str(checkpoint("qwen3_5")), "--mtp-only", "--into", str(trunk)]
     )

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from mtpkit.cli import app
-from mtpkit.errors import MtpkitError, one_line
+from mtpkit.cli.app import app
+from mtpkit.core.errors import MtpkitError, one_line
 
 runner = CliRunner()
 
@@ -45,12 +45,12 @@ def one_error_line(result) -> str:
 @pytest.fixture
 def faulty_reader(monkeypatch):
     """A fault nobody foresaw: reading any safetensors header raises a bare RuntimeError."""
-    import mtpkit.inspect
+    import mtpkit.checkpoint.inspect
 
     def broken(*args, **kwargs):
         raise RuntimeError("simulated fault\nsecond line")
 
-    monkeypatch.setattr(mtpkit.inspect, "parse_header", broken)
+    monkeypatch.setattr(mtpkit.checkpoint.inspect, "parse_header", broken)
 
 
 @pytest.mark.parametrize("command", ["inspect", "convert", "check"])
@@ -108,14 +108,14 @@ def test_paths_that_exist_nowhere(tmp_path, monkeypatch):
 
 
 def test_a_directory_without_config_is_refused_before_it_is_walked(tmp_path, monkeypatch):
-    import mtpkit.source
+    import mtpkit.checkpoint.source
 
     (tmp_path / "a" / "b").mkdir(parents=True)
 
     def walked(*args, **kwargs):
         raise AssertionError("the directory was listed")
 
-    monkeypatch.setattr(mtpkit.source.LocalSource, "__init__", walked)
+    monkeypatch.setattr(mtpkit.checkpoint.source.LocalSource, "__init__", walked)
     line = one_error_line(runner.invoke(app, ["inspect", str(tmp_path)]))
     assert line.startswith(f"Error: {tmp_path} has no config.json: not a model checkpoint")
 

@@ -17,11 +17,11 @@ import mlx.core as mx
 import pytest
 from mlx.utils import tree_flatten
 
-from mtpkit.convert import convert
-from mtpkit.errors import MtpkitError, UnsupportedFamily
+from mtpkit.convert.pipeline import convert
+from mtpkit.convert.quant import build_model
+from mtpkit.core.errors import MtpkitError, UnsupportedFamily
 from mtpkit.families import FAMILIES, family_for, supported
-from mtpkit.generate import generate, load_model
-from mtpkit.quant import build_model
+from mtpkit.spec.generate import generate, load_model
 from tests.checkpoints import RAW_WITH_MTP, CheckpointFactory, add_tensor, dtype_for
 
 # Every registered family that ships a head, by its own name; its fixture (tests/fixtures/)

@@ -13,9 +13,9 @@ import mlx.core as mx
 import mlx_lm
 import pytest
 
-from mtpkit.decode import MtpDecoder, SamplingSettings
-from mtpkit.generate import encode_prompt, generate, measure_acceptance
-from mtpkit.runtime import load_model
+from mtpkit.runtime.model import load_model
+from mtpkit.spec.decode import MtpDecoder, SamplingSettings
+from mtpkit.spec.generate import encode_prompt, generate, measure_acceptance
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "mtpkit" / "examples" / "tiny-qwen3_5"
 
@@ -152,7 +152,7 @@ def test_chained_drafts_are_the_head_applied_to_its_own_output(model) -> None:
 
 
 def test_adaptive_drafting_pauses_a_hopeless_or_losing_head() -> None:
-    from mtpkit.decode import AdaptiveDrafting
+    from mtpkit.spec.decode import AdaptiveDrafting
 
     def run(round_seconds: float, emitted: int, rounds: int, a=None) -> AdaptiveDrafting:
         a = a or AdaptiveDrafting(enabled=True)

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from mtpkit.cli import app
+from mtpkit.cli.app import app
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -14,8 +14,8 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-from mtpkit.decode import MtpDecoder, SamplingSettings, rejection_sample
-from mtpkit.runtime import load_model
+from mtpkit.runtime.model import load_model
+from mtpkit.spec.decode import MtpDecoder, SamplingSettings, rejection_sample
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "mtpkit" / "examples" / "tiny-qwen3_5"
 # Chi-square critical values at p = 0.001 by degrees of freedom.

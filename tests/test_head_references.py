@@ -14,8 +14,8 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from mtpkit.convert import convert
-from mtpkit.runtime import load_model
+from mtpkit.convert.pipeline import convert
+from mtpkit.runtime.model import load_model
 from tests.checkpoints import CheckpointFactory
 from tests.references import numpy_blocks
 

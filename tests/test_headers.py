@@ -10,7 +10,7 @@ import mlx.core as mx
 import pytest
 from safetensors import safe_open
 
-from mtpkit.headers import HeaderError, parse_header
+from mtpkit.checkpoint.headers import HeaderError, parse_header
 
 
 def read_local(path: Path):

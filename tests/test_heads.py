@@ -14,9 +14,9 @@ import mlx.core as mx
 import mlx_lm
 import pytest
 
-from mtpkit.convert import convert
-from mtpkit.generate import MtpDecoder, SamplingSettings, generate, load_model
-from mtpkit.headload import EMBEDDING_FIRST, HIDDEN_FIRST, build_head, supported_families
+from mtpkit.convert.pipeline import convert
+from mtpkit.runtime.headload import EMBEDDING_FIRST, HIDDEN_FIRST, build_head, supported_families
+from mtpkit.spec.generate import MtpDecoder, SamplingSettings, generate, load_model
 from tests.checkpoints import MLX_LAYOUTS, RAW_WITH_MTP, build_checkpoint, dtype_for
 from tests.injected import accepted_per_round, inject_drafts
 
@@ -70,7 +70,7 @@ def test_quantized_sidecar_head(tmp_path: Path) -> None:
 
 
 def test_build_head_rejects_unknown_family() -> None:
-    from mtpkit.errors import UnsupportedFamily
+    from mtpkit.core.errors import UnsupportedFamily
 
     with pytest.raises(UnsupportedFamily, match="supported: "):
         build_head({"model_type": "gpt2"})

@@ -19,10 +19,10 @@ import pytest
 from safetensors import safe_open
 from typer.testing import CliRunner
 
-from mtpkit.cli import app
-from mtpkit.convert import convert
+from mtpkit.checkpoint.inspect import inspect_checkpoint
+from mtpkit.cli.app import app
+from mtpkit.convert.pipeline import convert
 from mtpkit.families import supported
-from mtpkit.inspect import inspect_checkpoint
 from tests import hub_server
 from tests.checkpoints import FAMILIES, RAW_WITH_MTP, build_checkpoint
 from tests.hub_server import HubStandIn

@@ -10,8 +10,8 @@ import xml.etree.ElementTree as ET
 
 import pytest
 
-from mtpkit.errors import MtpkitError
-from mtpkit.junit import junit_error_xml, junit_xml, write_junit
+from mtpkit.check.junit import junit_error_xml, junit_xml, write_junit
+from mtpkit.core.errors import MtpkitError
 
 RESULT = {
     "source": "org/model",
@@ -67,7 +67,7 @@ def test_result_report_has_one_case_per_check():
     ]
     cases = suite.findall("testcase")
     assert [attributes(c) for c in cases] == [
-        {"classname": "mtpkit.check.org_model_main", "name": name}
+        {"classname": "mtpkit.check.verdict.org_model_main", "name": name}
         for name in ("head_present", "manifest", "norm_shift")
     ]
     passed, warned, failed = cases
@@ -109,7 +109,7 @@ def test_error_report_has_one_error_case_and_no_properties():
     }
     assert suite.find("properties") is None
     (case,) = list(suite)
-    assert attributes(case) == {"classname": "mtpkit.check.models_a_b_v1", "name": "check"}
+    assert attributes(case) == {"classname": "mtpkit.check.verdict.models_a_b_v1", "name": "check"}
     assert [(e.tag, e.attrib, e.text) for e in case] == [
         (
             "error",

@@ -14,8 +14,10 @@ import numpy as np
 import pytest
 from mlx_lm.models.gated_delta import gated_delta_update
 
-from mtpkit import gdn, kernels, qmv
-from mtpkit.runtime import load_model
+from mtpkit.runtime.kernels import gdn_verify as kernels
+from mtpkit.runtime.kernels import qmv
+from mtpkit.runtime.model import load_model
+from mtpkit.runtime.rollback import gdn
 from tests import cuda_emulator, cuda_source
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "mtpkit" / "examples" / "tiny-qwen3_5"

@@ -24,8 +24,8 @@ import pytest
 import typer.testing
 from typer.testing import CliRunner
 
-from mtpkit.cli import app
-from mtpkit.convert import convert
+from mtpkit.cli.app import app
+from mtpkit.convert.pipeline import convert
 from tests.checkpoints import MOE_LAYOUTS, RAW_WITH_MTP
 
 # MLX's CPU backend cannot run MoE layers in bf16/fp16 (GatherMM is float32-only) until they

@@ -23,11 +23,11 @@ import numpy as np
 import pytest
 from mlx.utils import tree_flatten
 
-from mtpkit.check import check_checkpoint
-from mtpkit.convert import convert
+from mtpkit.check.verdict import check_checkpoint
+from mtpkit.checkpoint.inspect import inspect_checkpoint
+from mtpkit.convert.pipeline import convert
 from mtpkit.families import family_for
-from mtpkit.generate import MtpDecoder, SamplingSettings, generate, load_model
-from mtpkit.inspect import inspect_checkpoint
+from mtpkit.spec.generate import MtpDecoder, SamplingSettings, generate, load_model
 from tests.checkpoints import CheckpointFactory
 from tests.injected import accepted_per_round, inject_drafts
 from tests.mtp_reference import load_raw, longcat_logits, nextn_logits

@@ -17,10 +17,10 @@ from pathlib import Path
 
 import pytest
 
-from mtpkit.check import check_checkpoint
-from mtpkit.convert import convert
-from mtpkit.generate import generate
-from mtpkit.inspect import inspect_checkpoint
+from mtpkit.check.verdict import check_checkpoint
+from mtpkit.checkpoint.inspect import inspect_checkpoint
+from mtpkit.convert.pipeline import convert
+from mtpkit.spec.generate import generate
 from tests.checkpoints import CheckpointFactory
 
 AUTO_MAP = {

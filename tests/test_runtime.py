@@ -1,5 +1,5 @@
 """The run-time model: one loader for stock mlx-lm's backbone, Hub resolution through
-`mtpkit.source`, and verify passes that roll back to any prefix."""
+`mtpkit.checkpoint.source`, and verify passes that roll back to any prefix."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ import mlx_lm
 import pytest
 from mlx.utils import tree_flatten
 
-from mtpkit.errors import MtpkitError
-from mtpkit.generate import encode_prompt, generate
-from mtpkit.runtime import load_backbone, load_model
+from mtpkit.core.errors import MtpkitError
+from mtpkit.runtime.model import load_backbone, load_model
+from mtpkit.spec.generate import encode_prompt, generate
 from tests import hub_server
 from tests.hub_server import HubStandIn
 
@@ -67,7 +67,7 @@ def test_verify_rolls_back_to_any_prefix(converted: Path, kept: int) -> None:
 
 
 def test_generate_from_a_hub_repo(hub: HubStandIn, converted: Path) -> None:
-    """A repo id is fetched through `mtpkit.source` (the real client against a loopback
+    """A repo id is fetched through `mtpkit.checkpoint.source` (the real client against a loopback
     Hub) and decodes exactly as the local directory does; an unknown repo is one line."""
     hub.add_repo("acme/tiny-mtp", converted)
     local = generate(converted, PROMPT, max_tokens=12, depth=2, adaptive=False)

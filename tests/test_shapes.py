@@ -14,9 +14,9 @@ import mlx.core as mx
 import mlx_lm
 import pytest
 
-from mtpkit.decode import MtpDecoder, SamplingSettings
-from mtpkit.runtime import load_model
-from mtpkit.shapes import SHAPES, build_random_model
+from mtpkit.bench.shapes import SHAPES, build_random_model
+from mtpkit.runtime.model import load_model
+from mtpkit.spec.decode import MtpDecoder, SamplingSettings
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "mtpkit" / "examples" / "tiny-qwen3_5"
 

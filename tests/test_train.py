@@ -21,11 +21,11 @@ import pytest
 from mlx.utils import tree_flatten
 from typer.testing import CliRunner
 
-from mtpkit.cli import app
-from mtpkit.errors import MtpkitError
-from mtpkit.generate import generate, load_model, measure_acceptance
-from mtpkit.train import TrainSettings, train_head
-from mtpkit.train_data import ChunkStream, DataSpec, file_documents
+from mtpkit.cli.app import app
+from mtpkit.core.errors import MtpkitError
+from mtpkit.spec.generate import generate, load_model, measure_acceptance
+from mtpkit.train.data import ChunkStream, DataSpec, file_documents
+from mtpkit.train.loop import TrainSettings, train_head
 from tests.checkpoints import write_tokenizer
 from tests.conftest import EXAMPLE
 
@@ -45,7 +45,7 @@ def heldout_prompts(n: int = 16) -> list[str]:
 def acceptance(model_dir: Path) -> tuple[float, float]:
     """(docstrings the model never saw, check's 32 prompts): greedy depth-1 acceptance. Neither
     set is among the prompts train-head generates its text from."""
-    from mtpkit.prompts import BUILTIN_PROMPTS, RESERVE_PROMPTS
+    from mtpkit.core.prompts import BUILTIN_PROMPTS, RESERVE_PROMPTS
 
     docs = measure_acceptance(model_dir, heldout_prompts(), max_tokens=32, chat_template=False)
     probes = measure_acceptance(model_dir, [*BUILTIN_PROMPTS, *RESERVE_PROMPTS], max_tokens=48)
@@ -119,7 +119,7 @@ def test_retrained_example_gets_most_of_the_shipped_acceptance(converted, retrai
 
 
 def test_check_passes_the_retrained_head(retrained) -> None:
-    from mtpkit.check import check_checkpoint
+    from mtpkit.check.verdict import check_checkpoint
 
     out, _ = retrained
     result = check_checkpoint(str(out), max_tokens=24)

@@ -1,11 +1,11 @@
-"""The tensor rules of `mtpkit.transform`, against numpy float32 computed independently."""
+"""The tensor rules of `mtpkit.convert.rules`, against numpy float32 computed independently."""
 
 from __future__ import annotations
 
 import mlx.core as mx
 import numpy as np
 
-from mtpkit.transform import conv1d_to_mlx, shift_norms, stack_experts
+from mtpkit.convert.rules import conv1d_to_mlx, shift_norms, stack_experts
 
 
 def _np(a: mx.array) -> np.ndarray:

@@ -1,4 +1,4 @@
-"""The validation layer (`mtpkit/validate.py`) as inspect, convert and check use it.
+"""The validation layer (`mtpkit/checkpoint/validate.py`) as inspect, convert and check use it.
 
 Config values of the wrong type or out of range, a declared MTP layer count that disagrees
 with the weights, safetensors headers whose byte ranges overlap or leave gaps (judged against
@@ -22,12 +22,12 @@ import pytest
 from safetensors import safe_open
 from typer.testing import CliRunner
 
-from mtpkit.check import check_checkpoint
-from mtpkit.cli import app
-from mtpkit.convert import convert
-from mtpkit.headers import HeaderError, parse_header
-from mtpkit.inspect import inspect_checkpoint
-from mtpkit.probes import Measurement, Variant, diagnose, single_variants
+from mtpkit.check.probes import Measurement, Variant, diagnose, single_variants
+from mtpkit.check.verdict import check_checkpoint
+from mtpkit.checkpoint.headers import HeaderError, parse_header
+from mtpkit.checkpoint.inspect import inspect_checkpoint
+from mtpkit.cli.app import app
+from mtpkit.convert.pipeline import convert
 from tests.checkpoints import CheckpointFactory
 
 runner = CliRunner()

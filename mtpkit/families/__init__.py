@@ -12,7 +12,7 @@ import importlib
 import pkgutil
 from typing import Any
 
-from mtpkit.errors import UnsupportedFamily
+from mtpkit.core.errors import UnsupportedFamily
 from mtpkit.families.base import REGISTRY, Family, register
 
 for _module in pkgutil.iter_modules(__path__):

@@ -8,7 +8,7 @@ The block is mlx-lm's `DecoderLayer` at its true index (MLA, MoE). As mlx-lm's s
 does for the backbone, the router `mlp.gate.weight` becomes `mlp.gate.gate_proj.weight`.
 
 The lightning-attention layers keep a recurrent state that cannot be trimmed:
-`mtpkit.replay` rolls it back after a rejected draft.
+`mtpkit.runtime.rollback.replay` rolls it back after a rejected draft.
 """
 
 from __future__ import annotations

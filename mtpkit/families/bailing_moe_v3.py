@@ -11,7 +11,7 @@ layers (`step % num_nextn_predict_layers`). Norms are plain. The block is mlx-lm
 `BailingDecoderLayer` at its true index; MLA's `kv_b_proj` is split as its sanitize splits it.
 
 The backbone's KDA layers keep three conv states and a recurrent state per layer, which a
-rejected draft must not leave behind: `mtpkit.replay` rolls them back.
+rejected draft must not leave behind: `mtpkit.runtime.rollback.replay` rolls them back.
 """
 
 from __future__ import annotations

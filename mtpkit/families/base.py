@@ -12,16 +12,16 @@ import re
 from collections.abc import Iterable
 from typing import Any, ClassVar
 
+from mtpkit.checkpoint.validate import as_count, require_count
+from mtpkit.convert.quant import mlx_lm_models
 from mtpkit.families.head import MtpHead
-from mtpkit.quant import mlx_lm_models
-from mtpkit.validate import as_count, require_count
 
 EXPERT_INDEX = re.compile(
     r"^(?P<prefix>.*\.experts)\.(?P<expert>\d+)\.(?P<proj>\w+?)(?:\.weight)?$"
 )
 
 
-# -- conversion hooks (used by mtpkit.convert) ------------------------------------------------
+# -- conversion hooks (used by mtpkit.convert.pipeline) ------------------------------------------------
 
 # Buffers some checkpoints save that no model uses (precomputed rotary frequencies).
 UNUSED_BUFFERS = ("rotary_emb.inv_freq",)
@@ -31,7 +31,7 @@ class ConvertHooks:
     """Mixin with the conversion hooks every family shares; families override the data.
 
     Names go through two steps: `rename` maps a checkpoint name to the name mlx-lm's model
-    (backbone) or mtpkit's head file (head) uses, then `transform` (in mtpkit.convert) applies
+    (backbone) or mtpkit's head file (head) uses, then `transform` (in mtpkit.convert.pipeline) applies
     the family-independent tensor rules (stack experts, split fused experts, conv1d layout,
     the norm shift). Every rule is keyed on names and shapes, so a converted tensor passes
     through unchanged: converting twice changes nothing.
@@ -133,7 +133,7 @@ class Family(ConvertHooks):
         value = self.text_config.get(key)
         if value is None:
             value = self.config.get(key)
-        # A value that is not an integer ("one") declares nothing; `mtpkit.validate` names it.
+        # A value that is not an integer ("one") declares nothing; `mtpkit.checkpoint.validate` names it.
         return None if value is None else as_count(value)
 
     def config_mtp_layers(self, head_layers: int) -> int:

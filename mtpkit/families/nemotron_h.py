@@ -12,7 +12,7 @@ attention with its own KV cache; the MoE with ReLU^2 experts, the router's corre
 the latent projections of Nemotron 3 Super), then the shared lm_head. Norms are plain.
 Per-expert `experts.{e}.{up,down}_proj` stack into mlx-lm's `switch_mlp.{fc1,fc2}`.
 The backbone's Mamba-2 state cannot be trimmed: a rejected draft is rolled back by replay
-(`mtpkit.replay`).
+(`mtpkit.runtime.rollback.replay`).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from typing import Any, ClassVar
 import mlx.core as mx
 import mlx.nn as nn
 
-from mtpkit.errors import MtpkitError
+from mtpkit.core.errors import MtpkitError
 from mtpkit.families.base import Family, register
 from mtpkit.families.head import EMBEDDING_FIRST, MtpHead
 

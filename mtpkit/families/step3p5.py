@@ -17,7 +17,7 @@ from __future__ import annotations
 import re
 from typing import Any, ClassVar
 
-from mtpkit.errors import MtpkitError
+from mtpkit.core.errors import MtpkitError
 from mtpkit.families.base import register
 from mtpkit.families.head import MtpHead, NextnHead
 from mtpkit.families.nextn import NextnFamily

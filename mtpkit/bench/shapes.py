@@ -1,0 +1,210 @@
+"""Random-weight models of real shapes, for speed measurements that need size, not skill.
+
+`SHAPES` holds text configs of Qwen3.5 checkpoints (the fields mlx-lm's `qwen3_5` model
+reads). Not checked against the published configs (no Hub here): the 4b intermediate size and
+head counts, the 9b intermediate size (12288) and untied lm_head, and the 35B-A3B's 256
+experts x 512, top-8, came from third-party configs. `build_random_model` writes one as an
+mlx-lm directory, quantized,
+with an MTP sidecar of the same shape, that stock `mlx_lm.load` and `mtpkit` both load.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from mtpkit.core.errors import MtpkitError
+
+# Shared by every Qwen3.5 text config: 3 gated-delta-net layers to 1 full-attention layer,
+# head_dim 256 with a quarter of it rotary, interleaved mrope, a 248k vocabulary.
+_QWEN3_5_COMMON: dict[str, Any] = {
+    "model_type": "qwen3_5_text",
+    "head_dim": 256,
+    "linear_key_head_dim": 128,
+    "linear_value_head_dim": 128,
+    "linear_conv_kernel_dim": 4,
+    "full_attention_interval": 4,
+    "rms_norm_eps": 1e-6,
+    "vocab_size": 248320,
+    "max_position_embeddings": 262144,
+    "mtp_num_hidden_layers": 1,
+    "rope_parameters": {
+        "mrope_interleaved": True,
+        "mrope_section": [11, 11, 10],
+        "partial_rotary_factor": 0.25,
+        "rope_theta": 10000000,
+        "rope_type": "default",
+    },
+}
+
+SHAPES: dict[str, dict[str, Any]] = {
+    # Qwen3.5-0.8B: hidden 1024, 24 layers, tied embeddings.
+    "qwen3_5-0.8b": _QWEN3_5_COMMON
+    | {
+        "hidden_size": 1024,
+        "intermediate_size": 3584,
+        "num_hidden_layers": 24,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 2,
+        "linear_num_key_heads": 16,
+        "linear_num_value_heads": 16,
+        "tie_word_embeddings": True,
+    },
+    # Qwen3.5-4B: hidden 2560, 32 layers, tied embeddings.
+    "qwen3_5-4b": _QWEN3_5_COMMON
+    | {
+        "hidden_size": 2560,
+        "intermediate_size": 9216,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 4,
+        "linear_num_key_heads": 16,
+        "linear_num_value_heads": 32,
+        "tie_word_embeddings": True,
+    },
+    # Qwen3.5-9B: hidden 4096, 32 layers, separate lm_head.
+    "qwen3_5-9b": _QWEN3_5_COMMON
+    | {
+        "hidden_size": 4096,
+        "intermediate_size": 12288,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 4,
+        "linear_num_key_heads": 16,
+        "linear_num_value_heads": 32,
+        "tie_word_embeddings": False,
+    },
+    # Qwen3.5-35B-A3B's layer (256 experts of 512, 8 routed + 1 shared, hidden 2048) with 8
+    # of its 40 layers: the per-token cost of a layer, at a size that builds in minutes.
+    "qwen3_5_moe-35b-a3b-8l": _QWEN3_5_COMMON
+    | {
+        "model_type": "qwen3_5_moe_text",
+        "hidden_size": 2048,
+        "num_hidden_layers": 8,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 2,
+        "linear_num_key_heads": 16,
+        "linear_num_value_heads": 32,
+        "num_experts": 256,
+        "num_experts_per_tok": 8,
+        "moe_intermediate_size": 512,
+        "shared_expert_intermediate_size": 512,
+        "decoder_sparse_step": 1,
+        "norm_topk_prob": True,
+        "tie_word_embeddings": False,
+    },
+}
+DTYPES = ("float32", "bfloat16")
+
+
+def shape_config(shape: str, overrides: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The model config (`model_type` + `text_config`) of `shape`, with `overrides` applied
+    to its text config (e.g. fewer layers or a smaller hidden size for a quick test)."""
+    if shape not in SHAPES:
+        raise MtpkitError(f"unknown shape {shape!r}; known: {', '.join(SHAPES)}")
+    text = dict(SHAPES[shape]) | (overrides or {})
+    moe = text["model_type"] == "qwen3_5_moe_text"
+    return {
+        "model_type": "qwen3_5_moe" if moe else "qwen3_5",
+        "text_config": text,
+        "tie_word_embeddings": text["tie_word_embeddings"],
+    }
+
+
+def build_random_model(
+    shape: str,
+    out: Path,
+    *,
+    bits: int = 4,
+    group_size: int = 64,
+    dtype: str = "float32",
+    tokenizer_from: Path | None = None,
+    overrides: dict[str, Any] | None = None,
+) -> Path:
+    """Write a random-weight mlx-lm directory of `shape`, quantized, with an MTP sidecar.
+
+    `dtype` is that of the quantization scales and the unquantized weights. On Linux's CPU
+    backend float32 scales multiply about ten times faster than bfloat16 ones; on a GPU
+    bfloat16 is what published 4-bit checkpoints carry.
+    """
+    from mlx_lm.models import qwen3_5, qwen3_5_moe
+    from mlx_lm.utils import quantize_model, save_config, save_model
+
+    config = shape_config(shape, overrides)
+    arch = qwen3_5_moe if config["model_type"] == "qwen3_5_moe" else qwen3_5
+    mx.random.seed(0)
+    model = arch.Model(arch.ModelArgs.from_dict(config))
+    _scale_init(model, getattr(mx, dtype))
+    predicate = getattr(model, "quant_predicate", None)
+    model, config = quantize_model(model, config, group_size, bits, quant_predicate=predicate)
+    out.mkdir(parents=True, exist_ok=True)
+    save_model(out, model)
+    save_config(config, out / "config.json")
+    del model
+    _write_head(config, out, shape, bits, group_size, getattr(mx, dtype))
+    if tokenizer_from is not None:
+        for f in tokenizer_from.iterdir():
+            if f.name.startswith(("tokenizer", "special_tokens")) or f.suffix in (".jinja",):
+                shutil.copy(f, out / f.name)
+    return out
+
+
+def _write_head(
+    config: dict[str, Any], out: Path, shape: str, bits: int, group_size: int, dtype: mx.Dtype
+) -> None:
+    """The MTP sidecar: a random head of the config's family, quantized like the backbone."""
+    from mlx.utils import tree_flatten
+
+    from mtpkit.runtime.headload import build_head
+
+    head = build_head(config, 1)
+    _scale_init(head, dtype)
+    nn.quantize(head, group_size=group_size, bits=bits)
+    (out / "mtp").mkdir(exist_ok=True)
+    weights = {f"language_model.mtp.{k}": v for k, v in tree_flatten(head.parameters())}
+    mx.save_safetensors(
+        str(out / "mtp" / "weights.safetensors"), weights, metadata={"format": "mlx"}
+    )
+    manifest = {
+        "format": "mtpkit",
+        "family": config["model_type"],
+        "prefix": "language_model.mtp.",
+        "num_layers": 1,
+        "rmsnorm_weight_format": "mlx_gamma",
+        "hidden": "post_norm",
+        "concat_order": "embedding_first",
+        "mtp_quantization": {"bits": bits, "group_size": group_size},
+        "note": f"random weights of shape {shape}, built by mtpkit bench",
+    }
+    (out / "mtp" / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
+
+
+def _scale_init(module: nn.Module, dtype: mx.Dtype) -> None:
+    """Small random weights (A_log stays float32, as mlx-lm keeps it), so activations stay
+    finite through a deep random stack."""
+    from mlx.utils import tree_flatten, tree_unflatten
+
+    params = []
+    for k, v in tree_flatten(module.parameters()):
+        if v.ndim >= 2 and "conv1d" not in k:
+            v = mx.random.normal(v.shape, dtype=dtype) * 0.02
+        params.append((k, v if k.endswith("A_log") else v.astype(dtype)))
+        mx.eval(params[-1][1])
+    module.update(tree_unflatten(params))
+
+
+def random_model_dir(shape: str, dtype: str = "float32") -> Path:
+    """A temporary directory holding a random model of `shape` (the caller removes its
+    parent)."""
+    from importlib.resources import files
+
+    shape_config(shape)  # an unknown shape is a one-line error
+    tmp = Path(tempfile.mkdtemp(prefix=f"mtpkit-bench-{shape}-"))
+    tok = Path(str(files("mtpkit") / "examples" / "tiny-qwen3_5"))
+    return build_random_model(shape, tmp / shape, dtype=dtype, tokenizer_from=tok)

@@ -1,0 +1,289 @@
+"""`mtpkit inspect`: what a checkpoint holds, from its JSON files and safetensors headers.
+
+Only `config.json`, the index, the manifest and each shard's header are read; on the Hub
+that is a ranged read of a few kilobytes per shard. Problems are reported, never fatal.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+from mtpkit.checkpoint.headers import HeaderError, ShardHeader, TensorInfo, parse_header
+from mtpkit.checkpoint.source import Source, is_safe_relpath, open_source
+from mtpkit.checkpoint.validate import (
+    config_problems,
+    layer_count_problem,
+    mtp_field_valid,
+    present_layers,
+)
+from mtpkit.core.errors import NotACheckpoint
+from mtpkit.core.manifest import MANIFEST_PATH, SIDECAR_WEIGHTS, norm_convention
+from mtpkit.families import Family, family_for
+from mtpkit.families.base import expert_layout, incomplete_experts
+
+INDEX_PATH = "model.safetensors.index.json"
+
+# Stable problem codes (documented in README.md).
+PROBLEM_CODES = {
+    "mtp_declared_not_present": "the config declares MTP layers but no MTP tensors exist",
+    "mtp_present_not_declared": "MTP tensors exist but the config does not declare them",
+    "incomplete_experts": "the MTP head's experts do not cover every expert and projection",
+    "incomplete_mtp": "the MTP head lacks a tensor every head of its family has",
+    "missing_shard": "the index names a shard file the checkpoint lacks",
+    "missing_tensor": "the index names a tensor its shard does not hold",
+    "corrupt_header": "a shard's safetensors header is invalid for its file",
+    "unsafe_path": "the index names a file outside the checkpoint; it was not opened",
+    "total_size_mismatch": "the index's metadata.total_size differs from the tensors' bytes",
+    "missing_model_type": "config.json has no top-level model_type (loaders need it)",
+    "invalid_config": "a config.json value has the wrong type or is out of range",
+    "mtp_layer_count_mismatch": "the declared MTP layer count differs from the layers present",
+}
+# Problems that mean the head cannot be used as it is (`--require-mtp` exits 3 on these).
+HEAD_UNUSABLE = {"mtp_declared_not_present", "incomplete_experts", "incomplete_mtp"}
+# Problems that leave some tensors unread: what they hold is unknown, not absent.
+UNREADABLE = {"missing_shard", "corrupt_header", "unsafe_path"}
+
+
+@dataclass
+class Checkpoint:
+    """A source with its config, family and every readable tensor header."""
+
+    source: Source
+    config: dict[str, Any]
+    family: Family
+    format: str
+    manifest: dict[str, Any] | None
+    index: dict[str, Any] | None
+    shards: list[str]
+    sidecars: list[str]
+    tensors: dict[str, TensorInfo] = field(default_factory=dict)
+    headers: dict[str, ShardHeader] = field(default_factory=dict)
+    problems: list[dict[str, str]] = field(default_factory=list)
+
+    def problem(self, code: str, message: str) -> None:
+        self.problems.append({"code": code, "message": message})
+
+    @property
+    def mtp_tensors(self) -> list[TensorInfo]:
+        return [
+            t
+            for t in self.tensors.values()
+            if t.shard in self.sidecars or self.family.is_mtp_tensor(t.name)
+        ]
+
+
+def read_checkpoint(spec: str, *, revision: str | None = None) -> Checkpoint:
+    """Open a source and read its config, index, manifest and shard headers."""
+    source = open_source(spec, revision=revision)
+    if not source.has("config.json"):
+        raise NotACheckpoint(
+            f"{source.describe()} has no config.json: not a model checkpoint "
+            "(pass the folder that holds config.json and the safetensors files)"
+        )
+    config = source.read_json("config.json")
+    if not isinstance(config, dict):
+        raise NotACheckpoint(f"config.json in {source.describe()} is not a JSON object")
+    family = family_for(config)
+    manifest = source.read_json(MANIFEST_PATH) if source.has(MANIFEST_PATH) else None
+    index = source.read_json(INDEX_PATH) if source.has(INDEX_PATH) else None
+
+    if index is not None:
+        weight_map = index.get("weight_map") if isinstance(index, dict) else None
+        if not isinstance(weight_map, dict):
+            raise NotACheckpoint(f"{INDEX_PATH} in {source.describe()} has no weight_map object")
+        shards = sorted(set(map(str, weight_map.values())))
+    else:
+        weight_map = {}
+        shards = sorted(n for n in source.files if "/" not in n and n.endswith(".safetensors"))
+    sidecars = [n for n in SIDECAR_WEIGHTS if source.has(n) and n not in shards]
+    if not shards and not sidecars:
+        raise NotACheckpoint(f"{source.describe()} has config.json but no safetensors weights")
+
+    ckpt = Checkpoint(source, config, family, "hf", manifest, index, shards, sidecars)
+    for p in config_problems(config, family.mtp_field()):
+        ckpt.problem(p.code, p.message)
+    for shard in shards + sidecars:
+        if not is_safe_relpath(shard):
+            ckpt.problem(
+                "unsafe_path", f"index names {shard!r}, outside the checkpoint; not opened"
+            )
+            continue
+        if not source.has(shard):
+            ckpt.problem(
+                "missing_shard", f"index names {shard} but the checkpoint has no such file"
+            )
+            continue
+        try:
+            header = parse_header(
+                shard, source.files[shard], lambda a, n, s=shard: source.read_bytes_range(s, a, n)
+            )
+        except HeaderError as e:
+            ckpt.problem("corrupt_header", str(e))
+            continue
+        ckpt.headers[shard] = header
+        for name, info in header.tensors.items():
+            ckpt.tensors.setdefault(name, info)
+
+    for name, shard in sorted(weight_map.items()):
+        if shard in ckpt.headers and name not in ckpt.headers[shard].tensors:
+            ckpt.problem("missing_tensor", f"index maps {name} to {shard}, which does not hold it")
+    if index is not None:
+        declared = (index.get("metadata") or {}).get("total_size")
+        all_read = all(s in ckpt.headers for s in shards)
+        if declared is not None and all_read:
+            actual = sum(
+                t.nbytes
+                for h in ckpt.headers.values()
+                if h.shard in shards
+                for t in h.tensors.values()
+            )
+            if int(declared) != actual:
+                ckpt.problem(
+                    "total_size_mismatch",
+                    f"index metadata.total_size is {declared} but the shards hold {actual} tensor bytes",
+                )
+    ckpt.format = _format(ckpt)
+    if not isinstance(config.get("model_type"), str):
+        ckpt.problem(
+            "missing_model_type",
+            f"config.json in {source.describe()} has no top-level model_type (mlx-lm and "
+            f'transformers pick the model class by it): add "model_type": '
+            f'"{family.name}" or convert from the original repo',
+        )
+    _check_mtp(ckpt)
+    return ckpt
+
+
+def _format(ckpt: Checkpoint) -> str:
+    """`mlx` for a directory written by mlx-lm or mtpkit, else `hf`."""
+    if ckpt.manifest is not None or "quantization" in ckpt.config:
+        return "mlx"
+    formats = {h.metadata.get("format") for h in ckpt.headers.values() if h.shard in ckpt.shards}
+    return "mlx" if "mlx" in formats else "hf"
+
+
+def unread_mtp_shards(ckpt: Checkpoint) -> list[str]:
+    """Shards that could not be read and may hold MTP tensors (per the index; without an
+    index, any unread shard may)."""
+    weight_map = (ckpt.index or {}).get("weight_map") or {}
+    unread = [s for s in ckpt.shards + ckpt.sidecars if s not in ckpt.headers]
+    if not weight_map:
+        return unread
+    holding = {s for n, s in weight_map.items() if ckpt.family.is_mtp_tensor(n)}
+    return [s for s in unread if s in holding or s in ckpt.sidecars]
+
+
+def _check_mtp(ckpt: Checkpoint) -> None:
+    family = ckpt.family
+    mtp = ckpt.mtp_tensors
+    declared = family.declared_mtp_layers()
+    where = ckpt.source.describe()
+    if not mtp_field_valid(ckpt.config, family.mtp_field()):
+        return  # `invalid_config` names it; nothing is declared to compare
+    if unread_mtp_shards(ckpt):
+        return  # a damaged or missing shard: its problem says so; the head is unknown
+    names = [family.head_relative(t.name) or "" for t in mtp if family.duplicate_of(t.name) is None]
+    present = family.config_mtp_layers(present_layers(names))
+    if (mismatch := layer_count_problem(family.mtp_field(), declared, present)):
+        ckpt.problem(mismatch.code, mismatch.message)
+    if declared and not mtp:
+        ckpt.problem(
+            "mtp_declared_not_present",
+            f"config declares {family.mtp_field()}={declared} but no MTP tensors exist in "
+            f"{where}; it was converted without its MTP head: convert from the original "
+            "repo, or graft the head with `mtpkit convert ORIGINAL --mtp-only --into DIR`",
+        )
+    if mtp and not declared and family.declared_upstream:
+        ckpt.problem(
+            "mtp_present_not_declared",
+            f"{len(mtp)} MTP tensors exist but the config does not declare {family.mtp_field()}",
+        )
+    if not mtp:
+        return
+    shapes = {t.name: t.shape for t in mtp}
+    for message in incomplete_experts(shapes, family.num_experts, family.expert_projections):
+        ckpt.problem("incomplete_experts", message)
+    if not ckpt.sidecars or ckpt.manifest is not None:
+        missing = family.missing_mtp_tensors(t.name for t in mtp)
+        if missing:
+            ckpt.problem(
+                "incomplete_mtp",
+                f"the MTP head lacks {len(missing)} required tensors (first: {missing[0]})",
+            )
+
+
+def mtp_norm_convention(ckpt: Checkpoint) -> str:
+    """Recorded facts only: the manifest, or the definition of a raw HF checkpoint."""
+    recorded = norm_convention(ckpt.manifest)
+    if recorded:
+        return recorded
+    if not ckpt.family.zero_centred_norms:
+        return "plain"
+    if ckpt.format == "hf":
+        return "zero_centred"
+    return "unknown"
+
+
+def report(ckpt: Checkpoint) -> dict[str, Any]:
+    """The JSON object `inspect --json` prints (keys documented in README.md)."""
+    mtp = sorted(ckpt.mtp_tensors, key=lambda t: t.name)
+    tensors = []
+    for t in mtp:
+        entry: dict[str, Any] = {
+            "name": t.name,
+            "shape": list(t.shape),
+            "dtype": t.dtype,
+            "shard": t.shard,
+            "bytes": t.nbytes,
+        }
+        original = ckpt.family.duplicate_of(t.name)
+        if original is not None:
+            entry["duplicate_of"] = original
+        tensors.append(entry)
+    total = sum(t.nbytes for t in mtp)
+    duplicates = sum(e["bytes"] for e in tensors if "duplicate_of" in e)
+    head_names = [t.name for t in mtp if ckpt.family.duplicate_of(t.name) is None]
+    return {
+        "source": ckpt.source.spec,
+        "revision": ckpt.source.revision,
+        "commit": ckpt.source.commit,
+        "format": ckpt.format,
+        "model_type": ckpt.config.get("model_type"),
+        "family": ckpt.family.name,
+        "shards": ckpt.shards,
+        "mtp": {
+            "declared_layers": ckpt.family.declared_mtp_layers(),
+            "present": bool(mtp),
+            "tensor_count": len(mtp),
+            "bytes": total,
+            "bytes_needed": total - duplicates,
+            "shards": sorted({t.shard for t in mtp}),
+            "expert_layout": expert_layout(head_names),
+            "norm_convention": mtp_norm_convention(ckpt),
+            "concat_order": (ckpt.manifest or {}).get("concat_order", ckpt.family.concat_order),
+            "hidden": (ckpt.manifest or {}).get("hidden"),
+            "dtypes": dict(sorted(Counter(t.dtype for t in mtp).items())),
+            "quantized": any(t.name.endswith(".scales") for t in mtp),
+            "tensors": tensors,
+        },
+        "problems": ckpt.problems,
+    }
+
+
+def inspect_checkpoint(source: str, *, revision: str | None = None) -> dict[str, Any]:
+    """Read a checkpoint's headers and report its MTP head (see `report`)."""
+    return report(read_checkpoint(source, revision=revision))
+
+
+def head_state(result: dict[str, Any]) -> str:
+    """`ok`, `absent`, `missing` (declared, no tensors) or `incomplete`."""
+    codes = {p["code"] for p in result["problems"]}
+    if "mtp_declared_not_present" in codes:
+        return "missing"
+    if not result["mtp"]["present"]:
+        return "absent"
+    if codes & HEAD_UNUSABLE:
+        return "incomplete"
+    return "ok"

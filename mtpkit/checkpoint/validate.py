@@ -1,0 +1,173 @@
+"""One validation layer: what mtpkit checks before it trusts a value it read.
+
+- Config values: types and ranges of the fields mtpkit and mlx-lm build from (`invalid_config`),
+  and the declared MTP layer count against the layers the weights hold
+  (`mtp_layer_count_mismatch`; convert writes the true count).
+- Safetensors headers: tensor byte ranges must tile the data area exactly, as the safetensors
+  library requires (it rejects overlapping or gapped `data_offsets`); `headers.py` raises
+  `corrupt_header` on what `offsets_problem` finds.
+- Head weights: NaN or Inf in the MTP head's floating-point tensors (`head_not_finite`).
+
+inspect, convert and check report these through their own problem lists and checks; CLI option
+values are checked in `options.py`.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from mtpkit.core.errors import MtpkitError
+
+# Stable problem codes added by this layer (documented in README.md).
+INVALID_CONFIG = "invalid_config"
+LAYER_COUNT_MISMATCH = "mtp_layer_count_mismatch"
+HEAD_NOT_FINITE = "head_not_finite"
+
+# Config fields (in `text_config` when there is one) and the least value each may take.
+# Absent fields are mlx-lm's business; present ones must be integers in range.
+CONFIG_COUNTS: dict[str, int] = {
+    "num_hidden_layers": 1,
+    "hidden_size": 1,
+    "vocab_size": 1,
+    "num_attention_heads": 1,
+    "num_key_value_heads": 1,
+    "intermediate_size": 1,
+    "moe_intermediate_size": 1,
+    "num_experts": 0,
+    "n_routed_experts": 0,
+    "num_experts_per_tok": 1,
+    "max_position_embeddings": 1,
+}
+# More MTP layers than this is no published model (they ship 1, a few at most).
+MAX_MTP_LAYERS = 64
+
+
+class InvalidConfig(MtpkitError):
+    """A config value that decides how the tensors are named is not a usable integer."""
+
+
+def require_count(config: dict[str, Any], key: str, default: int | None = None) -> int:
+    """A count the checkpoint's layout depends on (`num_hidden_layers`, expert counts);
+    anything but an integer is an error, as nothing can be read without it."""
+    value = config.get(key)
+    if value is None and default is not None:
+        return default
+    count = as_count(value)
+    if count is None or count < 0:
+        raise InvalidConfig(
+            f"config.json: {key}={value!r} is not a non-negative integer ({INVALID_CONFIG}): "
+            "fix config.json"
+        )
+    return count
+
+
+@dataclass(frozen=True)
+class Problem:
+    code: str
+    message: str
+
+
+def as_count(value: Any) -> int | None:
+    """An integer count as JSON spells it (`1`, also `1.0`), else None (`"one"`, `true`)."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, int):
+        return value
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return None
+
+
+def _field(config: dict[str, Any], key: str) -> tuple[str, Any] | None:
+    text = config.get("text_config")
+    if isinstance(text, dict) and key in text:
+        return f"text_config.{key}", text[key]
+    if key in config:
+        return key, config[key]
+    return None
+
+
+def config_problems(config: dict[str, Any], mtp_field: str) -> list[Problem]:
+    """Values of `config.json` with the wrong type or out of range (`invalid_config`)."""
+    problems = []
+    text = config.get("text_config")
+    if text is not None and not isinstance(text, dict):
+        problems.append(Problem(INVALID_CONFIG, "config.json: text_config is not an object"))
+    mtp_key = mtp_field.rsplit(".", 1)[-1]
+    for key, least in {**CONFIG_COUNTS, mtp_key: 0}.items():
+        found = _field(config, key)
+        if found is None or found[1] is None:
+            continue
+        name, value = found
+        count = as_count(value)
+        if count is None:
+            problems.append(
+                Problem(INVALID_CONFIG, f"config.json: {name}={value!r} is not an integer")
+            )
+        elif count < least and key != mtp_key:  # a negative MTP count is a layer mismatch
+            problems.append(
+                Problem(INVALID_CONFIG, f"config.json: {name}={count} must be at least {least}")
+            )
+    return problems
+
+
+def mtp_field_valid(config: dict[str, Any], mtp_field: str) -> bool:
+    found = _field(config, mtp_field.rsplit(".", 1)[-1])
+    return found is None or found[1] is None or as_count(found[1]) is not None
+
+
+def present_layers(relative_names: Iterable[str | None]) -> int:
+    """MTP layers the weights hold, from head-relative names (`layers.{i}.…`)."""
+    layers = {m.group(1) for n in relative_names if n and (m := re.match(r"layers\.(\d+)\.", n))}
+    return len(layers)
+
+
+def layer_count_problem(field: str, declared: int | None, present: int) -> Problem | None:
+    """A declared MTP layer count that disagrees with the layers the weights hold."""
+    if not declared or not present or declared == present:
+        return None
+    odd = " (not a layer count)" if declared < 0 or declared > MAX_MTP_LAYERS else ""
+    return Problem(
+        LAYER_COUNT_MISMATCH,
+        f"config declares {field}={declared}{odd} but the weights hold {present} MTP "
+        f"layer(s): set {field} to {present} (`mtpkit convert` writes the true count)",
+    )
+
+
+def offsets_problem(spans: Iterable[tuple[str, int, int]], data_size: int) -> str | None:
+    """Tensor byte ranges `(name, begin, end)` that do not tile `[0, data_size)` exactly.
+
+    The safetensors library rejects such a file (overlapping ranges alias two tensors'
+    bytes; a gap or trailing bytes mean the header and the data disagree).
+    """
+    position, previous = 0, None
+    for name, begin, end in sorted(spans, key=lambda s: (s[1], s[2])):
+        if begin < position:
+            return f"{name} data_offsets [{begin}, {end}] overlap {previous}'s bytes"
+        if begin > position:
+            after = f"after {previous}" if previous else "at the start"
+            return f"{begin - position} bytes {after} belong to no tensor (gap before {name})"
+        position, previous = end, name
+    if position != data_size:
+        return f"the tensors cover {position} of the {data_size} data bytes"
+    return None
+
+
+def nonfinite_tensors(files: dict[Path, list[str] | None]) -> Iterator[str]:
+    """Names of the listed floating-point tensors (None: all of a file's) that hold NaN or
+    Inf, read lazily one by one; packed quantized weights are integers and are skipped,
+    their scales are not."""
+    import mlx.core as mx
+
+    for path, names in files.items():
+        tensors = mx.load(str(path), format="safetensors")  # a temp sibling has no suffix
+        for name in tensors if names is None else names:
+            t = tensors.get(name)
+            if t is None or not mx.issubdtype(t.dtype, mx.floating):
+                continue
+            if not mx.all(mx.isfinite(t)).item():
+                yield name

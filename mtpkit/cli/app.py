@@ -1,0 +1,47 @@
+"""The `mtpkit` command line: the Typer app; each command lives in `mtpkit/cli/commands/`."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+
+from mtpkit import __version__
+from mtpkit.cli.commands import bench, check, convert, generate, inspect, train_head
+
+app = typer.Typer(
+    name="mtpkit",
+    help="Keep, convert, run and check the multi-token-prediction (MTP) heads of open "
+    "checkpoints on Apple's MLX.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+    # Click's plain forms: a usage error is two lines of usage and one `Error: ...` line
+    # (exit 2), never a box; help is plain text that logs and pipes keep intact.
+    rich_markup_mode=None,
+)
+
+
+def _version(value: bool) -> None:
+    if value:
+        typer.echo(f"mtpkit {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    version: Annotated[
+        bool,
+        typer.Option("--version", callback=_version, is_eager=True, help="Show the version."),
+    ] = False,
+) -> None:
+    """Keep, convert, run and check the MTP heads of open checkpoints on MLX."""
+
+
+for command in (inspect.inspect, check.check, convert.convert, generate.generate, bench.bench):
+    app.command()(command)
+app.command(name="train-head")(train_head.train_head)
+
+
+def main() -> None:
+    app()

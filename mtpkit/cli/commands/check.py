@@ -1,0 +1,84 @@
+"""`mtpkit check`: the CI verdict on a checkpoint's MTP head."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+
+from mtpkit.cli.options import (
+    EXIT_FAILED_REQUIREMENT,
+    JsonOpt,
+    RevisionOpt,
+    SourceArg,
+    friendly_errors,
+)
+
+
+@friendly_errors
+def check(
+    source: SourceArg,
+    revision: RevisionOpt = None,
+    json_output: JsonOpt = False,
+    junit: Annotated[
+        str | None,
+        typer.Option(
+            "--junit", help="Also write a JUnit XML report to this file (for CI).", dir_okay=False
+        ),
+    ] = None,
+    min_acceptance: Annotated[
+        float,
+        typer.Option(
+            "--min-acceptance",
+            min=0.0,
+            max=1.0,
+            help="Fail when greedy acceptance as shipped is below this.",
+        ),
+    ] = 0.2,
+    probe: Annotated[
+        bool | None,
+        typer.Option(
+            "--probe/--no-probe",
+            help="Measure acceptance and diagnose conventions (default: on for directories, off "
+            "for Hub repos, which would be downloaded or converted into a cache).",
+            show_default=False,
+        ),
+    ] = None,
+    prompts: Annotated[
+        str | None,
+        typer.Option(
+            "--prompts",
+            help="Probe prompts: a JSON list of strings, or text with blank lines between prompts.",
+            dir_okay=False,
+        ),
+    ] = None,
+    max_tokens: Annotated[
+        int, typer.Option("--max-tokens", min=1, help="Tokens generated per probe prompt.")
+    ] = 48,
+) -> None:
+    """Check an MTP checkpoint for CI: structure, quantization, manifest and acceptance.
+
+    Structural checks read only config, index, manifest and headers. The probes generate greedily with the head, then re-run it with its norms shifted by -1 and +1, with the other hidden-state variant and with the other concat order, to name a double or missing norm shift or a mismatched convention with its fix.
+
+    On a CPU, bf16/fp16 MoE experts run in float32 (reported as moe_dtype). Exit 0 on pass, 3 on fail, 1 on an error.
+    """
+    from mtpkit.check.verdict import check_checkpoint
+    from mtpkit.cli.output import print_check, print_json
+    from mtpkit.core.console import log
+
+    result = check_checkpoint(
+        source,
+        revision=revision,
+        probe=probe,
+        prompts_file=prompts,
+        min_acceptance=min_acceptance,
+        max_tokens=max_tokens,
+        junit=junit,
+        log=log,
+    )
+    if json_output:
+        print_json(result)
+    else:
+        print_check(result)
+    if result["verdict"] != "pass":
+        raise typer.Exit(EXIT_FAILED_REQUIREMENT)

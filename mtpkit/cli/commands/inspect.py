@@ -1,0 +1,49 @@
+"""`mtpkit inspect`: a checkpoint's MTP head from its JSON files and headers."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+
+from mtpkit.cli.options import (
+    EXIT_FAILED_REQUIREMENT,
+    JsonOpt,
+    RevisionOpt,
+    SourceArg,
+    friendly_errors,
+)
+
+
+@friendly_errors
+def inspect(
+    source: SourceArg,
+    revision: RevisionOpt = None,
+    json_output: JsonOpt = False,
+    require_mtp: Annotated[
+        bool,
+        typer.Option(
+            "--require-mtp",
+            help="Exit 3 when the MTP head is absent, declared but missing, or incomplete.",
+        ),
+    ] = False,
+    tensors: Annotated[
+        bool, typer.Option("--tensors/--no-tensors", help="List every MTP tensor (table only).")
+    ] = True,
+) -> None:
+    """Report a checkpoint's MTP head from its config, index and safetensors headers.
+
+    Reads no weights: on the Hub only the JSON files and a few kilobytes per shard are fetched.
+
+    Exit 0 when the checkpoint could be read (problems are listed, not fatal), 3 with --require-mtp when the head is not usable, 1 on an error.
+    """
+    from mtpkit.checkpoint.inspect import head_state, inspect_checkpoint
+    from mtpkit.cli.output import print_inspect, print_json
+
+    result = inspect_checkpoint(source, revision=revision)
+    if json_output:
+        print_json(result)
+    else:
+        print_inspect(result, show_tensors=tensors)
+    if require_mtp and head_state(result) != "ok":
+        raise typer.Exit(EXIT_FAILED_REQUIREMENT)

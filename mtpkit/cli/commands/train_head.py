@@ -1,0 +1,170 @@
+"""`mtpkit train-head`: train an MTP head for a model by self-distillation, backbone frozen."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from mtpkit.cli.options import JsonOpt, friendly_errors
+
+# The options, named here to keep the command's signature short.
+OutputOpt = Annotated[
+    Path | None,
+    typer.Option("--output", "-o", help="Write a copy of the model with the new head here."),
+]
+IntoOpt = Annotated[
+    Path | None,
+    typer.Option("--into", help="Install the head into this existing conversion instead."),
+]
+ForceOpt = Annotated[
+    bool, typer.Option("--force", help="Replace an existing OUT, or DIR's existing head.")
+]
+StepsOpt = Annotated[int, typer.Option("--steps", min=1, help="Optimizer steps.")]
+LrOpt = Annotated[float, typer.Option("--lr", min=0.0, help="Peak learning rate (AdamW).")]
+BatchSizeOpt = Annotated[int, typer.Option("--batch-size", min=1, help="Chunks per step.")]
+SeqLenOpt = Annotated[int, typer.Option("--seq-len", min=4, help="Tokens per chunk.")]
+WeightDecayOpt = Annotated[
+    float, typer.Option("--weight-decay", min=0.0, help="AdamW weight decay.")
+]
+GradClipOpt = Annotated[
+    float,
+    typer.Option("--grad-clip", min=0.0, help="Clip the gradient's global norm (0: off)."),
+]
+SeedOpt = Annotated[int, typer.Option("--seed", help="Seed of the data, sampling and order.")]
+DepthOpt = Annotated[
+    int, typer.Option("--depth", min=1, max=4, help="Rollout steps trained (1: NextN only).")
+]
+DataOpt = Annotated[
+    list[Path] | None,
+    typer.Option(
+        "--data",
+        help="Train on these .txt (blank-line separated) or .jsonl (text, messages or "
+        "prompt+completion) files instead of text the model generates itself.",
+    ),
+]
+PromptsOpt = Annotated[
+    Path | None,
+    typer.Option(
+        "--prompts", help="Prompts to self-generate from (blank-line separated, or .json)."
+    ),
+]
+SamplesOpt = Annotated[
+    int | None,
+    typer.Option(
+        "--samples-per-prompt",
+        min=1,
+        help="Generated samples per prompt, or unconditioned samples for a base model"
+        " (default: enough that no chunk repeats).",
+    ),
+]
+TemperatureOpt = Annotated[
+    float,
+    typer.Option(
+        "--temperature",
+        min=0.0,
+        help="Sampling temperature of generation (half the samples continue greedily).",
+    ),
+]
+ChatTemplateOpt = Annotated[
+    bool,
+    typer.Option(
+        "--chat-template/--no-chat-template",
+        help="Wrap prompts in the tokenizer's chat template, where it has one.",
+    ),
+]
+EvalEveryOpt = Annotated[
+    int, typer.Option("--eval-every", min=1, help="Steps between held-out acceptance measurements.")
+]
+CheckpointEveryOpt = Annotated[
+    int, typer.Option("--checkpoint-every", min=1, help="Steps between checkpoints.")
+]
+CheckpointDirOpt = Annotated[
+    Path | None,
+    typer.Option(
+        "--checkpoint-dir",
+        help="Where checkpoints go (default: OUT.train-state, or DIR/.mtp-train-state).",
+    ),
+]
+ResumeOpt = Annotated[
+    bool, typer.Option("--resume", help="Continue from the checkpoint of an earlier run.")
+]
+QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="No progress bar.")]
+
+
+@friendly_errors
+def train_head(
+    model: Annotated[str, typer.Argument(help="An MLX model directory (or Hub repo id).")],
+    output: OutputOpt = None,
+    into: IntoOpt = None,
+    force: ForceOpt = False,
+    steps: StepsOpt = 400,
+    lr: LrOpt = 2e-3,
+    batch_size: BatchSizeOpt = 8,
+    seq_len: SeqLenOpt = 128,
+    weight_decay: WeightDecayOpt = 0.0,
+    grad_clip: GradClipOpt = 1.0,
+    seed: SeedOpt = 0,
+    depth: DepthOpt = 1,
+    data: DataOpt = None,
+    prompts: PromptsOpt = None,
+    samples: SamplesOpt = None,
+    temperature: TemperatureOpt = 0.7,
+    chat_template: ChatTemplateOpt = True,
+    eval_every: EvalEveryOpt = 50,
+    checkpoint_every: CheckpointEveryOpt = 100,
+    checkpoint_dir: CheckpointDirOpt = None,
+    resume: ResumeOpt = False,
+    quiet: QuietOpt = False,
+    json_output: JsonOpt = False,
+) -> None:
+    """Train an MTP head for MODEL by self-distillation and write it in mtpkit's sidecar format.
+
+    The head (the family's own, or for dense decoders such as Llama, Mistral, Qwen2 and Qwen3
+    the DeepSeek/Qwen-Next form) starts from the backbone's last layer and learns the
+    backbone's own distribution for the token after next; the backbone stays frozen. By default
+    it trains on text the model generates itself (offline): continuations of a built-in prompt
+    set, or unconditioned text for a base model without a chat template. Progress (loss,
+    held-out drafting acceptance) goes to stderr; checkpoints allow --resume. The result is
+    used unchanged by generate, bench and check.
+    """
+    from mtpkit.train.output import check_destination
+
+    check_destination(output, into, force)
+    from mtpkit.train.data import check_files
+
+    check_files([str(p) for p in data or []])
+
+    from mtpkit.train.loop import train_and_write
+
+    result = train_and_write(
+        model,
+        output=output,
+        into=into,
+        force=force,
+        steps=steps,
+        lr=lr,
+        batch_size=batch_size,
+        seq_len=seq_len,
+        weight_decay=weight_decay,
+        grad_clip=grad_clip,
+        seed=seed,
+        depth=depth,
+        data=[str(p) for p in data or []],
+        prompts=str(prompts) if prompts else None,
+        samples_per_prompt=samples,
+        temperature=temperature,
+        chat_template=chat_template,
+        eval_every=eval_every,
+        checkpoint_every=checkpoint_every,
+        checkpoint_dir=checkpoint_dir,
+        resume=resume,
+        quiet=quiet or json_output,
+    )
+    from mtpkit.cli.output import print_json, print_train
+
+    if json_output:
+        print_json(result)
+    else:
+        print_train(result)

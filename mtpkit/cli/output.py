@@ -1,0 +1,168 @@
+"""How results reach people (rich tables on stdout) and machines (`--json`)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Any
+
+from rich.table import Table
+
+from mtpkit.core.console import log, stdout
+
+STATUS_STYLE = {"pass": "green", "warn": "yellow", "fail": "bold red"}
+
+
+def print_json(obj: Any) -> None:
+    sys.stdout.write(json.dumps(obj, indent=2) + "\n")
+    sys.stdout.flush()
+
+
+
+
+
+def human_bytes(n: int) -> str:
+    value = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if value < 1024 or unit == "TiB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    return f"{n} B"
+
+
+def print_inspect(result: dict[str, Any], *, show_tensors: bool = True) -> None:
+    mtp = result["mtp"]
+    summary = Table(show_header=False, box=None, pad_edge=False)
+    summary.add_column(style="bold")
+    summary.add_column()
+    where = result["source"] + (f"@{result['revision']}" if result["revision"] else "")
+    summary.add_row(
+        "source", where + (f" ({result['commit'][:12]})" if result.get("commit") else "")
+    )
+    summary.add_row("format", result["format"])
+    summary.add_row("family", f"{result['family']} (model_type {result['model_type']})")
+    declared = mtp["declared_layers"]
+    summary.add_row(
+        "MTP declared", "no field in config" if declared is None else f"{declared} layer(s)"
+    )
+    summary.add_row("MTP present", "yes" if mtp["present"] else "no")
+    if mtp["present"]:
+        needed = ""
+        if mtp["bytes_needed"] != mtp["bytes"]:
+            needed = f", {human_bytes(mtp['bytes_needed'])} without duplicated embeddings"
+        summary.add_row(
+            "MTP tensors", f"{mtp['tensor_count']} ({human_bytes(mtp['bytes'])}{needed})"
+        )
+        summary.add_row("MTP shards", ", ".join(mtp["shards"]))
+        summary.add_row("expert layout", str(mtp["expert_layout"]))
+        summary.add_row("dtypes", ", ".join(f"{k} x{v}" for k, v in mtp["dtypes"].items()))
+        summary.add_row("quantized", "yes" if mtp["quantized"] else "no")
+    summary.add_row("norm convention", mtp["norm_convention"])
+    summary.add_row("concat order", mtp["concat_order"])
+    stdout.print(summary)
+    if show_tensors and mtp["tensors"]:
+        table = Table(title="MTP tensors", title_justify="left")
+        for col in ("name", "shape", "dtype", "bytes", "shard"):
+            table.add_column(col, justify="right" if col == "bytes" else "left")
+        for t in mtp["tensors"]:
+            name = t["name"] + (f"  (copy of {t['duplicate_of']})" if "duplicate_of" in t else "")
+            table.add_row(
+                name, "x".join(map(str, t["shape"])), t["dtype"], str(t["bytes"]), t["shard"]
+            )
+        stdout.print(table)
+    if result["problems"]:
+        table = Table(title="Problems", title_justify="left")
+        table.add_column("code", style="red")
+        table.add_column("message")
+        for p in result["problems"]:
+            table.add_row(p["code"], p["message"])
+        stdout.print(table)
+    else:
+        stdout.print("no problems found")
+
+
+def print_check(result: dict[str, Any]) -> None:
+    """The `mtpkit check` table and its verdict line."""
+    where = result["source"] + (f"@{result['revision']}" if result.get("revision") else "")
+    table = Table(title=f"mtpkit check {where}", title_justify="left")
+    table.add_column("check")
+    table.add_column("status")
+    table.add_column("detail")
+    for c in result["checks"]:
+        style = STATUS_STYLE[c["status"]]
+        table.add_row(c["name"], f"[{style}]{c['status']}[/{style}]", c["detail"])
+    stdout.print(table)
+    line = f"verdict: {result['verdict']}"
+    if result.get("acceptance") is not None:
+        line += f" (acceptance {_pct(result['acceptance'])} as shipped"
+        best = result.get("best_variant")
+        if best and (best["norm_shift"] or best["acceptance"] != result["acceptance"]):
+            line += (
+                f"; best {_pct(best['acceptance'])} with norms {best['norm_shift']:+d}, "
+                f"{best['hidden']}, {best['concat_order']}"
+            )
+        line += ")"
+    elif not any(c["name"] == "acceptance" for c in result["checks"]):
+        line += " (no probes run)"
+    if result.get("moe_dtype"):
+        line += f"; experts ran in {result['moe_dtype']}"
+    style = STATUS_STYLE[result["verdict"]]
+    stdout.print(f"[{style}]{line}[/{style}]")
+
+
+def _pct(x: float) -> str:
+    return f"{100 * x:.1f}%"
+
+
+
+def print_convert(result: Any) -> None:
+    """The one line `mtpkit convert` prints (a `ConvertResult`)."""
+    print(
+        f"wrote {result.output}: {result.family}, {result.backbone_tensors} backbone and "
+        f"{result.head_tensors} MTP tensors in {result.seconds:.1f}s",
+        flush=True,
+    )
+
+
+def print_generate(result: Any) -> None:
+    """`mtpkit generate`'s summary on stderr (the text itself streamed to stdout)."""
+    summary = (
+        f"{len(result.tokens)} tokens, {result.decode_tps:.1f} tok/s, "
+        f"prompt {result.prompt_tokens} tokens at {result.prompt_tps:.1f} tok/s"
+    )
+    if result.mtp:
+        acc = "n/a" if result.acceptance is None else f"{result.acceptance:.1%}"
+        summary += (
+            f", MTP depth {result.depth}: acceptance {acc} ({result.accepted}/{result.drafted})"
+        )
+    else:
+        summary += ", no MTP"
+    if result.moe_dtype:
+        summary += f", experts in {result.moe_dtype}"
+    log(summary)
+
+
+
+def print_train(result: dict[str, Any]) -> None:
+    """`mtpkit train-head`'s summary (the `--json` object of `TrainResult.to_json`)."""
+
+    def acc(x: float | None) -> str:
+        return "n/a" if x is None else _pct(x)
+
+    trained = result["steps"] - result["resumed_from"]
+    resumed = f" (resumed at {result['resumed_from']})" if result["resumed_from"] else ""
+    print(f"wrote {result['output']}: {result['family']} MTP head, {result['steps']} steps{resumed}")
+    print(
+        f"held-out acceptance: {acc(result['heldout_acceptance_start'])} at start, "
+        f"{acc(result['heldout_acceptance'])} at the end; loss {result['loss_first']:.4f} -> "
+        f"{result['loss_last']:.4f}"
+        if result["loss_first"] is not None
+        else f"held-out acceptance: {acc(result['heldout_acceptance'])}"
+    )
+    print(
+        f"{trained} steps in {result['seconds']:.1f}s ({result['steps_per_s']:.2f} steps/s, "
+        f"{result['cpu_seconds'] / 60:.1f} CPU minutes), peak RSS "
+        f"{human_bytes(result['peak_rss_bytes'])}, peak MLX memory "
+        f"{human_bytes(result['peak_mlx_bytes'])}",
+        flush=True,
+    )

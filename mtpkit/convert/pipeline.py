@@ -1,0 +1,456 @@
+"""`mtpkit convert`: any MTP checkpoint to a directory stock mlx-lm loads, with its head kept.
+
+Data flows one way, a module per stage: source -> headers (`inspect.read_checkpoint`) ->
+`plan` (which tensors, from where, to what) -> tensors streamed shard by shard by `reader`
+through the family's renames and the rules of `transform` -> cast/quantize (`quant`) ->
+`writer` -> `manifest` and config.json. Tensors are lazy MLX arrays until the writer
+evaluates them one group at a time, so memory stays flat whatever the model's size.
+
+The backbone comes out as `mlx_lm.convert` writes it (same names, same quantization choices,
+same dtype rules); the head goes to `mtp/weights.safetensors` (names in MTP_FORMATS.md and
+README), and every decision is recorded in `mtp/manifest.json`. This module holds only the
+two entry points, `convert` and `graft`, and the settings they resolve.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+
+from mtpkit.checkpoint.inspect import Checkpoint, read_checkpoint
+from mtpkit.checkpoint.validate import nonfinite_tensors
+from mtpkit.convert.destination import (
+    FileSwap,
+    fresh_temp_dir,
+    local_source_dir,
+    refuse_overlap,
+    remove_stale,
+    replace_with,
+)
+from mtpkit.convert.plan import Converter, Plan, Settings, check_conv1d, refuse_problems
+from mtpkit.convert.writer import (
+    read_config,
+    shard_jobs,
+    shard_name,
+    tensor_meta,
+    write_config,
+    write_index,
+    write_job_files,
+)
+from mtpkit.core.console import progress_bar
+from mtpkit.core.errors import CheckpointProblem, MtpkitError
+from mtpkit.core.manifest import (
+    HEAD_WEIGHTS_PATH,
+    MANIFEST_PATH,
+    build_manifest,
+    output_config,
+    set_quantization,
+    write_manifest,
+)
+
+# Files copied beside the weights: tokenizer, chat template, generation settings, and the
+# remote code files mlx-lm copies too.
+COPIED_FILES = re.compile(
+    r"^(tokenizer.*|vocab.*|merges\.txt|special_tokens_map\.json|added_tokens\.json"
+    r"|chat_template.*|generation_config\.json|preprocessor_config\.json"
+    r"|processor_config\.json|.*\.tiktoken|tiktoken\.model|.*\.py)$"
+)
+# MLX's buffer cache during a conversion (its default is the whole memory limit).
+BUFFER_CACHE_BYTES = 1 << 30
+
+
+@dataclass
+class ConvertResult:
+    """What a conversion wrote (also the `--json` output of the command)."""
+
+    output: Path
+    family: str
+    manifest: dict[str, Any]
+    backbone_tensors: int
+    head_tensors: int
+    seconds: float
+    # What was repaired on the way (e.g. the declared MTP layer count), for stderr.
+    warnings: list[str] = field(default_factory=list)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "output": str(self.output),
+            "family": self.family,
+            "backbone_tensors": self.backbone_tensors,
+            "head_tensors": self.head_tensors,
+            "seconds": round(self.seconds, 3),
+            "manifest": self.manifest,
+        }
+
+
+# --------------------------------------------------------------------------- convert
+
+
+def convert(
+    source: str,
+    *,
+    output: str | Path,
+    revision: str | None = None,
+    bits: int | None = None,
+    group_size: int | None = None,
+    keep_mtp_bf16: bool = False,
+    mtp_bits: int | None = None,
+    dtype: str | None = None,
+    layout: str | None = None,
+    hidden: str | None = None,
+    recipe: str | Path | None = None,
+    force: bool = False,
+    quiet: bool = True,
+) -> ConvertResult:
+    """Convert `source` (local dir or Hub repo) into an MLX directory at `output`.
+
+    Flags override the recipe's settings. The directory is written into a temporary sibling
+    and renamed at the end, so an interrupted run leaves no `output`.
+    """
+    started = time.perf_counter()
+    settings, recipe_family = resolve_settings(
+        recipe,
+        bits=bits,
+        group_size=group_size,
+        keep_mtp_bf16=keep_mtp_bf16,
+        mtp_bits=mtp_bits,
+        dtype=dtype,
+        layout=layout,
+        hidden=hidden,
+    )
+    out = Path(output).expanduser()
+    refuse_overlap(out, local_source_dir(source))
+    if (out.exists() or out.is_symlink()) and not force:
+        raise MtpkitError(f"{out} already exists: pass --force to replace it, or choose another -o")
+    ckpt = read_checkpoint(source, revision=revision)
+    if ckpt.source.kind == "local":  # also a Hub repo's cached snapshot, used offline
+        refuse_overlap(out, ckpt.source.snapshot_dir())
+    remove_stale([out])
+    _check_convertible(ckpt, settings, out, recipe, recipe_family)
+
+    converter = Converter(ckpt, settings)
+    # MLX keeps freed buffers for reuse (much faster than fresh pages); a bound keeps tensors
+    # of ever-new sizes from piling up there.
+    cache_limit = mx.set_cache_limit(BUFFER_CACHE_BYTES)
+    try:
+        plan = converter.plan()
+        layers = plan.head_layers(ckpt.family)
+        config = output_config(ckpt, plan, settings, layers)
+        backbone_quant = _backbone_quantization(ckpt, settings)
+        manifest = build_manifest(ckpt, plan, settings, layers, backbone_quant=backbone_quant)
+        tmp = fresh_temp_dir(out)
+        try:
+            _write_output(tmp, ckpt, converter, plan, config, manifest, quiet=quiet)
+            refuse_nonfinite_head(tmp / HEAD_WEIGHTS_PATH, ckpt)
+            replace_with(out, tmp)
+        except OSError as e:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise MtpkitError(f"writing {out} failed, nothing was written: {e}") from None
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+    finally:
+        mx.set_cache_limit(cache_limit)
+        converter.close()
+    seconds = time.perf_counter() - started
+    return ConvertResult(
+        out,
+        ckpt.family.name,
+        manifest,
+        len(plan.backbone),
+        len(plan.head),
+        seconds,
+        repaired(ckpt, layers),
+    )
+
+
+def refuse_nonfinite_head(head_file: Path, ckpt: Checkpoint) -> None:
+    """A head with NaN or Inf is never published as a conversion (`head_not_finite`)."""
+    if not head_file.exists():
+        return
+    bad = list(nonfinite_tensors({head_file: None}))
+    if bad:
+        more = f" (+{len(bad) - 1} more)" if len(bad) > 1 else ""
+        raise CheckpointProblem(
+            f"{ckpt.source.describe()} cannot be converted (head_not_finite): the MTP head's "
+            f"{bad[0]}{more} holds NaN or Inf; download the checkpoint again or take the head "
+            "from the original"
+        )
+
+
+def repaired(ckpt: Checkpoint, layers: int) -> list[str]:
+    """Warnings for the problems convert repairs rather than refuses (TOLERATED_PROBLEMS)."""
+    return [
+        f"{p['message'].split(': set ')[0]}; writing {ckpt.family.mtp_field()}={layers}"
+        for p in ckpt.problems
+        if p["code"] == "mtp_layer_count_mismatch"
+    ]
+
+
+def _check_convertible(
+    ckpt: Checkpoint,
+    settings: Settings,
+    out: Path,
+    recipe: str | Path | None,
+    recipe_family: str | None,
+) -> None:
+    """Refuse what cannot be converted safely, before anything is read or written."""
+    refuse_problems(ckpt)
+    if recipe_family is not None and recipe_family != ckpt.family.name:
+        raise MtpkitError(
+            f"recipe {recipe} is for {recipe_family} models but {ckpt.source.describe()} is "
+            f"{ckpt.family.name}: pick the recipe of this model"
+        )
+    if settings.layout == "inline" and ckpt.family.head_prefix != "language_model.mtp.":
+        raise MtpkitError(
+            f"--layout inline exists only for the Qwen3.5/3.6 families, not {ckpt.family.name}"
+        )
+    source_quant = ckpt.config.get("quantization")
+    if source_quant is not None and (settings.bits or settings.mtp_bits or settings.keep_mtp_bf16):
+        origin = ((ckpt.manifest or {}).get("source") or {}).get("spec")
+        hint = f" ({origin})" if origin else ""
+        raise MtpkitError(
+            f"{ckpt.source.describe()} is already quantized ({source_quant.get('bits')}-bit): "
+            f"quantizing it again would compound the error; convert from the original "
+            f"checkpoint{hint} instead"
+        )
+    check_conv1d(ckpt)
+
+
+def _backbone_quantization(ckpt: Checkpoint, settings: Settings) -> dict[str, Any] | None:
+    """The backbone's {bits, group_size} for the manifest: asked for, or kept from the source."""
+    if settings.bits:
+        return {"bits": settings.bits, "group_size": settings.group_size}
+    source_quant = ckpt.config.get("quantization")
+    if source_quant is not None:
+        return {"bits": source_quant.get("bits"), "group_size": source_quant.get("group_size")}
+    return None
+
+
+def _write_output(
+    tmp: Path,
+    ckpt: Checkpoint,
+    converter: Converter,
+    plan: Plan,
+    config: dict[str, Any],
+    manifest: dict[str, Any],
+    *,
+    quiet: bool,
+) -> None:
+    """Every file of the conversion into the directory `tmp`."""
+    inline = converter.settings.layout == "inline"
+    model_jobs = plan.backbone_jobs + (plan.head_jobs if inline else [])
+    shards = shard_jobs(model_jobs)
+    files = [(tmp / shard_name(i, len(shards)), jobs) for i, jobs in enumerate(shards)]
+    weight_map = {n: path.name for path, jobs in files for job in jobs for n in job.entry_names}
+    total_size = sum(job.nbytes for job in model_jobs)
+    if plan.head_jobs:
+        files.append((tmp / HEAD_WEIGHTS_PATH, plan.head_jobs))
+    # Each job is computed once, however many files hold it (inline: shards and mtp/).
+    unique = {id(job): job for _, jobs in files for job in jobs}
+    bar = progress_bar(sum(job.nbytes for job in unique.values()), desc="convert", quiet=quiet)
+    meta = tensor_meta(plan.backbone + plan.head)
+    write_job_files(files, converter.run, meta, bar.update if bar is not None else None)
+    write_index(tmp / "model.safetensors.index.json", weight_map, total_size, plan.total_parameters)
+    if plan.head_jobs:
+        write_manifest(tmp / MANIFEST_PATH, manifest)
+    if bar is not None:
+        bar.close()
+    write_config(tmp / "config.json", config)
+    _copy_side_files(ckpt, tmp)
+
+
+def _copy_side_files(ckpt: Checkpoint, out: Path) -> None:
+    for name in sorted(ckpt.source.files):
+        if "/" in name or not COPIED_FILES.match(name):
+            continue
+        shutil.copyfile(ckpt.source.local_file(name), out / name)
+
+
+# --------------------------------------------------------------------------- graft
+
+
+TRUNK_FIELDS = ("hidden_size", "vocab_size", "num_hidden_layers")
+
+
+def graft(
+    source: str,
+    *,
+    into: str | Path,
+    revision: str | None = None,
+    keep_mtp_bf16: bool = False,
+    mtp_bits: int | None = None,
+    group_size: int | None = None,
+    dtype: str | None = None,
+    hidden: str | None = None,
+    force: bool = False,
+    quiet: bool = True,
+) -> ConvertResult:
+    """Add the MTP head of `source` to the existing MLX conversion `into`.
+
+    Only the head's tensors are read (on the Hub: their byte ranges). The trunk must be the
+    same model (model_type, hidden size, vocab size, layer count); its quantization is kept
+    and the head is quantized like it unless a head flag says otherwise. A head `into`
+    already has is replaced only with `force`.
+    """
+    started = time.perf_counter()
+    into = Path(into).expanduser()
+    if not (into / "config.json").is_file():
+        raise MtpkitError(f"--into {into} is not an MLX model directory (no config.json)")
+    refuse_overlap(into, local_source_dir(source), option="--into")
+    trunk = read_checkpoint(str(into))
+    if trunk.format != "mlx":
+        raise MtpkitError(f"--into {into} is not an MLX conversion; run `mtpkit convert` instead")
+    if trunk.mtp_tensors and not force:
+        where = ", ".join(sorted({t.shard for t in trunk.mtp_tensors}))
+        raise MtpkitError(
+            f"--into {into} already has an MTP head ({len(trunk.mtp_tensors)} tensors in "
+            f"{where}): pass --force to replace it"
+        )
+    ckpt = read_checkpoint(source, revision=revision)
+    _check_graftable(ckpt, trunk, into)
+    trunk_quant = trunk.config.get("quantization")
+    settings = Settings(
+        bits=trunk_quant.get("bits") if trunk_quant else None,
+        group_size=group_size or (trunk_quant or {}).get("group_size") or 64,
+        keep_mtp_bf16=keep_mtp_bf16,
+        mtp_bits=mtp_bits,
+        dtype=dtype or _trunk_dtype(trunk),
+        hidden=hidden or "post_norm",
+        hidden_given=hidden is not None,
+    )
+    settings.validate()
+    converter = Converter(ckpt, settings, head_only=True)
+    cache_limit = mx.set_cache_limit(BUFFER_CACHE_BYTES)
+    try:
+        plan = converter.plan()
+        plan.backbone_dtype = None
+        layers = plan.head_layers(ckpt.family)
+        config = read_config(into / "config.json")
+        set_quantization(config, config.get("quantization"), ckpt.family, plan, settings)
+        ckpt.family.declare_mtp(config, layers)
+        backbone_quant = (
+            {"bits": trunk_quant.get("bits"), "group_size": trunk_quant.get("group_size")}
+            if trunk_quant
+            else None
+        )
+        manifest = build_manifest(ckpt, plan, settings, layers, backbone_quant=backbone_quant)
+        manifest["grafted_into"] = str(into)
+        _write_graft(into, ckpt, converter, plan, config, manifest, quiet=quiet)
+    finally:
+        mx.set_cache_limit(cache_limit)
+        converter.close()
+    seconds = time.perf_counter() - started
+    return ConvertResult(into, ckpt.family.name, manifest, 0, len(plan.head), seconds)
+
+
+def _check_graftable(ckpt: Checkpoint, trunk: Checkpoint, into: Path) -> None:
+    """The source must have a head, and the trunk must be the source's model."""
+    refuse_problems(ckpt)
+    if not ckpt.mtp_tensors:
+        raise MtpkitError(f"{ckpt.source.describe()} has no MTP head to graft")
+    mismatches = []
+    if trunk.family.name != ckpt.family.name:
+        mismatches.append(
+            f"model_type {trunk.config.get('model_type')} vs {ckpt.config.get('model_type')}"
+        )
+    for key in TRUNK_FIELDS:
+        a, b = trunk.family.text_config.get(key), ckpt.family.text_config.get(key)
+        if a != b:
+            mismatches.append(f"{key} {a} vs {b}")
+    if mismatches:
+        raise MtpkitError(
+            f"the trunk in {into} is not the model of {ckpt.source.describe()}: "
+            + ", ".join(mismatches)
+        )
+
+
+def _trunk_dtype(trunk: Checkpoint) -> str | None:
+    """The float dtype the trunk stores its unquantized tensors in (its norms, scales)."""
+    counts: dict[str, int] = {}
+    names = {"BF16": "bfloat16", "F16": "float16", "F32": "float32"}
+    for t in trunk.tensors.values():
+        if t.dtype in names and t.name.endswith(("norm.weight", ".scales")):
+            counts[names[t.dtype]] = counts.get(names[t.dtype], 0) + 1
+    return max(counts, key=lambda k: counts[k]) if counts else None
+
+
+def _write_graft(
+    into: Path,
+    ckpt: Checkpoint,
+    converter: Converter,
+    plan: Plan,
+    config: dict[str, Any],
+    manifest: dict[str, Any],
+    *,
+    quiet: bool,
+) -> None:
+    """Head file, manifest and config written beside their targets, then moved over them;
+    a failure (a NaN/Inf head included) leaves `into` as it was (no new empty mtp/)."""
+    targets = [into / HEAD_WEIGHTS_PATH, into / MANIFEST_PATH, into / "config.json"]
+    remove_stale(targets)
+    swap = FileSwap(into)
+    try:
+        bar = progress_bar(sum(a.nbytes for _, a in plan.head), desc="graft", quiet=quiet)
+        on_bytes = bar.update if bar is not None else None
+        tmp_weights = swap.temp_for(targets[0])
+        write_job_files(
+            [(tmp_weights, plan.head_jobs)], converter.run, tensor_meta(plan.head), on_bytes
+        )
+        if bar is not None:
+            bar.close()
+        refuse_nonfinite_head(tmp_weights, ckpt)
+        write_manifest(swap.temp_for(targets[1]), manifest)
+        write_config(swap.temp_for(targets[2]), config)
+        swap.commit()
+    except BaseException as e:
+        swap.abort()
+        if isinstance(e, OSError):
+            raise MtpkitError(f"grafting into {into} failed, nothing was changed: {e}") from None
+        raise
+
+
+# --------------------------------------------------------------------------- settings
+
+
+def resolve_settings(
+    recipe: str | Path | None,
+    **flags: Any,
+) -> tuple[Settings, str | None]:
+    """Defaults, then the recipe's values, then every flag that was given.
+
+    Returns the settings and the family the recipe is meant for (None without a recipe).
+    """
+    from mtpkit.convert.recipes import load_recipe
+
+    values: dict[str, Any] = {}
+    family = None
+    if recipe is not None:
+        loaded = load_recipe(recipe)
+        values.update(loaded.settings)
+        family = loaded.family
+    if flags.get("keep_mtp_bf16") and flags.get("mtp_bits") is not None:
+        raise MtpkitError("--keep-mtp-bf16 and --mtp-bits contradict each other: pass one")
+    # A head flag replaces the recipe's head choice, whichever it was.
+    if flags.get("mtp_bits") is not None:
+        values.pop("keep_mtp_bf16", None)
+    if flags.get("keep_mtp_bf16"):
+        values.pop("mtp_bits", None)
+    for key, value in flags.items():
+        if value is not None and value is not False:
+            values[key] = value
+    if values.get("group_size") is None:
+        values.pop("group_size", None)
+    values["hidden_given"] = "hidden" in values
+    settings = Settings(**values)
+    settings.validate()
+    return settings, family
+
+
+__all__ = ["ConvertResult", "Settings", "convert", "graft", "resolve_settings"]

@@ -1,0 +1,74 @@
+"""The console: status lines and progress bars on stderr, the rich consoles of both streams.
+
+Results go to stdout (`mtpkit.cli.output` prints them); everything else goes to stderr.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+from rich.console import Console
+
+stdout = Console(soft_wrap=True)
+stderr = Console(stderr=True, soft_wrap=True)
+# mtpkit's bars, as a huggingface_hub progress-bar group (`disable_progress_bars("mtpkit")`).
+PROGRESS_GROUP = "mtpkit"
+
+
+def progress_disabled(quiet: bool = False) -> bool:
+    """Progress bars are off with --quiet, when stderr is not a terminal (a CI log gets no
+    `\r` frames), or as huggingface_hub decides for its own bars
+    (HF_HUB_DISABLE_PROGRESS_BARS=1, or `disable_progress_bars()` in Python)."""
+    from huggingface_hub.utils import are_progress_bars_disabled
+
+    return quiet or not _isatty(sys.stderr) or are_progress_bars_disabled(PROGRESS_GROUP)
+
+
+def _isatty(stream: Any) -> bool:
+    try:
+        return bool(stream.isatty())
+    except (AttributeError, ValueError):  # a replaced or closed stream
+        return False
+
+
+def progress_bar(total: int, *, desc: str, quiet: bool = False) -> Any:
+    """A byte-counting bar on stderr (huggingface_hub's tqdm), or None when bars are off.
+
+    The bar stays on screen when closed, showing the final count (100% once all is done)."""
+    if progress_disabled(quiet):
+        return None
+    from huggingface_hub.utils import tqdm
+
+    return tqdm(
+        total=total,
+        unit="B",
+        unit_scale=True,
+        desc=desc,
+        file=sys.stderr,
+        leave=True,
+        name=PROGRESS_GROUP,
+    )
+
+
+def log(message: str) -> None:
+    """A progress or status line on stderr (never on stdout, which holds the result)."""
+    print(message, file=sys.stderr, flush=True)
+
+
+def step_bar(total: int, *, initial: int = 0, desc: str, quiet: bool = False) -> Any:
+    """A step-counting bar on stderr whose postfix shows loss and held-out acceptance, or
+    None when bars are off (`progress_disabled`)."""
+    if progress_disabled(quiet):
+        return None
+    from huggingface_hub.utils import tqdm
+
+    return tqdm(
+        total=total,
+        initial=initial,
+        unit="step",
+        desc=desc,
+        file=sys.stderr,
+        leave=False,
+        name=PROGRESS_GROUP,
+    )

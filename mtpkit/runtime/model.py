@@ -1,0 +1,384 @@
+"""The model at run time: stock mlx-lm's backbone, the MTP head, and two taps on the backbone.
+
+- The backbone is mlx-lm's own model class, loaded by `mlx_lm.utils.load_model` with a
+  subclass whose `sanitize` first sets the head's tensors aside (some checkpoints keep them in
+  a `model*.safetensors` file that mlx-lm reads). The head comes from `mtpkit.runtime.headload`.
+- A tap on the final norm keeps the last hidden state (its input for `pre_norm`, its output
+  for `post_norm`): the head drafts from it.
+- A verify pass (`MtpModel.verify`) can be rolled back to any accepted prefix: trimmable
+  caches are trimmed, gated-delta-net states restored from what `mtpkit.runtime.rollback.gdn` captured, and
+  any other non-trimmable cache restored and replayed (`mtpkit.runtime.rollback.replay`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from mtpkit.checkpoint.source import HubSource, hub_errors, open_source
+from mtpkit.core.errors import MtpkitError
+from mtpkit.runtime.headload import HeadWeights, MtpHead, load_head
+from mtpkit.runtime.kernels.gdn_verify import use_fast_verify
+from mtpkit.runtime.kernels.qmv import multi_row_matmuls
+from mtpkit.runtime.rollback.gdn import (
+    GdnSnapshots,
+    capture_gdn_states,
+    is_recurrent_cache,
+    tap_gated_delta_layers,
+)
+from mtpkit.runtime.rollback.replay import CacheReplay, gdn_covers
+from mtpkit.runtime.rollback.verify_pass import VerifyPass
+from mtpkit.runtime.upcast import moe_dtype, upcast_experts
+
+POST_NORM = "post_norm"
+PRE_NORM = "pre_norm"
+HIDDEN_MODES = (POST_NORM, PRE_NORM)
+# What mlx-lm needs from a Hub repo to load a model and its tokenizer.
+MODEL_FILES = ("*.json", "*.safetensors", "*.py", "*.model", "*.tiktoken", "*.txt", "*.jinja")
+HEAD_TENSOR_PREFIXES = ("mtp.", "model.mtp.", "language_model.mtp.", "model.mtp_layers.")
+
+
+class GenerateError(MtpkitError):
+    """Bad generate options."""
+
+
+class NoMtpHead(MtpkitError):
+    """`--mtp` was asked of a model without a usable MTP head."""
+
+
+# ---------------------------------------------------------------------------------------
+# The final-norm tap: the hidden state the head drafts from.
+
+
+class HiddenCapture:
+    """The input and output of the backbone's final norm in the last forward pass."""
+
+    def __init__(self) -> None:
+        self.pre: mx.array | None = None
+        self.post: mx.array | None = None
+
+
+def inner_model(model: nn.Module) -> nn.Module:
+    """The decoder stack of an mlx-lm model: `model.model`, or `model.backbone` (Nemotron-H)."""
+    inner = getattr(model, "model", None)
+    return inner if inner is not None else model.backbone
+
+
+def final_norm_of(model: nn.Module) -> nn.Module:
+    """The backbone's final norm: `norm`, or `norm_f` (Nemotron-H)."""
+    inner = inner_model(model)
+    return inner.norm if "norm" in inner else inner.norm_f
+
+
+def tap_final_norm(norm: nn.Module) -> HiddenCapture:
+    """Make `norm` record its input and output, keeping its class, weights and result.
+
+    The instance gets a subclass of its own class (parameter paths and quantization are
+    unchanged, unlike a wrapper module). Tapping twice returns the first tap's capture, so
+    every user of a shared backbone reads the same one.
+    """
+    base = type(norm)
+    if getattr(base, "_mtpkit_tap", False):
+        return norm._mtpkit_capture
+
+    def __call__(self: nn.Module, x: mx.array) -> mx.array:
+        out = base.__call__(self, x)
+        self._mtpkit_capture.pre = x
+        self._mtpkit_capture.post = out
+        return out
+
+    norm.__class__ = type(
+        f"Tapped{base.__name__}", (base,), {"__call__": __call__, "_mtpkit_tap": True}
+    )
+    norm._mtpkit_capture = HiddenCapture()
+    return norm._mtpkit_capture
+
+
+@contextlib.contextmanager
+def untapped(norm: nn.Module) -> Iterator[None]:
+    """The final norm as stock mlx-lm has it, for plain decoding (no hidden state kept)."""
+    cls = type(norm)
+    if not getattr(cls, "_mtpkit_tap", False):
+        yield
+        return
+    norm.__class__ = cls.__mro__[1]
+    try:
+        yield
+    finally:
+        norm.__class__ = cls
+
+
+# ---------------------------------------------------------------------------------------
+# The model: stock backbone + head.
+
+
+@dataclass
+class MtpModel:
+    """A loaded model directory: mlx-lm's backbone, its tokenizer, and the MTP head if any."""
+
+    path: Path
+    model: nn.Module
+    tokenizer: Any
+    config: dict[str, Any]
+    head: MtpHead | None
+    head_weights: HeadWeights | None
+    hidden: str
+    capture: HiddenCapture
+    context_length: int | None
+
+    @property
+    def moe_dtype(self) -> str | None:
+        """The dtype the MoE experts compute in (`mtpkit.runtime.upcast.moe_dtype`); None without."""
+        return moe_dtype(self.model) or (moe_dtype(self.head) if self.head is not None else None)
+
+    @property
+    def text_model(self) -> nn.Module:
+        return getattr(self.model, "language_model", self.model)
+
+    @property
+    def inner(self) -> nn.Module:
+        return inner_model(self.model)
+
+    @property
+    def final_norm(self) -> nn.Module:
+        return final_norm_of(self.model)
+
+    @property
+    def embedding(self) -> nn.Module:
+        """The token embedding (`word_embeddings` in mlx-lm's Bailing models, `embeddings`
+        in Nemotron-H)."""
+        inner = self.inner
+        for name in ("embed_tokens", "word_embeddings"):
+            if name in inner:
+                return inner[name]
+        return inner.embeddings
+
+    def embed(self, tokens: mx.array) -> mx.array:
+        return self.embedding(tokens)
+
+    def lm_head(self, x: mx.array) -> mx.array:
+        if "lm_head" in self.text_model:
+            return self.text_model.lm_head(x)
+        return self.embedding.as_linear(x)
+
+    def hidden_state(self) -> mx.array:
+        return self.capture.post if self.hidden == POST_NORM else self.capture.pre
+
+    def make_cache(self) -> list[Any]:
+        from mlx_lm.models.cache import make_prompt_cache
+
+        return make_prompt_cache(self.model)
+
+    def forward(self, tokens: mx.array, cache: list[Any]) -> tuple[mx.array, mx.array]:
+        """Logits [1, T, V] and hidden states [1, T, H] of `tokens` [1, T]."""
+        logits = self.model(tokens, cache=cache)
+        return logits, self.hidden_state()
+
+    def verify(self, tokens: mx.array, cache: list[Any]) -> VerifyPass:
+        """A forward pass over `tokens` [T] that can be rolled back to any prefix."""
+        recurrent = any(is_recurrent_cache(c) for c in cache)
+        replay = None
+        if recurrent and not gdn_covers(self.model, cache, is_recurrent_cache):
+            replay = CacheReplay.before(cache, tokens, lambda t, c: self.model(t, cache=c))
+            recurrent = False
+        snapshots = GdnSnapshots() if recurrent else None
+        with capture_gdn_states(snapshots), multi_row_matmuls():
+            logits, hidden = self.forward(tokens[None], cache)
+        return VerifyPass(logits, hidden, snapshots, tokens.shape[0], replay)
+
+
+# ---------------------------------------------------------------------------------------
+# Loading.
+
+
+def resolve_model_path(spec: str, revision: str | None = None) -> Path:
+    """A local model directory, or the snapshot of a Hub repo with the files mlx-lm reads."""
+    source = open_source(spec, revision=revision)
+    if isinstance(source, HubSource):
+        from huggingface_hub import snapshot_download
+
+        with hub_errors(source.repo_id, source.revision):
+            path = Path(
+                snapshot_download(
+                    source.repo_id,
+                    revision=source.commit or source.revision,
+                    allow_patterns=list(MODEL_FILES),
+                )
+            )
+    else:
+        local = Path(spec).expanduser()
+        path = local if local.is_dir() else source.root  # else: an offline Hub snapshot
+    if not (path / "config.json").exists():
+        raise MtpkitError(f"{spec} has no config.json: pass a model directory")
+    return path
+
+
+def head_tensor_filter(config: dict[str, Any]) -> Callable[[str], bool]:
+    """Names the tensors of the MTP head that the backbone never uses: the family's own rule
+    (`Family.is_mtp_tensor`, which knows e.g. layers past `num_hidden_layers`) and, for a
+    model mtpkit has no family for, the head prefixes of mtpkit's own layouts."""
+    from mtpkit.core.errors import UnsupportedFamily
+    from mtpkit.families import family_for
+
+    try:
+        family = family_for(config)
+    except UnsupportedFamily:
+        return lambda name: name.startswith(HEAD_TENSOR_PREFIXES)
+    return lambda name: name.startswith(HEAD_TENSOR_PREFIXES) or family.is_mtp_tensor(name)
+
+
+def model_classes_without(
+    config: dict[str, Any], drop: Callable[[str], bool]
+) -> tuple[type[nn.Module], type]:
+    """mlx-lm's model class for `config`, whose sanitize first drops the tensors `drop` names."""
+    import inspect
+
+    from mlx_lm.utils import load_model as mlx_load_model
+
+    # mlx-lm's own class lookup, read as the default of its public loader's parameter.
+    stock_classes = inspect.signature(mlx_load_model).parameters["get_model_classes"].default
+    model_cls, args_cls = stock_classes(config)
+
+    class WithoutHead(model_cls):  # type: ignore[misc, valid-type]
+        def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
+            weights = {k: v for k, v in weights.items() if not drop(k)}
+            return super().sanitize(weights) if hasattr(model_cls, "sanitize") else weights
+
+    return WithoutHead, args_cls
+
+
+def load_backbone(
+    path: Path, *, lazy: bool = False, drop: Callable[[str], bool] | None = None
+) -> tuple[nn.Module, Any, dict[str, Any]]:
+    """Stock mlx-lm's model (strictly loaded, the head's tensors set aside), tokenizer and
+    config, as `mlx_lm.load` returns them. `drop` names the tensors to set aside (default:
+    `head_tensor_filter` of the config)."""
+    from mlx_lm.utils import load_model as mlx_load_model
+
+    def classes(config: dict[str, Any]) -> tuple[type[nn.Module], type]:
+        return model_classes_without(config, drop or head_tensor_filter(config))
+
+    try:
+        model, config = mlx_load_model(path, lazy=lazy, get_model_classes=classes)
+    except (ValueError, FileNotFoundError) as e:
+        raise MtpkitError(f"mlx-lm cannot load {path}: {e}") from None
+    tokenizer = load_tokenizer(path, eos_token_ids=config.get("eos_token_id", None))
+    return model, tokenizer, config
+
+
+class RemoteCodeRequired(MtpkitError):
+    """The tokenizer exists only as custom code in the repo, which mtpkit never runs."""
+
+
+class StdinClosed:
+    """Standard input while a library loads: reading it is a bug (a question to a user)."""
+
+    def read(self, *args: object) -> str:
+        raise MtpkitError("a library tried to read standard input while loading; refused")
+
+    readline = read
+
+    def isatty(self) -> bool:
+        return False
+
+
+@contextlib.contextmanager
+def library_io() -> Iterator[None]:
+    """While transformers/mlx-lm load: their prints go to stderr, stdin cannot be read.
+
+    stdout carries only the result (`--json` must parse), and a CI job never waits on a
+    question such as transformers' "Do you wish to run the custom code? [y/N]".
+    """
+    stdin = sys.stdin
+    sys.stdin = StdinClosed()  # type: ignore[assignment]
+    try:
+        with contextlib.redirect_stdout(sys.stderr):
+            yield
+    finally:
+        sys.stdin = stdin
+
+
+def load_tokenizer(path: Path, eos_token_ids: Any = None) -> Any:
+    """mlx-lm's tokenizer wrapper over transformers' library classes, never remote code.
+
+    `trust_remote_code=False` keeps transformers from asking on stdin when `config.json`
+    has an `auto_map` and a `model_type` it does not know (MiMo-7B): the tokenizer's own
+    class (`tokenizer_class`, `tokenizer.json`) is used. A tokenizer that exists only as
+    custom code is a one-line error.
+    """
+    from mlx_lm.utils import load_tokenizer as mlx_load_tokenizer
+
+    try:
+        with library_io():
+            return mlx_load_tokenizer(
+                path, {"trust_remote_code": False}, eos_token_ids=eos_token_ids
+            )
+    except ValueError as e:
+        if "custom code" not in str(e) and "trust_remote_code" not in str(e):
+            raise
+        raise RemoteCodeRequired(
+            f"the tokenizer of {path} needs custom code from the repo (its auto_map), which "
+            "mtpkit never runs: publish a tokenizer.json (a library tokenizer class) with it"
+        ) from None
+
+
+_BACKBONES: dict[tuple[str, float], tuple[nn.Module, Any, dict[str, Any]]] = {}
+
+
+def _backbone_key(path: Path) -> tuple[str, float] | None:
+    """The last loaded backbone is reused while its files are unchanged."""
+    try:
+        stamps = [p.stat().st_mtime for p in path.glob("*.safetensors")]
+        stamps.append((path / "config.json").stat().st_mtime)
+    except OSError:
+        return None
+    return str(path.resolve()), max(stamps)
+
+
+def _cached_backbone(path: Path) -> tuple[nn.Module, Any, dict[str, Any]]:
+    key = _backbone_key(path)
+    if key is not None and key in _BACKBONES:
+        return _BACKBONES[key]
+    loaded = load_backbone(path)
+    if key is not None:
+        _BACKBONES.clear()  # keep one: a check measures one model many times
+        _BACKBONES[key] = loaded
+    return loaded
+
+
+def load_model(
+    spec: str | Path,
+    *,
+    hidden: str | None = None,
+    concat_order: str | None = None,
+    norm_shift: float = 0.0,
+    with_head: bool = True,
+    revision: str | None = None,
+) -> MtpModel:
+    """Load a model directory with stock mlx-lm and attach its MTP head (if it has one)."""
+    path = resolve_model_path(str(spec), revision)
+    model, tokenizer, config = _cached_backbone(path)
+    head = head_weights = None
+    if with_head:
+        loaded = load_head(path, config, norm_shift=norm_shift, concat_order=concat_order)
+        if loaded is not None:
+            head, head_weights = loaded
+    upcast_experts([model, head], what=str(path))
+    if hidden is None:
+        manifest = head_weights.manifest if head_weights is not None else None
+        hidden = (manifest or {}).get("hidden") or POST_NORM
+    if hidden not in HIDDEN_MODES:
+        raise GenerateError(f"--hidden must be one of {', '.join(HIDDEN_MODES)}, not {hidden!r}")
+    capture = tap_final_norm(final_norm_of(model))
+    tap_gated_delta_layers(model)
+    use_fast_verify(model)  # CUDA only: one-kernel recurrence and multi-row matmuls
+    text = config.get("text_config") or config
+    context = text.get("max_position_embeddings") or config.get("max_position_embeddings")
+    return MtpModel(path, model, tokenizer, config, head, head_weights, hidden, capture, context)

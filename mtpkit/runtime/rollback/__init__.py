@@ -1,0 +1,10 @@
+"""Undoing the rejected part of a verify pass, per cache kind: KV trim and sliding window
+(`window`), gated-delta-net snapshots (`gdn`), replay (`replay`); `verify_pass` picks."""
+
+from mtpkit.core.exports import lazy_exports
+
+_EXPORTS = {
+    "VerifyPass": "verify_pass",
+}
+__getattr__ = lazy_exports(__name__, _EXPORTS)
+__all__ = sorted(_EXPORTS)

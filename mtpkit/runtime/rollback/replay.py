@@ -1,0 +1,80 @@
+"""Rolling a verify pass back by replay, for caches the gated-delta-net capture does not cover.
+
+Some layers keep a state that cannot be trimmed and that `mtpkit.runtime.rollback.gdn` does not snapshot per
+token: Kimi delta attention (Ling-3, `bailing_moe_v3`: three conv states and a recurrent
+state), lightning attention (Ling-2.5/2.6, `bailing_hybrid`), and any other non-trimmable
+cache. For those the caches' state before the verify pass is kept (MLX arrays are
+immutable, so keeping references copies nothing); on a partial acceptance every cache goes
+back to it (trimmable ones are trimmed to their pre-verify offset) and the backbone runs
+again over the accepted prefix. A fully accepted round costs nothing extra; a partial one
+costs one more backbone pass over the kept tokens.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import mlx.core as mx
+
+from mtpkit.core.errors import MtpkitError
+
+
+def is_trimmable(cache: Any) -> bool:
+    return bool(getattr(cache, "is_trimmable", lambda: False)())
+
+
+def gdn_covers(model: Any, caches: list[Any], is_recurrent: Callable[[Any], bool]) -> bool:
+    """Whether every recurrent cache belongs to a gated-delta-net layer (`linear_attn`),
+    whose per-token states `mtpkit.runtime.rollback.gdn` captures during a verify pass."""
+    layers = list(getattr(model, "layers", []))
+    if len(layers) != len(caches):
+        return not any(is_recurrent(c) for c in caches)
+    return all(
+        not is_recurrent(cache) or (isinstance(layer, dict) and "linear_attn" in layer)
+        for layer, cache in zip(layers, caches, strict=True)
+    )
+
+
+def _saved_state_of(attributes: dict[str, Any]) -> dict[str, Any]:
+    # Lists (ArraysCache's slots) are copied because layers assign into them in place; the
+    # arrays themselves are never changed in place and are only referenced.
+    return {k: list(v) if isinstance(v, list) else v for k, v in attributes.items()}
+
+
+def _saved_state(cache: Any) -> dict[str, Any]:
+    return _saved_state_of(vars(cache))
+
+
+@dataclass
+class CacheReplay:
+    """The caches' state before one verify pass over `tokens`, and the forward that replays
+    an accepted prefix."""
+
+    tokens: mx.array  # [T]: the verify inputs
+    saved: list[dict[str, Any] | None]  # per cache: its state, None for a trimmable one
+    forward: Callable[[mx.array, list[Any]], Any]
+
+    @classmethod
+    def before(
+        cls, caches: list[Any], tokens: mx.array, forward: Callable[[mx.array, list[Any]], Any]
+    ) -> CacheReplay:
+        return cls(tokens, [None if is_trimmable(c) else _saved_state(c) for c in caches], forward)
+
+    def rollback(self, caches: list[Any], kept: int) -> None:
+        """Set the caches to their state after the first `kept` verify inputs only."""
+        length = self.tokens.shape[0]
+        if kept == length:
+            return
+        for cache, saved in zip(caches, self.saved, strict=True):
+            if saved is None:
+                cache.trim(length)
+            elif hasattr(cache, "__dict__"):
+                vars(cache).update(_saved_state_of(saved))
+            else:
+                name = type(cache).__name__
+                raise MtpkitError(f"a {name} cannot drop rejected drafts: use --no-mtp")
+        if kept > 0:
+            out = self.forward(self.tokens[None, :kept], caches)
+            mx.eval(out, [c.state for c in caches])

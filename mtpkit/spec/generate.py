@@ -1,0 +1,293 @@
+"""`mtpkit generate`: prompt in, text out, with or without the checkpoint's MTP head.
+
+The stages live beside this module: `mtpkit.runtime.model` loads stock mlx-lm's backbone and the
+head and taps the backbone, `mtpkit.spec.decode` runs the draft/verify/accept rounds. Plain
+decoding (`--no-mtp`) is stock mlx-lm's `stream_generate`, unchanged.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+
+from mtpkit.core.errors import MtpkitError
+from mtpkit.runtime.model import GenerateError, MtpModel, NoMtpHead, load_model, untapped
+from mtpkit.spec.decode import MAX_DEPTH, MtpDecoder, SamplingSettings, Stats
+
+GREEDY = SamplingSettings()
+
+
+class PromptTooLong(MtpkitError):
+    """The prompt does not fit the model's context."""
+
+
+@dataclass
+class GenerationResult:
+    text: str
+    tokens: list[int]
+    prompt_tokens: int
+    drafted: int
+    accepted: int
+    acceptance_by_depth: list[float | None]
+    decode_tps: float
+    prompt_tps: float
+    peak_memory_gb: float
+    mtp: bool
+    depth: int
+    moe_dtype: str | None = None
+
+    @property
+    def acceptance(self) -> float | None:
+        return self.accepted / self.drafted if self.drafted else None
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "text": self.text,
+            "tokens": self.tokens,
+            "prompt_tokens": self.prompt_tokens,
+            "generated_tokens": len(self.tokens),
+            "drafted": self.drafted,
+            "accepted": self.accepted,
+            "acceptance": self.acceptance,
+            "acceptance_by_depth": self.acceptance_by_depth,
+            "decode_tps": self.decode_tps,
+            "prompt_tps": self.prompt_tps,
+            "peak_memory_gb": self.peak_memory_gb,
+            "mtp": self.mtp,
+            "depth": self.depth,
+            "moe_dtype": self.moe_dtype,
+        }
+
+
+def encode_prompt(m: MtpModel, prompt: str, *, chat_template: bool = True) -> list[int]:
+    tokenizer = m.tokenizer
+    if chat_template and getattr(tokenizer, "chat_template", None):
+        return list(
+            tokenizer.apply_chat_template(
+                [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True
+            )
+        )
+    bos = getattr(tokenizer, "bos_token", None)
+    add_special = bos is None or not prompt.startswith(bos)
+    return list(tokenizer.encode(prompt, add_special_tokens=add_special))
+
+
+def check_prompt(m: MtpModel, prompt: list[int]) -> None:
+    if not prompt:
+        raise GenerateError("the prompt is empty")
+    if m.context_length and len(prompt) >= int(m.context_length):
+        raise PromptTooLong(
+            f"the prompt has {len(prompt)} tokens but {m.path.name} has a context of "
+            f"{m.context_length}: shorten the prompt"
+        )
+
+
+def stream_tokens(
+    m: MtpModel,
+    prompt: list[int],
+    *,
+    max_tokens: int = 256,
+    mtp: bool = True,
+    depth: int = 1,
+    sampling: SamplingSettings = GREEDY,
+    adaptive: bool = True,
+    seed: int | None = None,
+) -> tuple[Iterator[int], Callable[[], Stats]]:
+    """Token ids as they are confirmed, and a function giving the run's statistics."""
+    if not 1 <= depth <= MAX_DEPTH:
+        raise GenerateError(f"--depth must be between 1 and {MAX_DEPTH}, not {depth}")
+    check_prompt(m, prompt)
+    if seed is not None:
+        mx.random.seed(seed)
+    if not mtp:
+        return _stock_tokens(m, prompt, max_tokens=max_tokens, sampling=sampling)
+    decoder = MtpDecoder(m, prompt, depth=depth, sampling=sampling, adaptive=adaptive)
+    return decoder.tokens(max_tokens), lambda: decoder.stats
+
+
+def warm_up(m: MtpModel, prompt: list[int], *, mtp: bool, depth: int = 1) -> None:
+    """A short untimed greedy run down the same path, so that the reported rates leave out
+    MLX's first-call costs (its CPU backend compiles kernels on first use), as the warm-up
+    of mlx-lm's own benchmark does. Nothing of it is kept (fresh caches, no sampling)."""
+    if not 1 <= depth <= MAX_DEPTH:
+        return  # stream_tokens reports it
+    it, _ = stream_tokens(m, prompt[:2], max_tokens=depth + 1, mtp=mtp, depth=depth)
+    for _ in it:
+        pass
+
+
+def _stock_tokens(
+    m: MtpModel, prompt: list[int], *, max_tokens: int, sampling: SamplingSettings
+) -> tuple[Iterator[int], Callable[[], Stats]]:
+    """Plain decoding is stock mlx-lm's `stream_generate`, unchanged."""
+    from mlx_lm import stream_generate
+
+    stats = Stats(prompt_tokens=len(prompt))
+
+    def run() -> Iterator[int]:
+        start = time.perf_counter()
+        first = None
+        with untapped(m.final_norm):
+            for response in stream_generate(
+                m.model,
+                m.tokenizer,
+                mx.array(prompt),
+                max_tokens=max_tokens,
+                sampler=sampling.sampler(),
+            ):
+                if first is None:
+                    first = time.perf_counter()
+                    stats.prompt_time = first - start
+                if response.finish_reason == "stop":
+                    break
+                stats.generated.append(response.token)
+                yield response.token
+        stats.decode_time = time.perf_counter() - (first or start)
+        stats.decode_tokens = len(stats.generated)
+
+    return run(), lambda: stats
+
+
+def generate(
+    model: str | Path | MtpModel,
+    prompt: str | list[int],
+    *,
+    max_tokens: int = 256,
+    mtp: bool | str = True,
+    depth: int = 1,
+    temp: float = 0.0,
+    top_p: float = 0.0,
+    top_k: int = 0,
+    seed: int | None = None,
+    hidden: str | None = None,
+    adaptive: bool = True,
+    chat_template: bool = True,
+    on_token: Callable[[str], None] | None = None,
+    warn: Callable[[str], None] | None = None,
+) -> GenerationResult:
+    """Generate from a model directory with (or without) its MTP head.
+
+    `mtp` is True (the head is required), False, or "auto" (use the head when there is one,
+    else warn and decode plainly). `on_token` receives text segments as they are decoded.
+    """
+    if isinstance(model, MtpModel):
+        m = model
+    else:
+        m = load_model(model, hidden=hidden, with_head=mtp is not False)
+    use_mtp = _use_head(m, mtp, warn)
+    tokens = (
+        prompt
+        if isinstance(prompt, list)
+        else encode_prompt(m, prompt, chat_template=chat_template)
+    )
+    sampling = SamplingSettings(temp=temp, top_p=top_p, top_k=top_k)
+    check_prompt(m, tokens)
+    warm_up(m, tokens, mtp=use_mtp, depth=depth)
+    mx.reset_peak_memory()
+    it, stats_fn = stream_tokens(
+        m,
+        tokens,
+        max_tokens=max_tokens,
+        mtp=use_mtp,
+        depth=depth,
+        sampling=sampling,
+        adaptive=adaptive,
+        seed=seed,
+    )
+    text = _detokenize(m.tokenizer, it, on_token)
+    stats = stats_fn()
+    return GenerationResult(
+        text=text,
+        tokens=list(stats.generated),
+        prompt_tokens=stats.prompt_tokens,
+        drafted=stats.drafted,
+        accepted=stats.accepted,
+        acceptance_by_depth=stats.acceptance_by_depth(depth) if use_mtp else [],
+        decode_tps=stats.decode_tokens / stats.decode_time if stats.decode_time > 0 else 0.0,
+        prompt_tps=stats.prompt_tokens / stats.prompt_time if stats.prompt_time > 0 else 0.0,
+        peak_memory_gb=mx.get_peak_memory() / 1e9,
+        mtp=use_mtp,
+        depth=depth if use_mtp else 0,
+        moe_dtype=m.moe_dtype,
+    )
+
+
+def _use_head(m: MtpModel, mtp: bool | str, warn: Callable[[str], None] | None) -> bool:
+    """Whether to draft: `mtp` True needs a head, "auto" falls back to plain with a warning."""
+    if not mtp or m.head is not None:
+        return bool(mtp)
+    message = (
+        f"{m.path} has no MTP head (no mtp/weights.safetensors sidecar and no mtp.* "
+        "tensors in its shards): run `mtpkit inspect` on it, and `mtpkit convert` the "
+        "original checkpoint to keep its head"
+    )
+    if mtp != "auto":
+        raise NoMtpHead(message)
+    (warn or (lambda s: print(f"Warning: {s}", file=sys.stderr)))(
+        message + "; decoding without MTP"
+    )
+    return False
+
+
+def _detokenize(
+    tokenizer: Any, tokens: Iterator[int], on_token: Callable[[str], None] | None
+) -> str:
+    """The text of `tokens`, handing each decoded segment to `on_token` as it comes."""
+    detokenizer = tokenizer.detokenizer
+    detokenizer.reset()
+    for t in tokens:
+        detokenizer.add_token(t)
+        if on_token is not None and (segment := detokenizer.last_segment):
+            on_token(segment)
+    detokenizer.finalize()
+    if on_token is not None and (segment := detokenizer.last_segment):
+        on_token(segment)
+    return detokenizer.text
+
+
+def measure_acceptance(
+    model_dir: str | Path,
+    prompts: list[str],
+    *,
+    max_tokens: int = 64,
+    hidden: str | None = None,
+    concat_order: str | None = None,
+    norm_shift: float = 0.0,
+    chat_template: bool = True,
+) -> float:
+    """Greedy depth-1 acceptance of the head over `prompts`, drafting at every step.
+
+    `hidden` (pre_norm/post_norm), `concat_order` (embedding_first/hidden_first) and
+    `norm_shift` (added to every head RMSNorm weight) override what the manifest records,
+    so a check can measure what a different conversion decision would give.
+    """
+    m = load_model(model_dir, hidden=hidden, concat_order=concat_order, norm_shift=norm_shift)
+    if m.head is None:
+        raise NoMtpHead(f"{m.path} has no MTP head: run `mtpkit inspect` and `mtpkit convert`")
+    drafted = accepted = 0
+    for text in prompts:
+        tokens = encode_prompt(m, text, chat_template=chat_template)
+        check_prompt(m, tokens)
+        decoder = MtpDecoder(m, tokens, depth=1, sampling=SamplingSettings(), adaptive=False)
+        for _ in decoder.tokens(max_tokens):
+            pass
+        drafted += decoder.stats.drafted
+        accepted += decoder.stats.accepted
+    return accepted / drafted if drafted else 0.0
+
+
+__all__ = [
+    "GenerationResult",
+    "PromptTooLong",
+    "check_prompt",
+    "encode_prompt",
+    "generate",
+    "measure_acceptance",
+    "stream_tokens",
+]
