@@ -207,7 +207,7 @@ def _check_convertible(
             f"recipe {recipe} is for {recipe_family} models but {ckpt.source.describe()} is "
             f"{ckpt.family.name}: pick the recipe of this model"
         )
-    if settings.layout == "inline" and ckpt.family.head_prefix != "language_model.mtp.":
+    if settings.layout == "inline" and not ckpt.family.inline_layout:
         raise MtpkitError(
             f"--layout inline exists only for the Qwen3.5/3.6 families, not {ckpt.family.name}"
         )

@@ -13,7 +13,7 @@ import pkgutil
 from typing import Any
 
 from mtpkit.core.errors import UnsupportedFamily
-from mtpkit.families.base import REGISTRY, Family, register
+from mtpkit.families.base import REGISTRY, BackboneParts, Family, register
 
 for _module in pkgutil.iter_modules(__path__):
     importlib.import_module(f"{__name__}.{_module.name}")
@@ -67,4 +67,23 @@ def family_for(config: dict[str, Any]) -> Family:
     return cls(config)
 
 
-__all__ = ["Family", "FAMILIES", "family_class", "family_for", "register", "supported"]
+def backbone_parts(model: Any, config: dict[str, Any]) -> BackboneParts:
+    """The parts of a loaded mlx-lm model (`Family.backbone_parts`): its family's reading,
+    or mlx-lm's common layout (under `language_model` where it wraps one) for a model type
+    no family covers."""
+    try:
+        return family_for(config).backbone_parts(model)
+    except UnsupportedFamily:
+        return Family(config).backbone_parts(getattr(model, "language_model", model))
+
+
+__all__ = [
+    "BackboneParts",
+    "Family",
+    "FAMILIES",
+    "backbone_parts",
+    "family_class",
+    "family_for",
+    "register",
+    "supported",
+]

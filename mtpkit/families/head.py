@@ -78,6 +78,12 @@ class MtpHead(nn.Module):
 
     # -- the step ------------------------------------------------------------------------
     @property
+    def num_steps(self) -> int:
+        """MTP layers (steps) in the head: one per entry of `layers` unless a step spans
+        several blocks."""
+        return len(self.layers)
+
+    @property
     def concat_order(self) -> str:
         return self._concat_order
 

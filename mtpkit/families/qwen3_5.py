@@ -68,6 +68,7 @@ class Qwen3_5(QwenMtpNames):
     name = "qwen3_5"
     aliases: ClassVar[tuple[str, ...]] = ("qwen3_5_text",)
     head_prefix = "language_model.mtp."
+    inline_layout = True
     head_prefixes: ClassVar[tuple[str, ...]] = (
         "language_model.mtp.",
         "model.language_model.mtp.",

@@ -320,7 +320,7 @@ def train_head(
     cpu_started = time.process_time()
     m = load_model(model, with_head=False)
     family = family_for(m.config)
-    head, init = initial_head(family, m.model, m.inner, 1)
+    head, init = initial_head(family, m.model, m.parts, 1)
     opt = make_optimizer(settings)
     opt.init(head.trainable_parameters())
     first_step = 0
@@ -372,7 +372,7 @@ def train_head(
         peak_mlx_bytes=int(mx.get_peak_memory()),
         settings=settings.record(),
         init=init,
-        dtype=head_dtype(m.model),
+        dtype=head_dtype(m.embedding),
         hidden=m.hidden,
         head=head,
     )

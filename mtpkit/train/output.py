@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
+import mlx.nn as nn
 from mlx.utils import tree_flatten
 
 from mtpkit import __version__
@@ -36,6 +37,7 @@ from mtpkit.core.manifest import (
     write_manifest,
 )
 from mtpkit.families import Family, family_for
+from mtpkit.families.base import expert_layout
 from mtpkit.families.head import MtpHead
 
 # A model directory's own head files, left out of the copy (the new head replaces them).
@@ -68,12 +70,10 @@ def has_head(model_dir: Path) -> bool:
     return bool(read_checkpoint(str(model_dir)).mtp_tensors)
 
 
-def head_dtype(model: Any) -> str:
+def head_dtype(embedding: nn.Module) -> str:
     """The dtype to store the head in: the backbone's embedding dtype when it is floating
     (its scales' when quantized), else bfloat16."""
-    embed = model.language_model.model if hasattr(model, "language_model") else model.model
-    table = embed.embed_tokens
-    dtype = getattr(table, "scales", table.weight).dtype
+    dtype = getattr(embedding, "scales", embedding.weight).dtype
     return next((name for name, d in DTYPES.items() if d == dtype), "bfloat16")
 
 
@@ -85,7 +85,13 @@ def head_tensors(head: MtpHead, family: Family, dtype: str) -> dict[str, mx.arra
 
 
 def training_manifest(
-    family: Family, config: dict[str, Any], *, dtype: str, hidden: str, training: dict[str, Any]
+    family: Family,
+    config: dict[str, Any],
+    tensors: dict[str, mx.array],
+    *,
+    dtype: str,
+    hidden: str,
+    training: dict[str, Any],
 ) -> dict[str, Any]:
     """The sidecar manifest of a trained head (`mtpkit.core.manifest` keys plus `training`)."""
     return {
@@ -103,7 +109,7 @@ def training_manifest(
         "norm_shift": {"backbone": [], "mtp": [], "dtype": None},
         "hidden": hidden,
         "concat_order": family.concat_order,
-        "expert_layout": {"source": None, "output": "dense"},
+        "expert_layout": {"source": None, "output": expert_layout(tensors)},
         "mtp_dtype": dtype,
         "mtp_quantization": None,
         "mtp_quantization_paths": {},
@@ -156,8 +162,10 @@ def write_trained_head(
         raise OutputError(
             f"--into {into} is a {family_for(target_config).name} model, the head is {family.name}"
         )
-    manifest = training_manifest(family, config, dtype=dtype, hidden=hidden, training=training)
     tensors = head_tensors(head, family, dtype)
+    manifest = training_manifest(
+        family, config, tensors, dtype=dtype, hidden=hidden, training=training
+    )
     if into is not None:
         _install(into, family, tensors, manifest)
     else:
