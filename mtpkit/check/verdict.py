@@ -33,12 +33,8 @@ from mtpkit.check.probes import (
     shipped_variant,
 )
 from mtpkit.checkpoint.inspect import UNREADABLE, Checkpoint, read_checkpoint, unread_mtp_shards
-from mtpkit.checkpoint.validate import (
-    HEAD_NOT_FINITE,
-    INVALID_CONFIG,
-    LAYER_COUNT_MISMATCH,
-    nonfinite_tensors,
-)
+from mtpkit.checkpoint.validate import HEAD_NOT_FINITE, LAYER_COUNT_MISMATCH, nonfinite_tensors
+from mtpkit.core.config import INVALID_CONFIG
 from mtpkit.core.errors import MtpkitError, one_line
 from mtpkit.core.manifest import MANIFEST_FORMAT
 from mtpkit.core.prompts import BUILTIN_PROMPTS, RESERVE_PROMPTS, read_prompts

@@ -14,6 +14,7 @@ from typing import Any
 
 from mtpkit.core.errors import UnsupportedFamily
 from mtpkit.families.base import REGISTRY, BackboneParts, Family, register
+from mtpkit.mlxlm import model_remapping
 
 for _module in pkgutil.iter_modules(__path__):
     importlib.import_module(f"{__name__}.{_module.name}")
@@ -22,13 +23,9 @@ FAMILIES = REGISTRY
 
 
 def _remapped() -> dict[str, str]:
-    """mlx-lm's `MODEL_REMAPPING` entries that land on a registered family.
-
-    Read on demand: `mlx_lm.utils` imports transformers, which conversion never needs.
-    """
-    from mlx_lm.utils import MODEL_REMAPPING
-
-    return {k: v for k, v in MODEL_REMAPPING.items() if v in REGISTRY and k not in REGISTRY}
+    """mlx-lm's `MODEL_REMAPPING` entries that land on a registered family."""
+    remapping = model_remapping()
+    return {k: v for k, v in remapping.items() if v in REGISTRY and k not in REGISTRY}
 
 
 def supported() -> list[str]:

@@ -13,9 +13,9 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from mtpkit.checkpoint.validate import as_count, require_count
-from mtpkit.convert.quant import mlx_lm_models
+from mtpkit.core.config import as_count, require_count
 from mtpkit.families.head import MtpHead
+from mtpkit.mlxlm import mlx_lm_models
 
 EXPERT_INDEX = re.compile(
     r"^(?P<prefix>.*\.experts)\.(?P<expert>\d+)\.(?P<proj>\w+?)(?:\.weight)?$"

@@ -13,7 +13,7 @@ the head tensor names with the head prefix (`language_model.mtp.`, `mtp.`) remov
 
 mlx-lm is imported only inside the methods that run the head, so that conversion, which
 builds heads only to read their parameter tree, never pays for `import mlx_lm` (see
-`mtpkit.convert.quant.mlx_lm_models`). A family names its head class once; `Family.build_head` builds it for the runtime and
+`mtpkit.mlxlm.mlx_lm_models`). A family names its head class once; `Family.build_head` builds it for the runtime and
 `Family.head_module` roots the very same class at the head prefix for conversion.
 """
 

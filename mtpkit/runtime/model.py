@@ -25,6 +25,7 @@ import mlx.nn as nn
 from mtpkit.checkpoint.source import HubSource, hub_errors, open_source
 from mtpkit.core.errors import MtpkitError
 from mtpkit.families import BackboneParts, backbone_parts
+from mtpkit.mlxlm import stock_model_classes
 from mtpkit.runtime.headload import HeadWeights, MtpHead, load_head
 from mtpkit.runtime.kernels.gdn_verify import use_fast_verify
 from mtpkit.runtime.kernels.qmv import multi_row_matmuls
@@ -214,13 +215,7 @@ def model_classes_without(
     config: dict[str, Any], drop: Callable[[str], bool]
 ) -> tuple[type[nn.Module], type]:
     """mlx-lm's model class for `config`, whose sanitize first drops the tensors `drop` names."""
-    import inspect
-
-    from mlx_lm.utils import load_model as mlx_load_model
-
-    # mlx-lm's own class lookup, read as the default of its public loader's parameter.
-    stock_classes = inspect.signature(mlx_load_model).parameters["get_model_classes"].default
-    model_cls, args_cls = stock_classes(config)
+    model_cls, args_cls = stock_model_classes(config)
 
     class WithoutHead(model_cls):  # type: ignore[misc, valid-type]
         def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
