@@ -34,6 +34,7 @@ from mtpkit.convert.destination import (
     replace_with,
 )
 from mtpkit.convert.plan import Converter, Plan, Settings, check_conv1d, refuse_problems
+from mtpkit.convert.records import build_manifest, output_config, set_quantization
 from mtpkit.convert.writer import (
     read_config,
     shard_jobs,
@@ -45,14 +46,7 @@ from mtpkit.convert.writer import (
 )
 from mtpkit.core.console import progress_bar
 from mtpkit.core.errors import CheckpointProblem, MtpkitError
-from mtpkit.core.manifest import (
-    HEAD_WEIGHTS_PATH,
-    MANIFEST_PATH,
-    build_manifest,
-    output_config,
-    set_quantization,
-    write_manifest,
-)
+from mtpkit.core.manifest import HEAD_WEIGHTS_PATH, MANIFEST_PATH, write_manifest
 
 # Files copied beside the weights: tokenizer, chat template, generation settings, and the
 # remote code files mlx-lm copies too.

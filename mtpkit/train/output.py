@@ -25,17 +25,9 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
-from mtpkit import __version__
 from mtpkit.convert.writer import read_config, write_config
 from mtpkit.core.errors import MtpkitError
-from mtpkit.core.manifest import (
-    HEAD_WEIGHTS_PATH,
-    MANIFEST_FORMAT,
-    MANIFEST_PATH,
-    PLAIN,
-    SHIFTED,
-    write_manifest,
-)
+from mtpkit.core.manifest import HEAD_WEIGHTS_PATH, MANIFEST_PATH, head_manifest, write_manifest
 from mtpkit.families import Family, family_for
 from mtpkit.families.base import expert_layout
 from mtpkit.families.head import MtpHead
@@ -94,29 +86,22 @@ def training_manifest(
     training: dict[str, Any],
 ) -> dict[str, Any]:
     """The sidecar manifest of a trained head (`mtpkit.core.manifest` keys plus `training`)."""
-    return {
-        "format": MANIFEST_FORMAT,
-        "mtpkit_version": __version__,
-        "family": family.name,
-        "model_type": config.get("model_type"),
-        "source": {"spec": training.get("model"), "revision": None, "commit": None},
-        "weights": Path(HEAD_WEIGHTS_PATH).name,
-        "prefix": family.head_prefix,
-        "num_layers": 1,
-        "layout": "sidecar",
+    manifest = head_manifest(
+        family,
+        model_type=config.get("model_type"),
+        source={"spec": training.get("model"), "revision": None, "commit": None},
+        num_layers=1,
+        layout="sidecar",
         # Trained in mlx's own convention: a weight is what RMSNorm multiplies by.
-        "rmsnorm_weight_format": SHIFTED if family.zero_centred_norms else PLAIN,
-        "norm_shift": {"backbone": [], "mtp": [], "dtype": None},
-        "hidden": hidden,
-        "concat_order": family.concat_order,
-        "expert_layout": {"source": None, "output": expert_layout(tensors)},
-        "mtp_dtype": dtype,
-        "mtp_quantization": None,
-        "mtp_quantization_paths": {},
-        "backbone_quantization": _backbone_quantization(config),
-        "dropped": [],
-        "training": training,
-    }
+        shifted={"backbone": [], "mtp": []},
+        hidden=hidden,
+        expert_layout={"source": None, "output": expert_layout(tensors)},
+        mtp_dtype=dtype,
+        head_quant={},
+        backbone_quant=_backbone_quantization(config),
+        dropped=[],
+    )
+    return {**manifest, "training": training}
 
 
 def _backbone_quantization(config: dict[str, Any]) -> dict[str, int] | None:
