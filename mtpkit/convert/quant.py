@@ -20,13 +20,9 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
+from mtpkit.core.choices import DEFAULT_GROUP_SIZE
 from mtpkit.core.errors import MtpkitError
 from mtpkit.mlxlm import model_classes
-
-DTYPES = ("bfloat16", "float16", "float32")
-BITS = (2, 3, 4, 5, 6, 8)
-GROUP_SIZES = (32, 64, 128)
-DEFAULT_GROUP_SIZE = 64
 
 
 @dataclass(frozen=True)

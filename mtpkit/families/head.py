@@ -25,9 +25,9 @@ from typing import Any, ClassVar
 import mlx.core as mx
 import mlx.nn as nn
 
-EMBEDDING_FIRST = "embedding_first"
-HIDDEN_FIRST = "hidden_first"
-CONCAT_ORDERS = (EMBEDDING_FIRST, HIDDEN_FIRST)
+from mtpkit.core.choices import CONCAT_ORDERS, EMBEDDING_FIRST, HIDDEN_FIRST
+
+__all__ = ["CONCAT_ORDERS", "EMBEDDING_FIRST", "HIDDEN_FIRST", "MtpHead"]
 
 
 class MtpHead(nn.Module):

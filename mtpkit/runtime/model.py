@@ -23,6 +23,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from mtpkit.checkpoint.source import HubSource, hub_errors, open_source
+from mtpkit.core.choices import DEFAULT_HIDDEN, HIDDEN_VARIANTS, POST_NORM
 from mtpkit.core.errors import MtpkitError
 from mtpkit.families import BackboneParts, backbone_parts
 from mtpkit.mlxlm import stock_model_classes
@@ -39,9 +40,6 @@ from mtpkit.runtime.rollback.replay import CacheReplay, gdn_covers
 from mtpkit.runtime.rollback.verify_pass import VerifyPass
 from mtpkit.runtime.upcast import moe_dtype, upcast_experts
 
-POST_NORM = "post_norm"
-PRE_NORM = "pre_norm"
-HIDDEN_MODES = (POST_NORM, PRE_NORM)
 # What mlx-lm needs from a Hub repo to load a model and its tokenizer.
 MODEL_FILES = ("*.json", "*.safetensors", "*.py", "*.model", "*.tiktoken", "*.txt", "*.jinja")
 HEAD_TENSOR_PREFIXES = ("mtp.", "model.mtp.", "language_model.mtp.", "model.mtp_layers.")
@@ -344,9 +342,11 @@ def load_model(
     upcast_experts([model, head], what=str(path))
     if hidden is None:
         manifest = head_weights.manifest if head_weights is not None else None
-        hidden = (manifest or {}).get("hidden") or POST_NORM
-    if hidden not in HIDDEN_MODES:
-        raise GenerateError(f"--hidden must be one of {', '.join(HIDDEN_MODES)}, not {hidden!r}")
+        hidden = (manifest or {}).get("hidden") or DEFAULT_HIDDEN
+    if hidden not in HIDDEN_VARIANTS:
+        raise GenerateError(
+            f"--hidden must be one of {', '.join(HIDDEN_VARIANTS)}, not {hidden!r}"
+        )
     parts = backbone_parts(model, config)
     capture = tap_final_norm(parts.final_norm)
     tap_gated_delta_layers(model)

@@ -16,11 +16,13 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
+from mtpkit.core.choices import TOP_P_OFF
+
 
 @dataclass(frozen=True)
 class SamplingSettings:
     temp: float = 0.0
-    top_p: float = 0.0
+    top_p: float = TOP_P_OFF
     top_k: int = 0
 
     @property

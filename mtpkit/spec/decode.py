@@ -23,14 +23,14 @@ from dataclasses import dataclass, field
 
 import mlx.core as mx
 
-from mtpkit.runtime.model import POST_NORM, MtpModel, NoMtpHead
+from mtpkit.core.choices import MAX_DEPTH, POST_NORM
+from mtpkit.runtime.model import MtpModel, NoMtpHead
 from mtpkit.runtime.rollback.verify_pass import VerifyPass
 from mtpkit.spec.accept import SamplingSettings, read_verdict, rejection_sample, verdict
 
 # SamplingSettings and rejection_sample live in mtpkit.spec.accept; importable from here too.
 __all__ = ["AdaptiveDrafting", "MtpDecoder", "SamplingSettings", "Stats", "rejection_sample"]
 
-MAX_DEPTH = 4
 HEAD_CHUNK = 2048  # pairs per head forward when it catches up with confirmed tokens
 CATCH_UP_AFTER = 256  # plain steps after which the head catches up while drafting is off
 

@@ -16,9 +16,10 @@ from typing import Any
 
 import mlx.core as mx
 
+from mtpkit.core.choices import MAX_DEPTH, MIN_DEPTH, TOP_P_OFF, require_depth
 from mtpkit.core.errors import MtpkitError
 from mtpkit.runtime.model import GenerateError, MtpModel, NoMtpHead, load_model, untapped
-from mtpkit.spec.decode import MAX_DEPTH, MtpDecoder, SamplingSettings, Stats
+from mtpkit.spec.decode import MtpDecoder, SamplingSettings, Stats
 
 GREEDY = SamplingSettings()
 
@@ -100,8 +101,7 @@ def stream_tokens(
     seed: int | None = None,
 ) -> tuple[Iterator[int], Callable[[], Stats]]:
     """Token ids as they are confirmed, and a function giving the run's statistics."""
-    if not 1 <= depth <= MAX_DEPTH:
-        raise GenerateError(f"--depth must be between 1 and {MAX_DEPTH}, not {depth}")
+    require_depth(depth)
     check_prompt(m, prompt)
     if seed is not None:
         mx.random.seed(seed)
@@ -115,7 +115,7 @@ def warm_up(m: MtpModel, prompt: list[int], *, mtp: bool, depth: int = 1) -> Non
     """A short untimed greedy run down the same path, so that the reported rates leave out
     MLX's first-call costs (its CPU backend compiles kernels on first use), as the warm-up
     of mlx-lm's own benchmark does. Nothing of it is kept (fresh caches, no sampling)."""
-    if not 1 <= depth <= MAX_DEPTH:
+    if not MIN_DEPTH <= depth <= MAX_DEPTH:
         return  # stream_tokens reports it
     it, _ = stream_tokens(m, prompt[:2], max_tokens=depth + 1, mtp=mtp, depth=depth)
     for _ in it:
@@ -162,7 +162,7 @@ def generate(
     mtp: bool | str = True,
     depth: int = 1,
     temp: float = 0.0,
-    top_p: float = 0.0,
+    top_p: float = TOP_P_OFF,
     top_k: int = 0,
     seed: int | None = None,
     hidden: str | None = None,

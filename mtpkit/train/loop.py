@@ -35,18 +35,17 @@ import mlx.core as mx
 import mlx.nn as nn
 import mlx.optimizers as optim
 
+from mtpkit.core.choices import POST_NORM, require_depth
 from mtpkit.core.errors import MtpkitError
 from mtpkit.core.prompts import BUILTIN_PROMPTS
 from mtpkit.families import family_for
 from mtpkit.families.head import MtpHead
-from mtpkit.runtime.model import POST_NORM, MtpModel, load_model
+from mtpkit.runtime.model import MtpModel, load_model
 from mtpkit.spec.decode import MtpDecoder, SamplingSettings
 from mtpkit.train.checkpoint import load_checkpoint, save_checkpoint
 from mtpkit.train.data import ChunkStream, DataSpec, end_token, generate_pool, greedy_sequences
 from mtpkit.train.init_head import initial_head
 from mtpkit.train.output import head_dtype
-
-MAX_ROLLOUT = 4
 
 
 class TrainError(MtpkitError):
@@ -75,8 +74,7 @@ class TrainSettings:
     def check(self) -> None:
         if self.steps < 1 or self.batch_size < 1 or self.seq_len < 2 + self.depth:
             raise TrainError("--steps and --batch-size must be >= 1, --seq-len >= depth + 2")
-        if not 1 <= self.depth <= MAX_ROLLOUT:
-            raise TrainError(f"--depth must be between 1 and {MAX_ROLLOUT}, not {self.depth}")
+        require_depth(self.depth)
         if self.lr <= 0:
             raise TrainError(f"--lr must be positive, not {self.lr}")
         if self.weight_decay < 0 or self.grad_clip < 0:
