@@ -30,6 +30,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from mtpkit.core.errors import MtpkitError
+from mtpkit.core.prompts import encode_prompt
 from mtpkit.runtime.model import (
     MtpModel,
     NoMtpHead,
@@ -40,7 +41,7 @@ from mtpkit.runtime.model import (
 )
 from mtpkit.runtime.upcast import upcast_experts
 from mtpkit.spec.decode import MtpDecoder, SamplingSettings
-from mtpkit.spec.generate import check_prompt, encode_prompt
+from mtpkit.spec.generate import check_prompt
 
 DEFAULT_PROMPT = (
     "Write a short explanation of how a hash table works, with an example of inserting "
@@ -295,7 +296,7 @@ def bench(
     eos = m.tokenizer.eos_token_ids
     m.tokenizer.eos_token_ids = []  # every run decodes exactly max_tokens tokens
     try:
-        tokens = encode_prompt(m, prompt, chat_template=chat_template)
+        tokens = encode_prompt(m.tokenizer, prompt, chat_template=chat_template)
         check_prompt(m, tokens)
         say("forward and head costs")
         costs = measure_costs(m, tokens, max_depth=max_depth, repeats=repeats)

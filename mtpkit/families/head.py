@@ -140,6 +140,21 @@ class MtpHead(nn.Module):
         return [KVCache() for _ in self.layers]
 
 
+# The tensors a Qwen-form head must have (relative to the head), whichever family uses it.
+QWEN_REQUIRED = (
+    "fc.weight",
+    "pre_fc_norm_embedding.weight",
+    "pre_fc_norm_hidden.weight",
+    "norm.weight",
+    "layers.0.input_layernorm.weight",
+    "layers.0.post_attention_layernorm.weight",
+    "layers.0.self_attn.q_proj.weight",
+    "layers.0.self_attn.k_proj.weight",
+    "layers.0.self_attn.v_proj.weight",
+    "layers.0.self_attn.o_proj.weight",
+)
+
+
 class QwenHead(MtpHead):
     """Qwen3.5 / Qwen3.6 / Qwen3-Next: fc + pre_fc_norm_{embedding,hidden} + norm around
     full-attention decoder layers of the backbone's own class."""

@@ -18,6 +18,7 @@ import mlx.core as mx
 
 from mtpkit.core.choices import MAX_DEPTH, MIN_DEPTH, TOP_P_OFF, require_depth
 from mtpkit.core.errors import MtpkitError
+from mtpkit.core.prompts import encode_prompt
 from mtpkit.runtime.model import GenerateError, MtpModel, NoMtpHead, load_model, untapped
 from mtpkit.spec.decode import MtpDecoder, SamplingSettings, Stats
 
@@ -64,19 +65,6 @@ class GenerationResult:
             "depth": self.depth,
             "moe_dtype": self.moe_dtype,
         }
-
-
-def encode_prompt(m: MtpModel, prompt: str, *, chat_template: bool = True) -> list[int]:
-    tokenizer = m.tokenizer
-    if chat_template and getattr(tokenizer, "chat_template", None):
-        return list(
-            tokenizer.apply_chat_template(
-                [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True
-            )
-        )
-    bos = getattr(tokenizer, "bos_token", None)
-    add_special = bos is None or not prompt.startswith(bos)
-    return list(tokenizer.encode(prompt, add_special_tokens=add_special))
 
 
 def check_prompt(m: MtpModel, prompt: list[int]) -> None:
@@ -184,7 +172,7 @@ def generate(
     tokens = (
         prompt
         if isinstance(prompt, list)
-        else encode_prompt(m, prompt, chat_template=chat_template)
+        else encode_prompt(m.tokenizer, prompt, chat_template=chat_template)
     )
     sampling = SamplingSettings(temp=temp, top_p=top_p, top_k=top_k)
     check_prompt(m, tokens)
@@ -272,7 +260,7 @@ def measure_acceptance(
         raise NoMtpHead(f"{m.path} has no MTP head: run `mtpkit inspect` and `mtpkit convert`")
     drafted = accepted = 0
     for text in prompts:
-        tokens = encode_prompt(m, text, chat_template=chat_template)
+        tokens = encode_prompt(m.tokenizer, text, chat_template=chat_template)
         check_prompt(m, tokens)
         decoder = MtpDecoder(m, tokens, depth=1, sampling=SamplingSettings(), adaptive=False)
         for _ in decoder.tokens(max_tokens):
