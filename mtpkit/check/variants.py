@@ -36,7 +36,7 @@ class CheckResult:
     status: str
     detail: str
 
-    def as_dict(self) -> dict[str, str]:
+    def to_json(self) -> dict[str, str]:
         return {"name": self.name, "status": self.status, "detail": self.detail}
 
 

@@ -404,7 +404,7 @@ def _check(
         "source": ckpt.source.spec,
         "revision": ckpt.source.revision,
         "verdict": FAIL if any(c.status == FAIL for c in checks) else PASS,
-        "checks": [c.as_dict() for c in checks],
+        "checks": [c.to_json() for c in checks],
         "acceptance": round(diagnosis.acceptance, 4) if diagnosis else None,
         "best_variant": best_variant(diagnosis.best) if diagnosis else None,
         "moe_dtype": moe_dtype,

@@ -72,7 +72,7 @@ class ConvertResult:
     # What was repaired on the way (e.g. the declared MTP layer count), for stderr.
     warnings: list[str] = field(default_factory=list)
 
-    def as_dict(self) -> dict[str, Any]:
+    def to_json(self) -> dict[str, Any]:
         return {
             "output": str(self.output),
             "family": self.family,

@@ -111,6 +111,6 @@ def convert(
     for warning in result.warnings:
         log(f"warning: {warning}")
     if json_output:
-        print_json(result.as_dict())
+        print_json(result.to_json())
     else:
         print_convert(result)
