@@ -387,37 +387,23 @@ def default_checkpoint_dir(output: Path | None, into: Path | None) -> Path:
 def train_and_write(
     model: str,
     *,
+    settings: TrainSettings = TrainSettings(),
     output: Path | None = None,
     into: Path | None = None,
     force: bool = False,
-    data: list[str] | None = None,
-    prompts: str | None = None,
-    samples_per_prompt: int | None = None,
-    temperature: float = 0.7,
-    chat_template: bool = True,
     checkpoint_dir: Path | None = None,
     resume: bool = False,
     quiet: bool = False,
-    **settings: Any,
 ) -> dict[str, Any]:
     """What `mtpkit train-head` does: train, write the head (`mtpkit.train.output`), drop
-    the checkpoints; returns the `--json` summary. `settings` are `TrainSettings` fields."""
+    the checkpoints; returns the `--json` summary."""
     from mtpkit.core.console import log, step_bar
-    from mtpkit.core.prompts import read_prompts
     from mtpkit.train.output import check_destination, write_trained_head
 
     check_destination(output, into, force)
-    spec = DataSpec(
-        files=tuple(data or ()),
-        prompts=tuple(read_prompts(prompts)) if prompts else None,
-        samples_per_prompt=samples_per_prompt,
-        temperature=temperature,
-        chat_template=chat_template,
-    )
-    run_settings = TrainSettings(data=spec, **settings)
-    run_settings.check()
+    settings.check()
     checkpoints = checkpoint_dir or default_checkpoint_dir(output, into)
-    bar = step_bar(run_settings.steps, desc="train-head", quiet=quiet)
+    bar = step_bar(settings.steps, desc="train-head", quiet=quiet)
     status: dict[str, Any] = {}
 
     def on_step(step: int, loss: float, acc: float | None) -> None:
@@ -430,7 +416,7 @@ def train_and_write(
     try:
         result = train_head(
             model,
-            settings=run_settings,
+            settings=settings,
             checkpoint_dir=checkpoints,
             resume=resume,
             log=(lambda s: None) if quiet else log,

@@ -18,7 +18,7 @@ from mtpkit.core.errors import MtpkitError
 
 
 @friendly_errors
-def bench(
+def bench_command(
     model: Annotated[
         str | None, typer.Option("--model", "-m", help="A model directory or Hub repo id.")
     ] = None,
@@ -61,8 +61,7 @@ def bench(
     shape = value(random_shape)
 
     from mtpkit.bench.shapes import random_model_dir
-    from mtpkit.bench.speed import DEFAULT_PROMPT, print_bench
-    from mtpkit.bench.speed import bench as run_bench
+    from mtpkit.bench.speed import DEFAULT_PROMPT, bench, print_bench
     from mtpkit.cli.output import print_json
     from mtpkit.core.console import log
 
@@ -70,7 +69,7 @@ def bench(
         log(f"... building a random {shape} model ({dtype.value} scales)")
     built = random_model_dir(shape, dtype.value) if shape else None
     try:
-        result = run_bench(
+        result = bench(
             str(built) if built else model,
             prompt=prompt or DEFAULT_PROMPT,
             max_tokens=max_tokens,

@@ -55,7 +55,7 @@ QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="No progress bar."
 
 
 @friendly_errors
-def convert(
+def convert_command(
     source: SourceArg,
     output: OutputOpt = None,
     revision: RevisionOpt = None,
@@ -80,8 +80,7 @@ def convert(
     With --mtp-only --into DIR, only the head is read (on the Hub: its byte ranges) and added to an existing MLX conversion of the same model, quantized like it.
     """
     from mtpkit.cli.output import print_convert, print_json
-    from mtpkit.convert.pipeline import convert as convert_checkpoint
-    from mtpkit.convert.pipeline import graft
+    from mtpkit.convert.pipeline import convert, graft
     from mtpkit.core.console import log
 
     # The flags both paths take: how the head is stored, and how the run behaves.
@@ -105,7 +104,7 @@ def convert(
     else:
         if output is None or into is not None:
             raise MtpkitError("pass -o OUT (or --mtp-only --into DIR to graft a head)")
-        result = convert_checkpoint(
+        result = convert(
             source, output=output, bits=number(bits), layout=value(layout), recipe=recipe, **common
         )
     for warning in result.warnings:
