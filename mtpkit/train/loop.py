@@ -155,7 +155,10 @@ def backbone_pass(m: MtpModel, tokens: mx.array) -> tuple[mx.array, mx.array]:
 def head_steps(
     head: MtpHead, m: MtpModel, hidden: mx.array, embedded: mx.array, depth: int
 ) -> list[mx.array]:
-    """Head logits for steps 0..depth-1: step j's row k drafts t_{k+2+j} (teacher forced)."""
+    """Head logits for steps 0..depth-1: step j's row k drafts t_{k+2+j} (teacher forced).
+
+    `hidden` [B, T, H] (float32) and `embedded` [B, T, H] come from `backbone_pass` and the
+    embedding; step j's logits are [B, T - 1 - j, V] (float32)."""
     out = []
     prev = hidden[:, :-1]
     for j in range(depth):
@@ -174,7 +177,8 @@ def distillation_loss(
     teacher: mx.array,
     depth: int,
 ) -> mx.array:
-    """Mean over rollout steps and positions of KL(backbone || head)."""
+    """Mean over rollout steps and positions of KL(backbone || head); `teacher` [B, T, V] is
+    the backbone's log-probabilities (`backbone_pass`)."""
     total = mx.array(0.0)
     for j, logits in enumerate(head_steps(head, m, hidden, embedded, depth)):
         logq = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
