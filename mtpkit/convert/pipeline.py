@@ -27,11 +27,11 @@ from mtpkit.checkpoint.inspect import Checkpoint, read_checkpoint
 from mtpkit.checkpoint.validate import nonfinite_tensors
 from mtpkit.convert.destination import (
     FileSwap,
-    fresh_temp_dir,
+    claim_output,
     local_source_dir,
+    new_directory,
     refuse_overlap,
     remove_stale,
-    replace_with,
 )
 from mtpkit.convert.plan import Converter, Plan, Settings, check_conv1d, refuse_problems
 from mtpkit.convert.writer import (
@@ -125,13 +125,10 @@ def convert(
         hidden=hidden,
     )
     out = Path(output).expanduser()
-    refuse_overlap(out, local_source_dir(source))
-    if (out.exists() or out.is_symlink()) and not force:
-        raise MtpkitError(f"{out} already exists: pass --force to replace it, or choose another -o")
+    claim_output(out, force=force, sources=[local_source_dir(source)])
     ckpt = read_checkpoint(source, revision=revision)
     if ckpt.source.kind == "local":  # also a Hub repo's cached snapshot, used offline
         refuse_overlap(out, ckpt.source.snapshot_dir())
-    remove_stale([out])
     _check_convertible(ckpt, settings, out, recipe, recipe_family)
 
     converter = Converter(ckpt, settings)
@@ -144,17 +141,9 @@ def convert(
         config = output_config(ckpt, plan, settings, layers)
         backbone_quant = _backbone_quantization(ckpt, settings)
         manifest = build_manifest(ckpt, plan, settings, layers, backbone_quant=backbone_quant)
-        tmp = fresh_temp_dir(out)
-        try:
+        with new_directory(out) as tmp:
             _write_output(tmp, ckpt, converter, plan, config, manifest, quiet=quiet)
             refuse_nonfinite_head(tmp / HEAD_WEIGHTS_PATH, ckpt)
-            replace_with(out, tmp)
-        except OSError as e:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise MtpkitError(f"writing {out} failed, nothing was written: {e}") from None
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
     finally:
         mx.set_cache_limit(cache_limit)
         converter.close()
@@ -304,6 +293,7 @@ def graft(
     if not (into / "config.json").is_file():
         raise MtpkitError(f"--into {into} is not an MLX model directory (no config.json)")
     refuse_overlap(into, local_source_dir(source), option="--into")
+    FileSwap(into).check(graft_targets(into))
     trunk = read_checkpoint(str(into))
     if trunk.format != "mlx":
         raise MtpkitError(f"--into {into} is not an MLX conversion; run `mtpkit convert` instead")
@@ -381,6 +371,11 @@ def _trunk_dtype(trunk: Checkpoint) -> str | None:
     return max(counts, key=lambda k: counts[k]) if counts else None
 
 
+def graft_targets(into: Path) -> list[Path]:
+    """The files a graft replaces in `into` (head, manifest, config), in writing order."""
+    return [into / HEAD_WEIGHTS_PATH, into / MANIFEST_PATH, into / "config.json"]
+
+
 def _write_graft(
     into: Path,
     ckpt: Checkpoint,
@@ -393,7 +388,7 @@ def _write_graft(
 ) -> None:
     """Head file, manifest and config written beside their targets, then moved over them;
     a failure (a NaN/Inf head included) leaves `into` as it was (no new empty mtp/)."""
-    targets = [into / HEAD_WEIGHTS_PATH, into / MANIFEST_PATH, into / "config.json"]
+    targets = graft_targets(into)
     remove_stale(targets)
     swap = FileSwap(into)
     try:

@@ -408,7 +408,7 @@ def train_and_write(
     from mtpkit.core.prompts import read_prompts
     from mtpkit.train.output import check_destination, write_trained_head
 
-    check_destination(output, into, force)
+    check_destination(output, into, force, model)
     spec = DataSpec(
         files=tuple(data or ()),
         prompts=tuple(read_prompts(prompts)) if prompts else None,

@@ -131,7 +131,7 @@ def train_head(
     """
     from mtpkit.train.output import check_destination
 
-    check_destination(output, into, force)
+    check_destination(output, into, force, model)
     from mtpkit.train.data import check_files
 
     check_files([str(p) for p in data or []])
