@@ -27,6 +27,7 @@ from mtpkit.families.head import MtpHead
 STATE_FILE = "state.json"
 PARTS = ("head", "optimizer")
 PART_FILE = re.compile(r"^(?:head|optimizer)-(\d+)\.safetensors$")
+TEMP_FILE = re.compile(r"^\.(?:head|optimizer)-\d+\.tmp\.safetensors$")
 # Settings a resumed run must share with the checkpoint (the batches depend on them).
 RESUME_KEYS = ("batch_size", "seq_len", "seed", "depth", "data")
 
@@ -47,15 +48,15 @@ def save_checkpoint(
     step = int(state["step"])
     for part, tree in (("head", head.parameters()), ("optimizer", opt.state)):
         final = part_file(directory, part, step)
-        tmp = directory / f".{final.name}.tmp"
+        tmp = directory / f".{part}-{step}.tmp.safetensors"  # mlx adds a missing suffix
         mx.save_safetensors(str(tmp), dict(tree_flatten(tree)), {"step": str(step)})
         os.replace(tmp, final)
     tmp = directory / f".{STATE_FILE}.tmp"
     tmp.write_text(json.dumps(state, indent=1) + "\n")
     os.replace(tmp, directory / STATE_FILE)  # the new checkpoint exists from here on
-    for entry in directory.iterdir():
+    for entry in directory.iterdir():  # earlier steps', and what a killed save left
         match = PART_FILE.match(entry.name)
-        if match and int(match[1]) != step:
+        if (match and int(match[1]) != step) or TEMP_FILE.match(entry.name):
             entry.unlink(missing_ok=True)
 
 
