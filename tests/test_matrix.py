@@ -20,6 +20,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import mlx.core as mx
 import pytest
 import typer.testing
 from typer.testing import CliRunner
@@ -244,6 +245,27 @@ def damaged(checkpoint, tmp_path: Path, how: str) -> Path:
     elif how == "unsafe_path":
         name = next(iter(index["weight_map"]))
         index["weight_map"][name] = "../../outside.safetensors"
+    elif how == "duplicate_tensor":  # a tensor of the second shard, changed, also in the first
+        first, second = sorted(set(index["weight_map"].values()))
+        name = next(n for n, s in index["weight_map"].items() if s == second)
+        tensors = mx.load(str(root / first))
+        tensors[name] = mx.load(str(root / second))[name] + 1
+        mx.save_safetensors(str(root / first), tensors, {"format": "pt"})
+    elif how == "metadata_not_string":
+        shard = root / sorted(set(index["weight_map"].values()))[0]
+        tensors = mx.load(str(shard))
+        mx.save_safetensors(str(shard), tensors, {"format": "pt"})
+        data = shard.read_bytes()
+        (length,) = struct.unpack("<Q", data[:8])
+        header = json.loads(data[8 : 8 + length])
+        header["__metadata__"] = {"format": "pt", "step": 3}
+        raw = json.dumps(header).encode()
+        raw += b" " * (-len(raw) % 8)
+        shard.write_bytes(struct.pack("<Q", len(raw)) + raw + data[8 + length :])
+    elif how == "absurd_size":
+        config["hidden_size"] = 10**12
+    elif how == "eps_word":
+        config["rms_norm_eps"] = "tiny"
     (root / "config.json").write_text(json.dumps(config))
     index_path.write_text(json.dumps(index))
     return root
@@ -264,6 +286,25 @@ BROKEN = {
     ("unsafe_path", "inspect"): 0,
     ("unsafe_path", "convert"): 1,
     ("unsafe_path", "check"): 3,
+    # The audit's classes: duplicated tensors, odd header metadata, config types and sizes.
+    ("duplicate_tensor", "inspect"): 0,
+    ("duplicate_tensor", "convert"): 1,
+    ("metadata_not_string", "inspect"): 0,
+    ("metadata_not_string", "convert"): 1,
+    ("metadata_not_string", "check"): 3,
+    ("absurd_size", "convert"): 1,
+    ("absurd_size", "check"): 3,
+    ("eps_word", "inspect"): 0,
+    ("eps_word", "convert"): 1,
+}
+
+
+# The problem code each damage must be reported as, and what convert's line must name.
+NAMED_CAUSE = {
+    "duplicate_tensor": ("duplicate_tensor", "model-00001-of-00002.safetensors", "the index names"),
+    "metadata_not_string": ("corrupt_header", "model-00001-of-00002.safetensors", "'step'"),
+    "absurd_size": ("invalid_config", "hidden_size=1000000000000"),
+    "eps_word": ("invalid_config", "rms_norm_eps='tiny'"),
 }
 
 
@@ -279,6 +320,12 @@ def test_broken_inputs(checkpoint, tmp_path, how, command):
     result = run(args, code=BROKEN[how, command], untouched=(root,), absent=(out,))
     if command == "inspect" and result.exit_code == 0:
         assert json.loads(result.stdout)["problems"]
+    if how in NAMED_CAUSE:  # the line names the cause, not a later symptom
+        if command == "inspect":
+            codes = [p["code"] for p in json.loads(result.stdout)["problems"]]
+            assert NAMED_CAUSE[how][0] in codes, codes
+        elif command == "convert":
+            assert all(part in result.stderr for part in NAMED_CAUSE[how]), result.stderr
     if command == "check":
         suite = ET.parse(report).getroot()
         kind = "error" if result.exit_code == 1 else "failure"
