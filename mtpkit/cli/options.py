@@ -14,6 +14,7 @@ from typing import Annotated, Any
 
 import typer
 
+from mtpkit.core import signals
 from mtpkit.core.errors import MtpkitError, one_line
 
 # Exit code for "the checkpoint was read, and it fails what was required of it".
@@ -95,6 +96,11 @@ def friendly_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
             return fn(*args, **kwargs)
         except (typer.Exit, typer.Abort, typer.TyperException):
             raise
+        except KeyboardInterrupt as e:  # Ctrl-C, SIGTERM, SIGHUP: cleanup has run on the way
+            if os.environ.get("MTPKIT_DEBUG") == "1":
+                raise
+            typer.echo(f"Error: {signals.message(e)}", err=True)
+            raise typer.Exit(signals.exit_code(e)) from None
         except Exception as e:  # noqa: BLE001 - the one place every error is turned into a line
             if os.environ.get("MTPKIT_DEBUG") == "1":
                 raise
