@@ -22,10 +22,10 @@ def progress_disabled(quiet: bool = False) -> bool:
     (HF_HUB_DISABLE_PROGRESS_BARS=1, or `disable_progress_bars()` in Python)."""
     from huggingface_hub.utils import are_progress_bars_disabled
 
-    return quiet or not _isatty(sys.stderr) or are_progress_bars_disabled(PROGRESS_GROUP)
+    return quiet or not is_terminal(sys.stderr) or are_progress_bars_disabled(PROGRESS_GROUP)
 
 
-def _isatty(stream: Any) -> bool:
+def is_terminal(stream: Any) -> bool:
     try:
         return bool(stream.isatty())
     except (AttributeError, ValueError):  # a replaced or closed stream

@@ -22,7 +22,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
-from mtpkit.checkpoint.source import HubSource, hub_errors, open_source
+from mtpkit.checkpoint.source import HubSource, open_source
 from mtpkit.core.errors import MtpkitError
 from mtpkit.runtime.headload import HeadWeights, MtpHead, load_head
 from mtpkit.runtime.kernels.gdn_verify import use_fast_verify
@@ -202,16 +202,7 @@ def resolve_model_path(spec: str, revision: str | None = None) -> Path:
     """A local model directory, or the snapshot of a Hub repo with the files mlx-lm reads."""
     source = open_source(spec, revision=revision)
     if isinstance(source, HubSource):
-        from huggingface_hub import snapshot_download
-
-        with hub_errors(source.repo_id, source.revision):
-            path = Path(
-                snapshot_download(
-                    source.repo_id,
-                    revision=source.commit or source.revision,
-                    allow_patterns=list(MODEL_FILES),
-                )
-            )
+        path = source.download(MODEL_FILES)  # each request bounded by the Hub timeouts
     else:
         local = Path(spec).expanduser()
         path = local if local.is_dir() else source.root  # else: an offline Hub snapshot
