@@ -137,3 +137,34 @@ def test_ctrl_c_while_starting_is_no_traceback(checkpoint, delay):
         # One line, or none while Typer parses the command line (it exits 130 quietly).
         assert proc.returncode == 130 and len(err.splitlines()) <= 1, err
         assert err in ("", "Error: interrupted by SIGINT\n"), err
+
+
+def test_ctrl_c_while_bench_builds_its_random_model_removes_it(tmp_path, monkeypatch):
+    """The build is cut short after its first file, as a Ctrl-C would cut it."""
+    import tempfile
+
+    from typer.testing import CliRunner
+
+    import mtpkit.bench.shapes as shapes
+    from mtpkit.cli.app import app
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    stale = tmp_path / f"mtpkit-bench-{dead_pid()}-qwen3_5-0.8b-x1"  # a run killed outright
+    stale.mkdir()
+
+    def interrupted_build(shape, out, **kwargs):
+        out.mkdir(parents=True)
+        (out / "config.json").write_text("{}")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(shapes, "build_random_model", interrupted_build)
+    result = CliRunner().invoke(app, ["bench", "--random", "qwen3_5-0.8b"])
+    assert result.exit_code == 130
+    assert result.stderr.splitlines()[-1] == "Error: interrupted by SIGINT"
+    assert list(tmp_path.iterdir()) == []
+
+
+def dead_pid() -> int:
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    return proc.pid
