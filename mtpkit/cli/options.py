@@ -15,6 +15,7 @@ from typing import Annotated, Any
 import typer
 
 from mtpkit.core import signals
+from mtpkit.core.environment import check_environment
 from mtpkit.core.errors import MtpkitError, one_line
 
 # Exit code for "the checkpoint was read, and it fails what was required of it".
@@ -93,6 +94,7 @@ def friendly_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         try:
+            check_environment()  # before anything reads a variable (huggingface_hub: on import)
             return fn(*args, **kwargs)
         except (typer.Exit, typer.Abort, typer.TyperException):
             raise

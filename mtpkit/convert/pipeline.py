@@ -143,7 +143,7 @@ def convert(
         manifest = build_manifest(ckpt, plan, settings, layers, backbone_quant=backbone_quant)
         with new_directory(out) as tmp:
             _write_output(tmp, ckpt, converter, plan, config, manifest, quiet=quiet)
-            refuse_nonfinite_head(tmp / HEAD_WEIGHTS_PATH, ckpt)
+            refuse_nonfinite_head(tmp / HEAD_WEIGHTS_PATH, ckpt, settings.dtype)
     finally:
         mx.set_cache_limit(cache_limit)
         converter.close()
@@ -159,18 +159,35 @@ def convert(
     )
 
 
-def refuse_nonfinite_head(head_file: Path, ckpt: Checkpoint) -> None:
-    """A head with NaN or Inf is never published as a conversion (`head_not_finite`)."""
+def refuse_nonfinite_head(head_file: Path, ckpt: Checkpoint, dtype: str | None = None) -> None:
+    """A head with NaN or Inf is never published as a conversion (`head_not_finite`). Inf
+    from a cast to `--dtype float16` of a wider head is named as such: values past float16's
+    range, not a damaged download."""
     if not head_file.exists():
         return
     bad = list(nonfinite_tensors({head_file: None}))
-    if bad:
-        more = f" (+{len(bad) - 1} more)" if len(bad) > 1 else ""
+    if not bad:
+        return
+    more = f" (+{len(bad) - 1} more)" if len(bad) > 1 else ""
+    if dtype == "float16" and _overflowed(head_file, bad, ckpt):
         raise CheckpointProblem(
-            f"{ckpt.source.describe()} cannot be converted (head_not_finite): the MTP head's "
-            f"{bad[0]}{more} holds NaN or Inf; download the checkpoint again or take the head "
-            "from the original"
+            f"{ckpt.source.describe()} cannot be converted to float16: the MTP head's "
+            f"{bad[0]}{more} holds values past float16's range (65504); pass --dtype bfloat16 "
+            "or --dtype float32"
         )
+    raise CheckpointProblem(
+        f"{ckpt.source.describe()} cannot be converted (head_not_finite): the MTP head's "
+        f"{bad[0]}{more} holds NaN or Inf; download the checkpoint again or take the head "
+        "from the original"
+    )
+
+
+def _overflowed(head_file: Path, bad: list[str], ckpt: Checkpoint) -> bool:
+    """Only Inf (a cast overflows to Inf, never to NaN) from a head stored wider than F16."""
+    if all(t.dtype == "F16" for t in ckpt.mtp_tensors):
+        return False
+    tensors = mx.load(str(head_file), format="safetensors")
+    return not any(mx.any(mx.isnan(tensors[name])).item() for name in bad)
 
 
 def repaired(ckpt: Checkpoint, layers: int) -> list[str]:
@@ -400,7 +417,7 @@ def _write_graft(
         )
         if bar is not None:
             bar.close()
-        refuse_nonfinite_head(tmp_weights, ckpt)
+        refuse_nonfinite_head(tmp_weights, ckpt, converter.settings.dtype)
         write_manifest(swap.temp_for(targets[1]), manifest)
         write_config(swap.temp_for(targets[2]), config)
         swap.commit()
