@@ -15,6 +15,7 @@ from typing import Annotated, Any
 import typer
 
 from mtpkit.core import signals
+from mtpkit.core.console import quiet_libraries
 from mtpkit.core.environment import check_environment
 from mtpkit.core.errors import MtpkitError, one_line
 
@@ -95,6 +96,7 @@ def friendly_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         try:
             check_environment()  # before anything reads a variable (huggingface_hub: on import)
+            quiet_libraries()
             return fn(*args, **kwargs)
         except (typer.Exit, typer.Abort, typer.TyperException):
             raise
@@ -163,3 +165,20 @@ TopPOpt = Annotated[
     ),
 ]
 TopKOpt = Annotated[int, typer.Option("--top-k", min=0, help="Sample among the top K (0: off).")]
+
+
+def read_stdin_prompt() -> str:
+    """`--prompt -`: standard input as UTF-8 text; other bytes are one line naming where."""
+    import sys
+
+    stream = getattr(sys.stdin, "buffer", None)
+    data = stream.read() if stream is not None else sys.stdin.read()
+    if isinstance(data, str):
+        return data
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise MtpkitError(
+            f"--prompt -: standard input is not UTF-8 text (byte 0x{data[e.start]:02x} at "
+            f"offset {e.start}): pass the prompt as UTF-8"
+        ) from None

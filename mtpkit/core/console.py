@@ -72,3 +72,20 @@ def step_bar(total: int, *, initial: int = 0, desc: str, quiet: bool = False) ->
         leave=False,
         name=PROGRESS_GROUP,
     )
+
+
+def quiet_libraries() -> None:
+    """transformers' log lines and Python warnings (deprecations of config fields, model-type
+    notices) stay off stderr, which holds mtpkit's own lines and at most one `Error:` line;
+    MTPKIT_DEBUG=1 or TRANSFORMERS_VERBOSITY shows them again."""
+    import os
+    import warnings
+
+    if os.environ.get("MTPKIT_DEBUG") == "1":
+        return
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")  # read when transformers loads
+    warnings.filterwarnings("ignore", module=r"transformers(\.|$)")
+    if "transformers" in sys.modules and os.environ["TRANSFORMERS_VERBOSITY"] == "error":
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.set_verbosity_error()

@@ -42,6 +42,16 @@ PRE_NORM = "pre_norm"
 HIDDEN_MODES = (POST_NORM, PRE_NORM)
 # What mlx-lm needs from a Hub repo to load a model and its tokenizer.
 MODEL_FILES = ("*.json", "*.safetensors", "*.py", "*.model", "*.tiktoken", "*.txt", "*.jinja")
+# A tokenizer mlx-lm (through transformers) can build: one of these is needed.
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer.model",
+    "vocab.json",
+    "*.tiktoken",
+    "tiktoken.model",
+    "vocab.txt",
+    "spiece.model",
+)
 HEAD_TENSOR_PREFIXES = ("mtp.", "model.mtp.", "language_model.mtp.", "model.mtp_layers.")
 
 
@@ -208,6 +218,11 @@ def resolve_model_path(spec: str, revision: str | None = None) -> Path:
         path = local if local.is_dir() else source.root  # else: an offline Hub snapshot
     if not (path / "config.json").exists():
         raise MtpkitError(f"{spec} has no config.json: pass a model directory")
+    if not any(any(path.glob(pattern)) for pattern in TOKENIZER_FILES):
+        raise MtpkitError(
+            f"{spec} has no tokenizer files ({', '.join(TOKENIZER_FILES[:4])}, ...): copy them "
+            "from the original checkpoint into it"
+        )
     return path
 
 
