@@ -195,7 +195,7 @@ def repaired(ckpt: Checkpoint, layers: int) -> list[str]:
     return [
         f"{p['message'].split(': set ')[0]}; writing {ckpt.family.mtp_field()}={layers}"
         for p in ckpt.problems
-        if p["code"] == "mtp_layer_count_mismatch"
+        if p["code"] in ("mtp_layer_count_mismatch", "mtp_present_not_declared")
     ]
 
 
