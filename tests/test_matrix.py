@@ -470,3 +470,13 @@ def test_a_full_disk_is_one_line_and_leaves_nothing(checkpoint, tmp_path, layout
     assert len(lines) == 1 and lines[0].startswith(f"Error: writing {out} failed, nothing was ")
     assert "File too large" in lines[0]
     assert list(tmp_path.iterdir()) == []
+
+
+def test_tables_print_whole_when_piped(matrix, monkeypatch):
+    """stdout is a pipe (CliRunner's, as `| tee log`): no row is cut to 80 columns."""
+    monkeypatch.delenv("COLUMNS", raising=False)
+    source, _ = matrix("mimo", "float32")
+    result = run(["inspect", str(source)], code=0, untouched=(source,))
+    assert "…" not in result.stdout
+    assert "model.mtp_layers.0.self_attn.q_proj.weight" in result.stdout
+    assert "model-00002-of-00002.safetensors" in result.stdout

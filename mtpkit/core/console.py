@@ -5,13 +5,35 @@ Results go to stdout (`mtpkit.cli.output` prints them); everything else goes to 
 
 from __future__ import annotations
 
+import os
 import sys
 from typing import Any
 
-from rich.console import Console
+from rich.console import Console, ConsoleDimensions
 
-stdout = Console(soft_wrap=True)
-stderr = Console(stderr=True, soft_wrap=True)
+# Piped or logged output has no width to fit: rich would assume 80 columns and cut tensor
+# names and numbers with an ellipsis. Up to this width a table prints whole instead.
+PIPE_WIDTH = 1000
+
+
+class WholeConsole(Console):
+    """A rich console that, when not writing to a terminal (and COLUMNS is not set), lays
+    tables out at PIPE_WIDTH, so nothing in a row is cut; a terminal keeps its own width."""
+
+    @property
+    def size(self) -> ConsoleDimensions:
+        size = Console.size.fget(self)  # type: ignore[attr-defined]
+        if self.is_terminal or self._width is not None or os.environ.get("COLUMNS"):
+            return size
+        return ConsoleDimensions(PIPE_WIDTH, size.height)
+
+    @size.setter
+    def size(self, new_size: tuple[int, int]) -> None:
+        Console.size.fset(self, new_size)  # type: ignore[attr-defined]
+
+
+stdout = WholeConsole(soft_wrap=True)
+stderr = WholeConsole(stderr=True, soft_wrap=True)
 # mtpkit's bars, as a huggingface_hub progress-bar group (`disable_progress_bars("mtpkit")`).
 PROGRESS_GROUP = "mtpkit"
 
