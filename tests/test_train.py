@@ -336,3 +336,21 @@ def test_a_killed_checkpoint_write_leaves_the_previous_one(llama, tmp_path, monk
         f"Error: --resume: {directory / 'state.json'} is damaged (JSONDecodeError): delete "
         f"{directory} and train from the start"
     ]
+
+
+def test_a_head_trained_on_a_4bit_conversion_passes_check(checkpoint, tmp_path) -> None:
+    """The old head's 4-bit entries leave config.json with it: check finds what it records."""
+    quantized = tmp_path / "q4"
+    ok = runner.invoke(
+        app, ["convert", str(checkpoint("mimo")), "-o", str(quantized), "--bits", "4", "-q"]
+    )
+    assert ok.exit_code == 0, ok.output
+    out = tmp_path / "trained"
+    args = ["train-head", str(quantized), "-o", str(out), "--steps", "2", "--batch-size", "2"]
+    args += ["--seq-len", "16", "--samples-per-prompt", "1", "--eval-every", "2", "--quiet"]
+    trained = runner.invoke(app, args)
+    assert trained.exit_code == 0, trained.output
+    result = runner.invoke(app, ["check", str(out), "--no-probe", "--json"])
+    assert result.exit_code == 0, result.output
+    checks = {c["name"]: c["status"] for c in json.loads(result.stdout)["checks"]}
+    assert checks["quantization"] == "pass" and checks["head_present"] == "pass"
