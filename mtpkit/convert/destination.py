@@ -326,11 +326,18 @@ def write_file(path: Path, text: str, *, option: str, sources: Iterable[Path | N
         tmp.write_text(text, encoding="utf-8")
         os.replace(tmp, path)
     except OSError as e:
-        tmp.unlink(missing_ok=True)
+        _discard(tmp)
         raise MtpkitError(f"cannot write {option} {path}: {_reason(e)}") from None
     except BaseException:
-        tmp.unlink(missing_ok=True)
+        _discard(tmp)
         raise
+
+
+def _discard(tmp: Path) -> None:
+    try:
+        tmp.unlink(missing_ok=True)
+    except OSError:  # its parent is not a directory: there is nothing to remove
+        pass
 
 
 def _reason(e: OSError) -> str:

@@ -218,7 +218,8 @@ def resolve_model_path(spec: str, revision: str | None = None) -> Path:
         path = local if local.is_dir() else source.root  # else: an offline Hub snapshot
     if not (path / "config.json").exists():
         raise MtpkitError(f"{spec} has no config.json: pass a model directory")
-    if not any(any(path.glob(pattern)) for pattern in TOKENIZER_FILES):
+    weights = any(path.glob("*.safetensors"))  # without any, the loader's own error says so
+    if weights and not any(any(path.glob(pattern)) for pattern in TOKENIZER_FILES):
         raise MtpkitError(
             f"{spec} has no tokenizer files ({', '.join(TOKENIZER_FILES[:4])}, ...): copy them "
             "from the original checkpoint into it"
