@@ -354,3 +354,23 @@ def test_a_head_trained_on_a_4bit_conversion_passes_check(checkpoint, tmp_path) 
     assert result.exit_code == 0, result.output
     checks = {c["name"]: c["status"] for c in json.loads(result.stdout)["checks"]}
     assert checks["quantization"] == "pass" and checks["head_present"] == "pass"
+
+
+def test_a_killed_runs_copy_is_removed_by_the_next(llama, tmp_path) -> None:
+    """The same stale-sibling rule as convert's: a model-sized hidden copy left by a killed
+    train-head is removed, with a line saying so, by the next run writing there."""
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    stale = tmp_path / f".out.mtpkit-tmp-{proc.pid}"
+    (stale / "mtp").mkdir(parents=True)
+    (stale / "model.safetensors").write_bytes(b"half a model")
+    out = tmp_path / "out"
+    result = runner.invoke(app, ["train-head", str(llama), "-o", str(out), "--data", "nope.csv"])
+    assert result.exit_code == 1
+    assert result.stderr.splitlines()[0] == (
+        f"removing {stale}, left by an earlier run that did not finish"
+    )
+    assert not stale.exists() and not out.exists()
