@@ -374,3 +374,18 @@ def test_a_killed_runs_copy_is_removed_by_the_next(llama, tmp_path) -> None:
         f"removing {stale}, left by an earlier run that did not finish"
     )
     assert not stale.exists() and not out.exists()
+
+
+def test_into_writes_nothing_through_a_link_leaving_the_model(llama, tmp_path) -> None:
+    other = tmp_path / "other-model-mtp"
+    other.mkdir()
+    (other / "weights.safetensors").write_bytes(b"another model's head")
+    target = Path(shutil.copytree(llama, tmp_path / "conversion"))
+    (target / "mtp").symlink_to(other)
+    result = runner.invoke(app, ["train-head", str(llama), "--into", str(target), *LLAMA_ARGS])
+    assert result.exit_code == 1
+    assert result.stderr.splitlines() == [
+        f"Error: --into {target}: mtp is a link to {other}, outside {target}; mtpkit writes "
+        "nothing through it: replace the link with a directory"
+    ]
+    assert (other / "weights.safetensors").read_bytes() == b"another model's head"

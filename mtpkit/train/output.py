@@ -29,7 +29,6 @@ from mtpkit.convert.destination import (
     claim_output,
     local_source_dir,
     new_directory,
-    refuse_overlap,
     remove_stale,
 )
 from mtpkit.convert.writer import read_config, write_config
@@ -71,7 +70,8 @@ def check_destination(
     if into is not None:
         if not (into / "config.json").is_file():
             raise OutputError(f"--into {into}: not a model directory (no config.json)")
-        refuse_overlap(into, source, option="--into")
+        # `--into MODEL` itself is fine: the model is read before anything is written, and
+        # only the head's files and config.json are replaced, never through a link.
         FileSwap(into).check(install_targets(into))
         if has_head(into) and not force:
             raise OutputError(f"--into {into} already has an MTP head: pass --force to replace it")
