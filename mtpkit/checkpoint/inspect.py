@@ -102,6 +102,7 @@ def read_checkpoint(spec: str, *, revision: str | None = None) -> Checkpoint:
         raise NotACheckpoint(f"{source.describe()} has config.json but no safetensors weights")
 
     ckpt = Checkpoint(source, config, family, "hf", manifest, index, shards, sidecars)
+    copies: dict[str, list[str]] = {}  # tensors more than one shard holds
     for p in config_problems(config, family.mtp_field()):
         ckpt.problem(p.code, p.message)
     for shard in shards + sidecars:
@@ -124,7 +125,10 @@ def read_checkpoint(spec: str, *, revision: str | None = None) -> Checkpoint:
             continue
         ckpt.headers[shard] = header
         for name, info in header.tensors.items():
+            if shard in shards and name in ckpt.tensors:
+                copies.setdefault(name, [ckpt.tensors[name].shard]).append(shard)
             ckpt.tensors.setdefault(name, info)
+    _follow_index(ckpt, copies, weight_map)
 
     for name, shard in sorted(weight_map.items()):
         if shard in ckpt.headers and name not in ckpt.headers[shard].tensors:
@@ -154,6 +158,26 @@ def read_checkpoint(spec: str, *, revision: str | None = None) -> Checkpoint:
         )
     _check_mtp(ckpt)
     return ckpt
+
+
+def _follow_index(ckpt: Checkpoint, copies: dict[str, list[str]], weight_map: dict) -> None:
+    """A tensor stored in several shards is read from the shard the index names, and the
+    copies are a problem (`duplicate_tensor`): which one the writer meant is not certain."""
+    if not copies:
+        return
+    for name in copies:
+        indexed = weight_map.get(name)
+        if indexed in ckpt.headers and name in ckpt.headers[indexed].tensors:
+            ckpt.tensors[name] = ckpt.headers[indexed].tensors[name]
+    name, holders = next(iter(sorted(copies.items())))
+    more = f" (+{len(copies) - 1} more tensors)" if len(copies) > 1 else ""
+    chosen = weight_map.get(name)
+    rule = f"the index names {chosen}" if chosen else "no index says which is meant"
+    ckpt.problem(
+        "duplicate_tensor",
+        f"{name} is stored in {' and '.join(holders)}{more}; {rule}: remove the extra "
+        "copies (or download the checkpoint again)",
+    )
 
 
 def _format(ckpt: Checkpoint) -> str:

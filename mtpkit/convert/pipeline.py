@@ -27,11 +27,11 @@ from mtpkit.checkpoint.inspect import Checkpoint, read_checkpoint
 from mtpkit.checkpoint.validate import nonfinite_tensors
 from mtpkit.convert.destination import (
     FileSwap,
-    fresh_temp_dir,
+    claim_output,
     local_source_dir,
+    new_directory,
     refuse_overlap,
     remove_stale,
-    replace_with,
 )
 from mtpkit.convert.plan import Converter, Plan, Settings, check_conv1d, refuse_problems
 from mtpkit.convert.records import build_manifest, output_config, set_quantization
@@ -119,13 +119,10 @@ def convert(
         hidden=hidden,
     )
     out = Path(output).expanduser()
-    refuse_overlap(out, local_source_dir(source))
-    if (out.exists() or out.is_symlink()) and not force:
-        raise MtpkitError(f"{out} already exists: pass --force to replace it, or choose another -o")
+    claim_output(out, force=force, sources=[local_source_dir(source)])
     ckpt = read_checkpoint(source, revision=revision)
     if ckpt.source.kind == "local":  # also a Hub repo's cached snapshot, used offline
         refuse_overlap(out, ckpt.source.snapshot_dir())
-    remove_stale([out])
     _check_convertible(ckpt, settings, out, recipe, recipe_family)
 
     converter = Converter(ckpt, settings)
@@ -138,17 +135,9 @@ def convert(
         config = output_config(ckpt, plan, settings, layers)
         backbone_quant = _backbone_quantization(ckpt, settings)
         manifest = build_manifest(ckpt, plan, settings, layers, backbone_quant=backbone_quant)
-        tmp = fresh_temp_dir(out)
-        try:
+        with new_directory(out) as tmp:
             _write_output(tmp, ckpt, converter, plan, config, manifest, quiet=quiet)
-            refuse_nonfinite_head(tmp / HEAD_WEIGHTS_PATH, ckpt)
-            replace_with(out, tmp)
-        except OSError as e:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise MtpkitError(f"writing {out} failed, nothing was written: {e}") from None
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
+            refuse_nonfinite_head(tmp / HEAD_WEIGHTS_PATH, ckpt, settings.dtype)
     finally:
         mx.set_cache_limit(cache_limit)
         converter.close()
@@ -164,18 +153,35 @@ def convert(
     )
 
 
-def refuse_nonfinite_head(head_file: Path, ckpt: Checkpoint) -> None:
-    """A head with NaN or Inf is never published as a conversion (`head_not_finite`)."""
+def refuse_nonfinite_head(head_file: Path, ckpt: Checkpoint, dtype: str | None = None) -> None:
+    """A head with NaN or Inf is never published as a conversion (`head_not_finite`). Inf
+    from a cast to `--dtype float16` of a wider head is named as such: values past float16's
+    range, not a damaged download."""
     if not head_file.exists():
         return
     bad = list(nonfinite_tensors({head_file: None}))
-    if bad:
-        more = f" (+{len(bad) - 1} more)" if len(bad) > 1 else ""
+    if not bad:
+        return
+    more = f" (+{len(bad) - 1} more)" if len(bad) > 1 else ""
+    if dtype == "float16" and _overflowed(head_file, bad, ckpt):
         raise CheckpointProblem(
-            f"{ckpt.source.describe()} cannot be converted (head_not_finite): the MTP head's "
-            f"{bad[0]}{more} holds NaN or Inf; download the checkpoint again or take the head "
-            "from the original"
+            f"{ckpt.source.describe()} cannot be converted to float16: the MTP head's "
+            f"{bad[0]}{more} holds values past float16's range (65504); pass --dtype bfloat16 "
+            "or --dtype float32"
         )
+    raise CheckpointProblem(
+        f"{ckpt.source.describe()} cannot be converted (head_not_finite): the MTP head's "
+        f"{bad[0]}{more} holds NaN or Inf; download the checkpoint again or take the head "
+        "from the original"
+    )
+
+
+def _overflowed(head_file: Path, bad: list[str], ckpt: Checkpoint) -> bool:
+    """Only Inf (a cast overflows to Inf, never to NaN) from a head stored wider than F16."""
+    if all(t.dtype == "F16" for t in ckpt.mtp_tensors):
+        return False
+    tensors = mx.load(str(head_file), format="safetensors")
+    return not any(mx.any(mx.isnan(tensors[name])).item() for name in bad)
 
 
 def repaired(ckpt: Checkpoint, layers: int) -> list[str]:
@@ -183,7 +189,7 @@ def repaired(ckpt: Checkpoint, layers: int) -> list[str]:
     return [
         f"{p['message'].split(': set ')[0]}; writing {ckpt.family.mtp_field()}={layers}"
         for p in ckpt.problems
-        if p["code"] == "mtp_layer_count_mismatch"
+        if p["code"] in ("mtp_layer_count_mismatch", "mtp_present_not_declared")
     ]
 
 
@@ -298,6 +304,7 @@ def graft(
     if not (into / "config.json").is_file():
         raise MtpkitError(f"--into {into} is not an MLX model directory (no config.json)")
     refuse_overlap(into, local_source_dir(source), option="--into")
+    FileSwap(into).check(graft_targets(into))
     trunk = read_checkpoint(str(into))
     if trunk.format != "mlx":
         raise MtpkitError(f"--into {into} is not an MLX conversion; run `mtpkit convert` instead")
@@ -375,6 +382,11 @@ def _trunk_dtype(trunk: Checkpoint) -> str | None:
     return max(counts, key=lambda k: counts[k]) if counts else None
 
 
+def graft_targets(into: Path) -> list[Path]:
+    """The files a graft replaces in `into` (head, manifest, config), in writing order."""
+    return [into / HEAD_WEIGHTS_PATH, into / MANIFEST_PATH, into / "config.json"]
+
+
 def _write_graft(
     into: Path,
     ckpt: Checkpoint,
@@ -387,7 +399,7 @@ def _write_graft(
 ) -> None:
     """Head file, manifest and config written beside their targets, then moved over them;
     a failure (a NaN/Inf head included) leaves `into` as it was (no new empty mtp/)."""
-    targets = [into / HEAD_WEIGHTS_PATH, into / MANIFEST_PATH, into / "config.json"]
+    targets = graft_targets(into)
     remove_stale(targets)
     swap = FileSwap(into)
     try:
@@ -399,7 +411,7 @@ def _write_graft(
         )
         if bar is not None:
             bar.close()
-        refuse_nonfinite_head(tmp_weights, ckpt)
+        refuse_nonfinite_head(tmp_weights, ckpt, converter.settings.dtype)
         write_manifest(swap.temp_for(targets[1]), manifest)
         write_config(swap.temp_for(targets[2]), config)
         swap.commit()

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +24,13 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
+from mtpkit.convert.destination import (
+    FileSwap,
+    claim_output,
+    local_source_dir,
+    new_directory,
+    remove_stale,
+)
 from mtpkit.convert.writer import read_config, write_config
 from mtpkit.core.errors import MtpkitError
 from mtpkit.core.manifest import HEAD_WEIGHTS_PATH, MANIFEST_PATH, head_manifest, write_manifest
@@ -32,6 +38,7 @@ from mtpkit.families import Family, family_for
 from mtpkit.families.base import expert_layout
 from mtpkit.families.head import MtpHead
 
+HEAD_DIR = str(Path(HEAD_WEIGHTS_PATH).parent)
 # A model directory's own head files, left out of the copy (the new head replaces them).
 OLD_HEAD_FILES = ("mtp", "mtp.safetensors", "model-mtp.safetensors")
 DTYPES = {"bfloat16": mx.bfloat16, "float16": mx.float16, "float32": mx.float32}
@@ -41,17 +48,28 @@ class OutputError(MtpkitError):
     """The trained head cannot be written where it was asked to go."""
 
 
-def check_destination(output: Path | None, into: Path | None, force: bool) -> None:
-    """Fail before training, not after, on a destination the run could not write."""
+def check_destination(
+    output: Path | None, into: Path | None, force: bool, model: str | None = None
+) -> None:
+    """Fail before training, not after, on a destination the run could not write (the
+    rules of `mtpkit.convert.destination`, as convert and graft apply them) or a model
+    whose result `check` would fail."""
     if (output is None) == (into is None):
         raise OutputError("pass exactly one of -o OUT (a new model directory) and --into DIR")
-    if output is not None and output.exists() and not force:
-        raise OutputError(f"{output} exists: pass --force to replace it")
+    source = local_source_dir(model) if model is not None else None
+    if output is not None:
+        claim_output(output, force=force, sources=[source])
+    if source is not None:
+        refuse_inline_head(source, "MODEL")
     if into is not None:
         if not (into / "config.json").is_file():
             raise OutputError(f"--into {into}: not a model directory (no config.json)")
+        # `--into MODEL` itself is fine: the model is read before anything is written, and
+        # only the head's files and config.json are replaced, never through a link.
+        FileSwap(into).check(install_targets(into))
         if has_head(into) and not force:
             raise OutputError(f"--into {into} already has an MTP head: pass --force to replace it")
+        refuse_inline_head(into, "--into")
 
 
 def has_head(model_dir: Path) -> bool:
@@ -60,6 +78,24 @@ def has_head(model_dir: Path) -> bool:
     from mtpkit.checkpoint.inspect import read_checkpoint
 
     return bool(read_checkpoint(str(model_dir)).mtp_tensors)
+
+
+def refuse_inline_head(model_dir: Path, what: str) -> None:
+    """A head stored in the model's own shards (a raw checkpoint, an inline conversion)
+    would stay beside the new one, and `check` fails a model with two heads."""
+    from mtpkit.checkpoint.inspect import read_checkpoint
+
+    inline = sorted(
+        {t.shard for t in read_checkpoint(str(model_dir)).mtp_tensors}
+        - {n for n in OLD_HEAD_FILES}
+        - {f"{HEAD_DIR}/{Path(HEAD_WEIGHTS_PATH).name}"}
+    )
+    if inline:
+        raise OutputError(
+            f"{what} {model_dir} keeps an MTP head in {', '.join(inline[:2])}: a trained head "
+            "would be a second one; convert it with `mtpkit convert` (head in mtp/) and "
+            "train on that"
+        )
 
 
 def head_dtype(embedding: nn.Module) -> str:
@@ -118,8 +154,15 @@ def _write_sidecar(directory: Path, tensors: dict[str, mx.array], manifest: dict
 
 
 def _declared_config(model_dir: Path, family: Family) -> dict[str, Any]:
+    """The model's config with one MTP layer declared and any old head's quantization
+    entries dropped (the trained head is stored unquantized)."""
     config = read_config(model_dir / "config.json")
     family.declare_mtp(config, 1)
+    for key in ("quantization", "quantization_config"):
+        if isinstance(config.get(key), dict):
+            config[key] = {
+                k: v for k, v in config[key].items() if not k.startswith(family.head_prefix)
+            }
     return config
 
 
@@ -136,7 +179,7 @@ def write_trained_head(
 ) -> Path:
     """Write the head as a sidecar into a copy of `model` (`output`) or into `into`;
     returns the model directory that now holds it."""
-    check_destination(output, into, force)
+    check_destination(output, into, force, str(model))
     config = read_config(model / "config.json")
     family = family_for(config)
     dtype = dtype or "bfloat16"
@@ -158,6 +201,11 @@ def write_trained_head(
     return target
 
 
+def install_targets(into: Path) -> list[Path]:
+    """The files `--into` replaces: the sidecar's weights and manifest, then config.json."""
+    return [into / HEAD_WEIGHTS_PATH, into / MANIFEST_PATH, into / "config.json"]
+
+
 def _write_copy(
     model: Path,
     output: Path,
@@ -165,10 +213,7 @@ def _write_copy(
     tensors: dict[str, mx.array],
     manifest: dict[str, Any],
 ) -> None:
-    output = output.absolute()
-    output.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{output.name}.", dir=output.parent))
-    try:
+    with new_directory(output.absolute()) as tmp:
         for item in model.iterdir():
             if item.name in OLD_HEAD_FILES or item.name.startswith("."):
                 continue
@@ -177,35 +222,28 @@ def _write_copy(
             else:
                 shutil.copy2(item, tmp / item.name)
         write_config(tmp / "config.json", _declared_config(model, family))
-        _write_sidecar(tmp / "mtp", tensors, manifest)
-        if output.exists():
-            old = Path(tempfile.mkdtemp(prefix=f".{output.name}.old.", dir=output.parent))
-            os.replace(output, old / output.name)
-            os.replace(tmp, output)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, output)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
+        _write_sidecar(tmp / HEAD_DIR, tensors, manifest)
 
 
 def _install(
     into: Path, family: Family, tensors: dict[str, mx.array], manifest: dict[str, Any]
 ) -> None:
-    tmp = Path(tempfile.mkdtemp(prefix=".mtp.", dir=into))
-    config_tmp = into / f".config.json.{os.getpid()}.tmp"
-    old = None
+    """The head's files written beside their targets in `into` and moved over them, as a
+    graft does; a failure leaves `into` as it was."""
+    targets = install_targets(into)
+    remove_stale(targets)
+    swap = FileSwap(into)
     try:
-        _write_sidecar(tmp, tensors, manifest)
-        write_config(config_tmp, _declared_config(into, family))
-        if (into / "mtp").exists():
-            old = Path(tempfile.mkdtemp(prefix=".mtp.old.", dir=into))
-            os.replace(into / "mtp", old / "mtp")
-        os.replace(tmp, into / "mtp")
-        os.replace(config_tmp, into / "config.json")
-    finally:
-        for leftover in (tmp, old):
-            if leftover is not None and leftover.exists():
-                shutil.rmtree(leftover, ignore_errors=True)
-        config_tmp.unlink(missing_ok=True)
+        weights = swap.temp_for(targets[0])
+        mx.save_safetensors(str(weights), tensors, {"format": "mlx"})
+        os.replace(f"{weights}.safetensors", weights)  # mlx adds the suffix
+        write_manifest(swap.temp_for(targets[1]), manifest)
+        write_config(swap.temp_for(targets[2]), _declared_config(into, family))
+        swap.commit()
+    except BaseException as e:
+        swap.abort()
+        if isinstance(e, OSError):
+            raise OutputError(
+                f"writing the head into {into} failed, nothing was changed: {e}"
+            ) from None
+        raise

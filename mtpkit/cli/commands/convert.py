@@ -21,6 +21,7 @@ from mtpkit.cli.options import (
     number,
     value,
 )
+from mtpkit.convert.recipes import recipe_names
 from mtpkit.core.errors import MtpkitError
 
 OutputOpt = Annotated[
@@ -35,7 +36,12 @@ HiddenOpt = Annotated[
     ),
 ]
 RecipeOpt = Annotated[
-    str | None, typer.Option("--recipe", help="A recipes/*.toml file; flags override it.")
+    str | None,
+    typer.Option(
+        "--recipe",
+        help="A recipe: a .toml path or a name (" + ", ".join(recipe_names()) + "; a "
+        "model's published name works too); flags override it.",
+    ),
 ]
 ForceOpt = Annotated[
     bool,
