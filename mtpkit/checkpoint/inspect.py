@@ -61,6 +61,8 @@ class Checkpoint:
     tensors: dict[str, TensorInfo] = field(default_factory=dict)
     headers: dict[str, ShardHeader] = field(default_factory=dict)
     problems: list[dict[str, str]] = field(default_factory=list)
+    # Copies of the head for other runtimes, named by the manifest (not read as a head).
+    peer_files: list[str] = field(default_factory=list)
 
     def problem(self, code: str, message: str) -> None:
         self.problems.append({"code": code, "message": message})
@@ -97,11 +99,21 @@ def read_checkpoint(spec: str, *, revision: str | None = None) -> Checkpoint:
     else:
         weight_map = {}
         shards = sorted(n for n in source.files if "/" not in n and n.endswith(".safetensors"))
-    sidecars = [n for n in SIDECAR_WEIGHTS if source.has(n) and n not in shards]
+    # Files an mtpkit manifest names as copies of its head for other runtimes
+    # (`mtpkit.core.peers`): the same tensors again, not a second head.
+    peer_files = sorted(
+        n
+        for n in ((manifest or {}).get("peer_files") or {} if isinstance(manifest, dict) else {})
+        if isinstance(n, str) and source.has(n) and n not in shards
+    )
+    sidecars = [
+        n for n in SIDECAR_WEIGHTS if source.has(n) and n not in shards and n not in peer_files
+    ]
     if not shards and not sidecars:
         raise NotACheckpoint(f"{source.describe()} has config.json but no safetensors weights")
 
     ckpt = Checkpoint(source, config, family, "hf", manifest, index, shards, sidecars)
+    ckpt.peer_files = peer_files
     for p in config_problems(config, family.mtp_field()):
         ckpt.problem(p.code, p.message)
     for shard in shards + sidecars:

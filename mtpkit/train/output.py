@@ -35,6 +35,13 @@ from mtpkit.core.manifest import (
     SHIFTED,
     write_manifest,
 )
+from mtpkit.core.peers import (
+    PEER_HEAD_FILE,
+    declare_for_peers,
+    peer_manifest_keys,
+    peer_name,
+    writes_peer_head,
+)
 from mtpkit.families import Family, family_for
 from mtpkit.families.head import MtpHead
 
@@ -126,10 +133,27 @@ def _write_sidecar(directory: Path, tensors: dict[str, mx.array], manifest: dict
     write_manifest(directory / Path(MANIFEST_PATH).name, manifest)
 
 
-def _declared_config(model_dir: Path, family: Family) -> dict[str, Any]:
+def _declared_config(
+    model_dir: Path, family: Family, hidden: str
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The directory's config.json with the head declared (for the runtimes too,
+    `mtpkit.core.peers`), and the keys dropped from it."""
     config = read_config(model_dir / "config.json")
     family.declare_mtp(config, 1)
-    return config
+    dropped = declare_for_peers(
+        config,
+        family_name=family.name,
+        head_prefix=family.head_prefix,
+        head_quant={},
+        hidden=hidden,
+    )
+    return config, dropped
+
+
+def _write_peer_head(path: Path, tensors: dict[str, mx.array], family: Family) -> None:
+    """The head again as the MLX runtimes read it (`mtp.safetensors`, keys `mtp.<path>`)."""
+    peer = {peer_name(k, family.head_prefix): v for k, v in tensors.items()}
+    mx.save_safetensors(str(path), peer, {"format": "mlx"})
 
 
 def write_trained_head(
@@ -157,11 +181,13 @@ def write_trained_head(
             f"--into {into} is a {family_for(target_config).name} model, the head is {family.name}"
         )
     manifest = training_manifest(family, config, dtype=dtype, hidden=hidden, training=training)
+    declared, dropped = _declared_config(into if into is not None else model, family, hidden)
+    manifest.update(peer_manifest_keys(family.name, dropped))
     tensors = head_tensors(head, family, dtype)
     if into is not None:
-        _install(into, family, tensors, manifest)
+        _install(into, family, tensors, manifest, declared)
     else:
-        _write_copy(model, output, family, tensors, manifest)
+        _write_copy(model, output, family, tensors, manifest, declared)
     return target
 
 
@@ -171,6 +197,7 @@ def _write_copy(
     family: Family,
     tensors: dict[str, mx.array],
     manifest: dict[str, Any],
+    config: dict[str, Any],
 ) -> None:
     output = output.absolute()
     output.parent.mkdir(parents=True, exist_ok=True)
@@ -183,8 +210,10 @@ def _write_copy(
                 shutil.copytree(item, tmp / item.name)
             else:
                 shutil.copy2(item, tmp / item.name)
-        write_config(tmp / "config.json", _declared_config(model, family))
+        write_config(tmp / "config.json", config)
         _write_sidecar(tmp / "mtp", tensors, manifest)
+        if writes_peer_head(family.name):
+            _write_peer_head(tmp / PEER_HEAD_FILE, tensors, family)
         if output.exists():
             old = Path(tempfile.mkdtemp(prefix=f".{output.name}.old.", dir=output.parent))
             os.replace(output, old / output.name)
@@ -198,21 +227,31 @@ def _write_copy(
 
 
 def _install(
-    into: Path, family: Family, tensors: dict[str, mx.array], manifest: dict[str, Any]
+    into: Path,
+    family: Family,
+    tensors: dict[str, mx.array],
+    manifest: dict[str, Any],
+    config: dict[str, Any],
 ) -> None:
     tmp = Path(tempfile.mkdtemp(prefix=".mtp.", dir=into))
     config_tmp = into / f".config.json.{os.getpid()}.tmp"
+    peer_tmp = into / f".{PEER_HEAD_FILE}.{os.getpid()}.tmp"
     old = None
     try:
         _write_sidecar(tmp, tensors, manifest)
-        write_config(config_tmp, _declared_config(into, family))
+        write_config(config_tmp, config)
+        if writes_peer_head(family.name):
+            _write_peer_head(peer_tmp, tensors, family)
         if (into / "mtp").exists():
             old = Path(tempfile.mkdtemp(prefix=".mtp.old.", dir=into))
             os.replace(into / "mtp", old / "mtp")
         os.replace(tmp, into / "mtp")
+        if peer_tmp.exists():
+            os.replace(peer_tmp, into / PEER_HEAD_FILE)
         os.replace(config_tmp, into / "config.json")
     finally:
         for leftover in (tmp, old):
             if leftover is not None and leftover.exists():
                 shutil.rmtree(leftover, ignore_errors=True)
         config_tmp.unlink(missing_ok=True)
+        peer_tmp.unlink(missing_ok=True)
