@@ -141,3 +141,27 @@ def test_remote_code_key_is_dropped_so_mlx_lm_never_asks(
     )  # fmt: skip
     assert run.returncode == 0, run.stderr
     assert run.stdout == "loaded\n"
+
+
+@pytest.mark.parametrize("into", [False, True], ids=["output", "into"])
+def test_a_trained_head_is_written_for_the_peers_too(converted: Path, tmp_path, into) -> None:
+    from mtpkit.families import family_for
+    from mtpkit.train.output import write_trained_head
+
+    headless = tmp_path / "headless"
+    shutil.copytree(converted, headless)
+    shutil.rmtree(headless / "mtp")
+    (headless / "mtp.safetensors").unlink()
+    head = family_for(json.loads((headless / "config.json").read_text())).build_head(1)
+    target = headless if into else tmp_path / "out"
+    where = {"into": headless} if into else {"output": target}
+    write_trained_head(headless, head, hidden="post_norm", training={"model": "x"}, **where)
+    ours = mx.load(str(target / "mtp" / "weights.safetensors"))
+    theirs = mx.load(str(target / "mtp.safetensors"))
+    assert sorted(theirs) == sorted("mtp." + k.removeprefix("language_model.mtp.") for k in ours)
+    assert _header(target / "mtp.safetensors")["__metadata__"] == {"format": "mlx"}
+    manifest = json.loads((target / "mtp" / "manifest.json").read_text())
+    assert manifest["artifact_schema_version"] == 1 and "training" in manifest
+    assert json.loads((target / "config.json").read_text())["mtp_hidden_state_mode"] == "post_norm"
+    assert inspect_checkpoint(str(target))["mtp"]["tensor_count"] == len(ours)
+    assert sorted(p.name for p in target.iterdir() if p.name.startswith(".")) == []

@@ -235,7 +235,8 @@ def _install(
 ) -> None:
     tmp = Path(tempfile.mkdtemp(prefix=".mtp.", dir=into))
     config_tmp = into / f".config.json.{os.getpid()}.tmp"
-    peer_tmp = into / f".{PEER_HEAD_FILE}.{os.getpid()}.tmp"
+    # Named *.safetensors: mx.save_safetensors appends the suffix to any other name.
+    peer_tmp = into / f".peer-head.{os.getpid()}.safetensors"
     old = None
     try:
         _write_sidecar(tmp, tensors, manifest)
