@@ -21,6 +21,8 @@ from mtpkit.core.peers import (
 VLLM_MLX_SIDECAR = "model-mtp.safetensors"  # vllm-mlx's add_mtp_weights_qwen3_next.py layout
 RAPID_FILES = (PEER_HEAD_FILE, VLLM_MLX_SIDECAR, "mtp/model.safetensors")
 MTPLX_FILES = (PEER_HEAD_FILE, HEAD_WEIGHTS_PATH, VLLM_MLX_SIDECAR)
+# Why MTPLX, Rapid-MLX and vllm-mlx cannot run an inline head (they pin mlx-lm 0.31).
+OLD_MLX_LM = "its mlx-lm 0.31 shifts the backbone norms again when mtp.* keys sit in the shards"
 # The families each runtime builds a Qwen-style `mtp.` head for.
 QWEN35 = frozenset({"qwen3_5", "qwen3_5_moe"})
 
@@ -143,8 +145,7 @@ def runtimes(ckpt: Checkpoint) -> list[dict[str, Any]]:
             mtplx_ok,
             f"reads {mtplx_file}"
             if mtplx_ok
-            else "its mlx-lm 0.31 shifts the backbone norms again when mtp.* keys sit in the "
-            "shards"
+            else OLD_MLX_LM
             if inline
             else bits or "no head file it reads (mtp.safetensors)",
         )
@@ -159,8 +160,7 @@ def runtimes(ckpt: Checkpoint) -> list[dict[str, Any]]:
             rapid_ok,
             f"--enable-mtp --mtp-sidecar DIR (reads {rapid_file})"
             if rapid_ok
-            else "its mlx-lm 0.31 shifts the backbone norms again when mtp.* keys sit in the "
-            "shards"
+            else OLD_MLX_LM
             if inline
             else "no head file it reads (mtp.safetensors)",
         )
@@ -180,13 +180,15 @@ def _vllm_mlx_row(ckpt: Checkpoint, vlm_ok: bool, inline: bool) -> dict[str, Any
         + " but turns MTP off for Qwen3.5)"
     )
     if inline:
-        note = "its mlx-lm 0.31 shifts the backbone norms again when mtp.* keys sit in the shards"
+        note = OLD_MLX_LM
     return _row("vllm-mlx", "0.6.0", not inline, vlm_ok and not inline, note)
 
 
 def _drafter_rows() -> list[dict[str, Any]]:
     return [
-        _row("mlx-vlm", "0.7.10", True, True, "--draft-model DIR --draft-kind mtp (with its model)"),
+        _row(
+            "mlx-vlm", "0.7.10", True, True, "--draft-model DIR --draft-kind mtp (with its model)"
+        ),
         _row(
             "vllm-mlx",
             "0.6.0",
