@@ -69,7 +69,7 @@ def test_convert_uploads_a_checked_conversion_with_its_card(
         "python -m mlx_vlm.generate --model org/tiny-mlx --draft-model org/tiny-mlx --draft-kind mtp",
         "mtplx run --model org/tiny-mlx --mtp",
         "rapid-mlx serve org/tiny-mlx --enable-mtp --mtp-sidecar org/tiny-mlx",
-        "vllm-mlx serve org/tiny-mlx --enable-mtp --continuous-batching",
+        "vllm-mlx serve org/tiny-mlx --mllm --mllm-draft-model drafter --mllm-draft-kind mtp",
     ):
         assert command in card
     acceptance = lines[1].rsplit("acceptance ", 1)[1]

@@ -104,11 +104,15 @@ def run_commands(repo: str, family: str) -> list[tuple[str, str, str]]:
             ),
             (
                 "vllm-mlx 0.6.0",
-                "MTP (text path)",
-                f"vllm-mlx serve {repo} --enable-mtp --continuous-batching",
+                "MTP through an mlx-vlm drafter",
+                f"python -m mlx_vlm.split_mtp --model {repo} --output drafter && vllm-mlx serve "
+                f"{repo} --mllm --mllm-draft-model drafter --mllm-draft-kind mtp "
+                "--default-mllm-draft",
             ),
         ]
-    rows.append(("LM Studio (mlx-engine)", "plain decoding (no MTP)", f"lms get {repo}"))
+    rows.append(
+        ("LM Studio (mlx-engine)", "plain decoding (no MTP)", f"search {repo} in LM Studio")
+    )
     return rows
 
 
