@@ -122,6 +122,8 @@ def test_an_upload_failing_half_way_leaves_nothing_check_would_pass(
     assert str(failed.value).endswith(
         f"the conversion stays in {conversion}: run the command again to retry"
     )
+    assert "Insufficient Storage" in str(failed.value)  # the server's reason, in one line
+    assert "\n" not in str(failed.value)
     assert HfApi().list_repo_files("org/half") == [".gitattributes"]
     checked = runner.invoke(app, ["check", "org/half"])
     assert checked.exit_code == 1 and "verdict: pass" not in checked.stdout

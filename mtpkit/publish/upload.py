@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from mtpkit import __version__
-from mtpkit.core.errors import MtpkitError, one_line
+from mtpkit.core.errors import MtpkitError
 from mtpkit.core.manifest import MANIFEST_PATH
 from mtpkit.publish.card import model_card
 
@@ -82,7 +82,15 @@ def upload(
         )
     except Exception as e:  # noqa: BLE001 - any failure of the client is the user's to see
         raise MtpkitError(
-            f"uploading {output} to {repo_id} failed, nothing was published ({one_line(e)}); "
+            f"uploading {output} to {repo_id} failed, nothing was published ({_reason(e)}); "
             f"the conversion stays in {output}: run the command again to retry"
         ) from None
     return {"repo": repo_id, "commit": info.oid, "url": info.commit_url, "check": result}
+
+
+def _reason(error: BaseException) -> str:
+    """The client's error in one line, with the error behind a wrapper (an LFS upload's
+    RuntimeError wraps the HTTP error that says why)."""
+    cause = error.__cause__ if isinstance(error, RuntimeError) and error.__cause__ else error
+    lines = [line.strip() for line in str(cause).splitlines() if line.strip()]
+    return f"{type(cause).__name__}: {lines[0]}" if lines else type(cause).__name__
