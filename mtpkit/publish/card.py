@@ -110,9 +110,7 @@ def run_commands(repo: str, family: str) -> list[tuple[str, str, str]]:
                 "--default-mllm-draft",
             ),
         ]
-    rows.append(
-        ("LM Studio (mlx-engine)", "plain decoding (no MTP)", f"search {repo} in LM Studio")
-    )
+    rows.append(("LM Studio (mlx-engine)", "plain decoding (no MTP)", ""))
     return rows
 
 
@@ -139,7 +137,7 @@ def model_card(repo: str, manifest: dict[str, Any], check: dict[str, Any] | None
     if pinned:
         where += f" at revision `{pinned}`"
     commands = "\n".join(
-        f"| {runtime} | {what} | `{command}` |"
+        f"| {runtime} | {what} | " + (f"`{command}`" if command else "from its model search") + " |"
         for runtime, what, command in run_commands(repo, str(manifest.get("family")))
     )
     return "\n".join(
