@@ -24,7 +24,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -42,6 +42,9 @@ from mtpkit.runtime.model import (
 from mtpkit.runtime.upcast import upcast_experts
 from mtpkit.spec.decode import MtpDecoder, SamplingSettings
 from mtpkit.spec.generate import check_prompt
+
+if TYPE_CHECKING:
+    from mtpkit.bench.draft import DraftModelBench, DraftModelRun
 
 DEFAULT_PROMPT = (
     "Write a short explanation of how a hash table works, with an example of inserting "
@@ -120,6 +123,7 @@ class BenchResult:
     max_tokens: int
     trials: int
     no_mtp_speedup: Figure = field(default_factory=Figure)
+    draft_model: Any = None  # a `draft.DraftModelRun` with --draft-model
     dtype: str | None = None
     moe_dtype: str | None = None  # what the experts ran in (bf16 experts run in float32 on CPU)
 
@@ -150,6 +154,7 @@ class BenchResult:
             "verify_costs": {str(k + 1): v.median for k, v in self.costs.verify.items()},
             "runs": [r.to_json() for r in self.runs if not r.adaptive],
             "adaptive": [r.to_json() for r in self.runs if r.adaptive],
+            "draft_model": self.draft_model.to_json() if self.draft_model else None,
         }
 
 
@@ -284,9 +289,11 @@ def bench(
     repeats: int = 20,
     trials: int = 5,
     progress: Callable[[str], None] | None = None,
+    draft: DraftModelBench | None = None,
 ) -> BenchResult:
-    """Measure plain decoding against MTP decoding at depths 1..max_depth; `progress` gets a
-    line per stage and per measured run."""
+    """Measure plain decoding against MTP decoding at depths 1..max_depth (and, with `draft`,
+    stock mlx-lm with a separate draft model); `progress` gets a line per stage and per
+    measured run."""
     if trials < 1 or max_tokens < 1:
         raise MtpkitError(f"trials and max_tokens must be at least 1, not {trials}, {max_tokens}")
     say = progress or (lambda s: None)
@@ -300,7 +307,7 @@ def bench(
         check_prompt(m, tokens)
         say("forward and head costs")
         costs = measure_costs(m, tokens, max_depth=max_depth, repeats=repeats)
-        return _trials(m, str(model), tokens, costs, max_tokens, max_depth, trials, say)
+        return _trials(m, str(model), tokens, costs, max_tokens, max_depth, trials, say, draft)
     finally:
         m.tokenizer.eos_token_ids = eos
 
@@ -319,6 +326,7 @@ def _trials(
     max_depth: int,
     trials: int,
     say: Callable[[str], None],
+    draft: DraftModelBench | None = None,
 ) -> BenchResult:
     import mlx_lm
 
@@ -331,6 +339,9 @@ def _trials(
     stock_tokenizer.eos_token_ids = []  # every run decodes exactly max_tokens tokens
     _stock_run(stock_model, stock_tokenizer, tokens, 8)  # warm up
     _mtp_run(m, tokens, 1, 8)
+    if draft is not None:
+        draft.check_target(stock_model, stock_tokenizer)
+        draft.run(stock_model, stock_tokenizer, tokens, 8)  # warm up
     plain, no_mtp, no_mtp_speedup = Figure(), Figure(), Figure()
     tps = {c: Figure() for c in _configs(max_depth)}
     speedup = {c: Figure() for c in _configs(max_depth)}
@@ -352,6 +363,9 @@ def _trials(
             accepted = "n/a" if acceptance is None else f"{acceptance:.1%}"
             name = f"MTP depth {config[0]}" + (" adaptive" if config[1] else "")
             say(f"{at} {name} {rate:.1f} tok/s, acceptance {accepted}")
+        if draft is not None and not draft.result.unavailable:
+            rate = draft.run(stock_model, stock_tokenizer, tokens, max_tokens, base)
+            say(f"{at} draft model {rate:.1f} tok/s, {draft.result.acceptance:.1%} from the draft")
     del stock_model
     runs = []
     for depth, adaptive in _configs(max_depth):
@@ -374,8 +388,17 @@ def _trials(
         )
     return BenchResult(
         model, plain, no_mtp, costs, runs, len(tokens), max_tokens, trials, no_mtp_speedup,
-        moe_dtype=m.moe_dtype,
+        moe_dtype=m.moe_dtype, draft_model=draft.result if draft is not None else None,
     )  # fmt: skip
+
+
+def draft_row(run: DraftModelRun) -> list[str]:
+    """The table row of stock mlx-lm with a draft model (its acceptance: tokens from the draft)."""
+    name = f"draft model, {run.num_draft_tokens} drafts"
+    if run.unavailable:
+        return [name, "-", "-", "n/a (below)", "", "", ""]
+    accepted = "-" if run.acceptance is None else f"{run.acceptance:.1%} drafted"
+    return [name, str(run.decode_tps), str(run.speedup), accepted, "", "", ""]
 
 
 def print_bench(result: BenchResult) -> None:
@@ -402,6 +425,8 @@ def print_bench(result: BenchResult) -> None:
         table.add_column(col, justify="left" if col in ("decoding", "by depth") else "right")
     table.add_row("stock mlx-lm", str(result.plain_tps), "1", "", "", "", "")
     table.add_row("--no-mtp", str(result.no_mtp_tps), str(result.no_mtp_speedup), *[""] * 4)
+    if result.draft_model is not None:
+        table.add_row(*draft_row(result.draft_model))
     for r in result.runs:
         by_depth = " ".join("-" if a is None else f"{a:.0%}" for a in r.acceptance_by_depth)
         name = f"depth {r.depth}" + (", adaptive" if r.adaptive else "")
@@ -415,3 +440,5 @@ def print_bench(result: BenchResult) -> None:
             "-" if not r.ceiling else f"{r.speedup.median / r.ceiling:.0%}",
         )
     stdout.print(table)
+    if result.draft_model is not None and result.draft_model.unavailable:
+        stdout.print(f"draft model: {result.draft_model.unavailable}")

@@ -34,6 +34,13 @@ from mtpkit.convert.destination import (
 from mtpkit.convert.writer import read_config, write_config
 from mtpkit.core.errors import MtpkitError
 from mtpkit.core.manifest import HEAD_WEIGHTS_PATH, MANIFEST_PATH, head_manifest, write_manifest
+from mtpkit.core.peers import (
+    PEER_HEAD_FILE,
+    declare_for_peers,
+    peer_manifest_keys,
+    peer_name,
+    writes_peer_head,
+)
 from mtpkit.families import Family, family_for
 from mtpkit.families.base import expert_layout
 from mtpkit.families.head import MtpHead
@@ -153,9 +160,12 @@ def _write_sidecar(directory: Path, tensors: dict[str, mx.array], manifest: dict
     write_manifest(directory / Path(MANIFEST_PATH).name, manifest)
 
 
-def _declared_config(model_dir: Path, family: Family) -> dict[str, Any]:
-    """The model's config with one MTP layer declared and any old head's quantization
-    entries dropped (the trained head is stored unquantized)."""
+def _declared_config(
+    model_dir: Path, family: Family, hidden: str
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The model's config with one MTP layer declared, any old head's quantization entries
+    dropped (the trained head is stored unquantized) and the head declared for the runtimes
+    (`mtpkit.core.peers`); and the keys dropped from it."""
     config = read_config(model_dir / "config.json")
     family.declare_mtp(config, 1)
     for key in ("quantization", "quantization_config"):
@@ -163,7 +173,26 @@ def _declared_config(model_dir: Path, family: Family) -> dict[str, Any]:
             config[key] = {
                 k: v for k, v in config[key].items() if not k.startswith(family.head_prefix)
             }
-    return config
+    dropped = declare_for_peers(
+        config,
+        family_name=family.name,
+        head_prefix=family.head_prefix,
+        head_quant={},
+        hidden=hidden,
+    )
+    return config, dropped
+
+
+def _save_head(path: Path, tensors: dict[str, mx.array]) -> None:
+    """`mx.save_safetensors` to exactly `path` (it appends `.safetensors` to other names)."""
+    mx.save_safetensors(str(path), tensors, {"format": "mlx"})
+    if path.suffix != ".safetensors":
+        os.replace(f"{path}.safetensors", path)
+
+
+def _peer_head(tensors: dict[str, mx.array], family: Family) -> dict[str, mx.array]:
+    """The head as the MLX runtimes read it (`mtp.safetensors`, keys `mtp.<path>`)."""
+    return {peer_name(k, family.head_prefix): v for k, v in tensors.items()}
 
 
 def write_trained_head(
@@ -190,14 +219,16 @@ def write_trained_head(
         raise OutputError(
             f"--into {into} is a {family_for(target_config).name} model, the head is {family.name}"
         )
+    declared, dropped = _declared_config(into if into is not None else model, family, hidden)
     tensors = head_tensors(head, family, dtype)
     manifest = training_manifest(
         family, config, tensors, dtype=dtype, hidden=hidden, training=training
     )
+    manifest.update(peer_manifest_keys(family.name, dropped))
     if into is not None:
-        _install(into, family, tensors, manifest)
+        _install(into, family, tensors, manifest, declared)
     else:
-        _write_copy(model, output, family, tensors, manifest)
+        _write_copy(model, output, family, tensors, manifest, declared)
     return target
 
 
@@ -212,6 +243,7 @@ def _write_copy(
     family: Family,
     tensors: dict[str, mx.array],
     manifest: dict[str, Any],
+    config: dict[str, Any],
 ) -> None:
     with new_directory(output.absolute()) as tmp:
         for item in model.iterdir():
@@ -221,24 +253,31 @@ def _write_copy(
                 shutil.copytree(item, tmp / item.name)
             else:
                 shutil.copy2(item, tmp / item.name)
-        write_config(tmp / "config.json", _declared_config(model, family))
+        write_config(tmp / "config.json", config)
         _write_sidecar(tmp / HEAD_DIR, tensors, manifest)
+        if writes_peer_head(family.name):
+            _save_head(tmp / PEER_HEAD_FILE, _peer_head(tensors, family))
 
 
 def _install(
-    into: Path, family: Family, tensors: dict[str, mx.array], manifest: dict[str, Any]
+    into: Path,
+    family: Family,
+    tensors: dict[str, mx.array],
+    manifest: dict[str, Any],
+    config: dict[str, Any],
 ) -> None:
     """The head's files written beside their targets in `into` and moved over them, as a
     graft does; a failure leaves `into` as it was."""
     targets = install_targets(into)
-    remove_stale(targets)
+    peer = writes_peer_head(family.name)
+    remove_stale(targets + ([into / PEER_HEAD_FILE] if peer else []))
     swap = FileSwap(into)
     try:
-        weights = swap.temp_for(targets[0])
-        mx.save_safetensors(str(weights), tensors, {"format": "mlx"})
-        os.replace(f"{weights}.safetensors", weights)  # mlx adds the suffix
+        _save_head(swap.temp_for(targets[0]), tensors)
         write_manifest(swap.temp_for(targets[1]), manifest)
-        write_config(swap.temp_for(targets[2]), _declared_config(into, family))
+        if peer:
+            _save_head(swap.temp_for(into / PEER_HEAD_FILE), _peer_head(tensors, family))
+        write_config(swap.temp_for(targets[2]), config)  # last: it declares the head
         swap.commit()
     except BaseException as e:
         swap.abort()

@@ -47,11 +47,25 @@ def bench_command(
             "--trials", min=1, help="Interleaved trials; each figure is their median and range."
         ),
     ] = 5,
+    draft_model: Annotated[
+        str | None,
+        typer.Option(
+            "--draft-model",
+            help="Also measure stock mlx-lm's speculative decoding with this separate draft "
+            "model directory (same tokenizer), as one more row of the table.",
+        ),
+    ] = None,
+    num_draft_tokens: Annotated[
+        int,
+        typer.Option("--num-draft-tokens", min=1, help="With --draft-model: drafts per step."),
+    ] = 3,
     json_output: JsonOpt = False,
 ) -> None:
     """Measure plain decoding (stock mlx-lm, --no-mtp) against MTP decoding at depths 1..K.
 
     Reports decode tok/s and acceptance per depth and with adaptive drafting, beta (a 2-token verify over a 1-token forward), delta (a head step over a 1-token forward), the realized speedup and its ceiling (1+a)/(beta+delta): medians of interleaved trials with their range.
+
+    With --draft-model DIR, one more row: stock mlx-lm's speculative decoding with that separate draft model (what LM Studio's mlx-engine offers), so the table shows whether the built-in head or a draft model is faster; models whose caches cannot be rolled back (Qwen3.5's gated delta nets) get the reason instead.
     """
     import shutil
 
@@ -65,6 +79,12 @@ def bench_command(
     from mtpkit.cli.output import print_json
     from mtpkit.core.console import log
 
+    draft = None
+    if draft_model is not None:
+        from mtpkit.bench.draft import DraftModelBench
+
+        log(f"... loading the draft model {draft_model}")
+        draft = DraftModelBench(draft_model, num_draft_tokens)
     if shape:
         log(f"... building a random {shape} model ({dtype.value} scales)")
     built = random_model_dir(shape, dtype.value) if shape else None
@@ -76,6 +96,7 @@ def bench_command(
             max_depth=max_depth,
             trials=trials,
             progress=lambda line: log(f"... {line}"),  # stderr, so also with --json
+            draft=draft,
         )
     finally:
         if built is not None:
