@@ -4,15 +4,26 @@ The head still runs and costs what it costs, but the token it drafts at each dep
 replaced: with probability A by the backbone's own next token, taken from a plain greedy pass
 over the same prompt (so the verify pass keeps it), else by a wrong one. The choice at each
 (position, depth) is a seeded hash of both, not a draw from a shared stream, so a pipelined
-round that is queued, discarded and built again gets the same drafts. Figures measured so
-are synthetic: they say what a head of that acceptance would gain, not what any head does.
+round that is queued, discarded and built again gets the same drafts.
+
+The verdict is held to the plan too (`read_verdict`): a random-weight model's logits are
+nearly tied, so its multi-token verify pass and stock's one-token steps part ways within a
+few tokens on a GPU (bf16), after which no reference token would be accepted again. The
+round keeps exactly the planned drafts and the backbone's token after them, so the verify
+pass, the rollback and the head's steps cost what a head of acceptance A costs. Figures
+measured so are synthetic: what a head of that acceptance would gain, not what any head does.
 """
 
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import mlx.core as mx
+
+if TYPE_CHECKING:
+    from mtpkit.spec.decode import MtpDecoder, Round
 
 
 class OracleDrafts:
@@ -28,6 +39,27 @@ class OracleDrafts:
         self.acceptance = acceptance
         self.vocab = vocab
         self.seed = seed
+
+    def planned(self, position: int, depth: int) -> int:
+        """Drafts planned right, in a row, for the round at `position`."""
+        start = position - self.prompt_length
+        kept = 0
+        while kept < depth and self.right(start + kept, kept):
+            kept += 1
+        return kept
+
+    def read_verdict(self, decoder: MtpDecoder) -> Callable[[Round], tuple[int, int, list[int]]]:
+        """A replacement for `decoder.read_round_verdict` (greedy): the planned count kept,
+        the backbone's own token after them."""
+
+        def read(r: Round) -> tuple[int, int, list[int]]:
+            values = r.packed.tolist()
+            k = decoder.depth
+            targets, drafts = values[: k + 1], values[k + 1 :]
+            kept = self.planned(r.position, k)
+            return kept, targets[kept], drafts
+
+        return read
 
     def right(self, index: int, depth: int) -> bool:
         u = random.Random(f"{self.seed}:{index}:{depth}").random()

@@ -149,7 +149,9 @@ class BenchResult:
         """Why the figures mean little, if they do: too few trials, too wide ranges."""
         notes = []
         if self.trials < MIN_TRIALS:
-            notes.append(f"{self.trials} trials (at least {MIN_TRIALS} for a median to mean much)")
+            notes.append(
+                f"{self.trials} trial(s) (at least {MIN_TRIALS} for a median to mean much)"
+            )
         figures = [("--no-mtp", self.no_mtp_speedup)] + [(_name(r), r.speedup) for r in self.runs]
         wide = [f"{name} {f.spread:.0%}" for name, f in figures if f.spread > MAX_SPREAD]
         if wide:

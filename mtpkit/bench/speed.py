@@ -169,6 +169,8 @@ def _mtp_run(
         m, prompt, depth=depth, sampling=SamplingSettings(), adaptive=adaptive,
         draft_filter=draft_filter,
     )  # fmt: skip
+    if isinstance(draft_filter, OracleDrafts):
+        decoder.read_round_verdict = draft_filter.read_verdict(decoder)
     n = first_round = 0
     t0 = None
     for _ in decoder.tokens(max_tokens):
