@@ -280,8 +280,9 @@ SELF_CHECK_TOLERANCE = 1e-4
 
 def use_fast_verify(model: nn.Module) -> list[str]:
     """On a CUDA GPU: the one-kernel gated-delta-net verify if `model` has such layers (after
-    a self-check against the reference), and, where asked (`MTPKIT_QMV=1`; not yet shown to
-    pay), the multi-row quantized matmul for the verify pass. Returns what it installed."""
+    a self-check against the reference), and the multi-row quantized matmul for the verify
+    pass on the matrices where it was measured to win (`qmv.WIDE_WEIGHTS`: the lm_head;
+    `MTPKIT_QMV=1`: every quantized layer, `0`: none). Returns what it installed."""
     if os.environ.get("MTPKIT_KERNELS", "1") == "0" or not cuda_available():
         return []
     from mtpkit.core.console import log
@@ -299,6 +300,9 @@ def use_fast_verify(model: nn.Module) -> list[str]:
             installed.append("gdn_verify")
         else:
             log(f"warning: the CUDA gated-delta-net verify kernel {detail}; using the reference")
-    if os.environ.get("MTPKIT_QMV", "0") == "1" and qmv.tap_quantized_layers(model):
-        installed.append("qmv")
+    routing = os.environ.get("MTPKIT_QMV", "wide")
+    if routing != "0":
+        qmv.set_min_weights(0 if routing == "1" else qmv.WIDE_WEIGHTS)
+        if qmv.tap_quantized_layers(model):
+            installed.append("qmv")
     return installed

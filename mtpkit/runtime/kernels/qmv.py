@@ -42,8 +42,13 @@ WARP_STEP = 32 * CHUNK  # weights of one row a warp covers per step
 WARPS_PER_BLOCK = 8
 # Output features per warp (1: most warps in flight; >1: the rows' x values reused).
 COLUMNS_PER_WARP = 1
-# Smallest weight matrix (out features * in features) routed to the kernel; below it a
-# launch of either kernel costs about the same. Measured by bench/gpu_kernels.py.
+# Smallest weight matrix (out features * in features) routed to the kernel. Measured on an
+# H100 (issue 18, bench/gpu_kernels.py): on the 248,320 x 1024 lm_head MLX's kernel costs
+# 164 / 309 / 454 / 601 us for 1..4 rows and this one 86-92 us, while on a 16 x 1024
+# matrix this one costs ~2x MLX's (27 vs 12 us), and routing every layer made a verify
+# slower. So by default only very wide matrices take it (the lm_head and the like, at least
+# 64M weights); MTPKIT_QMV=1 routes every quantized layer (`set_min_weights(0)`).
+WIDE_WEIGHTS = 64 * 1024 * 1024
 MIN_WEIGHTS = 0
 
 HEADER = """
@@ -287,6 +292,12 @@ def kernel_shape_ok(*, bits: int, group_size: int, mode: str, n: int, k: int, bi
 def rows_of(shape: tuple[int, ...]) -> int:
     """How many rows an input of `shape` [..., K] multiplies (its leading dims, flattened)."""
     return math.prod(shape[:-1])
+
+
+def set_min_weights(n: int) -> None:
+    """Route only matrices of at least `n` weights to the kernel (see `WIDE_WEIGHTS`)."""
+    global MIN_WEIGHTS
+    MIN_WEIGHTS = n
 
 
 def takes_kernel(rows: int, n: int, k: int) -> bool:
