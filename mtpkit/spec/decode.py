@@ -17,7 +17,8 @@ lazy arrays), as mlx-lm's `generate_step` queues the next token before reading t
 When the verdict shows a rejection, the queued round is discarded (`PassUndo` takes its pass
 back from every cache, its pairs leave the head's cache) and this round rolls back as usual.
 A discarded round cost its host time, so rounds are pipelined only while the smoothed share
-of fully kept rounds is at least `PIPELINE_MIN_FULL`. Random draws of a discarded round are
+of fully kept rounds is at least `PIPELINE_MIN_FULL`, and only on a GPU (on a CPU the
+discarded round's compute takes the cores that decode). Random draws of a discarded round are
 independent of everything kept, so sampling stays exact. Plain steps that are certain to be
 followed by another plain step are queued one ahead, as in mlx-lm's loop.
 """
@@ -138,6 +139,8 @@ class MtpDecoder:
         self.n_confirmed = 0  # tokens confirmed after the prompt
         self.stats = Stats(prompt_tokens=len(prompt))
         self.sampler = sampling.sampler()
+        if pipeline is None and mx.default_device() != mx.gpu:
+            pipeline = False  # a CPU computes a discarded round on the cores it decodes on
         self.pipeline = pipeline if can_discard(self.cache) else False
         self.full_share = 1.0  # smoothed share of rounds that kept every draft
         self.draft_filter = draft_filter
