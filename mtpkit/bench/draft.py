@@ -18,7 +18,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from mtpkit.bench.speed import Figure
+from mtpkit.bench.report import Figure
 from mtpkit.core.errors import MtpkitError
 from mtpkit.runtime.model import library_io
 from mtpkit.runtime.upcast import upcast_experts
