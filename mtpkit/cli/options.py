@@ -155,3 +155,20 @@ TopPOpt = Annotated[
     ),
 ]
 TopKOpt = Annotated[int, typer.Option("--top-k", min=0, help="Sample among the top K (0: off).")]
+# Options of a command run under `mlx.launch` (`mtpkit.cli.ranks`).
+PipelineOpt = Annotated[
+    bool,
+    typer.Option(
+        "--pipeline",
+        help="Under mlx.launch: pipeline stages instead of tensor parallelism, for models "
+        "mlx-lm can shard both ways (as mlx_lm.server --pipeline).",
+    ),
+]
+TimeoutOpt = Annotated[
+    float,
+    typer.Option(
+        "--timeout",
+        min=1,
+        help="Under mlx.launch: seconds a rank waits for the others before ending with an error.",
+    ),
+]

@@ -27,6 +27,7 @@ from mtpkit.core.errors import MtpkitError
 from mtpkit.runtime.headload import HeadWeights, MtpHead, load_head
 from mtpkit.runtime.kernels.gdn_verify import use_fast_verify
 from mtpkit.runtime.kernels.qmv import multi_row_matmuls
+from mtpkit.runtime.ranks import SINGLE, Lockstep
 from mtpkit.runtime.rollback.gdn import (
     GdnSnapshots,
     capture_gdn_states,
@@ -132,6 +133,15 @@ class MtpModel:
     hidden: str
     capture: HiddenCapture
     context_length: int | None
+    # The ranks this model is spread over (`mtpkit.runtime.sharded`); one process by default.
+    lockstep: Lockstep = SINGLE
+    # True on a rank without the head while rank 0 has one (a non-last pipeline stage).
+    head_elsewhere: bool = False
+
+    @property
+    def has_head(self) -> bool:
+        """Whether the decoding (on any rank) has an MTP head to draft with."""
+        return self.head is not None or self.head_elsewhere
 
     @property
     def moe_dtype(self) -> str | None:
@@ -164,9 +174,19 @@ class MtpModel:
         return self.embedding(tokens)
 
     def lm_head(self, x: mx.array) -> mx.array:
-        if "lm_head" in self.text_model:
-            return self.text_model.lm_head(x)
-        return self.embedding.as_linear(x)
+        """Logits over the whole vocabulary. Under tensor parallelism mlx-lm may shard the
+        lm_head by vocabulary (its `sharding_group`); the slices are gathered as mlx-lm's own
+        forward gathers them, a collective every rank joins."""
+        text = self.text_model
+        if "lm_head" not in text:
+            return self.embedding.as_linear(x)
+        group = getattr(text, "sharding_group", None)
+        logits = text.lm_head(x)
+        if group is None:
+            return logits
+        from mlx_lm.models.base import gather_last_axis
+
+        return gather_last_axis(logits, group)
 
     def hidden_state(self) -> mx.array:
         return self.capture.post if self.hidden == POST_NORM else self.capture.pre
@@ -370,6 +390,22 @@ def load_model(
         loaded = load_head(path, config, norm_shift=norm_shift, concat_order=concat_order)
         if loaded is not None:
             head, head_weights = loaded
+    return assemble(path, model, tokenizer, config, head, head_weights, hidden)
+
+
+def assemble(
+    path: Path,
+    model: nn.Module,
+    tokenizer: Any,
+    config: dict[str, Any],
+    head: MtpHead | None,
+    head_weights: HeadWeights | None,
+    hidden: str | None,
+    lockstep: Lockstep = SINGLE,
+    head_elsewhere: bool = False,
+) -> MtpModel:
+    """A loaded backbone and head made ready to decode: experts upcast where MLX needs it,
+    the final norm and the gated-delta-net layers tapped."""
     upcast_experts([model, head], what=str(path))
     if hidden is None:
         manifest = head_weights.manifest if head_weights is not None else None
@@ -381,4 +417,7 @@ def load_model(
     use_fast_verify(model)  # CUDA only: one-kernel recurrence and multi-row matmuls
     text = config.get("text_config") or config
     context = text.get("max_position_embeddings") or config.get("max_position_embeddings")
-    return MtpModel(path, model, tokenizer, config, head, head_weights, hidden, capture, context)
+    return MtpModel(
+        path, model, tokenizer, config, head, head_weights, hidden, capture, context,
+        lockstep, head_elsewhere,
+    )  # fmt: skip

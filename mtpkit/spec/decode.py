@@ -26,6 +26,7 @@ import mlx.core as mx
 from mtpkit.runtime.model import POST_NORM, MtpModel, NoMtpHead
 from mtpkit.runtime.rollback.verify_pass import VerifyPass
 from mtpkit.spec.accept import SamplingSettings, read_verdict, rejection_sample, verdict
+from mtpkit.spec.follower import FollowerDrafter, placeholder_verdict
 
 # SamplingSettings and rejection_sample live in mtpkit.spec.accept; importable from here too.
 __all__ = ["AdaptiveDrafting", "MtpDecoder", "SamplingSettings", "Stats", "rejection_sample"]
@@ -299,13 +300,20 @@ class MtpDecoder:
         adaptive: bool,
         use_mtp: bool = True,
     ) -> None:
-        if m.head is None and use_mtp:
+        if not m.has_head and use_mtp:
             raise NoMtpHead(f"{m.path} has no MTP head")
         self.m, self.prompt, self.depth, self.sampling = m, prompt, depth, sampling
         self.use_mtp = use_mtp
-        self.adaptive = AdaptiveDrafting(adaptive and use_mtp)
+        # Across ranks every rank must take the same step: adaptive drafting decides from
+        # each machine's own clock, so there every round drafts.
+        self.lockstep = m.lockstep
+        self.adaptive = AdaptiveDrafting(adaptive and use_mtp and self.lockstep.size == 1)
         self.cache = m.make_cache()
-        self.drafter = HeadDrafter(m) if m.head is not None else None
+        self.drafter: HeadDrafter | FollowerDrafter | None = None
+        if m.head is not None:
+            self.drafter = HeadDrafter(m)
+        elif m.head_elsewhere:
+            self.drafter = FollowerDrafter()
         # The last confirmed token: the backbone has not consumed it yet.
         self.last_token = prompt[-1]
         self._ahead: tuple[mx.array, mx.array] | None = None
@@ -328,6 +336,7 @@ class MtpDecoder:
                 if self.drafter is not None:
                     self.drafter.add(hidden, prompt[i + 1 : i + 1 + len(chunk)])
                 mx.clear_cache()
+                self.lockstep.tick()
             if self.drafter is not None and len(self.drafter.pending_tokens) > 1:
                 self.drafter.catch_up()  # the head's KV cache over the prompt
         self.stats.prompt_time = time.perf_counter() - start
@@ -346,8 +355,14 @@ class MtpDecoder:
     def draft_round(self) -> list[int]:
         """One drafting round; returns the tokens it confirms (at least one)."""
         drafts_arr, dists = self.drafter.draft(self.depth, self.sampling)
+        drafts_arr = self.lockstep.share(drafts_arr)  # rank 0's drafts on every rank
         verified = self.verify(drafts_arr)
-        packed, followers = verdict(verified.logits[0], drafts_arr, dists, self.sampling)
+        if self.m.head is not None:
+            packed, followers = verdict(verified.logits[0], drafts_arr, dists, self.sampling)
+        else:
+            followers = None
+            packed = placeholder_verdict(self.depth, self.sampling.greedy, verified.logits)
+        packed = self.lockstep.share(packed, after=[verified.logits])  # rank 0's verdict
         mx.async_eval(packed)
         # The next round's head step, queued before the read so that the device runs it
         # while the host settles this round.
@@ -366,7 +381,7 @@ class MtpDecoder:
         logits, hidden = self.m.forward(token.reshape(1, 1), self.cache)
         logits = logits[:, -1, :]
         logprobs = logits - mx.logsumexp(logits, keepdims=True)
-        return self.sampler(logprobs), hidden
+        return self.lockstep.share(self.sampler(logprobs)), hidden
 
     def plain_step(self, ahead: bool = False) -> list[int]:
         """One backbone step, as mlx-lm's generate_step takes it. With `ahead` (the next
@@ -393,6 +408,7 @@ class MtpDecoder:
     # -- the loop -------------------------------------------------------------------------
     def step(self, may_look_ahead: bool) -> list[int]:
         """A drafting round or a plain step, as adaptive drafting decides; timed for it."""
+        self.lockstep.tick()
         t0 = time.perf_counter()
         can_draft = self.use_mtp and self.drafter is not None
         drafting = can_draft and self.adaptive.want_draft() and self._ahead is None

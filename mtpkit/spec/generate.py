@@ -18,6 +18,7 @@ import mlx.core as mx
 
 from mtpkit.core.errors import MtpkitError
 from mtpkit.runtime.model import GenerateError, MtpModel, NoMtpHead, load_model, untapped
+from mtpkit.runtime.sharded import load_sharded, world
 from mtpkit.spec.decode import MAX_DEPTH, MtpDecoder, SamplingSettings, Stats
 
 GREEDY = SamplingSettings()
@@ -105,6 +106,8 @@ def stream_tokens(
     check_prompt(m, prompt)
     if seed is not None:
         mx.random.seed(seed)
+    if m.lockstep.size > 1:  # stock decoding samples on every rank: one seed for all
+        mx.random.seed(m.lockstep.share_int(int(mx.random.randint(0, 2**31 - 1).item())))
     if not mtp:
         return _stock_tokens(m, prompt, max_tokens=max_tokens, sampling=sampling)
     decoder = MtpDecoder(m, prompt, depth=depth, sampling=sampling, adaptive=adaptive)
@@ -144,6 +147,7 @@ def _stock_tokens(
                 if first is None:
                     first = time.perf_counter()
                     stats.prompt_time = first - start
+                m.lockstep.tick()
                 if response.finish_reason == "stop":
                     break
                 stats.generated.append(response.token)
@@ -170,14 +174,20 @@ def generate(
     chat_template: bool = True,
     on_token: Callable[[str], None] | None = None,
     warn: Callable[[str], None] | None = None,
+    pipeline: bool = False,
 ) -> GenerationResult:
     """Generate from a model directory with (or without) its MTP head.
 
     `mtp` is True (the head is required), False, or "auto" (use the head when there is one,
     else warn and decode plainly). `on_token` receives text segments as they are decoded.
+    Under `mlx.launch` each rank loads its part (`mtpkit.runtime.sharded`; `pipeline` picks
+    pipeline stages where the model also has tensor parallelism) and every rank returns the
+    same result.
     """
     if isinstance(model, MtpModel):
         m = model
+    elif (group := world()) is not None:  # one rank of `mlx.launch`
+        m = load_sharded(model, group, pipeline=pipeline, hidden=hidden, with_head=mtp is not False)
     else:
         m = load_model(model, hidden=hidden, with_head=mtp is not False)
     use_mtp = _use_head(m, mtp, warn)
@@ -220,7 +230,7 @@ def generate(
 
 def _use_head(m: MtpModel, mtp: bool | str, warn: Callable[[str], None] | None) -> bool:
     """Whether to draft: `mtp` True needs a head, "auto" falls back to plain with a warning."""
-    if not mtp or m.head is not None:
+    if not mtp or m.has_head:
         return bool(mtp)
     message = (
         f"{m.path} has no MTP head (no mtp/weights.safetensors sidecar and no mtp.* "

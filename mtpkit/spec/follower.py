@@ -1,0 +1,49 @@
+"""The decoder's side of a rank without the MTP head (`mtpkit.runtime.ranks`): a non-last
+pipeline stage drafts placeholders that rank 0's shared drafts replace, and reads rank 0's
+verdict."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import mlx.core as mx
+
+
+class FollowerDrafter:
+    """The drafter of a rank without the head (a non-last pipeline stage): it keeps the
+    bookkeeping `HeadDrafter` keeps (whether there is a confirmed pair to draft from) and
+    drafts placeholders, which `Lockstep.share` replaces with rank 0's drafts."""
+
+    def __init__(self) -> None:
+        self.pending = 0  # confirmed pairs the head has not seen yet
+        self.ready = False
+
+    @property
+    def pending_tokens(self) -> list[int]:
+        return [0] * self.pending
+
+    def add(self, hidden: mx.array, tokens: list[int]) -> None:
+        self.pending += len(tokens)
+
+    def catch_up(self, keep_last: bool = True) -> None:
+        self.pending = min(self.pending, 1) if keep_last else 0
+
+    def can_draft(self) -> bool:
+        return self.pending > 0 or self.ready
+
+    def draft(self, depth: int, sampling: Any) -> tuple[mx.array, None]:
+        self.pending, self.ready = 0, False
+        return mx.zeros((depth,), dtype=mx.int32), None
+
+    def queue(self, depth: int, hidden: mx.array, followers: mx.array | None) -> None:
+        return None
+
+    def settle(self, kept: int) -> None:
+        self.ready = True
+
+
+def placeholder_verdict(depth: int, greedy: bool, logits: mx.array) -> mx.array:
+    """The shape `mtpkit.spec.accept.verdict` packs, computed after `logits` (a rank that
+    reads rank 0's verdict)."""
+    size = 2 * depth + 1 if greedy else depth + 2
+    return mx.depends(mx.zeros((size,), dtype=mx.int32), [logits])
