@@ -232,26 +232,18 @@ def _launch(kernel_of, threadgroup, q, k, v, a, b, A_log, dt_bias, state, mask, 
     return y, [states[t] for t in range(T)]
 
 
-def gdn_verify_cuda(
-    original: Callable[..., Any], q, k, v, a, b, A_log, dt_bias, state, mask, **kwargs
-):  # noqa: N803, E501
+def gdn_verify_cuda(original: Callable[..., Any], q, k, v, a, b, A_log, dt_bias, state, mask, **kwargs):  # noqa: N803, E501
     """`gdn.stepwise_verify`'s results from one CUDA kernel launch over all T tokens."""
     if not kernel_supports(q, v, kwargs):
         return stepwise_verify(original, q, k, v, a, b, A_log, dt_bias, state, mask, **kwargs)
-    return _launch(
-        cuda_verify_kernel, (32, 4, 1), q, k, v, a, b, A_log, dt_bias, state, mask, kwargs
-    )
+    return _launch(cuda_verify_kernel, (32, 4, 1), q, k, v, a, b, A_log, dt_bias, state, mask, kwargs)
 
 
-def gdn_verify_metal(
-    original: Callable[..., Any], q, k, v, a, b, A_log, dt_bias, state, mask, **kwargs
-):  # noqa: N803, E501
+def gdn_verify_metal(original: Callable[..., Any], q, k, v, a, b, A_log, dt_bias, state, mask, **kwargs):  # noqa: N803, E501
     """The Metal twin of `gdn_verify_cuda` (not run yet: written for Apple GPUs)."""
     if not kernel_supports(q, v, kwargs):
         return stepwise_verify(original, q, k, v, a, b, A_log, dt_bias, state, mask, **kwargs)
-    return _launch(
-        metal_verify_kernel, (32, 4, 1), q, k, v, a, b, A_log, dt_bias, state, mask, kwargs
-    )
+    return _launch(metal_verify_kernel, (32, 4, 1), q, k, v, a, b, A_log, dt_bias, state, mask, kwargs)
 
 
 def cuda_available() -> bool:
