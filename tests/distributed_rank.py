@@ -2,8 +2,8 @@
 
     python tests/distributed_rank.py MODEL OUT_DIR PIPELINE(0|1) N_TOKENS REFERENCE_JSON
 
-Loads this rank's part of MODEL (`load_sharded`), then at depths 1 and 2 decodes N_TOKENS
-greedily with drafts injected on the ranks that run the head (right up to a planned depth each
+Loads this rank's part of MODEL (`load_sharded`), then at depths 1 and 2, with serial and
+pipelined rounds (`1`, `2`, `1p`, `2p`), decodes N_TOKENS greedily with drafts injected on the ranks that run the head (right up to a planned depth each
 round, then wrong: every partial acceptance happens on purpose), and writes what this rank saw
 to OUT_DIR/rank{r}.json: its tokens, the drafts accepted per round, the plan, and the offsets
 of its KV caches, so the test can check that every rank rolled back to the same position.
@@ -21,7 +21,7 @@ sys.path.insert(0, str(ROOT))
 from mtpkit.runtime.sharded import load_sharded, world  # noqa: E402
 from mtpkit.spec.accept import SamplingSettings  # noqa: E402
 from mtpkit.spec.decode import MtpDecoder  # noqa: E402
-from tests.injected import accepted_per_round, inject_drafts  # noqa: E402
+from tests.injected import accepted_per_round, inject_drafts, planned_per_round  # noqa: E402
 
 PLAN = [0, 2, 1, 2, 0, 1] * 20
 
@@ -34,18 +34,23 @@ def main() -> None:
     m = load_sharded(model, group, pipeline=pipeline == "1")
     prompt = reference["prompt"]
     runs = {}
-    for depth in (1, 2):
-        decoder = MtpDecoder(m, prompt, depth=depth, sampling=SamplingSettings(), adaptive=False)
-        rights: list[int] = []
+    for depth, pipelined in ((1, False), (2, False), (1, True), (2, True)):
+        decoder = MtpDecoder(
+            m, prompt, depth=depth, sampling=SamplingSettings(), adaptive=False,
+            pipeline=pipelined,
+        )  # fmt: skip
+        plan: list[int] = []
         if m.head is not None:
             vocab = m.embedding.weight.shape[0]
             rights = inject_drafts(decoder, reference["tokens"], PLAN, vocab)
         tokens = list(decoder.tokens(int(n)))
+        if m.head is not None:
+            plan = planned_per_round(decoder, rights)
         offsets = [c.offset for c in decoder.cache if hasattr(c, "offset")]
-        runs[depth] = {
+        runs[f"{depth}{'p' if pipelined else ''}"] = {
             "tokens": tokens,
             "accepted": accepted_per_round(decoder),
-            "plan": rights,
+            "plan": plan,
             "offsets": offsets,
             "has_head": m.head is not None,
         }

@@ -118,13 +118,13 @@ def test_injected_partial_acceptance_on_every_rank(
     assert "Traceback" not in done.stderr, done.stderr
     results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(ranks)]
     assert {r["sharding"] for r in results} == {sharding}
-    for depth in ("1", "2"):
-        runs = [r["runs"][depth] for r in results]
+    for name in ("1", "2", "1p", "2p"):  # depth, and p: pipelined rounds
+        depth = name[0]
+        runs = [r["runs"][name] for r in results]
         for run in runs:
             assert run["tokens"] == ref[:N_TOKENS]
         root = runs[0]
-        planned = [min(right, int(depth)) for right in root["plan"]]
-        assert root["accepted"] == planned[: len(root["accepted"])]
+        assert root["accepted"] == [min(right, int(depth)) for right in root["plan"]]
         assert 0 < sum(root["accepted"]) < len(root["accepted"]) * int(depth)  # partial
         assert all(run["accepted"] == root["accepted"] for run in runs)
         offsets = {o for run in runs for o in run["offsets"]}

@@ -64,6 +64,19 @@ class Lockstep:
             return value
         return int(self.share(mx.array(value, dtype=mx.int32)).item())
 
+    def all_true(self, flag: bool) -> bool:
+        """Whether `flag` holds on every rank, now."""
+        if self.size == 1:
+            return flag
+        doubts = mx.distributed.all_sum(mx.array(int(not flag)), group=self.group)
+        return doubts.item() == 0
+
+    def share_choice(self, choice: bool | None) -> bool | None:
+        """Rank 0's True/False/None on every rank, now."""
+        codes = {False: 0, True: 1, None: 2}
+        shared = self.share_int(codes[choice])
+        return {v: k for k, v in codes.items()}[shared]
+
     def tick(self) -> None:
         """A decoding step or prefill chunk is done: the watchdog's beat (armed from the
         first one on, so loading and downloads are not bounded by it)."""
