@@ -227,3 +227,16 @@ def test_a_family_without_sharding_is_one_line(tmp_path: Path) -> None:
     model, config = load_model(path, lazy=True, strict=False)
     with pytest.raises(MtpkitError, match="supports neither pipeline\\(\\) nor shard\\(\\)"):
         choose_mode(model, config["model_type"], pipeline=False)
+
+
+def test_bench_under_mlx_launch(models: dict[str, Path]) -> None:
+    """`mtpkit bench --json` under mlx.launch: one JSON object (rank 0's), the runs of one
+    machine's bench, measured against mlx-lm's own sharded_load."""
+    done = launch(
+        2, mtpkit_cli(), "bench", "-m", str(models["qwen3_5"]), "--max-tokens", "4",
+        "--depth", "1", "--trials", "1", "--json",
+    )  # fmt: skip
+    assert "Error" not in done.stderr, done.stderr
+    result = json.loads(done.stdout)
+    assert [r["depth"] for r in result["runs"]] == [1]
+    assert result["plain_tps"] > 0 and result["runs"][0]["decode_tps"] > 0

@@ -46,6 +46,7 @@ from mtpkit.runtime.model import (
     load_model,
     untapped,
 )
+from mtpkit.runtime.sharded import PIPELINE, load_sharded, world
 from mtpkit.runtime.upcast import upcast_experts
 from mtpkit.spec.decode import DraftFilter, MtpDecoder, SamplingSettings
 from mtpkit.spec.generate import check_prompt, encode_prompt
@@ -206,17 +207,22 @@ def bench(
     acceptances: list[float] | None = None,
     seed: int = 0,
     progress: Callable[[str], None] | None = None,
+    pipeline: bool = False,
 ) -> BenchResult:
     """Measure plain decoding against MTP decoding at depths 1..max_depth; `progress` gets a
     line per stage and per measured run. `acceptances`: instead of the head's own drafts,
-    oracle drafts right with each of these probabilities (`mtpkit.bench.oracle`; synthetic)."""
+    oracle drafts right with each of these probabilities (`mtpkit.bench.oracle`; synthetic).
+    Under `mlx.launch` every rank measures its part in lockstep (`pipeline` as in
+    `mtpkit.spec.generate.generate`) against mlx-lm's own `sharded_load`, and every rank
+    returns the same runs (the timings are each rank's own: rank 0's are the ones to print)."""
     if trials < 1 or max_tokens < 1:
         raise MtpkitError(f"trials and max_tokens must be at least 1, not {trials}, {max_tokens}")
     if acceptances is not None and not all(0.0 <= a <= 1.0 for a in acceptances):
         raise MtpkitError(f"--acceptance takes values in [0, 1], not {acceptances}")
     say = progress or (lambda s: None)
-    m = load_model(model)
-    if m.head is None:
+    group = world()
+    m = load_model(model) if group is None else load_sharded(model, group, pipeline=pipeline)
+    if not m.has_head:
         raise NoMtpHead(f"{m.path} has no MTP head: run `mtpkit inspect` and `mtpkit convert`")
     eos = m.tokenizer.eos_token_ids
     m.tokenizer.eos_token_ids = []  # every run decodes exactly max_tokens tokens
@@ -266,13 +272,9 @@ def _trials(
     plan: Plan,
     say: Callable[[str], None],
 ) -> BenchResult:
-    import mlx_lm
 
     # Stock mlx-lm on its own, untouched load of the directory.
-    with library_io():  # never remote code, never a question on stdin
-        stock_model, stock_tokenizer = mlx_lm.load(
-            str(m.path), tokenizer_config={"trust_remote_code": False}
-        )
+    stock_model, stock_tokenizer = _stock_load(m)
     upcast_experts([stock_model], what=str(m.path))  # as mtpkit's own load does (CPU only)
     stock_tokenizer.eos_token_ids = []  # every run decodes exactly max_tokens tokens
     _stock_run(stock_model, stock_tokenizer, tokens, 8)  # warm up
@@ -315,6 +317,31 @@ def _trials(
         model, plain, no_mtp, costs, list(runs.values()), len(tokens), plan.max_tokens,
         plan.trials, no_mtp_speedup, moe_dtype=m.moe_dtype, acceptances=plan.acceptances,
     )  # fmt: skip
+
+
+def _stock_load(m: MtpModel) -> tuple[nn.Module, Any]:
+    """Stock mlx-lm's own load of the directory: `mlx_lm.load`, or across ranks its
+    `sharded_load` sharded the same way as mtpkit's model."""
+    import mlx_lm
+    from mlx_lm.utils import sharded_load
+
+    lockstep = m.lockstep
+    with library_io():  # never remote code, never a question on stdin
+        if lockstep.size == 1:
+            return mlx_lm.load(str(m.path), tokenizer_config={"trust_remote_code": False})
+        pipeline = lockstep.sharding == PIPELINE
+        try:
+            return sharded_load(
+                str(m.path),
+                pipeline_group=lockstep.group if pipeline else None,
+                tensor_group=None if pipeline else lockstep.group,
+                tokenizer_config={"trust_remote_code": False},
+            )
+        except ValueError as e:
+            raise MtpkitError(
+                f"mlx-lm's sharded_load, bench's baseline, cannot load {m.path} that way "
+                f"({e}): drop --pipeline"
+            ) from None
 
 
 def _record(run: BenchRun, decoder: MtpDecoder, rate: float, base: float, step: float) -> None:
