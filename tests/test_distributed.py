@@ -162,8 +162,12 @@ def start_ranks(n: int, tmp_path: Path, *args: str) -> list[subprocess.Popen[str
         env = rank_env() | {"MLX_RANK": str(r), "MLX_HOSTFILE": str(hostfile)}
         procs.append(
             subprocess.Popen(
-                [mtpkit_cli(), *args], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                text=True, cwd=ROOT,
+                [mtpkit_cli(), *args],
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+                cwd=ROOT,
             )  # fmt: skip
         )
     return procs
