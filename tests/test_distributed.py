@@ -23,7 +23,11 @@ import mlx_lm
 import pytest
 
 from mtpkit.convert.pipeline import convert
+from tests import hub_server
 from tests.checkpoints import build_checkpoint
+from tests.hub_server import HubStandIn
+
+hub = hub_server.hub  # the fixture
 
 ROOT = Path(__file__).resolve().parents[1]
 RANK_SCRIPT = ROOT / "tests" / "distributed_rank.py"
@@ -151,15 +155,18 @@ def test_generate_cli_under_mlx_launch(models: dict[str, Path], tmp_path: Path) 
     assert result["mtp"] and result["drafted"] > 0
 
 
-def start_ranks(n: int, tmp_path: Path, *args: str) -> list[subprocess.Popen[str]]:
+def start_ranks(
+    n: int, tmp_path: Path, *args: str, per_rank: dict[int, dict[str, str]] | None = None
+) -> list[subprocess.Popen[str]]:
     """The ranks of a ring, started by hand as mlx.launch starts them (MLX_RANK and a
-    hostfile), so that a test can stop or kill one of them."""
+    hostfile), so that a test can stop or kill one of them or give each its own environment."""
     base = free_port_base(n)
     hostfile = tmp_path / "hosts.json"
     hostfile.write_text(json.dumps([[f"127.0.0.1:{base + r}"] for r in range(n)]))
     procs = []
     for r in range(n):
         env = rank_env() | {"MLX_RANK": str(r), "MLX_HOSTFILE": str(hostfile)}
+        env |= (per_rank or {}).get(r, {})
         procs.append(
             subprocess.Popen(
                 [mtpkit_cli(), *args],
@@ -244,3 +251,51 @@ def test_bench_under_mlx_launch(models: dict[str, Path]) -> None:
     result = json.loads(done.stdout)
     assert [r["depth"] for r in result["runs"]] == [1]
     assert result["plain_tps"] > 0 and result["runs"][0]["decode_tps"] > 0
+
+
+def test_from_the_hub_each_rank_downloads_its_part(
+    hub: HubStandIn, models: dict[str, Path], tmp_path: Path
+) -> None:
+    """Pipeline stages from a Hub repo, each rank with its own cache: rank 0 (the last stage,
+    which runs the head) downloads the head's sidecar, rank 1 does not; the output is stock
+    mlx-lm's."""
+    ref = json.loads(reference(models["deepseek_v3"], tmp_path).read_text())["tokens"]
+    hub.add_repo("org/tiny-deepseek", models["deepseek_v3"])
+    caches = {r: tmp_path / f"hf{r}" for r in range(2)}
+    per_rank = {r: {"HF_HOME": str(c), "HF_HUB_CACHE": str(c / "hub")} for r, c in caches.items()}
+    procs = start_ranks(
+        2, tmp_path, "generate", "-m", "org/tiny-deepseek", "-p", PROMPT_TEXT,
+        "--no-chat-template", "--max-tokens", str(N_TOKENS), "--mtp", "--pipeline", "--json",
+        per_rank=per_rank,
+    )  # fmt: skip
+    try:
+        outs = [p.communicate(timeout=LAUNCH_LIMIT) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    assert [p.returncode for p in procs] == [0, 0], outs
+    assert json.loads(outs[0][0])["tokens"] == ref[:N_TOKENS]
+    assert outs[1][0] == ""  # rank 1 prints nothing
+    fetched = [{f.name for f in c.rglob("*.safetensors")} for c in caches.values()]
+    assert "weights.safetensors" in fetched[0] and "weights.safetensors" not in fetched[1]
+    assert any(name.startswith("model") for name in fetched[1])
+
+
+def test_rank_files_of_pipeline_stages(tmp_path: Path) -> None:
+    """A stage fetches the shards holding its layers and every tensor outside the layers; the
+    head's shard only where the head runs (the raw DeepSeek layout keeps it inline, in the
+    last shard)."""
+    from mtpkit.runtime.sharded import _rank_files
+
+    path = build_checkpoint("deepseek_v3", tmp_path / "raw", dtype="float32", shards=2)
+    config = json.loads((path / "config.json").read_text())
+    index = json.loads((path / "model.safetensors.index.json").read_text())["weight_map"]
+    head_shards = {f for k, f in index.items() if k.startswith("model.layers.2.")}
+    layer0 = {f for k, f in index.items() if k.startswith("model.layers.0.")}
+    others = {f for k, f in index.items() if ".layers." not in k}
+    first = set(_rank_files(path, config, (0, 1), with_head=False))
+    assert layer0 | others <= first
+    last = set(_rank_files(path, config, (1, 2), with_head=True))
+    assert head_shards <= last
+    assert "mtp/weights.safetensors" not in first and "mtp/weights.safetensors" in last

@@ -134,14 +134,22 @@ def _hidden_size(m: MtpModel) -> int:
     return int(text["hidden_size"])
 
 
-def _stock_run(model: nn.Module, tokenizer: Any, prompt: list[int], max_tokens: int) -> float:
-    """Decode tok/s of stock mlx-lm's `stream_generate` (its own `generation_tps`)."""
+def _stock_run(
+    model: nn.Module,
+    tokenizer: Any,
+    prompt: list[int],
+    max_tokens: int,
+    tick: Callable[[], None] = lambda: None,
+) -> float:
+    """Decode tok/s of stock mlx-lm's `stream_generate` (its own `generation_tps`); `tick`
+    after each token (the watchdog's beat across machines)."""
     import mlx_lm
 
     last = None
     for response in mlx_lm.stream_generate(
         model, tokenizer, mx.array(prompt), max_tokens=max_tokens
     ):
+        tick()
         last = response
     return float(last.generation_tps) if last is not None else 0.0
 
@@ -292,11 +300,12 @@ def _trials(
     }
     for trial in range(plan.trials):
         at = f"trial {trial + 1}/{plan.trials}:"
-        base = _stock_run(stock_model, stock_tokenizer, tokens, plan.max_tokens)
+        base = _stock_run(stock_model, stock_tokenizer, tokens, plan.max_tokens, m.lockstep.tick)
         say(f"{at} stock mlx-lm {base:.1f} tok/s")
         plain.values.append(base)
         with untapped(m.final_norm):
-            no_mtp.values.append(_stock_run(m.model, m.tokenizer, tokens, plan.max_tokens))
+            rate = _stock_run(m.model, m.tokenizer, tokens, plan.max_tokens, m.lockstep.tick)
+            no_mtp.values.append(rate)
         say(f"{at} mtpkit --no-mtp {no_mtp.values[-1]:.1f} tok/s")
         no_mtp_speedup.values.append(no_mtp.values[-1] / base if base else 0.0)
         for config, run in runs.items():

@@ -143,6 +143,7 @@ def _stock_tokens(
                 mx.array(prompt),
                 max_tokens=max_tokens,
                 sampler=sampling.sampler(),
+                prompt_progress_callback=lambda *_: m.lockstep.tick(),
             ):
                 if first is None:
                     first = time.perf_counter()
