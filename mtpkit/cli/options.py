@@ -168,3 +168,22 @@ def read_stdin_prompt() -> str:
             f"--prompt -: standard input is not UTF-8 text (byte 0x{data[e.start]:02x} at "
             f"offset {e.start}): pass the prompt as UTF-8"
         ) from None
+
+
+# Options of a command run under `mlx.launch` (`mtpkit.cli.ranks`).
+PipelineOpt = Annotated[
+    bool,
+    typer.Option(
+        "--pipeline",
+        help="Under mlx.launch: pipeline stages instead of tensor parallelism, for models "
+        "mlx-lm can shard both ways (as mlx_lm.server --pipeline).",
+    ),
+]
+TimeoutOpt = Annotated[
+    float,
+    typer.Option(
+        "--timeout",
+        min=1,
+        help="Under mlx.launch: seconds a rank waits for the others before ending with an error.",
+    ),
+]

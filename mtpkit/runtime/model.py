@@ -30,6 +30,7 @@ from mtpkit.mlxlm import stock_model_classes
 from mtpkit.runtime.headload import HeadWeights, MtpHead, load_head
 from mtpkit.runtime.kernels.gdn_verify import use_fast_verify
 from mtpkit.runtime.kernels.qmv import multi_row_matmuls
+from mtpkit.runtime.ranks import SINGLE, Lockstep
 from mtpkit.runtime.rollback.gdn import (
     GdnSnapshots,
     capture_gdn_states,
@@ -131,6 +132,15 @@ class MtpModel:
     capture: HiddenCapture
     context_length: int | None
     parts: BackboneParts
+    # The ranks this model is spread over (`mtpkit.runtime.sharded`); one process by default.
+    lockstep: Lockstep = SINGLE
+    # True on a rank without the head while rank 0 has one (a non-last pipeline stage).
+    head_elsewhere: bool = False
+
+    @property
+    def has_head(self) -> bool:
+        """Whether the decoding (on any rank) has an MTP head to draft with."""
+        return self.head is not None or self.head_elsewhere
 
     @property
     def moe_dtype(self) -> str | None:
@@ -150,8 +160,17 @@ class MtpModel:
         return self.embedding(tokens)
 
     def lm_head(self, x: mx.array) -> mx.array:
-        """Logits [..., V] of hidden states `x` [..., H] (tied: the embedding's as_linear)."""
-        return self.parts.logits(x)
+        """Logits [..., V] of hidden states `x` [..., H] (tied: the embedding's as_linear).
+        Under tensor parallelism mlx-lm may shard the lm_head by vocabulary (its
+        `sharding_group`); the slices are gathered as mlx-lm's own forward gathers them, a
+        collective every rank joins."""
+        logits = self.parts.logits(x)
+        group = getattr(self.parts.text, "sharding_group", None)
+        if group is None or self.parts.lm_head is None:
+            return logits
+        from mlx_lm.models.base import gather_last_axis
+
+        return gather_last_axis(logits, group)
 
     def hidden_state(self) -> mx.array:
         return self.capture.post if self.hidden == POST_NORM else self.capture.pre
@@ -346,6 +365,22 @@ def load_model(
         loaded = load_head(path, config, norm_shift=norm_shift, concat_order=concat_order)
         if loaded is not None:
             head, head_weights = loaded
+    return assemble(path, model, tokenizer, config, head, head_weights, hidden)
+
+
+def assemble(
+    path: Path,
+    model: nn.Module,
+    tokenizer: Any,
+    config: dict[str, Any],
+    head: MtpHead | None,
+    head_weights: HeadWeights | None,
+    hidden: str | None,
+    lockstep: Lockstep = SINGLE,
+    head_elsewhere: bool = False,
+) -> MtpModel:
+    """A loaded backbone and head made ready to decode: experts upcast where MLX needs it,
+    the final norm and the gated-delta-net layers tapped."""
     upcast_experts([model, head], what=str(path))
     if hidden is None:
         manifest = head_weights.manifest if head_weights is not None else None
@@ -361,5 +396,6 @@ def load_model(
     text = config.get("text_config") or config
     context = text.get("max_position_embeddings") or config.get("max_position_embeddings")
     return MtpModel(
-        path, model, tokenizer, config, head, head_weights, hidden, capture, context, parts
-    )
+        path, model, tokenizer, config, head, head_weights, hidden, capture, context, parts,
+        lockstep, head_elsewhere,
+    )  # fmt: skip

@@ -38,6 +38,7 @@ from mtpkit.runtime.rollback.verify_pass import VerifyPass
 from mtpkit.spec.accept import SamplingSettings, read_verdict, rejection_sample, verdict
 from mtpkit.spec.adaptive import AdaptiveDrafting
 from mtpkit.spec.drafter import HeadDrafter
+from mtpkit.spec.follower import FollowerDrafter, followers_of, placeholder_verdict
 
 # SamplingSettings and rejection_sample live in mtpkit.spec.accept; importable from here too.
 __all__ = ["AdaptiveDrafting", "MtpDecoder", "SamplingSettings", "Stats", "rejection_sample"]
@@ -125,13 +126,21 @@ class MtpDecoder:
         pipeline: bool | None = None,
         draft_filter: DraftFilter | None = None,
     ) -> None:
-        if m.head is None and use_mtp:
+        if not m.has_head and use_mtp:
             raise NoMtpHead(f"{m.path} has no MTP head")
         self.m, self.prompt, self.depth, self.sampling = m, prompt, depth, sampling
         self.use_mtp = use_mtp
-        self.adaptive = AdaptiveDrafting(adaptive and use_mtp, depth, timed=sampling.greedy)
+        # Across ranks (`mtpkit.runtime.ranks`) every rank must take the same step: adaptive
+        # drafting may decide from each machine's own clock, so there every round drafts.
+        self.lockstep = m.lockstep
+        adaptive = adaptive and use_mtp and self.lockstep.size == 1
+        self.adaptive = AdaptiveDrafting(adaptive, depth, timed=sampling.greedy)
         self.cache = m.make_cache()
-        self.drafter = HeadDrafter(m) if m.head is not None else None
+        self.drafter: HeadDrafter | FollowerDrafter | None = None
+        if m.head is not None:
+            self.drafter = HeadDrafter(m)
+        elif m.head_elsewhere:
+            self.drafter = FollowerDrafter()
         # The last confirmed token: the backbone has not consumed it yet.
         self.last_token = prompt[-1]
         self._ahead: tuple[mx.array, mx.array] | None = None
@@ -141,7 +150,10 @@ class MtpDecoder:
         self.sampler = sampling.sampler()
         if pipeline is None and mx.default_device() != mx.gpu:
             pipeline = False  # a CPU computes a discarded round on the cores it decodes on
-        self.pipeline = pipeline if can_discard(self.cache) else False
+        # Every rank pipelines rounds alike: rank 0's choice, if every rank's caches can
+        # take a queued round back (pipeline stages hold different cache kinds).
+        discardable = self.lockstep.all_true(can_discard(self.cache))
+        self.pipeline = self.lockstep.share_choice(pipeline) if discardable else False
         self.full_share = 1.0  # smoothed share of rounds that kept every draft
         self.draft_filter = draft_filter
 
@@ -160,6 +172,7 @@ class MtpDecoder:
                 if self.drafter is not None:
                     self.drafter.add(hidden, prompt[i + 1 : i + 1 + len(chunk)])
                 mx.clear_cache()
+                self.lockstep.tick()
             if self.drafter is not None and len(self.drafter.pending_tokens) > 1:
                 self.drafter.catch_up()  # the head's KV cache over the prompt
         self.stats.prompt_time = time.perf_counter() - start
@@ -171,10 +184,17 @@ class MtpDecoder:
         keep what takes this pass back."""
         undo = PassUndo.before(self.cache, self.depth + 1) if speculative else None
         drafts, dists = self.drafter.draft(self.depth, self.sampling)
-        if self.draft_filter is not None:
+        if self.draft_filter is not None and self.m.head is not None:
             drafts = self.draft_filter(position, drafts)
+        drafts = self.lockstep.share(drafts)  # rank 0's drafts on every rank
         verified = self.m.verify(mx.concatenate([last, drafts]), self.cache)
-        packed, followers = verdict(verified.logits[0], drafts, dists, self.sampling)
+        if self.m.head is not None:
+            packed, followers = verdict(verified.logits[0], drafts, dists, self.sampling)
+        else:  # a rank without the head reads rank 0's verdict
+            packed = placeholder_verdict(self.depth, self.sampling.greedy, verified.logits)
+        if self.lockstep.size > 1:  # rank 0's verdict, and the followers it implies
+            packed = self.lockstep.share(packed, after=[verified.logits])
+            followers = followers_of(packed, self.depth, self.sampling.greedy)
         mx.async_eval(packed)
         head_out = self.drafter.queue(self.depth, verified.hidden, followers)
         return Round(position, verified, packed, followers, head_out, undo)
@@ -233,7 +253,7 @@ class MtpDecoder:
         logits, hidden = self.m.forward(token.reshape(1, 1), self.cache)
         logits = logits[:, -1, :]
         logprobs = logits - mx.logsumexp(logits, keepdims=True)
-        return self.sampler(logprobs), hidden
+        return self.lockstep.share(self.sampler(logprobs)), hidden  # rank 0's token
 
     def plain_step(self, ahead: bool = False) -> list[int]:
         """One backbone step, as mlx-lm's generate_step takes it. With `ahead` (the next
@@ -261,6 +281,7 @@ class MtpDecoder:
     def step(self, may_look_ahead: bool) -> list[int]:
         """A drafting round or a plain step, as adaptive drafting decides. `may_look_ahead`:
         more tokens are wanted after this step's first."""
+        self.lockstep.tick()
         t0 = time.perf_counter()
         can_draft = self.use_mtp and self.drafter is not None
         drafting = can_draft and self.adaptive.want_draft() and self._ahead is None

@@ -20,6 +20,7 @@ from mtpkit.core.choices import MAX_DEPTH, MIN_DEPTH, TOP_P_OFF, require_depth
 from mtpkit.core.errors import MtpkitError
 from mtpkit.core.prompts import encode_prompt
 from mtpkit.runtime.model import GenerateError, MtpModel, NoMtpHead, load_model, untapped
+from mtpkit.runtime.sharded import load_sharded, world
 from mtpkit.spec.decode import MtpDecoder, SamplingSettings, Stats
 
 GREEDY = SamplingSettings()
@@ -93,6 +94,8 @@ def stream_tokens(
     check_prompt(m, prompt)
     if seed is not None:
         mx.random.seed(seed)
+    if m.lockstep.size > 1:  # stock decoding samples on every rank: one seed for all
+        mx.random.seed(m.lockstep.share_int(int(mx.random.randint(0, 2**31 - 1).item())))
     if not mtp:
         return _stock_tokens(m, prompt, max_tokens=max_tokens, sampling=sampling)
     decoder = MtpDecoder(m, prompt, depth=depth, sampling=sampling, adaptive=adaptive)
@@ -128,10 +131,12 @@ def _stock_tokens(
                 mx.array(prompt),
                 max_tokens=max_tokens,
                 sampler=sampling.sampler(),
+                prompt_progress_callback=lambda *_: m.lockstep.tick(),
             ):
                 if first is None:
                     first = time.perf_counter()
                     stats.prompt_time = first - start
+                m.lockstep.tick()
                 if response.finish_reason == "stop":
                     break
                 stats.generated.append(response.token)
@@ -158,14 +163,20 @@ def generate(
     chat_template: bool = True,
     on_token: Callable[[str], None] | None = None,
     warn: Callable[[str], None] | None = None,
+    pipeline: bool = False,
 ) -> GenerationResult:
     """Generate from a model directory with (or without) its MTP head.
 
     `mtp` is True (the head is required), False, or "auto" (use the head when there is one,
     else warn and decode plainly). `on_token` receives text segments as they are decoded.
+    Under `mlx.launch` each rank loads its part (`mtpkit.runtime.sharded`; `pipeline` picks
+    pipeline stages where the model also has tensor parallelism) and every rank returns the
+    same result.
     """
     if isinstance(model, MtpModel):
         m = model
+    elif (group := world()) is not None:  # one rank of `mlx.launch`
+        m = load_sharded(model, group, pipeline=pipeline, hidden=hidden, with_head=mtp is not False)
     else:
         m = load_model(model, hidden=hidden, with_head=mtp is not False)
     use_mtp = _use_head(m, mtp, warn)
@@ -208,7 +219,7 @@ def generate(
 
 def _use_head(m: MtpModel, mtp: bool | str, warn: Callable[[str], None] | None) -> bool:
     """Whether to draft: `mtp` True needs a head, "auto" falls back to plain with a warning."""
-    if not mtp or m.head is not None:
+    if not mtp or m.has_head:
         return bool(mtp)
     message = (
         f"{m.path} has no MTP head (no mtp/weights.safetensors sidecar and no mtp.* "

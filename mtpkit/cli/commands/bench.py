@@ -8,12 +8,15 @@ import typer
 
 from mtpkit.cli.options import (
     JsonOpt,
+    PipelineOpt,
     RandomShape,
     ScaleDtype,
+    TimeoutOpt,
     friendly_errors,
     require_depth,
     value,
 )
+from mtpkit.cli.ranks import DEFAULT_TIMEOUT, on_ranks
 from mtpkit.core.errors import MtpkitError
 
 
@@ -69,6 +72,8 @@ def bench_command(
         ),
     ] = None,
     json_output: JsonOpt = False,
+    pipeline: PipelineOpt = False,
+    timeout: TimeoutOpt = DEFAULT_TIMEOUT,
 ) -> None:
     """Measure plain decoding (stock mlx-lm, --no-mtp) against MTP decoding at depths 1..K.
 
@@ -101,19 +106,23 @@ def bench_command(
     with library_io():  # mlx-lm's "[INFO] Quantized model ..." goes to stderr, not stdout
         built = random_model_dir(shape, dtype.value) if shape else None
     try:
-        result = bench(
-            str(built) if built else model,
-            prompt=prompt or DEFAULT_PROMPT,
-            max_tokens=max_tokens,
-            max_depth=max_depth,
-            trials=trials,
-            acceptances=acceptances,
-            progress=lambda line: log(f"... {line}"),  # stderr, so also with --json
-            draft=draft,
-        )
+        with on_ranks(timeout) as ranks:  # under mlx.launch: rank 0 prints
+            result = bench(
+                str(built) if built else model,
+                prompt=prompt or DEFAULT_PROMPT,
+                max_tokens=max_tokens,
+                max_depth=max_depth,
+                trials=trials,
+                acceptances=acceptances,
+                progress=lambda line: log(f"... {line}") if ranks.is_root else None,
+                pipeline=pipeline,
+                draft=draft,
+            )
     finally:
         if built is not None:
             shutil.rmtree(built.parent, ignore_errors=True)
+    if not ranks.is_root:
+        return
     if shape:
         result.model = f"random:{shape}"
         result.dtype = dtype.value

@@ -9,7 +9,9 @@ import typer
 from mtpkit.cli.options import (
     Hidden,
     JsonOpt,
+    PipelineOpt,
     TempOpt,
+    TimeoutOpt,
     TopKOpt,
     TopPOpt,
     friendly_errors,
@@ -17,6 +19,7 @@ from mtpkit.cli.options import (
     require_depth,
     value,
 )
+from mtpkit.cli.ranks import DEFAULT_TIMEOUT, on_ranks
 from mtpkit.core.errors import MtpkitError
 
 MtpOpt = Annotated[
@@ -67,6 +70,8 @@ def generate_command(
         ),
     ] = True,
     json_output: JsonOpt = False,
+    pipeline: PipelineOpt = False,
+    timeout: TimeoutOpt = DEFAULT_TIMEOUT,
 ) -> None:
     """Generate text, drafting tokens with the model's MTP head and verifying them losslessly.
 
@@ -87,22 +92,29 @@ def generate_command(
         sys.stdout.write(segment)
         sys.stdout.flush()
 
-    result = generate(
-        model,
-        text,
-        max_tokens=max_tokens,
-        mtp=mode,
-        depth=depth,
-        temp=temp,
-        top_p=top_p,
-        top_k=top_k,
-        seed=seed,
-        hidden=value(hidden),
-        adaptive=adaptive,
-        chat_template=chat_template,
-        on_token=None if json_output else stream,
-        warn=lambda message: typer.echo(f"Warning: {message}", err=True),
-    )
+    def warn(message: str) -> None:
+        typer.echo(f"Warning: {message}", err=True)
+
+    with on_ranks(timeout) as ranks:  # under mlx.launch: rank 0 prints, the others are silent
+        result = generate(
+            model,
+            text,
+            max_tokens=max_tokens,
+            mtp=mode,
+            depth=depth,
+            temp=temp,
+            top_p=top_p,
+            top_k=top_k,
+            seed=seed,
+            hidden=value(hidden),
+            adaptive=adaptive,
+            chat_template=chat_template,
+            on_token=None if json_output or not ranks.is_root else stream,
+            warn=warn if ranks.is_root else lambda message: None,
+            pipeline=pipeline,
+        )
+    if not ranks.is_root:
+        return
     if json_output:
         print_json(result.to_json())
         return
