@@ -37,7 +37,7 @@ GENERATE_KEYS = {
 def headless(converted: Path) -> Path:
     """The same model without its head (as stock `mlx_lm.convert` would have written it)."""
     out = converted.parent / "tiny-no-head"
-    shutil.copytree(converted, out, ignore=shutil.ignore_patterns("mtp"))
+    shutil.copytree(converted, out, ignore=shutil.ignore_patterns("mtp", "mtp.safetensors"))
     return out
 
 
