@@ -35,6 +35,7 @@ from mtpkit.convert.destination import (
 )
 from mtpkit.convert.plan import Converter, Plan, Settings, check_conv1d, refuse_problems
 from mtpkit.convert.records import build_manifest, output_config, set_quantization
+from mtpkit.convert.rules import job_computer
 from mtpkit.convert.writer import (
     read_config,
     shard_jobs,
@@ -250,7 +251,7 @@ def _write_output(
     unique = {id(job): job for _, jobs in files for job in jobs}
     bar = progress_bar(sum(job.nbytes for job in unique.values()), desc="convert", quiet=quiet)
     meta = tensor_meta(plan.backbone + plan.head)
-    write_job_files(files, converter.run, meta, bar.update if bar is not None else None)
+    write_job_files(files, job_computer(), meta, bar.update if bar is not None else None)
     write_index(tmp / "model.safetensors.index.json", weight_map, total_size, plan.total_parameters)
     if plan.head_jobs:
         write_manifest(tmp / MANIFEST_PATH, manifest)
@@ -395,7 +396,7 @@ def _write_graft(
         on_bytes = bar.update if bar is not None else None
         tmp_weights = swap.temp_for(targets[0])
         write_job_files(
-            [(tmp_weights, plan.head_jobs)], converter.run, tensor_meta(plan.head), on_bytes
+            [(tmp_weights, plan.head_jobs)], job_computer(), tensor_meta(plan.head), on_bytes
         )
         if bar is not None:
             bar.close()
