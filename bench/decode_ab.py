@@ -35,7 +35,7 @@ def load_revision(rev: str, tmp: Path) -> types.ModuleType:
     files = {}
     for name in ("accept", "decode"):
         shown = subprocess.run(
-            ["git", "show", f"{rev}:mtpkit/{name}.py"], cwd=ROOT, capture_output=True, text=True
+            ["git", "show", f"{rev}:mtpkit/spec/{name}.py"], cwd=ROOT, capture_output=True, text=True
         )
         if shown.returncode == 0:
             files[name] = shown.stdout

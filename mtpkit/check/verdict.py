@@ -34,6 +34,7 @@ from mtpkit.check.probes import (
 )
 from mtpkit.checkpoint.inspect import UNREADABLE, Checkpoint, read_checkpoint, unread_mtp_shards
 from mtpkit.checkpoint.validate import HEAD_NOT_FINITE, LAYER_COUNT_MISMATCH, nonfinite_tensors
+from mtpkit.convert.destination import local_source_dir, refuse_inside
 from mtpkit.core.config import INVALID_CONFIG
 from mtpkit.core.errors import MtpkitError, one_line
 from mtpkit.core.manifest import MANIFEST_FORMAT
@@ -326,6 +327,8 @@ def check_checkpoint(
     `read_prompts`) replaces `prompts`. With `junit`, a JUnit report is written there, also
     when the check cannot run (then the error is re-raised).
     """
+    if junit is not None:  # before anything runs: no report, not even an error's, goes there
+        refuse_inside(Path(junit), [local_source_dir(source)], option="--junit")
     try:
         if prompts_file is not None:
             prompts = read_prompts(prompts_file)
@@ -341,10 +344,11 @@ def check_checkpoint(
         )
     except Exception as e:
         if junit is not None:  # CI shows why the check could not run
-            write_junit(junit_error_xml(source, revision, one_line(e), type(e).__name__), junit)
+            error = junit_error_xml(source, revision, one_line(e), type(e).__name__)
+            write_junit(error, junit, source)
         raise
     if junit is not None:
-        write_junit(result, junit)
+        write_junit(result, junit, source)
     return result
 
 

@@ -14,6 +14,7 @@ from typing import Annotated, Any
 
 import typer
 
+from mtpkit.core import signals
 from mtpkit.core.choices import (
     BITS,
     DTYPES,
@@ -22,6 +23,8 @@ from mtpkit.core.choices import (
     LAYOUTS,
 )
 from mtpkit.core.choices import require_depth as require_depth  # the commands' depth check
+from mtpkit.core.console import quiet_libraries
+from mtpkit.core.environment import check_environment
 from mtpkit.core.errors import MtpkitError, one_line
 
 # Exit code for "the checkpoint was read, and it fails what was required of it".
@@ -78,9 +81,16 @@ def friendly_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         try:
+            check_environment()  # before anything reads a variable (huggingface_hub: on import)
+            quiet_libraries()
             return fn(*args, **kwargs)
         except (typer.Exit, typer.Abort, typer.TyperException):
             raise
+        except KeyboardInterrupt as e:  # Ctrl-C, SIGTERM, SIGHUP: cleanup has run on the way
+            if os.environ.get("MTPKIT_DEBUG") == "1":
+                raise
+            typer.echo(f"Error: {signals.message(e)}", err=True)
+            raise typer.Exit(signals.exit_code(e)) from None
         except Exception as e:  # noqa: BLE001 - the one place every error is turned into a line
             if os.environ.get("MTPKIT_DEBUG") == "1":
                 raise
@@ -141,3 +151,20 @@ TopPOpt = Annotated[
     ),
 ]
 TopKOpt = Annotated[int, typer.Option("--top-k", min=0, help="Sample among the top K (0: off).")]
+
+
+def read_stdin_prompt() -> str:
+    """`--prompt -`: standard input as UTF-8 text; other bytes are one line naming where."""
+    import sys
+
+    stream = getattr(sys.stdin, "buffer", None)
+    data = stream.read() if stream is not None else sys.stdin.read()
+    if isinstance(data, str):
+        return data
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise MtpkitError(
+            f"--prompt -: standard input is not UTF-8 text (byte 0x{data[e.start]:02x} at "
+            f"offset {e.start}): pass the prompt as UTF-8"
+        ) from None

@@ -22,7 +22,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
-from mtpkit.checkpoint.source import HubSource, hub_errors, open_source
+from mtpkit.checkpoint.source import HubSource, open_source
 from mtpkit.core.choices import DEFAULT_HIDDEN, HIDDEN_VARIANTS, POST_NORM
 from mtpkit.core.errors import MtpkitError
 from mtpkit.families import BackboneParts, backbone_parts
@@ -42,6 +42,16 @@ from mtpkit.runtime.upcast import moe_dtype, upcast_experts
 
 # What mlx-lm needs from a Hub repo to load a model and its tokenizer.
 MODEL_FILES = ("*.json", "*.safetensors", "*.py", "*.model", "*.tiktoken", "*.txt", "*.jinja")
+# A tokenizer mlx-lm (through transformers) can build: one of these is needed.
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer.model",
+    "vocab.json",
+    "*.tiktoken",
+    "tiktoken.model",
+    "vocab.txt",
+    "spiece.model",
+)
 HEAD_TENSOR_PREFIXES = ("mtp.", "model.mtp.", "language_model.mtp.", "model.mtp_layers.")
 
 
@@ -177,21 +187,18 @@ def resolve_model_path(spec: str, revision: str | None = None) -> Path:
     """A local model directory, or the snapshot of a Hub repo with the files mlx-lm reads."""
     source = open_source(spec, revision=revision)
     if isinstance(source, HubSource):
-        from huggingface_hub import snapshot_download
-
-        with hub_errors(source.repo_id, source.revision):
-            path = Path(
-                snapshot_download(
-                    source.repo_id,
-                    revision=source.commit or source.revision,
-                    allow_patterns=list(MODEL_FILES),
-                )
-            )
+        path = source.download(MODEL_FILES)  # each request bounded by the Hub timeouts
     else:
         local = Path(spec).expanduser()
         path = local if local.is_dir() else source.root  # else: an offline Hub snapshot
     if not (path / "config.json").exists():
         raise MtpkitError(f"{spec} has no config.json: pass a model directory")
+    weights = any(path.glob("*.safetensors"))  # without any, the loader's own error says so
+    if weights and not any(any(path.glob(pattern)) for pattern in TOKENIZER_FILES):
+        raise MtpkitError(
+            f"{spec} has no tokenizer files ({', '.join(TOKENIZER_FILES[:4])}, ...): copy them "
+            "from the original checkpoint into it"
+        )
     return path
 
 

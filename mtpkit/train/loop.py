@@ -404,7 +404,7 @@ def train_and_write(
     from mtpkit.core.console import log, step_bar
     from mtpkit.train.output import check_destination, write_trained_head
 
-    check_destination(output, into, force)
+    check_destination(output, into, force, model)
     settings.check()
     checkpoints = checkpoint_dir or default_checkpoint_dir(output, into)
     bar = step_bar(settings.steps, desc="train-head", quiet=quiet)

@@ -13,6 +13,7 @@ from mtpkit.cli.options import (
     TopKOpt,
     TopPOpt,
     friendly_errors,
+    read_stdin_prompt,
     require_depth,
     value,
 )
@@ -77,7 +78,7 @@ def generate_command(
         raise MtpkitError(f"unexpected argument {mtp_mode!r}: the only word --mtp takes is 'auto'")
     mode: bool | str = "auto" if (mtp is None or mtp_mode == "auto") else mtp
     require_depth(depth)
-    text = sys.stdin.read() if prompt == "-" else prompt
+    text = read_stdin_prompt() if prompt == "-" else prompt
 
     from mtpkit.cli.output import print_generate, print_json
     from mtpkit.spec.generate import generate

@@ -35,6 +35,8 @@ def inspect_command(
 
     Reads no weights: on the Hub only the JSON files and a few kilobytes per shard are fetched.
 
+    Also says how the head is stored (mtpkit's sidecar, inline, a raw checkpoint, vllm-mlx's or MTPLX's sidecars, an mlx-vlm drafter directory) and which runtimes run the directory, with its head or plainly (mlx-lm, mtpkit, mlx-vlm, MTPLX, Rapid-MLX, vllm-mlx, LM Studio).
+
     Exit 0 when the checkpoint could be read (problems are listed, not fatal), 3 with --require-mtp when the head is not usable, 1 on an error.
     """
     from mtpkit.checkpoint.inspect import head_state, inspect_checkpoint

@@ -135,7 +135,7 @@ def train_head_command(
     """
     from mtpkit.train.output import check_destination
 
-    check_destination(output, into, force)
+    check_destination(output, into, force, model)
     from mtpkit.train.data import check_files
 
     check_files([str(p) for p in data or []])

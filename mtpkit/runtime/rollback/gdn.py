@@ -58,7 +58,9 @@ def capture_gdn_states(snapshots: GdnSnapshots | None) -> Iterator[GdnSnapshots 
         _ACTIVE_SNAPSHOTS.reset(token)
 
 
-def stepwise_verify(original: Callable[..., Any], q, k, v, a, b, A_log, dt_bias, state, mask, **kwargs):  # noqa: N803
+def stepwise_verify(
+    original: Callable[..., Any], q, k, v, a, b, A_log, dt_bias, state, mask, **kwargs
+):  # noqa: N803
     """The reference verify: mlx-lm's own `original` update run one token at a time (the
     same sequential recurrence mlx-lm runs). Returns the outputs [B, T, ...] and the list of
     the T states after each token."""
@@ -155,4 +157,3 @@ def is_recurrent_cache(cache: Any) -> bool:
     from mlx_lm.models.cache import ArraysCache
 
     return isinstance(cache, ArraysCache)
-
