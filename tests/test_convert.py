@@ -521,16 +521,21 @@ def test_interrupted_run_leaves_nothing(sources, tmp_path, monkeypatch):
 def test_failure_while_writing_leaves_nothing(sources, tmp_path, monkeypatch):
     import mtpkit.convert.pipeline as conv
 
-    real = conv.Converter.run
+    real = conv.job_computer
     calls = []
 
-    def failing(self, job):
-        calls.append(job)
-        if len(calls) == 5:
-            raise OSError("disk full")
-        return real(self, job)
+    def failing_computer():
+        compute = real()
 
-    monkeypatch.setattr(conv.Converter, "run", failing)
+        def failing(job):
+            calls.append(job)
+            if len(calls) == 5:
+                raise OSError("disk full")
+            return compute(job)
+
+        return failing
+
+    monkeypatch.setattr(conv, "job_computer", failing_computer)
     with pytest.raises(MtpkitError, match="nothing was written: disk full"):
         convert(str(sources("qwen3_5_moe")), output=tmp_path / "out", bits=4)
     assert list(tmp_path.iterdir()) == []

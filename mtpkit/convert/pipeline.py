@@ -36,6 +36,7 @@ from mtpkit.convert.destination import (
 )
 from mtpkit.convert.plan import Converter, Plan, Settings, check_conv1d, refuse_problems
 from mtpkit.convert.records import build_manifest, output_config, set_quantization
+from mtpkit.convert.rules import job_computer
 from mtpkit.convert.writer import (
     read_config,
     shard_jobs,
@@ -308,7 +309,7 @@ def _write_output(
     unique = {id(job): job for _, jobs in files for job in jobs}
     bar = progress_bar(sum(job.nbytes for job in unique.values()), desc="convert", quiet=quiet)
     meta = tensor_meta(plan.backbone + plan.head)
-    write_job_files(files, converter.run, meta, bar.update if bar is not None else None, renames)
+    write_job_files(files, job_computer(), meta, bar.update if bar is not None else None, renames)
     write_index(tmp / "model.safetensors.index.json", weight_map, total_size, plan.total_parameters)
     if plan.head_jobs:
         write_manifest(tmp / MANIFEST_PATH, manifest)
@@ -465,7 +466,7 @@ def _write_graft(
         if peer is not None:  # the same head under the peers' names, moved in with the rest
             files.append((swap.temp_for(peer[0]), plan.head_jobs))
             renames[files[-1][0]] = peer[1]
-        write_job_files(files, converter.run, tensor_meta(plan.head), on_bytes, renames)
+        write_job_files(files, job_computer(), tensor_meta(plan.head), on_bytes, renames)
         if bar is not None:
             bar.close()
         refuse_nonfinite_head(tmp_weights, ckpt, converter.settings.dtype)

@@ -4,13 +4,13 @@
 shard by shard through the family's renames and the tensor rules (`mtpkit.convert.rules`),
 checks the outputs against mlx-lm's own model and the family's head module, and records
 every output's name, shape and dtype and each cast, shift and quantization decision in a
-`Plan`. Nothing is computed: `Converter.run(job)` computes one job's outputs when the
-writer asks for them.
+`Plan`, each job carrying what was decided for its outputs (`rules.Finish`). Nothing is
+computed here: the writer's threads compute each job from the job alone
+(`rules.job_computer`).
 """
 
 from __future__ import annotations
 
-import threading
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,10 +27,9 @@ from mtpkit.convert.quant import (
     model_quant_predicate,
     quant_decision,
     quantization_paths,
-    quantize,
 )
 from mtpkit.convert.reader import TensorReader, load_tensors
-from mtpkit.convert.rules import Job, Tensor, TensorRules, is_raw_conv1d, shift_norm
+from mtpkit.convert.rules import Finish, Job, Tensor, TensorRules, finish, is_raw_conv1d
 from mtpkit.convert.writer import decode_floats
 from mtpkit.core.choices import BITS, DEFAULT_HIDDEN, DTYPES, GROUP_SIZES, HIDDEN_VARIANTS, LAYOUTS
 from mtpkit.core.errors import CheckpointProblem, MtpkitError
@@ -187,7 +186,6 @@ class Converter:
         self.quant_predicate = model_quant_predicate(self.model)
         self.cast_predicate = model_cast_predicate(self.model)
         self.reader: TensorReader | None = None
-        self.local = threading.local()
         self.names: set[str] = set()
         self.backbone_dtype: str | None = None
         self.head_dtype: str | None = None
@@ -306,7 +304,8 @@ class Converter:
         for job, tensors in zip(jobs, per_job, strict=True):
             job.source_bytes = sum(self.ckpt.tensors[r.name].nbytes for r in job.refs)
             for t in tensors:
-                entries = self.finish(t, plan)
+                decided = job.finishes[t.name] = self.decide(t, plan)
+                entries = finish(t, decided)
                 job.entry_names.extend(n for n, _ in entries)
                 job.nbytes += sum(a.nbytes for _, a in entries)
                 (plan.head if t.role == "head" else plan.backbone).extend(entries)
@@ -323,61 +322,39 @@ class Converter:
             produced = {t.name: tuple(t.array.shape) for t in outputs if t.role == role}
             check_outputs(tree, produced, where=where, family=self.family.name, what=what)
 
-    # -- the outputs ----------------------------------------------------------------------
-    def run(self, job: Job) -> Entries:
-        """Compute one job's output entries (in the calling thread's stream)."""
-        # Files are opened per thread: MLX arrays belong to their thread's stream.
-        if not hasattr(self.local, "loads"):
-            self.local.loads = {}
-        cache = self.local.loads
-        arrays = []
-        for r in job.refs:
-            loaded = cache.get(r.path)
-            if loaded is None:
-                loaded = cache[r.path] = load_tensors(r.path)
-            arrays.append(loaded.pop(r.name))
-        return [e for t in job.make(arrays) for e in self.finish(t)]
-
-    def finish(self, t: Tensor, plan: Plan | None = None) -> Entries:
-        """Cast, shift and quantize one tensor; its decisions go into `plan` (only kept
-        while planning)."""
-        plan = plan if plan is not None else Plan()
+    # -- what becomes of each output ------------------------------------------------------
+    def decide(self, t: Tensor, plan: Plan) -> Finish:
+        """Cast and quantization of one output tensor; overrides and parameter counts go
+        into `plan`."""
         if t.role == "head":
             dtype, tree, spec = self.head_dtype, self.head_tree, self.settings.head_spec()
         else:
             dtype, tree = self.backbone_dtype, self.backbone_tree
             spec = self.settings.backbone_spec()
-        array = self._cast(t, dtype)
+        cast = self._cast_dtype(t, dtype)
         path = t.name.removesuffix(".weight")
         packed = path + ".scales" in self.names
         if t.role == "backbone":
             shape, size = tuple(t.array.shape), t.array.size
             plan.total_parameters += count_parameters(t.name, shape, size, tree)
         if packed or not t.name.endswith(".weight") or spec is None or tree is None:
-            return [(t.name, array)]
+            return Finish(cast)
         chosen, explicit = quant_decision(path, tree, spec, self.quant_predicate)
         if chosen is None:
-            return [(t.name, array)]
+            return Finish(cast)
         if t.role == "backbone" and explicit:
             plan.quant_overrides[path] = chosen.as_config()
-        weight, scales, biases = quantize(array, chosen)
-        return [(f"{path}.weight", weight), (f"{path}.scales", scales), (f"{path}.biases", biases)]
+        return Finish(cast, chosen)
 
-    def _cast(self, t: Tensor, dtype: str | None) -> mx.array:
-        """The tensor in its output dtype (the head's floats all, the backbone's as mlx-lm's
-        cast_predicate says), shifted +1 first where it is a zero-centred norm."""
-        array = t.array
+    def _cast_dtype(self, t: Tensor, dtype: str | None) -> mx.Dtype | None:
+        """The output dtype of a tensor that is cast (the head's floats all, the backbone's
+        as mlx-lm's cast_predicate says), else None."""
         cast = (
             dtype is not None
-            and is_floating(array.dtype)
+            and is_floating(t.array.dtype)
             and (t.role == "head" or self.cast_predicate(t.name))
         )
-        target = getattr(mx, dtype) if cast else array.dtype
-        if t.shift:
-            return shift_norm(array, target)
-        if cast and array.dtype != target:
-            return array.astype(target)
-        return array
+        return getattr(mx, dtype) if cast else None
 
 
 def check_outputs(

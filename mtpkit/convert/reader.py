@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import shutil
 import tempfile
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -129,3 +130,23 @@ def coalesce(infos: list[TensorInfo], gap: int) -> Iterator[list[TensorInfo]]:
         run.append(info)
     if run:
         yield run
+
+
+class ThreadLoads:
+    """Source arrays for the writer's worker threads: each thread opens the files itself
+    (MLX arrays belong to their thread's stream) and hands every tensor out once."""
+
+    def __init__(self) -> None:
+        self.local = threading.local()
+
+    def arrays(self, refs: list[Ref]) -> list[mx.array]:
+        if not hasattr(self.local, "loads"):
+            self.local.loads = {}
+        cache: dict[str, dict[str, mx.array]] = self.local.loads
+        arrays = []
+        for r in refs:
+            loaded = cache.get(r.path)
+            if loaded is None:
+                loaded = cache[r.path] = load_tensors(r.path)
+            arrays.append(loaded.pop(r.name))
+        return arrays

@@ -16,7 +16,8 @@ from dataclasses import dataclass, field
 
 import mlx.core as mx
 
-from mtpkit.convert.reader import Ref
+from mtpkit.convert.quant import QuantSpec, quantize
+from mtpkit.convert.reader import Ref, ThreadLoads
 from mtpkit.core.errors import MtpkitError
 from mtpkit.families import Family
 
@@ -146,9 +147,19 @@ class Item:
     fn: Callable[[list[mx.array]], Outputs]
 
 
+@dataclass(frozen=True)
+class Finish:
+    """What the plan decided for one output tensor after the rules: the dtype to cast to
+    (None: its own) and the quantization (None: stored as is)."""
+
+    dtype: mx.Dtype | None = None
+    quant: QuantSpec | None = None
+
+
 @dataclass
 class Job:
-    """A recipe for some output tensors: the source tensors it reads and how."""
+    """A recipe for some output tensors: the source tensors it reads, how, and what the plan
+    decided for each output (`finishes`, by tensor name)."""
 
     role: str
     refs: list[Ref]
@@ -156,6 +167,34 @@ class Job:
     entry_names: list[str] = field(default_factory=list)
     nbytes: int = 0  # output bytes
     source_bytes: int = 0
+    finishes: dict[str, Finish] = field(default_factory=dict)
+
+    def outputs(self, arrays: list[mx.array]) -> Outputs:
+        """The job's output entries from its source arrays (lazy), as the plan decided."""
+        return [e for t in self.make(arrays) for e in finish(t, self.finishes.get(t.name))]
+
+
+def finish(t: Tensor, decided: Finish | None) -> Outputs:
+    """Cast (shifting a zero-centred norm +1 first) and quantize one tensor."""
+    decided = decided or Finish()
+    array = t.array
+    target = decided.dtype or array.dtype
+    if t.shift:
+        array = shift_norm(array, target)
+    elif array.dtype != target:
+        array = array.astype(target)
+    if decided.quant is None:
+        return [(t.name, array)]
+    path = t.name.removesuffix(".weight")
+    weight, scales, biases = quantize(array, decided.quant)
+    return [(f"{path}.weight", weight), (f"{path}.scales", scales), (f"{path}.biases", biases)]
+
+
+def job_computer() -> Callable[[Job], Outputs]:
+    """What the writer's threads call: a job's outputs from its source tensors, each thread
+    reading the files itself. Nothing of the planner is kept."""
+    loads = ThreadLoads()
+    return lambda job: job.outputs(loads.arrays(job.refs))
 
 
 def _leaf(ref: Ref, name: str) -> Item:
