@@ -155,6 +155,25 @@ def test_generate_cli_under_mlx_launch(models: dict[str, Path], tmp_path: Path) 
     assert result["mtp"] and result["drafted"] > 0
 
 
+def test_sampled_text_is_one_machines(models: dict[str, Path]) -> None:
+    """At a temperature with a seed, pipeline stages give the text one process gives: rank 0
+    takes every random draw, in the order one process takes them."""
+    from mtpkit.spec.generate import generate
+
+    path = models["deepseek_v3"]
+    args = ["--temp", "1", "--seed", "3", "--depth", "2", "--max-tokens", str(N_TOKENS)]
+    done = launch(
+        2, mtpkit_cli(), "generate", "-m", str(path), "-p", PROMPT_TEXT, "--no-chat-template",
+        "--mtp", "--no-adaptive", "--pipeline", "--json", *args,
+    )  # fmt: skip
+    assert "Error" not in done.stderr, done.stderr
+    one = generate(
+        path, PROMPT_TEXT, max_tokens=N_TOKENS, depth=2, temp=1.0, seed=3, adaptive=False,
+        chat_template=False,
+    )  # fmt: skip
+    assert json.loads(done.stdout)["tokens"] == one.tokens
+
+
 def start_ranks(
     n: int, tmp_path: Path, *args: str, per_rank: dict[int, dict[str, str]] | None = None
 ) -> list[subprocess.Popen[str]]:
