@@ -218,9 +218,11 @@ def test_a_failing_rank_ends_every_rank_with_one_line(
 ) -> None:
     """Rank 1 killed (its sockets close) or stopped (a network that silently broke): rank 0
     ends, exit 1, with one `Error: rank 0: ...` line and no traceback, within --timeout."""
+    # Rank 1 runs unsupervised, so that the signal reaches the rank itself.
     procs = start_ranks(
         2, tmp_path, "generate", "-m", str(models["deepseek_v3"]), "-p", PROMPT_TEXT,
         "--no-chat-template", "--max-tokens", "100000", "--mtp", "--timeout", "4",
+        per_rank={1: {"MTPKIT_RANK_CHILD": "1"}},
     )  # fmt: skip
     root, other = procs
     try:
@@ -236,13 +238,13 @@ def test_a_failing_rank_ends_every_rank_with_one_line(
             p.wait()
     lines = [line for line in root.stderr.read().splitlines() if line.strip()]
     errors = [line for line in lines if line.startswith("Error: ")]
-    assert root.returncode == 1
+    assert root.returncode == 1, lines
     assert len(errors) == 1 and errors[0].startswith("Error: rank 0: "), lines
     assert not [line for line in lines if "Traceback" in line or line.startswith("[ring]")]
     if failure == "stopped":
         assert "no progress for" in errors[0] and took < 30
-    else:
-        assert "lost the connection to another rank" in errors[0]
+    else:  # MLX's ring backend raises, or at times crashes (reported by the supervisor)
+        assert "lost the connection to another rank" in errors[0] or "crashed" in errors[0]
 
 
 def test_a_family_without_sharding_is_one_line(tmp_path: Path) -> None:
