@@ -155,6 +155,25 @@ def test_generate_cli_under_mlx_launch(models: dict[str, Path], tmp_path: Path) 
     assert result["mtp"] and result["drafted"] > 0
 
 
+def test_sampled_text_is_one_machines(models: dict[str, Path]) -> None:
+    """At a temperature with a seed, pipeline stages give the text one process gives: rank 0
+    takes every random draw, in the order one process takes them."""
+    from mtpkit.spec.generate import generate
+
+    path = models["deepseek_v3"]
+    args = ["--temp", "1", "--seed", "3", "--depth", "2", "--max-tokens", str(N_TOKENS)]
+    done = launch(
+        2, mtpkit_cli(), "generate", "-m", str(path), "-p", PROMPT_TEXT, "--no-chat-template",
+        "--mtp", "--no-adaptive", "--pipeline", "--json", *args,
+    )  # fmt: skip
+    assert "Error" not in done.stderr, done.stderr
+    one = generate(
+        path, PROMPT_TEXT, max_tokens=N_TOKENS, depth=2, temp=1.0, seed=3, adaptive=False,
+        chat_template=False,
+    )  # fmt: skip
+    assert json.loads(done.stdout)["tokens"] == one.tokens
+
+
 def start_ranks(
     n: int, tmp_path: Path, *args: str, per_rank: dict[int, dict[str, str]] | None = None
 ) -> list[subprocess.Popen[str]]:
@@ -199,9 +218,11 @@ def test_a_failing_rank_ends_every_rank_with_one_line(
 ) -> None:
     """Rank 1 killed (its sockets close) or stopped (a network that silently broke): rank 0
     ends, exit 1, with one `Error: rank 0: ...` line and no traceback, within --timeout."""
+    # Rank 1 runs unsupervised, so that the signal reaches the rank itself.
     procs = start_ranks(
         2, tmp_path, "generate", "-m", str(models["deepseek_v3"]), "-p", PROMPT_TEXT,
         "--no-chat-template", "--max-tokens", "100000", "--mtp", "--timeout", "4",
+        per_rank={1: {"MTPKIT_RANK_CHILD": "1"}},
     )  # fmt: skip
     root, other = procs
     try:
@@ -217,13 +238,13 @@ def test_a_failing_rank_ends_every_rank_with_one_line(
             p.wait()
     lines = [line for line in root.stderr.read().splitlines() if line.strip()]
     errors = [line for line in lines if line.startswith("Error: ")]
-    assert root.returncode == 1
+    assert root.returncode == 1, lines
     assert len(errors) == 1 and errors[0].startswith("Error: rank 0: "), lines
     assert not [line for line in lines if "Traceback" in line or line.startswith("[ring]")]
     if failure == "stopped":
         assert "no progress for" in errors[0] and took < 30
-    else:
-        assert "lost the connection to another rank" in errors[0]
+    else:  # MLX's ring backend raises, or at times crashes (reported by the supervisor)
+        assert "lost the connection to another rank" in errors[0] or "crashed" in errors[0]
 
 
 def test_a_family_without_sharding_is_one_line(tmp_path: Path) -> None:

@@ -49,4 +49,11 @@ app.command(name="train-head")(train_head.train_head_command)
 
 
 def main() -> None:
+    import sys
+
+    from mtpkit.cli.ranks import supervise_rank
+
+    code = supervise_rank(sys.argv[1:])  # one rank of mlx.launch: run as a supervised child
+    if code is not None:
+        sys.exit(code)
     app()

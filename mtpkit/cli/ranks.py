@@ -8,6 +8,10 @@ failure ends every rank with one line.
   collective forever: the watchdog (`mtpkit.runtime.ranks.Watchdog`) ends it after
   `--timeout` seconds without a decoding step.
 
+- A rank that crashes in native code (MLX's ring backend has been seen to die of a
+  segmentation fault when a peer is killed mid-round) is reported by `supervise_rank`: each
+  rank runs as a child of a small parent process that turns a death by signal into one line.
+
 `mlx.launch` itself exits 0 whatever its ranks do and adds its own "[WARN] Node with rank N
 exited with code 1" line; the ranks' exit codes are each rank's own.
 """
@@ -16,6 +20,8 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
+import subprocess
 import sys
 import threading
 from collections.abc import Iterator
@@ -24,10 +30,6 @@ from dataclasses import dataclass
 from mtpkit.core.errors import MtpkitError, one_line
 
 DEFAULT_TIMEOUT = 300.0
-
-
-class RankFailed(MtpkitError):
-    """This rank failed, or lost the other ranks."""
 
 
 @dataclass(frozen=True)
@@ -65,6 +67,15 @@ def _drop_ring_noise() -> None:
     threading.Thread(target=forward, daemon=True, name="mtpkit-stderr").start()
 
 
+def _exit_with(line: str) -> None:
+    """One line on stderr, what stdout holds flushed, and exit 1 at once."""
+    with contextlib.suppress(Exception):
+        sys.stdout.flush()
+    sys.stderr.write(line + "\n")
+    sys.stderr.flush()
+    os._exit(1)
+
+
 def _lost_peer(error: BaseException) -> bool:
     return isinstance(error, RuntimeError) and str(error).startswith("[ring]")
 
@@ -89,12 +100,10 @@ def on_ranks(timeout: float = DEFAULT_TIMEOUT) -> Iterator[Ranks]:
     _drop_ring_noise()
 
     def on_timeout(idle: float) -> None:
-        sys.stderr.write(
+        _exit_with(
             f"Error: rank {ranks.rank}: no progress for {idle:.0f} s: another rank stopped or "
-            "the network between the machines broke (--timeout sets the limit)\n"
+            "the network between the machines broke (--timeout sets the limit)"
         )
-        sys.stderr.flush()
-        os._exit(1)
 
     WATCHDOG[0] = Watchdog(timeout, on_timeout)
     try:
@@ -103,10 +112,44 @@ def on_ranks(timeout: float = DEFAULT_TIMEOUT) -> Iterator[Ranks]:
         if os.environ.get("MTPKIT_DEBUG") == "1":
             raise
         if _lost_peer(e):
-            raise RankFailed(
-                f"rank {ranks.rank}: lost the connection to another rank (it failed, or the "
-                "network between the machines broke)"
-            ) from None
-        raise RankFailed(f"rank {ranks.rank}: {one_line(e)}") from None
-    finally:
-        WATCHDOG[0] = None
+            message = (
+                "lost the connection to another rank (it failed, or the network between the "
+                "machines broke)"
+            )
+        else:
+            message = one_line(e)
+        # Ends here: an interpreter teardown races MLX's backend threads, whose sockets are
+        # broken, and has crashed a rank after its error line.
+        _exit_with(f"Error: rank {ranks.rank}: {message}")
+
+
+CHILD_MARK = "MTPKIT_RANK_CHILD"
+
+
+def supervise_rank(argv: list[str]) -> int | None:
+    """As one rank of `mlx.launch` (MLX_RANK set): run the command in a child process and
+    return its exit code, turning a death by signal into one `Error: rank N: ...` line (the
+    child is the rank; this parent imports nothing heavy). None when not a rank, or already
+    the child: run the command here."""
+    rank = os.environ.get("MLX_RANK")
+    if rank is None or os.environ.get(CHILD_MARK) or os.environ.get("MTPKIT_DEBUG") == "1":
+        return None
+    child = subprocess.Popen(
+        [sys.executable, "-m", "mtpkit", *argv], env=os.environ | {CHILD_MARK: "1"}
+    )
+
+    def forward(signum: int, _frame: object) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            child.send_signal(signum)
+
+    for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(signum, forward)
+    code = child.wait()
+    if code < 0 and -code not in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGKILL):
+        name = signal.Signals(-code).name
+        sys.stderr.write(
+            f"Error: rank {rank}: crashed ({name}); if another rank failed or the network "
+            "broke, its line says why\n"
+        )
+        return 1
+    return code if code >= 0 else 128 - code

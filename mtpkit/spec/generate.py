@@ -94,7 +94,7 @@ def stream_tokens(
     check_prompt(m, prompt)
     if seed is not None:
         mx.random.seed(seed)
-    if m.lockstep.size > 1:  # stock decoding samples on every rank: one seed for all
+    if seed is None and m.lockstep.size > 1:  # stock decoding samples on every rank
         mx.random.seed(m.lockstep.share_int(int(mx.random.randint(0, 2**31 - 1).item())))
     if not mtp:
         return _stock_tokens(m, prompt, max_tokens=max_tokens, sampling=sampling)
