@@ -480,3 +480,32 @@ def test_tables_print_whole_when_piped(matrix, monkeypatch):
     assert "…" not in result.stdout
     assert "model.mtp_layers.0.self_attn.q_proj.weight" in result.stdout
     assert "model-00002-of-00002.safetensors" in result.stdout
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "command"),
+    [
+        ("quantization", "4bit", "generate"),
+        ("rope_scaling", "x", "bench"),
+        ("num_hidden_layers", None, "generate"),
+        ("eos_token_id", "x", "bench"),
+        ("head_dim", -3, "generate"),
+    ],
+)
+def test_config_values_are_checked_before_a_model_is_built(matrix, tmp_path, field, value, command):
+    """The runtime checks config.json where inspect and convert check it (`invalid_config`),
+    so mlx-lm never builds from a bad value and fails somewhere deep."""
+    _, model = matrix("mimo", "float32")
+    bad = Path(shutil.copytree(model, tmp_path / "bad"))
+    config = json.loads((bad / "config.json").read_text())
+    config[field] = value
+    (bad / "config.json").write_text(json.dumps(config))
+    args = {
+        "generate": ["generate", "-m", str(bad), "-p", PROMPT, "--max-tokens", "2"],
+        "bench": ["bench", "--model", str(bad), "--trials", "1", "--max-tokens", "2"],
+    }[command]
+    result = run(args, code=1, untouched=(bad,))
+    assert result.stderr.startswith(f"Error: config.json in {bad}: {field}=") or (
+        result.stderr.startswith(f"Error: config.json in {bad}: {field} is not")
+    ), result.stderr
+    assert "(invalid_config)" in result.stderr

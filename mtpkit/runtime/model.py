@@ -212,6 +212,7 @@ def resolve_model_path(spec: str, revision: str | None = None) -> Path:
         path = local if local.is_dir() else source.root  # else: an offline Hub snapshot
     if not (path / "config.json").exists():
         raise MtpkitError(f"{spec} has no config.json: pass a model directory")
+    _validate_config(path, spec)
     weights = any(path.glob("*.safetensors"))  # without any, the loader's own error says so
     if weights and not any(any(path.glob(pattern)) for pattern in TOKENIZER_FILES):
         raise MtpkitError(
@@ -219,6 +220,28 @@ def resolve_model_path(spec: str, revision: str | None = None) -> Path:
             "from the original checkpoint into it"
         )
     return path
+
+
+def _validate_config(path: Path, spec: str) -> None:
+    """config.json's values checked where inspect and convert check them, before mlx-lm
+    builds a model from them (a word for a size, a string for `quantization`)."""
+    import json
+
+    from mtpkit.checkpoint.validate import require_valid_config
+    from mtpkit.core.errors import UnsupportedFamily
+    from mtpkit.families import family_for
+
+    try:
+        config = json.loads((path / "config.json").read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise MtpkitError(f"config.json in {spec} is not valid JSON ({type(e).__name__})") from None
+    if not isinstance(config, dict):
+        raise MtpkitError(f"config.json in {spec} is not a JSON object")
+    try:
+        field = family_for(config).mtp_field()
+    except UnsupportedFamily:  # a model mtpkit has no family for: mlx-lm decides
+        field = "num_nextn_predict_layers"
+    require_valid_config(config, field, spec)
 
 
 def head_tensor_filter(config: dict[str, Any]) -> Callable[[str], bool]:
