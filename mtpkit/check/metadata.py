@@ -38,8 +38,10 @@ def layer_params(q: dict[str, Any] | None, path: str) -> dict[str, Any] | bool |
     override = q.get(path)
     if override is False:
         return False
-    base = dict(q) if not isinstance(override, dict) else {**q, **override}
-    mode = base.get("mode", "affine")
+    # An override is what mlx-lm passes to `to_quantized` as it is: keys it leaves out take
+    # the layer's defaults (affine, the mode's group size and bits), not the top level's.
+    base = dict(q) if not isinstance(override, dict) else dict(override)
+    mode = base.get("mode") or "affine"
     group, bits = MODE_DEFAULTS.get(mode, (64, 4))
     return {
         "group_size": int(base.get("group_size") or group),

@@ -27,7 +27,18 @@ else:  # pragma: no cover
 
 from mtpkit.core.errors import MtpkitError
 
-RECIPE_KEYS = {"bits", "group_size", "keep_mtp_bf16", "mtp_bits", "dtype", "layout", "hidden"}
+RECIPE_KEYS = {
+    "quantize",
+    "bits",
+    "group_size",
+    "mode",
+    "quant_predicate",
+    "keep_mtp_bf16",
+    "mtp_bits",
+    "dtype",
+    "layout",
+    "hidden",
+}
 RECIPES_DIR = Path(__file__).resolve().parents[2] / "recipes"
 
 

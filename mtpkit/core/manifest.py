@@ -23,9 +23,11 @@ Keys written by `mtpkit convert` (stable; `MANIFEST_KEYS` lists them):
   `concat_order`: "embedding_first" or "hidden_first".
 - `expert_layout`: `{source, output}`: "per_expert", "fused", "stacked", "dense".
 - `mtp_dtype`: dtype of the head's unquantized tensors; `mtp_quantization`: null or
-  `{bits, group_size}` (the setting most head modules use); `mtp_quantization_paths`: every
-  quantizable head module path -> false or `{group_size, bits}` (as in config.json).
-- `backbone_quantization`: null or `{bits, group_size}`.
+  `{bits, group_size, mode}` (the setting most head modules use); `mtp_quantization_paths`:
+  every quantizable head module path -> false or `{group_size, bits, mode}` (as in
+  config.json).
+- `backbone_quantization`: null or `{bits, group_size, mode}`, plus `predicate` (mlx-lm's
+  mixed recipe, e.g. "mixed_3_6") when one chose the bits per layer.
 - `dropped`: source tensors deliberately not written (duplicated embeddings and heads,
   tied lm_head, vision tower, rotary buffers).
 - `grafted_into`: only after `--mtp-only --into DIR`, the directory grafted into.
@@ -165,16 +167,17 @@ def build_manifest(
     }
 
 
-def _main_quantization(paths: dict[str, Any]) -> dict[str, int] | None:
-    """The (bits, group_size) most quantized head modules use, or None."""
-    counts: dict[tuple[int, int], int] = {}
+def _main_quantization(paths: dict[str, Any]) -> dict[str, Any] | None:
+    """The (bits, group_size, mode) most quantized head modules use, or None."""
+    counts: dict[tuple[int, int, str], int] = {}
     for v in paths.values():
         if v:
-            counts[(v["bits"], v["group_size"])] = counts.get((v["bits"], v["group_size"]), 0) + 1
+            key = (v["bits"], v["group_size"], v.get("mode", "affine"))
+            counts[key] = counts.get(key, 0) + 1
     if not counts:
         return None
-    bits, group = max(counts, key=lambda k: counts[k])
-    return {"bits": bits, "group_size": group}
+    bits, group, mode = max(counts, key=lambda k: counts[k])
+    return {"bits": bits, "group_size": group, "mode": mode}
 
 
 def output_config(ckpt: Checkpoint, plan: Plan, settings: Settings, layers: int) -> dict[str, Any]:
@@ -192,8 +195,9 @@ def output_config(ckpt: Checkpoint, plan: Plan, settings: Settings, layers: int)
     if isinstance(qc, dict) and qc.get("quant_method") == "fp8":
         config.pop("quantization_config")  # dequantized: the weights are no longer FP8
     quant: dict[str, Any] | None = config.get("quantization")
-    if settings.bits:
-        quant = {"group_size": settings.group_size, "bits": settings.bits, "mode": "affine"}
+    spec = settings.backbone_spec()
+    if spec is not None:
+        quant = spec.as_config()
         quant.update(plan.quant_overrides)
     set_quantization(config, quant, ckpt.family, plan, settings)
     if layers:
@@ -215,7 +219,7 @@ def set_quantization(
     if quant is None and any(plan.head_quant.values()):
         spec = settings.head_spec()
         assert spec is not None
-        quant = {"group_size": spec.group_size, "bits": spec.bits, "mode": "affine"}
+        quant = spec.as_config()
     if quant is not None:
         quant.update(plan.head_quant)
         config["quantization"] = quant

@@ -175,13 +175,14 @@ def quantization_predicate(
         entry = qconfig.get(f"{prefix}{path}")
         params: dict[str, Any] = {}
         if isinstance(entry, dict):
-            params.update({k: entry[k] for k in ("bits", "group_size", "mode") if k in entry})
+            params.update({k: entry[k] for k in ("bits", "group_size", "mode") if entry.get(k)})
+            # A per-path entry is what mlx-lm passes to `to_quantized`: no mode means affine.
+            params.setdefault("mode", "affine")
         in_dims = module.weight.shape[-1]
         packed = weights[f"{path}.weight"].shape[-1]
         params.setdefault("group_size", in_dims // scales.shape[-1])
         params.setdefault("bits", packed * 32 // in_dims)
-        if "mode" in qconfig:
-            params.setdefault("mode", qconfig["mode"])
+        params.setdefault("mode", qconfig.get("mode") or "affine")
         return params
 
     return predicate
