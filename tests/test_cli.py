@@ -52,11 +52,11 @@ runner = CliRunner()
 for args in (
     ["bench", "--model", "m", "--trials", "0"],
     ["bench", "--model", "m", "--max-tokens", "0"],
-    ["generate", "-m", "m", "-p", "x", "--temp", "-1"],
-    ["generate", "-m", "m", "-p", "x", "--temp", "nan"],
-    ["generate", "-m", "m", "-p", "x", "--temp", "inf"],
-    ["generate", "-m", "m", "-p", "x", "--top-p", "5"],
-    ["generate", "-m", "m", "-p", "x", "--max-tokens", "-5"],
+    ["generate", "--model", "m", "-p", "x", "--temp", "-1"],
+    ["generate", "--model", "m", "-p", "x", "--temp", "nan"],
+    ["generate", "--model", "m", "-p", "x", "--temp", "inf"],
+    ["generate", "--model", "m", "-p", "x", "--top-p", "5"],
+    ["generate", "--model", "m", "-p", "x", "--max-tokens", "-5"],
     ["check", "m", "--min-acceptance", "2"],
     ["convert", "m", "-o", "o", "--dtype", "int8"],
 ):

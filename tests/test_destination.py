@@ -80,14 +80,14 @@ def test_graft_into_the_source_is_refused(models):
 def test_graft_refuses_an_existing_head_without_force(checkpoint, tmp_path):
     src = checkpoint("mimo")
     into = tmp_path / "mlx"
-    assert runner.invoke(app, ["convert", str(src), "-o", str(into), "-q"]).exit_code == 0
+    assert runner.invoke(app, ["convert", str(src), "-o", str(into), "--quiet"]).exit_code == 0
     before = tree_hashes(into)
     result = runner.invoke(app, ["convert", str(src), "--mtp-only", "--into", str(into)])
     assert result.exit_code == 1
     assert result.stderr.startswith(f"Error: --into {into} already has an MTP head (")
     assert result.stderr.rstrip().endswith("pass --force to replace it")
     assert tree_hashes(into) == before
-    forced = ["convert", str(src), "--mtp-only", "--into", str(into), "--force", "-q"]
+    forced = ["convert", str(src), "--mtp-only", "--into", str(into), "--force", "--quiet"]
     assert runner.invoke(app, forced).exit_code == 0
     after = tree_hashes(into)
     assert after.keys() == before.keys()
@@ -108,7 +108,7 @@ def test_stale_temp_siblings_of_dead_runs_are_removed(checkpoint, tmp_path):
     other = tmp_path / f".other.mtpkit-tmp-{dead}"
     other.mkdir()
     assert stale_siblings([out]) == [old, stale]
-    result = runner.invoke(app, ["convert", str(src), "-o", str(out), "-q"])
+    result = runner.invoke(app, ["convert", str(src), "-o", str(out), "--quiet"])
     assert result.exit_code == 0, result.output
     assert result.stderr.splitlines() == [
         f"removing {old}, left by an earlier run that did not finish",

@@ -61,8 +61,8 @@ def test_generate_json_keys_and_values(converted: Path) -> None:
 
 
 def test_generate_streams_text_and_summarises_on_stderr(converted: Path) -> None:
-    mtp = run("generate", "-m", str(converted), "-p", PROMPT, "--max-tokens", "20", "--mtp")
-    plain = run("generate", "-m", str(converted), "-p", PROMPT, "--max-tokens", "20", "--no-mtp")
+    mtp = run("generate", "--model", str(converted), "-p", PROMPT, "--max-tokens", "20", "--mtp")
+    plain = run("generate", "--model", str(converted), "-p", PROMPT, "--max-tokens", "20", "--no-mtp")
     assert mtp.exit_code == 0 and plain.exit_code == 0
     assert mtp.stdout == plain.stdout  # greedy: the same text
     assert mtp.stdout.strip()
@@ -72,14 +72,14 @@ def test_generate_streams_text_and_summarises_on_stderr(converted: Path) -> None
 
 def test_prompt_from_stdin(converted: Path) -> None:
     piped = run(
-        "generate", "-m", str(converted), "-p", "-", "--max-tokens", "8", "--json", input=PROMPT
+        "generate", "--model", str(converted), "-p", "-", "--max-tokens", "8", "--json", input=PROMPT
     )
-    direct = run("generate", "-m", str(converted), "-p", PROMPT, "--max-tokens", "8", "--json")
+    direct = run("generate", "--model", str(converted), "-p", PROMPT, "--max-tokens", "8", "--json")
     assert json.loads(piped.stdout)["tokens"] == json.loads(direct.stdout)["tokens"]
 
 
 def test_mtp_without_a_head_is_a_clear_error(headless: Path) -> None:
-    result = run("generate", "-m", str(headless), "-p", PROMPT, "--mtp", "--max-tokens", "4")
+    result = run("generate", "--model", str(headless), "-p", PROMPT, "--mtp", "--max-tokens", "4")
     assert result.exit_code == 1
     assert result.stderr.startswith("Error: ")
     assert "mtpkit convert" in result.stderr and "mtpkit inspect" in result.stderr
@@ -89,7 +89,7 @@ def test_mtp_without_a_head_is_a_clear_error(headless: Path) -> None:
 def test_mtp_auto_without_a_head_warns_and_decodes(headless: Path) -> None:
     for args in (["--mtp", "auto"], []):
         result = run(
-            "generate", "-m", str(headless), "-p", PROMPT, "--max-tokens", "4", "--json", *args
+            "generate", "--model", str(headless), "-p", PROMPT, "--max-tokens", "4", "--json", *args
         )
         assert result.exit_code == 0, result.output
         assert "Warning: " in result.stderr and "decoding without MTP" in result.stderr
@@ -102,15 +102,15 @@ def test_prompt_longer_than_the_context(converted: Path, tmp_path: Path) -> None
     config = json.loads((small / "config.json").read_text())
     config["text_config"]["max_position_embeddings"] = 6
     (small / "config.json").write_text(json.dumps(config))
-    result = run("generate", "-m", str(small), "-p", PROMPT * 3, "--max-tokens", "4")
+    result = run("generate", "--model", str(small), "-p", PROMPT * 3, "--max-tokens", "4")
     assert result.exit_code == 1
     assert "context of 6" in result.stderr and "shorten the prompt" in result.stderr
 
 
 def test_bad_depth_and_stray_word(converted: Path) -> None:
-    result = run("generate", "-m", str(converted), "-p", PROMPT, "--depth", "5")
+    result = run("generate", "--model", str(converted), "-p", PROMPT, "--depth", "5")
     assert result.exit_code == 1 and "--depth must be between 1 and 4" in result.stderr
-    result = run("generate", "-m", str(converted), "-p", PROMPT, "--mtp", "sometimes")
+    result = run("generate", "--model", str(converted), "-p", PROMPT, "--mtp", "sometimes")
     assert result.exit_code == 1 and "'auto'" in result.stderr
 
 

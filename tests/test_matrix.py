@@ -205,7 +205,7 @@ def test_matrix(matrix, prompts_file, tmp_path, layout, precision, command):
         result = run([*graft, "--force"], code=0, untouched=keep, watched=(into,))
         assert json.loads(result.stdout)["head_tensors"] > 0
     elif command == "generate":
-        args = ["generate", "-m", str(model), "-p", PROMPT, "--max-tokens", "4", "--mtp"]
+        args = ["generate", "--model", str(model), "-p", PROMPT, "--max-tokens", "4", "--mtp"]
         result = run([*args, "--json"], code=0, untouched=keep)
         assert json.loads(result.stdout)["mtp"] is True
     elif command == "bench":
@@ -302,7 +302,7 @@ def test_usage_and_missing_paths(checkpoint, tmp_path):
     run(["inspect", "models/Qwen3.5-été", "--json"], code=1)
     run(["inspect", str(tmp_path / "nowhere"), "--json"], code=1)
     headless = checkpoint("mlx_plain", dtype="float32")  # a published build without its head
-    args = ["generate", "-m", str(headless), "-p", PROMPT, "--max-tokens", "4", "--mtp", "--json"]
+    args = ["generate", "--model", str(headless), "-p", PROMPT, "--max-tokens", "4", "--mtp", "--json"]
     run(args, code=1, untouched=(headless,))
 
 

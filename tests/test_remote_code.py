@@ -96,7 +96,7 @@ def test_a_tokenizer_that_is_only_custom_code_is_one_error_line(mimo: Path, tmp_
     tokenizer_config["auto_map"] = {"AutoTokenizer": ["tokenization_mimo.MiMoTokenizer", None]}
     (model / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
     (model / "tokenization_mimo.py").write_text(CUSTOM_CODE)
-    proc = run_cli("generate", "-m", str(model), "-p", "hi", "--max-tokens", "4", "--json")
+    proc = run_cli("generate", "--model", str(model), "-p", "hi", "--max-tokens", "4", "--json")
     assert proc.returncode == 1
     assert proc.stdout == ""
     lines = proc.stderr.strip().splitlines()

@@ -283,10 +283,10 @@ def test_graft_never_installs_a_head_with_nan(checkpoint: CheckpointFactory, tmp
     """Even with --force, a NaN head does not replace a working one (issue: a graft replaced
     a working head by a NaN one); the target stays byte for byte as it was."""
     good = tmp_path / "good"
-    assert runner.invoke(app, ["convert", str(checkpoint("mimo")), "-o", str(good), "-q"]).exit_code == 0
+    assert runner.invoke(app, ["convert", str(checkpoint("mimo")), "-o", str(good), "--quiet"]).exit_code == 0
     before = {p: p.read_bytes() for p in good.rglob("*") if p.is_file()}
     bad = nan_head_source(checkpoint, tmp_path / "bad")
-    args = ["convert", str(bad), "--mtp-only", "--into", str(good), "--force", "-q"]
+    args = ["convert", str(bad), "--mtp-only", "--into", str(good), "--force", "--quiet"]
     result = runner.invoke(app, args)
     assert result.exit_code == 1 and "(head_not_finite)" in result.stderr
     assert {p: p.read_bytes() for p in good.rglob("*") if p.is_file()} == before

@@ -129,7 +129,7 @@ class BenchResult:
     def to_json(self) -> dict[str, Any]:
         return {
             "model": self.model,
-            "device": str(mx.default_device()),
+            "device": device_name(),
             "mlx": mx.__version__,
             "dtype": self.dtype,
             "moe_dtype": self.moe_dtype,
@@ -273,6 +273,11 @@ def ceiling(
     return expected / cost if cost > 0 else None
 
 
+def device_name() -> str:
+    """MLX's default device as a plain word ("cpu", "gpu"), not the repr `Device(cpu, 0)`."""
+    return mx.default_device().type.name
+
+
 def bench(
     model: str | Path,
     *,
@@ -385,7 +390,7 @@ def print_bench(result: BenchResult) -> None:
 
     costs = result.costs
     stdout.print(
-        f"[bold]{result.model}[/bold] on {mx.default_device()}: prompt {result.prompt_tokens} "
+        f"[bold]{result.model}[/bold] on {device_name()}: prompt {result.prompt_tokens} "
         f"tokens, {result.max_tokens} generated per run, median \\[min-max] of "
         f"{result.trials} interleaved trials"
         + (f", experts in {result.moe_dtype}" if result.moe_dtype else "")

@@ -19,6 +19,8 @@ app = typer.Typer(
     # Click's plain forms: a usage error is two lines of usage and one `Error: ...` line
     # (exit 2), never a box; help is plain text that logs and pipes keep intact.
     rich_markup_mode=None,
+    # -h as well as --help, as mlx-lm's commands take it.
+    context_settings={"help_option_names": ["-h", "--help"]},
 )
 
 
@@ -38,8 +40,9 @@ def _root(
     """Keep, convert, run and check the MTP heads of open checkpoints on MLX."""
 
 
-for command in (inspect.inspect, check.check, convert.convert, generate.generate, bench.bench):
+for command in (inspect.inspect, check.check, convert.convert, bench.bench):
     app.command()(command)
+app.command(context_settings=generate.CONTEXT)(generate.generate)
 app.command(name="train-head")(train_head.train_head)
 
 

@@ -7,20 +7,21 @@ from typing import Annotated
 import typer
 
 from mtpkit.cli.options import (
+    MAX_DEPTH,
     JsonOpt,
     RandomShape,
     ScaleDtype,
     friendly_errors,
-    require_depth,
     value,
 )
-from mtpkit.core.errors import MtpkitError
 
 
 @friendly_errors
 def bench(
+    ctx: typer.Context,
     model: Annotated[
-        str | None, typer.Option("--model", "-m", help="A model directory or Hub repo id.")
+        str | None,
+        typer.Option("--model", metavar="SOURCE", help="A model directory or Hub repo id."),
     ] = None,
     random_shape: Annotated[
         RandomShape | None,
@@ -30,21 +31,43 @@ def bench(
             "temporary directory.",
         ),
     ] = None,
+    random_layers: Annotated[
+        int | None,
+        typer.Option(
+            "--random-layers",
+            min=4,
+            metavar="N",
+            help="With --random: build only N layers (a multiple of 4), for a quicker build "
+            "of the same widths.",
+        ),
+    ] = None,
     dtype: Annotated[
-        ScaleDtype,
+        ScaleDtype | None,
         typer.Option(
             "--dtype",
             help="With --random: the dtype of the quantization scales and unquantized weights "
-            "(float32 runs ~10x faster on Linux CPUs; published 4-bit models carry bfloat16).",
+            "(default float32, which runs ~10x faster on Linux CPUs; published 4-bit models "
+            "carry bfloat16).",
         ),
-    ] = ScaleDtype.float32,
-    prompt: Annotated[str | None, typer.Option("--prompt", "-p", help="The prompt.")] = None,
-    max_tokens: Annotated[int, typer.Option("--max-tokens", min=1, help="Tokens per run.")] = 128,
-    max_depth: Annotated[int, typer.Option("--depth", help="Measure depths 1..K.")] = 3,
+    ] = None,
+    prompt: Annotated[
+        str | None, typer.Option("--prompt", "-p", metavar="TEXT", help="The prompt.")
+    ] = None,
+    max_tokens: Annotated[
+        int,
+        typer.Option("--max-tokens", "-m", min=1, metavar="N", help="Tokens per run."),
+    ] = 128,
+    max_depth: Annotated[
+        int,
+        typer.Option("--depth", min=1, max=MAX_DEPTH, metavar="K", help="Measure depths 1..K."),
+    ] = 3,
     trials: Annotated[
         int,
         typer.Option(
-            "--trials", min=1, help="Interleaved trials; each figure is their median and range."
+            "--trials",
+            min=1,
+            metavar="N",
+            help="Interleaved trials; each figure is their median and range.",
         ),
     ] = 5,
     json_output: JsonOpt = False,
@@ -56,9 +79,14 @@ def bench(
     import shutil
 
     if (model is None) == (random_shape is None):
-        raise MtpkitError("pass --model DIR or --random SHAPE")
-    require_depth(max_depth)
+        ctx.fail("pass --model SOURCE or --random SHAPE (one of them)")
+    if random_shape is None and (dtype is not None or random_layers is not None):
+        flag = "--dtype" if dtype is not None else "--random-layers"
+        ctx.fail(f"{flag} applies to the model --random builds: it has no effect with --model")
+    if random_layers is not None and random_layers % 4:
+        ctx.fail(f"--random-layers must be a multiple of 4 (3 linear, 1 full), not {random_layers}")
     shape = value(random_shape)
+    scales = value(dtype) or "float32"
 
     from mtpkit.bench.shapes import random_model_dir
     from mtpkit.bench.speed import DEFAULT_PROMPT, print_bench
@@ -66,9 +94,12 @@ def bench(
     from mtpkit.cli.output import print_json
     from mtpkit.core.console import log
 
-    if shape:
-        log(f"... building a random {shape} model ({dtype.value} scales)")
-    built = random_model_dir(shape, dtype.value) if shape else None
+    def progress(line: str) -> None:
+        log(f"... {line}")  # stderr, so also with --json
+
+    built = (
+        random_model_dir(shape, scales, layers=random_layers, progress=progress) if shape else None
+    )
     try:
         result = run_bench(
             str(built) if built else model,
@@ -76,14 +107,14 @@ def bench(
             max_tokens=max_tokens,
             max_depth=max_depth,
             trials=trials,
-            progress=lambda line: log(f"... {line}"),  # stderr, so also with --json
+            progress=progress,
         )
     finally:
         if built is not None:
             shutil.rmtree(built.parent, ignore_errors=True)
     if shape:
         result.model = f"random:{shape}"
-        result.dtype = dtype.value
+        result.dtype = scales
     if json_output:
         print_json(result.to_json())
         return

@@ -9,15 +9,19 @@ import typer
 from mtpkit.cli.options import (
     EXIT_FAILED_REQUIREMENT,
     JsonOpt,
+    ModelOpt,
     RevisionOpt,
     SourceArg,
     friendly_errors,
+    one_source,
 )
 
 
 @friendly_errors
 def inspect(
-    source: SourceArg,
+    ctx: typer.Context,
+    source: SourceArg = None,
+    model: ModelOpt = None,
     revision: RevisionOpt = None,
     json_output: JsonOpt = False,
     require_mtp: Annotated[
@@ -40,7 +44,7 @@ def inspect(
     from mtpkit.checkpoint.inspect import head_state, inspect_checkpoint
     from mtpkit.cli.output import print_inspect, print_json
 
-    result = inspect_checkpoint(source, revision=revision)
+    result = inspect_checkpoint(one_source(ctx, source, model), revision=revision)
     if json_output:
         print_json(result)
     else:

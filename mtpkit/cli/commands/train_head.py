@@ -7,39 +7,55 @@ from typing import Annotated
 
 import typer
 
-from mtpkit.cli.options import JsonOpt, friendly_errors
+from mtpkit.cli.options import JsonOpt, ModelOpt, QuietOpt, friendly_errors, one_source
 
 # The options, named here to keep the command's signature short.
 OutputOpt = Annotated[
     Path | None,
-    typer.Option("--output", "-o", help="Write a copy of the model with the new head here."),
+    typer.Option(
+        "--output", "-o", metavar="DIR", help="Write a copy of the model with the new head here."
+    ),
 ]
 IntoOpt = Annotated[
     Path | None,
-    typer.Option("--into", help="Install the head into this existing conversion instead."),
+    typer.Option(
+        "--into", metavar="DIR", help="Install the head into this existing conversion instead."
+    ),
 ]
 ForceOpt = Annotated[
     bool, typer.Option("--force", help="Replace an existing OUT, or DIR's existing head.")
 ]
-StepsOpt = Annotated[int, typer.Option("--steps", min=1, help="Optimizer steps.")]
-LrOpt = Annotated[float, typer.Option("--lr", min=0.0, help="Peak learning rate (AdamW).")]
-BatchSizeOpt = Annotated[int, typer.Option("--batch-size", min=1, help="Chunks per step.")]
-SeqLenOpt = Annotated[int, typer.Option("--seq-len", min=4, help="Tokens per chunk.")]
+StepsOpt = Annotated[int, typer.Option("--steps", metavar="N", min=1, help="Optimizer steps.")]
+LrOpt = Annotated[
+    float, typer.Option("--lr", metavar="X", min=0.0, help="Peak learning rate (AdamW).")
+]
+BatchSizeOpt = Annotated[
+    int, typer.Option("--batch-size", metavar="N", min=1, help="Chunks per step.")
+]
+SeqLenOpt = Annotated[int, typer.Option("--seq-len", metavar="N", min=4, help="Tokens per chunk.")]
 WeightDecayOpt = Annotated[
-    float, typer.Option("--weight-decay", min=0.0, help="AdamW weight decay.")
+    float, typer.Option("--weight-decay", metavar="X", min=0.0, help="AdamW weight decay.")
 ]
 GradClipOpt = Annotated[
     float,
-    typer.Option("--grad-clip", min=0.0, help="Clip the gradient's global norm (0: off)."),
+    typer.Option(
+        "--grad-clip", metavar="X", min=0.0, help="Clip the gradient's global norm (0: off)."
+    ),
 ]
-SeedOpt = Annotated[int, typer.Option("--seed", help="Seed of the data, sampling and order.")]
+SeedOpt = Annotated[
+    int, typer.Option("--seed", metavar="N", help="Seed of the data, sampling and order.")
+]
 DepthOpt = Annotated[
-    int, typer.Option("--depth", min=1, max=4, help="Rollout steps trained (1: NextN only).")
+    int,
+    typer.Option(
+        "--depth", metavar="K", min=1, max=4, help="Rollout steps trained (1: NextN only)."
+    ),
 ]
 DataOpt = Annotated[
     list[Path] | None,
     typer.Option(
         "--data",
+        metavar="FILE",
         help="Train on these .txt (blank-line separated) or .jsonl (text, messages or "
         "prompt+completion) files instead of text the model generates itself.",
     ),
@@ -47,7 +63,9 @@ DataOpt = Annotated[
 PromptsOpt = Annotated[
     Path | None,
     typer.Option(
-        "--prompts", help="Prompts to self-generate from (blank-line separated, or .json)."
+        "--prompts",
+        metavar="FILE",
+        help="Prompts to self-generate from (blank-line separated, or .json).",
     ),
 ]
 SamplesOpt = Annotated[
@@ -55,6 +73,7 @@ SamplesOpt = Annotated[
     typer.Option(
         "--samples-per-prompt",
         min=1,
+        metavar="N",
         help="Generated samples per prompt, or unconditioned samples for a base model"
         " (default: enough that no chunk repeats).",
     ),
@@ -64,6 +83,7 @@ TemperatureOpt = Annotated[
     typer.Option(
         "--temperature",
         min=0.0,
+        metavar="T",
         help="Sampling temperature of generation (half the samples continue greedily).",
     ),
 ]
@@ -75,27 +95,39 @@ ChatTemplateOpt = Annotated[
     ),
 ]
 EvalEveryOpt = Annotated[
-    int, typer.Option("--eval-every", min=1, help="Steps between held-out acceptance measurements.")
+    int,
+    typer.Option(
+        "--eval-every", metavar="N", min=1, help="Steps between held-out acceptance measurements."
+    ),
 ]
 CheckpointEveryOpt = Annotated[
-    int, typer.Option("--checkpoint-every", min=1, help="Steps between checkpoints.")
+    int, typer.Option("--checkpoint-every", metavar="N", min=1, help="Steps between checkpoints.")
 ]
 CheckpointDirOpt = Annotated[
     Path | None,
     typer.Option(
         "--checkpoint-dir",
+        metavar="DIR",
         help="Where checkpoints go (default: OUT.train-state, or DIR/.mtp-train-state).",
     ),
 ]
 ResumeOpt = Annotated[
     bool, typer.Option("--resume", help="Continue from the checkpoint of an earlier run.")
 ]
-QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="No progress bar.")]
 
 
 @friendly_errors
 def train_head(
-    model: Annotated[str, typer.Argument(help="An MLX model directory (or Hub repo id).")],
+    ctx: typer.Context,
+    model: Annotated[
+        str | None,
+        typer.Argument(
+            metavar="MODEL",
+            help="An MLX model directory (or Hub repo id; or --model).",
+            show_default=False,
+        ),
+    ] = None,
+    model_option: ModelOpt = None,
     output: OutputOpt = None,
     into: IntoOpt = None,
     force: ForceOpt = False,
@@ -129,6 +161,11 @@ def train_head(
     held-out drafting acceptance) goes to stderr; checkpoints allow --resume. The result is
     used unchanged by generate, bench and check.
     """
+    model = one_source(ctx, model, model_option)
+    if (output is None) == (into is None):
+        ctx.fail(
+            "pass -o DIR (a copy with the new head) or --into DIR (install it there), one of them"
+        )
     from mtpkit.train.output import check_destination
 
     check_destination(output, into, force)
