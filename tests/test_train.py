@@ -213,8 +213,6 @@ def test_into_installs_atomically_and_refuses_a_head(llama, tmp_path) -> None:
 @pytest.mark.parametrize(
     ("extra", "message"),
     [
-        ([], "pass exactly one of -o OUT (a new model directory) and --into DIR"),
-        (["-o", "{tmp}", "--into", "{tmp}"], "pass exactly one of -o OUT"),
         (["-o", "{tmp}"], "exists: pass --force to replace it"),
         (["-o", "{tmp}/new", "--data", "{tmp}/corpus.csv"], "must be .txt or .jsonl files"),
         (["-o", "{tmp}/new", "--data", "{tmp}/missing.txt"], "no such file"),
@@ -228,6 +226,18 @@ def test_bad_destinations_and_data_are_one_line_errors(llama, tmp_path, extra, m
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("Error: ") and message in lines[0]
     assert not (tmp_path / "new").exists()
+
+
+@pytest.mark.parametrize("extra", [[], ["-o", "{tmp}/a", "--into", "{tmp}/b"]])
+def test_no_or_two_destinations_are_usage_errors(llama, tmp_path, extra) -> None:
+    args = [a.replace("{tmp}", str(tmp_path)) for a in extra]
+    result = runner.invoke(app, ["train-head", str(llama), *args])
+    assert result.exit_code == 2
+    lines = result.stderr.strip().splitlines()
+    assert (
+        lines[0].startswith("Usage: ") and "pass -o DIR" in lines[-1] and "--into DIR" in lines[-1]
+    )
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_file_corpora_stream_in_chunks(llama, tmp_path) -> None:
