@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -168,7 +169,7 @@ def test_resume_continues_where_the_checkpoint_left_off(llama, tmp_path) -> None
     )
     whole = train_head(str(llama), settings=settings, checkpoint_dir=tmp_path / "a")
 
-    def crash_after_3(step: int, loss: float, acc: float | None) -> None:
+    def crash_after_3(step: int, loss: float | None, acc: float | None) -> None:
         if step == 3:
             raise Interrupted
 
@@ -264,3 +265,17 @@ def test_file_corpora_stream_in_chunks(llama, tmp_path) -> None:
     again.skip(6)
     assert again.next_batch(3).tolist() == batches[2]
     assert all(len(row) == 8 for batch in batches for row in batch)
+
+
+def test_progress_lines_in_a_log(llama, tmp_path) -> None:
+    """stderr that is not a terminal (CliRunner's, a CI log) gets a line per held-out
+    measurement, the start and the end included, so a long run shows it is alive."""
+    args = [a for a in LLAMA_ARGS if a != "--quiet"]
+    result = runner.invoke(app, ["train-head", str(llama), "-o", str(tmp_path / "o"), *args])
+    assert result.exit_code == 0, result.output
+    lines = [line for line in result.stderr.splitlines() if line.startswith("step ")]
+    assert len(lines) == 3 and "\r" not in result.stderr, result.stderr
+    assert re.fullmatch(r"step 0/24: held-out acceptance \d+\.\d%", lines[0]), lines
+    for n, text in zip((12, 24), lines[1:], strict=True):
+        pattern = rf"step {n}/24: loss \d+\.\d{{4}}, held-out acceptance \d+\.\d% "
+        assert re.match(pattern + r"\(\d+s elapsed, about \d+s left\)$", text), text
