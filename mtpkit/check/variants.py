@@ -15,6 +15,9 @@ from dataclasses import dataclass
 from typing import Any
 
 PASS, WARN, FAIL = "pass", "warn", "fail"
+# A probe check that did not run because a structural check failed first: reported (JSON,
+# JUnit `<skipped>`) so CI dashboards keep every case; it does not fail the verdict.
+SKIP = "skip"
 
 HIDDEN_VARIANTS = ("post_norm", "pre_norm")
 CONCAT_ORDERS = ("embedding_first", "hidden_first")

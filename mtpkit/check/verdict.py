@@ -32,6 +32,7 @@ from mtpkit.check.probes import (
     Measurement,
     shipped_variant,
 )
+from mtpkit.check.variants import SKIP
 from mtpkit.checkpoint.inspect import UNREADABLE, Checkpoint, read_checkpoint, unread_mtp_shards
 from mtpkit.checkpoint.validate import (
     HEAD_NOT_FINITE,
@@ -61,6 +62,8 @@ CHECKS = {
     "concat_order": "the head's projection gets its two inputs in the trained order",
     "head_matches_trunk": "the head was trained with this trunk (some variant reaches --min-acceptance)",
 }
+# The checks the probes decide; reported as skipped when a structural check fails first.
+PROBE_CHECKS = ("acceptance", "norm_shift", "hidden", "concat_order", "head_matches_trunk")
 
 
 # --------------------------------------------------------------------------- structural
@@ -383,6 +386,7 @@ def _check(
     skipped: list[CheckResult] = []
     if probe and any(c.status == FAIL for c in checks):
         log("probes skipped: a structural check failed")
+        checks.extend(skipped_probes(checks))
     elif probe:
         with runnable_copy(ckpt, log=log) as model_dir:
             if not is_local and ckpt.format == "mlx":
@@ -413,6 +417,16 @@ def _check(
         "best_variant": best_variant(diagnosis.best) if diagnosis else None,
         "moe_dtype": moe_dtype,
     }
+
+
+def skipped_probes(checks: list[CheckResult]) -> list[CheckResult]:
+    """Each probe check as skipped, naming the structural checks that failed (CI dashboards
+    keep seeing every case)."""
+    failed = ", ".join(c.name for c in checks if c.status == FAIL)
+    return [
+        CheckResult(name, SKIP, f"not run: structural check(s) failed first ({failed})")
+        for name in PROBE_CHECKS
+    ]
 
 
 def _load_for_probes(

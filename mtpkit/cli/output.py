@@ -10,7 +10,7 @@ from rich.table import Table
 
 from mtpkit.core.console import stdout
 
-STATUS_STYLE = {"pass": "green", "warn": "yellow", "fail": "bold red"}
+STATUS_STYLE = {"pass": "green", "warn": "yellow", "fail": "bold red", "skip": "dim"}
 
 
 def print_json(obj: Any) -> None:
@@ -100,7 +100,7 @@ def print_check(result: dict[str, Any]) -> None:
                 f"{best['hidden']}, {best['concat_order']}"
             )
         line += ")"
-    elif not any(c["name"] == "acceptance" for c in result["checks"]):
+    elif not any(c["name"] == "acceptance" and c["status"] != "skip" for c in result["checks"]):
         line += " (no probes run)"
     if result.get("moe_dtype"):
         line += f"; experts ran in {result['moe_dtype']}"
