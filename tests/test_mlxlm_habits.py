@@ -10,6 +10,7 @@ from __future__ import annotations
 import io
 import json
 import math
+import shutil
 import sys
 from pathlib import Path
 
@@ -286,3 +287,21 @@ def test_train_bar_eta_starts_at_the_first_step(monkeypatch) -> None:
     if not are_progress_bars_disabled():
         assert progress.bar is not None and progress.bar.n == 1
     progress.close()
+
+
+def test_head_of_another_width_fails_check_at_once(converted, checkpoint, tmp_path) -> None:
+    """A 64-wide head on the 128-wide example: head_complete fails from the headers (the
+    probes are skipped, nothing is loaded to find out), generate says so in one line."""
+    narrow = convert(str(checkpoint("qwen3_5")), output=tmp_path / "narrow").output
+    bad = tmp_path / "bad"
+    shutil.copytree(converted, bad, ignore=shutil.ignore_patterns("mtp"))
+    shutil.copytree(narrow / "mtp", bad / "mtp")
+    result = runner.invoke(app, ["check", str(bad), "--json"])
+    assert result.exit_code == 3
+    checks = {c["name"]: c for c in json.loads(result.stdout)["checks"]}
+    assert checks["head_complete"]["status"] == "fail"
+    assert "has shape [64], the config implies [128]" in checks["head_complete"]["detail"]
+    assert checks["acceptance"]["status"] == "skip"
+    gen = runner.invoke(app, ["generate", "--model", str(bad), "--mtp", "-m", "2"])
+    assert gen.exit_code == 1 and gen.stderr.startswith("Error: the MTP head in ")
+    assert "unexpected" not in gen.stderr and len(gen.stderr.splitlines()) == 1

@@ -167,7 +167,38 @@ def _head_complete(ckpt: Checkpoint) -> CheckResult:
             f"{messages[0]}{more}: re-convert from the original repo, or re-graft with "
             "`mtpkit convert ORIGINAL --mtp-only --into DIR`",
         )
+    if (mismatch := head_shape_problem(ckpt)) is not None:
+        return CheckResult(
+            "head_complete",
+            FAIL,
+            f"{mismatch}; the head is not this model's (another model's head?): graft the "
+            "model's own with `mtpkit convert ORIGINAL --mtp-only --into DIR`",
+        )
     return CheckResult("head_complete", PASS, "every required head tensor is present")
+
+
+def head_shape_problem(ckpt: Checkpoint) -> str | None:
+    """An MLX directory's head tensors against the head its config implies (names and
+    shapes, from the headers, as convert checks them), so a head of another width fails here
+    at once instead of in the probes. Raw checkpoints are checked when converted."""
+    if ckpt.format != "mlx":
+        return None
+    from mtpkit.convert.plan import Converter, Settings, check_outputs
+
+    family = ckpt.family
+    try:
+        tree = Converter(ckpt, Settings(), head_only=True).head_tree
+        if tree is None:
+            return None
+        produced = {
+            family.rename_head(t.name): tuple(t.shape)
+            for t in ckpt.mtp_tensors
+            if family.duplicate_of(t.name) is None
+        }
+        check_outputs(tree, produced, where="the head", family=family.name, what="head")
+    except MtpkitError as e:
+        return str(e).split(": the config does not match the weights")[0]
+    return None
 
 
 INDEX_CODES = (

@@ -21,6 +21,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from mtpkit.convert.rules import shift_norm, stack_experts
+from mtpkit.core.errors import MtpkitError
 from mtpkit.families import Family, family_for, supported
 from mtpkit.families.head import CONCAT_ORDERS, EMBEDDING_FIRST, HIDDEN_FIRST, MtpHead
 
@@ -212,7 +213,13 @@ def load_head(
             bits=int(qconfig.get("bits", 4)),
             class_predicate=quantization_predicate(hw.weights, qconfig, hw.prefix),
         )
-    head.load_weights(list(hw.weights.items()), strict=True)
+    try:
+        head.load_weights(list(hw.weights.items()), strict=True)
+    except ValueError as e:  # names or shapes of another model's head
+        raise MtpkitError(
+            f"the MTP head in {model_dir} does not fit this model ({e}): graft the model's "
+            "own head with `mtpkit convert ORIGINAL --mtp-only --into DIR`"
+        ) from None
     head.eval()
     order = concat_order or (hw.manifest or {}).get("concat_order")
     if order:
