@@ -348,3 +348,57 @@ VerboseOpt = Annotated[
         "False: only the text.",
     ),
 ]
+
+
+# Options of `bench`.
+BenchModelOpt = Annotated[
+    str | None,
+    typer.Option("--model", metavar="SOURCE", help="A model directory or Hub repo id."),
+]
+RandomShapeOpt = Annotated[
+    RandomShape | None,
+    typer.Option(
+        "--random",
+        help="Instead of --model, build a random-weight 4-bit model of this shape in a "
+        "temporary directory.",
+    ),
+]
+RandomLayersOpt = Annotated[
+    int | None,
+    typer.Option(
+        "--random-layers",
+        min=4,
+        metavar="N",
+        help="With --random: build only N layers (a multiple of 4), for a quicker build "
+        "of the same widths.",
+    ),
+]
+ScaleDtypeOpt = Annotated[
+    ScaleDtype | None,
+    typer.Option(
+        "--dtype",
+        help="With --random: the dtype of the quantization scales and unquantized weights "
+        "(default float32, which runs ~10x faster on Linux CPUs; published 4-bit models "
+        "carry bfloat16).",
+    ),
+]
+BenchPromptOpt = Annotated[
+    str | None, typer.Option("--prompt", "-p", metavar="TEXT", help="The prompt.")
+]
+BenchMaxTokensOpt = Annotated[
+    int,
+    typer.Option("--max-tokens", "-m", min=1, metavar="N", help="Tokens per run."),
+]
+BenchDepthOpt = Annotated[
+    int,
+    typer.Option("--depth", min=1, max=MAX_DEPTH, metavar="K", help="Measure depths 1..K."),
+]
+TrialsOpt = Annotated[
+    int,
+    typer.Option(
+        "--trials",
+        min=1,
+        metavar="N",
+        help="Interleaved trials; each figure is their median and range.",
+    ),
+]

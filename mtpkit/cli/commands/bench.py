@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
-from typing import Annotated
-
 import typer
 
 from mtpkit.cli.options import (
-    MAX_DEPTH,
+    BenchDepthOpt,
+    BenchMaxTokensOpt,
+    BenchModelOpt,
+    BenchPromptOpt,
     JsonOpt,
-    RandomShape,
-    ScaleDtype,
+    RandomLayersOpt,
+    RandomShapeOpt,
+    ScaleDtypeOpt,
+    TrialsOpt,
     friendly_errors,
     value,
 )
@@ -19,57 +22,14 @@ from mtpkit.cli.options import (
 @friendly_errors
 def bench(
     ctx: typer.Context,
-    model: Annotated[
-        str | None,
-        typer.Option("--model", metavar="SOURCE", help="A model directory or Hub repo id."),
-    ] = None,
-    random_shape: Annotated[
-        RandomShape | None,
-        typer.Option(
-            "--random",
-            help="Instead of --model, build a random-weight 4-bit model of this shape in a "
-            "temporary directory.",
-        ),
-    ] = None,
-    random_layers: Annotated[
-        int | None,
-        typer.Option(
-            "--random-layers",
-            min=4,
-            metavar="N",
-            help="With --random: build only N layers (a multiple of 4), for a quicker build "
-            "of the same widths.",
-        ),
-    ] = None,
-    dtype: Annotated[
-        ScaleDtype | None,
-        typer.Option(
-            "--dtype",
-            help="With --random: the dtype of the quantization scales and unquantized weights "
-            "(default float32, which runs ~10x faster on Linux CPUs; published 4-bit models "
-            "carry bfloat16).",
-        ),
-    ] = None,
-    prompt: Annotated[
-        str | None, typer.Option("--prompt", "-p", metavar="TEXT", help="The prompt.")
-    ] = None,
-    max_tokens: Annotated[
-        int,
-        typer.Option("--max-tokens", "-m", min=1, metavar="N", help="Tokens per run."),
-    ] = 128,
-    max_depth: Annotated[
-        int,
-        typer.Option("--depth", min=1, max=MAX_DEPTH, metavar="K", help="Measure depths 1..K."),
-    ] = 3,
-    trials: Annotated[
-        int,
-        typer.Option(
-            "--trials",
-            min=1,
-            metavar="N",
-            help="Interleaved trials; each figure is their median and range.",
-        ),
-    ] = 5,
+    model: BenchModelOpt = None,
+    random_shape: RandomShapeOpt = None,
+    random_layers: RandomLayersOpt = None,
+    dtype: ScaleDtypeOpt = None,
+    prompt: BenchPromptOpt = None,
+    max_tokens: BenchMaxTokensOpt = 128,
+    max_depth: BenchDepthOpt = 3,
+    trials: TrialsOpt = 5,
     json_output: JsonOpt = False,
 ) -> None:
     """Measure plain decoding (stock mlx-lm, --no-mtp) against MTP decoding at depths 1..K.

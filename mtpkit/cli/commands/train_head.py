@@ -161,11 +161,7 @@ def train_head(
     held-out drafting acceptance) goes to stderr; checkpoints allow --resume. The result is
     used unchanged by generate, bench and check.
     """
-    model = one_source(ctx, model, model_option)
-    if (output is None) == (into is None):
-        ctx.fail(
-            "pass -o DIR (a copy with the new head) or --into DIR (install it there), one of them"
-        )
+    model = _model_and_destination(ctx, model, model_option, output, into)
     from mtpkit.train.output import check_destination
 
     check_destination(output, into, force)
@@ -205,3 +201,18 @@ def train_head(
         print_json(result)
     else:
         print_train(result)
+
+
+def _model_and_destination(
+    ctx: typer.Context,
+    model: str | None,
+    model_option: str | None,
+    output: Path | None,
+    into: Path | None,
+) -> str:
+    """The model (as MODEL or --model) and exactly one destination, or a usage error."""
+    if (output is None) == (into is None):
+        ctx.fail(
+            "pass -o DIR (a copy with the new head) or --into DIR (install it there), one of them"
+        )
+    return one_source(ctx, model, model_option)
