@@ -137,6 +137,7 @@ def test_bad_command_lines_are_usage_errors(converted: Path) -> None:
         (["--mtp", "sometimes"], "Got unexpected extra argument (sometimes)"),
         (["auto"], "Got unexpected extra argument (auto) (only `--mtp auto` takes a word)"),
         (["--no-mtp", "--depth", "3"], "--depth drafts with the head: it contradicts --no-mtp"),
+        (["--no-mtp", "--hidden", "pre_norm"], "--hidden feeds the head: it contradicts"),
         (["--verbose", "maybe"], "'maybe' is not True or False"),
     ]
     for args, message in cases:
@@ -169,6 +170,7 @@ def test_bench_json(converted: Path) -> None:
         assert low <= r["speedup"] <= high
     assert out["plain_tps"] > 0 and out["beta"] > 0 and out["delta"] > 0
     assert out["trials"] == 2 and set(out["verify_costs"]) == {"2", "3"}
+    assert out["device"] in ("cpu", "gpu")  # a word, not the repr Device(cpu, 0)
     # bench/bench_table.py turns it into a markdown row with every depth's figures.
     spec = importlib.util.spec_from_file_location("bench_table", ROOT / "bench" / "bench_table.py")
     bench_table = importlib.util.module_from_spec(spec)

@@ -95,7 +95,7 @@ def generate(
     """
     import sys
 
-    mode = _mtp_mode(ctx, mtp, depth)
+    mode = _mtp_mode(ctx, mtp, depth, hidden)
     if trust_remote_code:
         typer.echo(REMOTE_CODE_NOTE, err=True)
     text = prompt.replace("\\n", "\n").replace("\\t", "\t")  # as mlx_lm.generate reads it
@@ -145,7 +145,9 @@ def generate(
         sys.stdout.write("\n")
 
 
-def _mtp_mode(ctx: typer.Context, mtp: bool | None, depth: int) -> bool | str:
+def _mtp_mode(
+    ctx: typer.Context, mtp: bool | None, depth: int, hidden: Hidden | None
+) -> bool | str:
     """True, False or "auto" from --mtp/--no-mtp and the one word `--mtp auto` may add;
     anything else on the line is a usage error, as is a draft depth for plain decoding."""
     extra = list(ctx.args)
@@ -156,4 +158,6 @@ def _mtp_mode(ctx: typer.Context, mtp: bool | None, depth: int) -> bool | str:
         ctx.fail(f"Got unexpected extra argument ({' '.join(extra)}){hint}")
     if mtp is False and depth != 1:
         ctx.fail("--depth drafts with the head: it contradicts --no-mtp")
+    if mtp is False and hidden is not None:
+        ctx.fail("--hidden feeds the head: it contradicts --no-mtp")
     return "auto" if mtp is None else mtp
