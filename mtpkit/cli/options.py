@@ -350,6 +350,37 @@ VerboseOpt = Annotated[
 ]
 
 
+MtpOpt = Annotated[
+    bool | None,
+    typer.Option(
+        "--mtp/--no-mtp",
+        help="--mtp: draft with the MTP head (an error without one); --mtp auto, or neither "
+        "flag: use the head when there is one, else warn and decode plainly; --no-mtp: "
+        "plain decoding (stock mlx-lm).",
+    ),
+]
+GenerateHiddenOpt = Annotated[
+    Hidden | None,
+    typer.Option("--hidden", help="Hidden state fed to the head (default: the manifest's)."),
+]
+AdaptiveOpt = Annotated[
+    bool,
+    typer.Option(
+        "--adaptive/--no-adaptive", help="Pause drafting while it is slower than plain decoding."
+    ),
+]
+ChatTemplateOpt = Annotated[
+    bool,
+    typer.Option(
+        "--chat-template/--no-chat-template",
+        help="Apply the tokenizer's chat template, when it has one.",
+    ),
+]
+SampleSeedOpt = Annotated[
+    int | None, typer.Option("--seed", metavar="N", help="Random seed for sampling.")
+]
+
+
 # Options of `bench`.
 BenchModelOpt = Annotated[
     str | None,

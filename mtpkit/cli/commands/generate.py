@@ -2,15 +2,16 @@
 
 from __future__ import annotations
 
-from typing import Annotated
-
 import typer
 
 from mtpkit.cli.options import (
     DEFAULT_PROMPT,
     REMOTE_CODE_NOTE,
+    AdaptiveOpt,
+    ChatTemplateOpt,
     DepthOpt,
     ExtraEosTokenOpt,
+    GenerateHiddenOpt,
     GenerateModelOpt,
     Hidden,
     IgnoreChatTemplateOpt,
@@ -18,8 +19,10 @@ from mtpkit.cli.options import (
     MaxKvSizeOpt,
     MaxTokensOpt,
     MinPOpt,
+    MtpOpt,
     PrefillResponseOpt,
     PromptOpt,
+    SampleSeedOpt,
     SystemPromptOpt,
     TempOpt,
     TopKOpt,
@@ -30,35 +33,6 @@ from mtpkit.cli.options import (
     value,
 )
 
-MtpOpt = Annotated[
-    bool | None,
-    typer.Option(
-        "--mtp/--no-mtp",
-        help="--mtp: draft with the MTP head (an error without one); --mtp auto, or neither "
-        "flag: use the head when there is one, else warn and decode plainly; --no-mtp: "
-        "plain decoding (stock mlx-lm).",
-    ),
-]
-HiddenOpt = Annotated[
-    Hidden | None,
-    typer.Option("--hidden", help="Hidden state fed to the head (default: the manifest's)."),
-]
-AdaptiveOpt = Annotated[
-    bool,
-    typer.Option(
-        "--adaptive/--no-adaptive", help="Pause drafting while it is slower than plain decoding."
-    ),
-]
-ChatTemplateOpt = Annotated[
-    bool,
-    typer.Option(
-        "--chat-template/--no-chat-template",
-        help="Apply the tokenizer's chat template, when it has one.",
-    ),
-]
-SeedOpt = Annotated[
-    int | None, typer.Option("--seed", metavar="N", help="Random seed for sampling.")
-]
 # `--mtp auto` reaches the command as the --mtp flag and one extra word (generate takes no
 # arguments otherwise, so the usage line shows none).
 CONTEXT = {"allow_extra_args": True}
@@ -76,8 +50,8 @@ def generate(
     top_p: TopPOpt = 1.0,
     min_p: MinPOpt = 0.0,
     top_k: TopKOpt = 0,
-    seed: SeedOpt = None,
-    hidden: HiddenOpt = None,
+    seed: SampleSeedOpt = None,
+    hidden: GenerateHiddenOpt = None,
     adaptive: AdaptiveOpt = True,
     chat_template: ChatTemplateOpt = True,
     ignore_chat_template: IgnoreChatTemplateOpt = False,
