@@ -34,6 +34,7 @@ from mtpkit.bench.report import (
     BenchRun,
     Costs,
     Figure,
+    device_name,  # noqa: F401  (importable from here, as before the split)
     expected_tokens,
     print_bench,  # noqa: F401  (the CLI imports it from here)
 )

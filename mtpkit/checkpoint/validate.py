@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from mtpkit.core.choices import BITS, GROUP_SIZES
 from mtpkit.core.config import INVALID_CONFIG, as_count
 from mtpkit.core.errors import InvalidConfig
 
@@ -65,9 +66,9 @@ CONFIG_MOST: dict[str, int] = {
 CONFIG_NUMBERS = ("rms_norm_eps", "layer_norm_eps", "rope_theta")
 # Fields that must be JSON booleans when present.
 CONFIG_FLAGS = ("tie_word_embeddings",)
-# The quantization mlx-lm can load: bits and group sizes (mlx's affine modes).
-QUANT_BITS = (2, 3, 4, 5, 6, 8)
-QUANT_GROUP_SIZES = (32, 64, 128)
+# The quantization mlx-lm can load: bits and group sizes (affine's, and nvfp4's 16).
+QUANT_BITS = BITS
+QUANT_GROUP_SIZES = GROUP_SIZES
 # More MTP layers than this is no published model (they ship 1, a few at most).
 MAX_MTP_LAYERS = 64
 

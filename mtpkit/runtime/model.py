@@ -175,10 +175,12 @@ class MtpModel:
     def hidden_state(self) -> mx.array:
         return self.capture.post if self.hidden == POST_NORM else self.capture.pre
 
-    def make_cache(self) -> list[Any]:
+    def make_cache(self, max_kv_size: int | None = None) -> list[Any]:
+        """mlx-lm's caches for the backbone (rotating ones of `max_kv_size`, as mlx-lm's
+        --max-kv-size makes them, for models without their own `make_cache`)."""
         from mlx_lm.models.cache import make_prompt_cache
 
-        return make_prompt_cache(self.model)
+        return make_prompt_cache(self.model, max_kv_size=max_kv_size)
 
     def forward(self, tokens: mx.array, cache: list[Any]) -> tuple[mx.array, mx.array]:
         """Logits [1, T, V] and hidden states [1, T, H] of `tokens` [1, T]."""

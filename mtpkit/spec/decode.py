@@ -69,6 +69,7 @@ class Stats:
     decode_time: float = 0.0
     decode_tokens: int = 0
     rounds: int = 0
+    last_accepted: int = 0
     plain_steps: int = 0
     pipelined: int = 0  # rounds queued before the previous verdict was read
     discarded: int = 0  # of those, thrown away after a rejection
@@ -89,12 +90,27 @@ class Stats:
 
     def record_round(self, position: int, drafts: list[int], accepted: int) -> None:
         self.draft_log.append((position, drafts))
-        self.drafted += len(drafts)
-        self.accepted += accepted
-        for j in range(min(accepted + 1, len(drafts))):
-            self.drafted_by_depth[j] += 1
-            self.accepted_by_depth[j] += 1 if j < accepted else 0
+        self.last_accepted = accepted
+        self._count(drafts, accepted, +1)
         self.rounds += 1
+
+    def end_round_at(self, kept: int) -> None:
+        """The last round's output ended after `kept` of its tokens (at an EOS): drafts from
+        there on, the EOS among them, count as neither drafted nor accepted."""
+        position, drafts = self.draft_log[-1]
+        if kept >= self.last_accepted:
+            return  # the EOS was the round's own next token, not a draft
+        self._count(drafts, self.last_accepted, -1)
+        self.draft_log[-1] = (position, drafts[:kept])
+        self.last_accepted = kept
+        self._count(drafts[:kept], kept, +1)
+
+    def _count(self, drafts: list[int], accepted: int, sign: int) -> None:
+        self.drafted += sign * len(drafts)
+        self.accepted += sign * accepted
+        for j in range(min(accepted + 1, len(drafts))):
+            self.drafted_by_depth[j] += sign
+            self.accepted_by_depth[j] += sign if j < accepted else 0
 
 
 @dataclass
@@ -125,6 +141,7 @@ class MtpDecoder:
         use_mtp: bool = True,
         pipeline: bool | None = None,
         draft_filter: DraftFilter | None = None,
+        max_kv_size: int | None = None,
     ) -> None:
         if not m.has_head and use_mtp:
             raise NoMtpHead(f"{m.path} has no MTP head")
@@ -135,7 +152,7 @@ class MtpDecoder:
         self.lockstep = m.lockstep
         adaptive = adaptive and use_mtp and self.lockstep.size == 1
         self.adaptive = AdaptiveDrafting(adaptive, depth, timed=sampling.greedy)
-        self.cache = m.make_cache()
+        self.cache = m.make_cache(max_kv_size)
         self.drafter: HeadDrafter | FollowerDrafter | None = None
         if m.head is not None:
             self.drafter = HeadDrafter(m)
@@ -305,14 +322,17 @@ class MtpDecoder:
             try:
                 with mx.stream(generation_stream):
                     while produced < max_tokens:
+                        rounds = self.stats.rounds
                         # A queued round pays only if tokens past this round's are wanted.
                         left = max_tokens - produced
                         new = self.step(may_look_ahead=left > self.depth + 1)
                         if first_done is None:
                             first_done, first_count = time.perf_counter(), len(new)
                             self.stats.prompt_time = first_done - start
-                        for t in new:
+                        for i, t in enumerate(new):
                             if t in eos:
+                                if self.stats.rounds > rounds:
+                                    self.stats.end_round_at(i)
                                 return
                             self.stats.generated.append(t)
                             produced += 1
