@@ -146,7 +146,7 @@ def test_generate_cli_under_mlx_launch(models: dict[str, Path], tmp_path: Path) 
     stock mlx-lm's single-process greedy tokens."""
     ref = json.loads(reference(models["deepseek_v3"], tmp_path).read_text())["tokens"]
     done = launch(
-        2, mtpkit_cli(), "generate", "-m", str(models["deepseek_v3"]), "-p", PROMPT_TEXT,
+        2, mtpkit_cli(), "generate", "--model", str(models["deepseek_v3"]), "-p", PROMPT_TEXT,
         "--no-chat-template", "--max-tokens", str(N_TOKENS), "--mtp", "--depth", "2", "--json",
     )  # fmt: skip
     assert "Error" not in done.stderr, done.stderr
@@ -163,7 +163,7 @@ def test_sampled_text_is_one_machines(models: dict[str, Path]) -> None:
     path = models["deepseek_v3"]
     args = ["--temp", "1", "--seed", "3", "--depth", "2", "--max-tokens", str(N_TOKENS)]
     done = launch(
-        2, mtpkit_cli(), "generate", "-m", str(path), "-p", PROMPT_TEXT, "--no-chat-template",
+        2, mtpkit_cli(), "generate", "--model", str(path), "-p", PROMPT_TEXT, "--no-chat-template",
         "--mtp", "--no-adaptive", "--pipeline", "--json", *args,
     )  # fmt: skip
     assert "Error" not in done.stderr, done.stderr
@@ -220,7 +220,7 @@ def test_a_failing_rank_ends_every_rank_with_one_line(
     ends, exit 1, with one `Error: rank 0: ...` line and no traceback, within --timeout."""
     # Rank 1 runs unsupervised, so that the signal reaches the rank itself.
     procs = start_ranks(
-        2, tmp_path, "generate", "-m", str(models["deepseek_v3"]), "-p", PROMPT_TEXT,
+        2, tmp_path, "generate", "--model", str(models["deepseek_v3"]), "-p", PROMPT_TEXT,
         "--no-chat-template", "--max-tokens", "100000", "--mtp", "--timeout", "4",
         per_rank={1: {"MTPKIT_RANK_CHILD": "1"}},
     )  # fmt: skip
@@ -265,7 +265,7 @@ def test_bench_under_mlx_launch(models: dict[str, Path]) -> None:
     """`mtpkit bench --json` under mlx.launch: one JSON object (rank 0's), the runs of one
     machine's bench, measured against mlx-lm's own sharded_load."""
     done = launch(
-        2, mtpkit_cli(), "bench", "-m", str(models["qwen3_5"]), "--max-tokens", "4",
+        2, mtpkit_cli(), "bench", "--model", str(models["qwen3_5"]), "--max-tokens", "4",
         "--depth", "1", "--trials", "1", "--json",
     )  # fmt: skip
     assert "Error" not in done.stderr, done.stderr
@@ -285,7 +285,7 @@ def test_from_the_hub_each_rank_downloads_its_part(
     caches = {r: tmp_path / f"hf{r}" for r in range(2)}
     per_rank = {r: {"HF_HOME": str(c), "HF_HUB_CACHE": str(c / "hub")} for r, c in caches.items()}
     procs = start_ranks(
-        2, tmp_path, "generate", "-m", "org/tiny-deepseek", "-p", PROMPT_TEXT,
+        2, tmp_path, "generate", "--model", "org/tiny-deepseek", "-p", PROMPT_TEXT,
         "--no-chat-template", "--max-tokens", str(N_TOKENS), "--mtp", "--pipeline", "--json",
         per_rank=per_rank,
     )  # fmt: skip

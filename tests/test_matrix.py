@@ -501,7 +501,7 @@ def test_config_values_are_checked_before_a_model_is_built(matrix, tmp_path, fie
     config[field] = value
     (bad / "config.json").write_text(json.dumps(config))
     args = {
-        "generate": ["generate", "-m", str(bad), "-p", PROMPT, "--max-tokens", "2"],
+        "generate": ["generate", "--model", str(bad), "-p", PROMPT, "--max-tokens", "2"],
         "bench": ["bench", "--model", str(bad), "--trials", "1", "--max-tokens", "2"],
     }[command]
     result = run(args, code=1, untouched=(bad,))
