@@ -258,7 +258,7 @@ def test_a_family_without_sharding_is_one_line(tmp_path: Path) -> None:
     path = build_checkpoint("mimo", tmp_path / "mimo")
     model, config = load_model(path, lazy=True, strict=False)
     with pytest.raises(MtpkitError, match="supports neither pipeline\\(\\) nor shard\\(\\)"):
-        choose_mode(model, config["model_type"], pipeline=False)
+        choose_mode(model, config, pipeline=False)
 
 
 def test_bench_under_mlx_launch(models: dict[str, Path]) -> None:

@@ -28,7 +28,6 @@ from mtpkit.runtime.model import (
     MtpModel,
     assemble,
     head_tensor_filter,
-    inner_model,
     load_tokenizer,
     model_classes_without,
 )
@@ -50,21 +49,35 @@ def world() -> Any:
     return group if group.size() > 1 else None
 
 
-def sharding_modes(model: nn.Module) -> list[str]:
+def decoder_stack(model: nn.Module, config: dict[str, Any]) -> nn.Module:
+    """The module holding the decoder layers (where mlx-lm's `pipeline()` lives), as the
+    family reads the model (`Family.text_model`, `decoder_attr`)."""
+    from mtpkit.core.errors import UnsupportedFamily
+    from mtpkit.families import Family, family_for
+
+    try:
+        family = family_for(config)
+    except UnsupportedFamily:
+        family = Family(config)
+    return getattr(family.text_model(model), family.decoder_attr)
+
+
+def sharding_modes(model: nn.Module, config: dict[str, Any]) -> list[str]:
     """How mlx-lm's model can be spread: `pipeline` when its decoder stack has `pipeline()`,
     `tensor` when the model has `shard()`."""
     modes = []
     if hasattr(model, "shard"):
         modes.append(TENSOR)
-    if hasattr(inner_model(getattr(model, "language_model", model)), "pipeline"):
+    if hasattr(decoder_stack(model, config), "pipeline"):
         modes.append(PIPELINE)
     return modes
 
 
-def choose_mode(model: nn.Module, model_type: str, pipeline: bool) -> str:
+def choose_mode(model: nn.Module, config: dict[str, Any], pipeline: bool) -> str:
     """Tensor parallelism where mlx-lm's model has it (mlx-lm's default), pipeline stages
     where it has only those or `pipeline` asks for them."""
-    modes = sharding_modes(model)
+    model_type = config.get("model_type")
+    modes = sharding_modes(model, config)
     if not modes:
         raise ShardingError(
             f"mlx-lm's {model_type} model supports neither pipeline() nor shard(), so it "
@@ -147,14 +160,14 @@ def load_sharded(
             raise MtpkitError(f"mlx-lm cannot load {path}: {e}") from None
 
     model, config = lazy_model()
-    mode = choose_mode(model, str(config.get("model_type")), pipeline)
+    mode = choose_mode(model, config, pipeline)
     head_here = with_head and (mode == TENSOR or group.rank() == 0)
     if hub is not None:  # the weights of this rank's part, then the model built on them
         stage = None
         if mode == PIPELINE:
-            inner = inner_model(getattr(model, "language_model", model))
-            inner.pipeline(group)
-            stage = (inner.start_idx, inner.end_idx)
+            stack = decoder_stack(model, config)
+            stack.pipeline(group)
+            stage = (stack.start_idx, stack.end_idx)
         from huggingface_hub import snapshot_download
 
         with hub_errors(hub.repo_id, hub.revision):
@@ -165,7 +178,7 @@ def load_sharded(
             )
         model, config = lazy_model()
     if mode == PIPELINE:
-        inner_model(getattr(model, "language_model", model)).pipeline(group)
+        decoder_stack(model, config).pipeline(group)
     else:
         model.shard(group)
     mx.eval(model.parameters())
