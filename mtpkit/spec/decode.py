@@ -253,7 +253,10 @@ class MtpDecoder:
         logits, hidden = self.m.forward(token.reshape(1, 1), self.cache)
         logits = logits[:, -1, :]
         logprobs = logits - mx.logsumexp(logits, keepdims=True)
-        return self.lockstep.share(self.sampler(logprobs)), hidden  # rank 0's token
+        y = self.sampler(logprobs)
+        if self.lockstep.size > 1:  # rank 0's token (as int32: every backend sums those)
+            y = self.lockstep.share(y.astype(mx.int32))
+        return y, hidden
 
     def plain_step(self, ahead: bool = False) -> list[int]:
         """One backbone step, as mlx-lm's generate_step takes it. With `ahead` (the next
