@@ -186,7 +186,7 @@ def _check_mtp(ckpt: Checkpoint) -> None:
         return  # a damaged or missing shard: its problem says so; the head is unknown
     names = [family.head_relative(t.name) or "" for t in mtp if family.duplicate_of(t.name) is None]
     present = family.config_mtp_layers(present_layers(names))
-    if mismatch := layer_count_problem(family.mtp_field(), declared, present):
+    if (mismatch := layer_count_problem(family.mtp_field(), declared, present)):
         ckpt.problem(mismatch.code, mismatch.message)
     if declared and not mtp:
         ckpt.problem(

@@ -18,6 +18,9 @@ def print_json(obj: Any) -> None:
     sys.stdout.flush()
 
 
+
+
+
 def human_bytes(n: int) -> str:
     value = float(n)
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
@@ -111,6 +114,7 @@ def _pct(x: float) -> str:
     return f"{100 * x:.1f}%"
 
 
+
 def print_convert(result: Any) -> None:
     """The one line `mtpkit convert` prints (a `ConvertResult`)."""
     print(
@@ -138,6 +142,7 @@ def print_generate(result: Any) -> None:
     log(summary)
 
 
+
 def print_train(result: dict[str, Any]) -> None:
     """`mtpkit train-head`'s summary (the `--json` object of `TrainResult.to_json`)."""
 
@@ -146,9 +151,7 @@ def print_train(result: dict[str, Any]) -> None:
 
     trained = result["steps"] - result["resumed_from"]
     resumed = f" (resumed at {result['resumed_from']})" if result["resumed_from"] else ""
-    print(
-        f"wrote {result['output']}: {result['family']} MTP head, {result['steps']} steps{resumed}"
-    )
+    print(f"wrote {result['output']}: {result['family']} MTP head, {result['steps']} steps{resumed}")
     print(
         f"held-out acceptance: {acc(result['heldout_acceptance_start'])} at start, "
         f"{acc(result['heldout_acceptance'])} at the end; loss {result['loss_first']:.4f} -> "
