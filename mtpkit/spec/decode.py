@@ -45,9 +45,11 @@ __all__ = ["AdaptiveDrafting", "MtpDecoder", "SamplingSettings", "Stats", "rejec
 
 CATCH_UP_AFTER = 256  # plain steps after which the head catches up while drafting is off
 # Pipeline rounds while at least this share of rounds keeps every draft (exponentially
-# smoothed over ~10 rounds). On an H100 a queued-and-discarded round wasted ~a whole round's
-# host time while pipelining saved 13-25% of one: break-even near 0.75-0.87 full rounds.
-PIPELINE_MIN_FULL = 0.8
+# smoothed over ~10 rounds). Measured on an H100 (qwen3_5-0.8b, depth 1, README
+# "Performance"): a pipelined round that is kept costs ~0.87 of a serial one, a discarded
+# one wastes ~1.3 serial rounds (its host time, and its kernels ahead of the real round), so
+# at 83% fully kept rounds pipelining made rounds 11% slower; break-even is near 91%.
+PIPELINE_MIN_FULL = 0.92
 FULL_SMOOTHING = 0.1
 
 # A draft filter: (position of the round's first draft in prompt + output, the head's
@@ -270,7 +272,10 @@ class MtpDecoder:
         logits, hidden = self.m.forward(token.reshape(1, 1), self.cache)
         logits = logits[:, -1, :]
         logprobs = logits - mx.logsumexp(logits, keepdims=True)
-        return self.lockstep.share(self.sampler(logprobs)), hidden  # rank 0's token
+        y = self.sampler(logprobs)
+        if self.lockstep.size > 1:  # rank 0's token (as int32: every backend sums those)
+            y = self.lockstep.share(y.astype(mx.int32))
+        return y, hidden
 
     def plain_step(self, ahead: bool = False) -> list[int]:
         """One backbone step, as mlx-lm's generate_step takes it. With `ahead` (the next
