@@ -302,6 +302,7 @@ TimeoutOpt = Annotated[
     typer.Option(
         "--timeout",
         min=1,
+        metavar="SECONDS",
         help="Under mlx.launch: seconds a rank waits for the others before ending with an error.",
     ),
 ]
