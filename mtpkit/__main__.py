@@ -1,3 +1,3 @@
-from mtpkit.cli.app import main
+from mtpkit.cli.entry import main
 
 main()

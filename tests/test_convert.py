@@ -452,8 +452,14 @@ def test_existing_output_needs_force(sources, tmp_path):
     with pytest.raises(MtpkitError, match="already exists"):
         convert(str(sources("mimo")), output=out)
     assert (out / "keep.txt").exists()
-    convert(str(sources("mimo")), output=out, force=True)
-    assert not (out / "keep.txt").exists() and (out / "mtp" / "manifest.json").exists()
+    # --force replaces only a model directory, an earlier output or an empty directory
+    with pytest.raises(MtpkitError, match="--force replaces only a model directory"):
+        convert(str(sources("mimo")), output=out, force=True)
+    assert (out / "keep.txt").read_text() == "mine"
+    (out / "keep.txt").unlink()
+    convert(str(sources("mimo")), output=out, force=True)  # empty
+    convert(str(sources("mimo")), output=out, force=True)  # an earlier output
+    assert (out / "mtp" / "manifest.json").exists()
 
 
 def test_problem_source_is_refused_without_output(tmp_path):

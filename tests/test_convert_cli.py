@@ -12,7 +12,7 @@ from typer.testing import CliRunner
 
 from mtpkit.cli.app import app
 from mtpkit.convert.pipeline import resolve_settings
-from mtpkit.convert.recipes import all_recipes, load_recipe
+from mtpkit.convert.recipes import all_recipes, find_recipe, load_recipe, recipe_names
 from mtpkit.core.errors import MtpkitError
 from mtpkit.families import supported
 from tests.checkpoints import build_checkpoint
@@ -182,3 +182,46 @@ def test_module_help_lists_convert():
     )
     assert result.returncode == 0
     assert "--mtp-only" in result.stdout and "--keep-mtp-bf16" in result.stdout
+
+
+def readme_recipe_names() -> list[str]:
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    start = readme.index("Recipes, each with why:") + len("Recipes, each with why:")
+    listed = readme[start : readme.index(".\n", start)]
+    return [name.strip() for name in listed.replace("\n", " ").split(",")]
+
+
+def test_the_readmes_recipe_names_resolve_and_list_every_recipe():
+    names = readme_recipe_names()
+    found = {find_recipe(name) for name in names}
+    assert found == set(all_recipes())  # every name resolves, and every recipe is listed
+    assert find_recipe("Qwen/Qwen3.5-27B").stem == "qwen3.5-27b"  # a repo id too
+
+
+def test_recipe_names_are_in_help_and_in_the_error(tmp_path):
+    help_text = " ".join(runner.invoke(app, ["convert", "--help"]).stdout.split())
+    for name in recipe_names():
+        assert name in help_text.replace("- ", "-"), name
+    result = runner.invoke(app, ["convert", "x", "-o", str(tmp_path / "o"), "--recipe", "nope"])
+    assert result.exit_code == 1
+    assert result.stderr.splitlines() == [
+        f"Error: no recipe nope: pass a .toml path or one of {', '.join(recipe_names())}"
+    ]
+
+
+def test_the_package_data_ships_the_recipes():
+    """A wheel holds what `[tool.setuptools.package-data]` names: every recipe must match
+    (a built wheel was checked to list all of them; building one here would need setuptools
+    from the network)."""
+    import fnmatch
+
+    from mtpkit.convert.recipes import tomllib  # tomli on Python 3.10
+
+    root = Path(__file__).resolve().parents[1]
+    config = tomllib.loads((root / "pyproject.toml").read_text())
+    patterns = config["tool"]["setuptools"]["package-data"]["mtpkit"]
+    package = root / "mtpkit"
+    for recipe in all_recipes():
+        relative = recipe.relative_to(package).as_posix()
+        assert any(fnmatch.fnmatch(relative, p) for p in patterns), relative
+    assert (root / "recipes").resolve() == package / "recipes"  # the checkout's recipes/

@@ -97,18 +97,19 @@ def test_graft_refuses_an_existing_head_without_force(checkpoint, tmp_path):
 def test_stale_temp_siblings_of_dead_runs_are_removed(checkpoint, tmp_path):
     src = checkpoint("mimo")
     out = tmp_path / "out"
+    assert runner.invoke(app, ["convert", str(src), "-o", str(out), "-q"]).exit_code == 0
     dead, live = dead_pid(), os.getppid()
     stale = tmp_path / f".out.mtpkit-tmp-{dead}"
     (stale / "mtp").mkdir(parents=True)
     (stale / "model.safetensors").write_bytes(b"half")
-    old = tmp_path / f".out.mtpkit-old-{dead}"
-    old.write_text("x")
+    old = tmp_path / f".out.mtpkit-old-{dead}"  # killed after its new output was in place
+    old.mkdir()
     running = tmp_path / f".out.mtpkit-tmp-{live}"
     running.mkdir()
     other = tmp_path / f".other.mtpkit-tmp-{dead}"
     other.mkdir()
     assert stale_siblings([out]) == [old, stale]
-    result = runner.invoke(app, ["convert", str(src), "-o", str(out), "-q"])
+    result = runner.invoke(app, ["convert", str(src), "-o", str(out), "-q", "--force"])
     assert result.exit_code == 0, result.output
     assert result.stderr.splitlines() == [
         f"removing {old}, left by an earlier run that did not finish",
@@ -116,6 +117,135 @@ def test_stale_temp_siblings_of_dead_runs_are_removed(checkpoint, tmp_path):
     ]
     assert not stale.exists() and not old.exists()
     assert running.exists() and other.exists()  # a live run's, and another output's
+
+
+def test_an_old_output_is_kept_until_a_new_one_is_in_place(checkpoint, tmp_path):
+    """A run killed between its two final renames left the old output aside: the next run
+    puts it back first, and a next run that fails leaves it in place."""
+    src = checkpoint("mimo")
+    out = tmp_path / "out"
+    assert runner.invoke(app, ["convert", str(src), "-o", str(out), "-q"]).exit_code == 0
+    before = tree_hashes(out)
+    aside = tmp_path / f".out.mtpkit-old-{dead_pid()}"
+    out.rename(aside)
+    broken = Path(shutil.copytree(src, tmp_path / "broken"))
+    (broken / "config.json").write_text("{")
+    result = runner.invoke(app, ["convert", str(broken), "-o", str(out), "--force"])
+    assert result.exit_code == 1
+    assert result.stderr.splitlines()[0] == (
+        f"restoring {out} from {aside}, left by a run killed while replacing it"
+    )
+    assert result.stderr.splitlines()[-1].startswith("Error: ")
+    assert tree_hashes(out) == before and not aside.exists()
+
+
+@pytest.fixture
+def hf_cache(checkpoint, tmp_path) -> Path:
+    """A Hugging Face cache entry: `snapshots/<sha>/*` are links into `blobs/`."""
+    repo = tmp_path / "hub" / "models--org--tiny"
+    blobs, snapshot = repo / "blobs", repo / "snapshots" / "0123abcd"
+    blobs.mkdir(parents=True)
+    snapshot.mkdir(parents=True)
+    for i, f in enumerate(sorted(checkpoint("mimo").iterdir())):
+        shutil.copyfile(f, blobs / f"blob{i}")
+        (snapshot / f.name).symlink_to(Path("../../blobs") / f"blob{i}")
+    return repo
+
+
+@pytest.mark.parametrize("force", [False, True])
+def test_an_output_holding_the_sources_linked_files_is_refused(hf_cache, force):
+    before = tree_hashes(hf_cache)
+    snapshot, blobs = hf_cache / "snapshots" / "0123abcd", hf_cache / "blobs"
+    for out in (blobs, hf_cache / "snapshots"):
+        args = ["convert", str(snapshot), "-o", str(out)] + (["--force"] if force else [])
+        result = runner.invoke(app, args)
+        assert result.exit_code == 1, result.output
+        assert result.stderr.count("\n") == 1 and result.stderr.startswith(f"Error: -o {out} ")
+        assert "source" in result.stderr
+    assert tree_hashes(hf_cache) == before
+
+
+def test_graft_writes_nothing_through_a_link_leaving_the_model(checkpoint, tmp_path):
+    other = Path(shutil.copytree(checkpoint("mlx_plain", dtype="bfloat16"), tmp_path / "other"))
+    (other / "mtp").mkdir()
+    trunk = Path(shutil.copytree(checkpoint("mlx_plain", dtype="bfloat16"), tmp_path / "trunk"))
+    (trunk / "mtp").symlink_to(other / "mtp")
+    before = tree_hashes(tmp_path)
+    args = ["convert", str(checkpoint("qwen3_5")), "--mtp-only", "--into", str(trunk), "--force"]
+    result = runner.invoke(app, args)
+    assert result.exit_code == 1
+    assert result.stderr.splitlines() == [
+        f"Error: --into {trunk}: mtp is a link to {other / 'mtp'}, outside {trunk}; mtpkit "
+        "writes nothing through it: replace the link with a directory"
+    ]
+    assert tree_hashes(tmp_path) == before
+
+
+@pytest.mark.parametrize("what", ["photos", "file", "models", "cwd_like"])
+def test_force_replaces_only_model_directories(checkpoint, tmp_path, what):
+    src = checkpoint("mimo")
+    out = tmp_path / what
+    if what == "file":
+        out.write_text("a thesis\n")
+    else:
+        out.mkdir()
+        (out / "holiday.jpg").write_bytes(b"\xff\xd8")
+        if what == "models":
+            shutil.copytree(src, out / "tiny-mimo")
+        if what == "cwd_like":
+            (out / "config.json").write_text("{}")  # a project folder with a config file
+    before = tree_hashes(tmp_path)
+    result = runner.invoke(app, ["convert", str(src), "-o", str(out), "--force"])
+    assert result.exit_code == 1
+    lines = result.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"Error: -o {out} --force: ")
+    assert "--force replaces only a model directory, an earlier mtpkit output" in lines[0]
+    assert tree_hashes(tmp_path) == before
+
+
+@pytest.mark.parametrize("what", ["empty", "model", "earlier_output"])
+def test_force_replaces_empty_model_and_earlier_output_directories(checkpoint, tmp_path, what):
+    src = checkpoint("mimo")
+    out = tmp_path / "out"
+    if what == "empty":
+        out.mkdir()
+    elif what == "model":
+        shutil.copytree(checkpoint("mlx_plain", dtype="bfloat16"), out)
+    else:
+        assert runner.invoke(app, ["convert", str(src), "-o", str(out), "-q"]).exit_code == 0
+    result = runner.invoke(app, ["convert", str(src), "-o", str(out), "--force", "-q"])
+    assert result.exit_code == 0, result.output
+    assert (out / "mtp" / "manifest.json").is_file()
+    assert out.stat().st_mode & 0o777 == 0o777 & ~current_umask()
+
+
+def current_umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def test_check_refuses_a_report_inside_the_source_and_writes_it_atomically(checkpoint, tmp_path):
+    model = Path(shutil.copytree(checkpoint("mimo"), tmp_path / "model"))
+    before = tree_hashes(model)
+    for report in (model / "config.json", model / "report.xml"):
+        result = runner.invoke(app, ["check", str(model), "--no-probe", "--junit", str(report)])
+        assert result.exit_code == 1
+        assert result.stderr.splitlines() == [
+            f"Error: --junit {report} lies inside the source {model}: write it outside the "
+            "source"
+        ]
+    assert tree_hashes(model) == before
+    elsewhere = tmp_path / "reports" / "check.xml"
+    victim = tmp_path / "victim.txt"
+    victim.write_text("not a report\n")
+    elsewhere.parent.mkdir()
+    elsewhere.symlink_to(victim)  # replaced, never written through
+    result = runner.invoke(app, ["check", str(model), "--no-probe", "--junit", str(elsewhere)])
+    assert result.exit_code in (0, 3), result.output
+    assert victim.read_text() == "not a report\n"
+    assert not elsewhere.is_symlink() and elsewhere.read_text().startswith("<?xml")
+    assert sorted(p.name for p in elsewhere.parent.iterdir()) == ["check.xml"]
 
 
 def test_failed_graft_leaves_the_directory_as_it_was(checkpoint, tmp_path, monkeypatch):

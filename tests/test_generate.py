@@ -13,9 +13,10 @@ import mlx.core as mx
 import mlx_lm
 import pytest
 
+from mtpkit.core.prompts import encode_prompt
 from mtpkit.runtime.model import load_model
 from mtpkit.spec.decode import MtpDecoder, SamplingSettings
-from mtpkit.spec.generate import encode_prompt, generate, measure_acceptance
+from mtpkit.spec.generate import generate, measure_acceptance
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "mtpkit" / "examples" / "tiny-qwen3_5"
 
@@ -55,7 +56,7 @@ def test_example_is_a_raw_checkpoint_with_a_head(model) -> None:
 @pytest.mark.parametrize("depth", [1, 2, 3, 4])
 def test_greedy_is_token_for_token_stock_mlx_lm(model, converted: Path, depth: int) -> None:
     for text in heldout_prompts(3):
-        prompt = encode_prompt(model, text)
+        prompt = encode_prompt(model.tokenizer, text)
         reference = stock_tokens(converted, prompt, 40)
         plain = generate(model, prompt, max_tokens=40, mtp=False)
         drafted = generate(model, prompt, max_tokens=40, depth=depth, adaptive=False)
@@ -65,7 +66,7 @@ def test_greedy_is_token_for_token_stock_mlx_lm(model, converted: Path, depth: i
 
 
 def test_greedy_identity_with_adaptive_switching(model, converted: Path) -> None:
-    prompt = encode_prompt(model, heldout_prompts(1)[0])
+    prompt = encode_prompt(model.tokenizer, heldout_prompts(1)[0])
     result = generate(model, prompt, max_tokens=60, depth=2, adaptive=True)
     assert result.tokens == stock_tokens(converted, prompt, 60)
 
@@ -79,7 +80,7 @@ def test_acceptance_is_what_the_head_predicts(model) -> None:
     """Recount acceptance independently: run the backbone over the final sequence in one
     pass (no caches), then the head over every position in one pass, and compare the head's
     argmax with the token that actually followed wherever the decoder drafted."""
-    prompt = encode_prompt(model, heldout_prompts(2)[1])
+    prompt = encode_prompt(model.tokenizer, heldout_prompts(2)[1])
     decoder = MtpDecoder(model, prompt, depth=1, sampling=SamplingSettings(), adaptive=False)
     eos, model.tokenizer.eos_token_ids = model.tokenizer.eos_token_ids, []
     try:
@@ -114,7 +115,7 @@ def test_broken_conversions_collapse_acceptance(converted: Path) -> None:
 
 def test_sampling_is_reproducible_with_a_seed(model) -> None:
     """Seeded runs repeat exactly without adaptive drafting (whose switches follow timings)."""
-    prompt = encode_prompt(model, heldout_prompts(1)[0])
+    prompt = encode_prompt(model.tokenizer, heldout_prompts(1)[0])
     runs = [
         generate(
             model, prompt, max_tokens=30, temp=0.8, top_p=0.95, seed=3, depth=2, adaptive=False
@@ -128,7 +129,7 @@ def test_sampling_is_reproducible_with_a_seed(model) -> None:
 def test_chained_drafts_are_the_head_applied_to_its_own_output(model) -> None:
     """At depth 2 the second draft is the head run on its own (final-normed) output and the
     first draft, after every confirmed pair: recomputed here without any cache."""
-    prompt = encode_prompt(model, heldout_prompts(3)[2])
+    prompt = encode_prompt(model.tokenizer, heldout_prompts(3)[2])
     decoder = MtpDecoder(model, prompt, depth=2, sampling=SamplingSettings(), adaptive=False)
     eos, model.tokenizer.eos_token_ids = model.tokenizer.eos_token_ids, []
     try:
@@ -222,7 +223,7 @@ def test_the_raw_checkpoint_runs_directly(converted: Path) -> None:
         )
         < 0.1
     )
-    prompt = encode_prompt(raw, prompts[0])
+    prompt = encode_prompt(raw.tokenizer, prompts[0])
     assert generate(raw, prompt, max_tokens=30, depth=2, adaptive=False).tokens == stock_tokens(
         EXAMPLE, prompt, 30
     )

@@ -119,6 +119,7 @@ def test_vllm_mlx_qwen3_next_head_file_beside_the_shards(tmp_path: Path) -> None
     for f in (path / "mtp").iterdir():
         f.unlink()
     (path / "mtp").rmdir()
+    (path / "mtp.safetensors").unlink()  # mtpkit's copy for the other runtimes: not vllm-mlx's
     with pytest.raises(ValueError, match="mtp"):
         mlx_lm.load(str(path))
     m = load_model(path)

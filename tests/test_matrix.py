@@ -20,6 +20,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import mlx.core as mx
 import pytest
 import typer.testing
 from typer.testing import CliRunner
@@ -125,7 +126,7 @@ def run(
     if result.exit_code in (1, 2):
         assert result.stderr.splitlines()[-1].startswith("Error: "), result.stderr
         if result.exit_code == 1:
-            assert len(result.stderr.splitlines()) == 1 or "Warning" in result.stderr
+            assert len(result.stderr.splitlines()) == 1, result.stderr
     if "--json" in args and result.exit_code in (0, 3):
         json.loads(result.stdout)
     for root in untouched:
@@ -244,6 +245,27 @@ def damaged(checkpoint, tmp_path: Path, how: str) -> Path:
     elif how == "unsafe_path":
         name = next(iter(index["weight_map"]))
         index["weight_map"][name] = "../../outside.safetensors"
+    elif how == "duplicate_tensor":  # a tensor of the second shard, changed, also in the first
+        first, second = sorted(set(index["weight_map"].values()))
+        name = next(n for n, s in index["weight_map"].items() if s == second)
+        tensors = mx.load(str(root / first))
+        tensors[name] = mx.load(str(root / second))[name] + 1
+        mx.save_safetensors(str(root / first), tensors, {"format": "pt"})
+    elif how == "metadata_not_string":
+        shard = root / sorted(set(index["weight_map"].values()))[0]
+        tensors = mx.load(str(shard))
+        mx.save_safetensors(str(shard), tensors, {"format": "pt"})
+        data = shard.read_bytes()
+        (length,) = struct.unpack("<Q", data[:8])
+        header = json.loads(data[8 : 8 + length])
+        header["__metadata__"] = {"format": "pt", "step": 3}
+        raw = json.dumps(header).encode()
+        raw += b" " * (-len(raw) % 8)
+        shard.write_bytes(struct.pack("<Q", len(raw)) + raw + data[8 + length :])
+    elif how == "absurd_size":
+        config["hidden_size"] = 10**12
+    elif how == "eps_word":
+        config["rms_norm_eps"] = "tiny"
     (root / "config.json").write_text(json.dumps(config))
     index_path.write_text(json.dumps(index))
     return root
@@ -264,6 +286,25 @@ BROKEN = {
     ("unsafe_path", "inspect"): 0,
     ("unsafe_path", "convert"): 1,
     ("unsafe_path", "check"): 3,
+    # The audit's classes: duplicated tensors, odd header metadata, config types and sizes.
+    ("duplicate_tensor", "inspect"): 0,
+    ("duplicate_tensor", "convert"): 1,
+    ("metadata_not_string", "inspect"): 0,
+    ("metadata_not_string", "convert"): 1,
+    ("metadata_not_string", "check"): 3,
+    ("absurd_size", "convert"): 1,
+    ("absurd_size", "check"): 3,
+    ("eps_word", "inspect"): 0,
+    ("eps_word", "convert"): 1,
+}
+
+
+# The problem code each damage must be reported as, and what convert's line must name.
+NAMED_CAUSE = {
+    "duplicate_tensor": ("duplicate_tensor", "model-00001-of-00002.safetensors", "the index names"),
+    "metadata_not_string": ("corrupt_header", "model-00001-of-00002.safetensors", "'step'"),
+    "absurd_size": ("invalid_config", "hidden_size=1000000000000"),
+    "eps_word": ("invalid_config", "rms_norm_eps='tiny'"),
 }
 
 
@@ -279,6 +320,12 @@ def test_broken_inputs(checkpoint, tmp_path, how, command):
     result = run(args, code=BROKEN[how, command], untouched=(root,), absent=(out,))
     if command == "inspect" and result.exit_code == 0:
         assert json.loads(result.stdout)["problems"]
+    if how in NAMED_CAUSE:  # the line names the cause, not a later symptom
+        if command == "inspect":
+            codes = [p["code"] for p in json.loads(result.stdout)["problems"]]
+            assert NAMED_CAUSE[how][0] in codes, codes
+        elif command == "convert":
+            assert all(part in result.stderr for part in NAMED_CAUSE[how]), result.stderr
     if command == "check":
         suite = ET.parse(report).getroot()
         kind = "error" if result.exit_code == 1 else "failure"
@@ -318,3 +365,118 @@ def test_outputs_overlapping_the_source(checkpoint, tmp_path):
         )
     graft = ["convert", str(source), "--mtp-only", "--into", str(source), "--force"]
     run(graft, code=1, untouched=(parent,))
+
+
+# --------------------------------------------------------------------------- the audit's classes
+# One case per class and command, families sampled (one dense-with-MTP, one MoE, one MLX
+# layout) so the whole section stays a few seconds: the classes, not every example.
+
+SAMPLED = ("mimo", "qwen3_5")
+
+
+@pytest.mark.parametrize(
+    ("variable", "value", "command"),
+    [
+        ("HF_HUB_ETAG_TIMEOUT", "ten", "inspect"),
+        ("HF_HUB_DOWNLOAD_TIMEOUT", "-1", "convert"),
+        ("HF_HUB_OFFLINE", "maybe", "check"),
+        ("MTPKIT_CACHE", "{file}", "check"),
+        ("TMPDIR", "{missing}", "generate"),
+        ("MTPKIT_THREADS", "many", "convert"),
+    ],
+)
+def test_bad_environment_variables(checkpoint, tmp_path, monkeypatch, variable, value, command):
+    source = checkpoint("mimo", dtype="float32")
+    (tmp_path / "a-file").write_text("x")
+    value = value.format(file=tmp_path / "a-file", missing=tmp_path / "missing")
+    monkeypatch.setenv(variable, value)
+    out = tmp_path / "out"
+    args = {
+        "inspect": ["inspect", str(source)],
+        "convert": ["convert", str(source), "-o", str(out)],
+        "check": ["check", str(source), "--max-tokens", "2"],
+        "generate": ["generate", "-m", str(source), "-p", PROMPT, "--max-tokens", "2"],
+    }[command]
+    result = run(args, code=1, untouched=(source,), absent=(out,))
+    assert result.stderr.startswith(f"Error: {variable}={value}") or result.stderr.startswith(
+        f"Error: {variable}={value!r}"
+    ), result.stderr
+
+
+def test_odd_bytes_on_stdin_are_one_line(matrix, monkeypatch):
+    import click.testing
+
+    # The one command that reads stdin, when asked to (`-p -`): given bytes that are not text.
+    monkeypatch.setattr(typer.testing, "make_input_stream", click.testing.make_input_stream)
+    _, model = matrix("mimo", "float32")
+    args = ["generate", "-m", str(model), "-p", "-", "--max-tokens", "2"]
+    result = CliRunner().invoke(app, args, input=b"Say \xff\xfe hi")
+    assert result.exit_code == 1
+    assert result.stderr.splitlines() == [
+        "Error: --prompt -: standard input is not UTF-8 text (byte 0xff at offset 4): pass "
+        "the prompt as UTF-8"
+    ]
+
+
+@pytest.mark.parametrize("layout", SAMPLED)
+@pytest.mark.parametrize("command", ["generate", "bench", "check"])
+def test_a_model_without_tokenizer_files_says_so(matrix, tmp_path, layout, command):
+    _, model = matrix(layout, "float32")
+    bare = Path(shutil.copytree(model, tmp_path / "bare"))
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (bare / name).unlink()
+    args = {
+        "generate": ["generate", "-m", str(bare), "-p", PROMPT, "--max-tokens", "2"],
+        "bench": ["bench", "--model", str(bare), "--trials", "1", "--max-tokens", "2"],
+        "check": ["check", str(bare), "--max-tokens", "2"],
+    }[command]
+    result = run(args, code=1, untouched=(bare,))
+    assert "has no tokenizer files (tokenizer.json" in result.stderr
+    assert len(result.stderr.splitlines()) == 1  # no library warnings before the Error line
+
+
+@pytest.mark.parametrize("command", ["convert", "graft", "train-head"])
+def test_paths_and_links_into_another_model(matrix, tmp_path, command):
+    """A link inside the output that leads into another model, or an output that is a link
+    to the source's data: refused, and nothing outside the output changes."""
+    source, model = matrix("mimo", "float32")
+    other = Path(shutil.copytree(model, tmp_path / "other"))
+    if command == "graft":
+        into = Path(shutil.copytree(model, tmp_path / "into", ignore=shutil.ignore_patterns("mtp")))
+        (into / "mtp").symlink_to(other / "mtp")
+        args = ["convert", str(source), "--mtp-only", "--into", str(into), "--force"]
+        watched: tuple[Path, ...] = (into,)
+    else:
+        link = tmp_path / "link-to-source"
+        link.symlink_to(source if command == "convert" else model)
+        model_arg = str(source if command == "convert" else model)
+        args = [command, model_arg, "-o", str(link / "sub"), "--force"]
+        watched = ()
+    run(args, code=1, untouched=(source, model, other), watched=watched)
+
+
+@pytest.mark.parametrize("layout", SAMPLED)
+def test_a_full_disk_is_one_line_and_leaves_nothing(checkpoint, tmp_path, layout):
+    """`ulimit -f` (64 KiB) makes every write past it fail with EFBIG, as a full disk does."""
+    import subprocess
+
+    source = checkpoint(layout, dtype="float32")
+    out = tmp_path / "out"
+    script = f'ulimit -f 64; exec "{sys.executable}" -m mtpkit convert "{source}" -o "{out}" -q'
+    root = Path(__file__).resolve().parents[1]
+    proc = subprocess.run(["sh", "-c", script], cwd=root, capture_output=True, text=True)
+    assert proc.returncode == 1, proc.stderr
+    lines = proc.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"Error: writing {out} failed, nothing was ")
+    assert "File too large" in lines[0]
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_tables_print_whole_when_piped(matrix, monkeypatch):
+    """stdout is a pipe (CliRunner's, as `| tee log`): no row is cut to 80 columns."""
+    monkeypatch.delenv("COLUMNS", raising=False)
+    source, _ = matrix("mimo", "float32")
+    result = run(["inspect", str(source)], code=0, untouched=(source,))
+    assert "…" not in result.stdout
+    assert "model.mtp_layers.0.self_attn.q_proj.weight" in result.stdout
+    assert "model-00002-of-00002.safetensors" in result.stdout

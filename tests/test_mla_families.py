@@ -147,7 +147,7 @@ def test_partial_acceptance_keeps_the_caches_exact(converted, layout: str) -> No
     n = 24
     reference = generate(m, PROMPT, max_tokens=n, mtp=False).tokens
     decoder = MtpDecoder(m, PROMPT, depth=3, sampling=SamplingSettings(), adaptive=False)
-    vocab = m.inner.embed_tokens.weight.shape[0]
+    vocab = m.embedding.weight.shape[0]
     plan = [0, 3, 1, 2] * 10
     rights = inject_drafts(decoder, reference, plan, vocab)
     assert list(decoder.tokens(n)) == reference

@@ -26,7 +26,7 @@ from mtpkit.core.errors import MtpkitError
 from mtpkit.spec.generate import generate, load_model, measure_acceptance
 from mtpkit.train.data import ChunkStream, DataSpec, file_documents
 from mtpkit.train.loop import TrainSettings, train_head
-from tests.checkpoints import write_tokenizer
+from tests.checkpoints import build_dense_model
 from tests.conftest import EXAMPLE
 
 runner = CliRunner()
@@ -73,29 +73,7 @@ def retrained(headless: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple
 @pytest.fixture(scope="module")
 def llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny Llama with random weights, written by stock mlx-lm, no MTP head."""
-    from mlx_lm.models import llama
-    from mlx_lm.utils import save_config, save_model
-
-    path = tmp_path_factory.mktemp("llama") / "tiny-llama"
-    config = {
-        "model_type": "llama",
-        "hidden_size": 64,
-        "num_hidden_layers": 2,
-        "intermediate_size": 128,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "rms_norm_eps": 1e-5,
-        "vocab_size": 512,
-        "tie_word_embeddings": False,
-        "max_position_embeddings": 2048,
-        "eos_token_id": 2,
-    }
-    mx.random.seed(3)
-    model = llama.Model(llama.ModelArgs.from_dict(config))
-    save_model(path, model)
-    save_config(config, path / "config.json")
-    write_tokenizer(path, vocab_size=512)
-    return path
+    return build_dense_model(tmp_path_factory.mktemp("llama") / "tiny-llama", "llama")
 
 
 def test_retrained_example_gets_most_of_the_shipped_acceptance(converted, retrained) -> None:
@@ -136,6 +114,7 @@ def test_llama_head_decodes_losslessly(llama, tmp_path) -> None:
     assert result.exit_code == 0, result.output
     summary = json.loads(result.stdout)
     assert summary["family"] == "llama" and summary["heldout_acceptance"] is not None
+    assert out.stat().st_mode & 0o777 == 0o755  # as convert's (the tests run under umask 022)
     stored = mx.load(str(out / "mtp" / "weights.safetensors"))
     assert "mtp.fc.weight" in stored and "mtp.layers.0.self_attn.q_proj.weight" in stored
 
@@ -254,3 +233,137 @@ def test_file_corpora_stream_in_chunks(llama, tmp_path) -> None:
     again.skip(6)
     assert again.next_batch(3).tolist() == batches[2]
     assert all(len(row) == 8 for batch in batches for row in batch)
+
+
+@pytest.mark.parametrize("where", ["parent", "itself", "inside"])
+def test_an_output_overlapping_the_model_is_refused(llama, tmp_path, where) -> None:
+    models = tmp_path / "models"
+    model = Path(shutil.copytree(llama, models / "llama"))
+    (models / "README.md").write_text("another model's notes\n")
+    out = {"parent": models, "itself": model, "inside": model / "sub"}[where]
+    before = {p: p.read_bytes() for p in models.rglob("*") if p.is_file()}
+    result = runner.invoke(app, ["train-head", str(model), "-o", str(out), "--force"])
+    assert result.exit_code == 1
+    lines = result.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"Error: -o {out} ") and "source" in lines[0]
+    assert {p: p.read_bytes() for p in models.rglob("*") if p.is_file()} == before
+
+
+def test_a_model_with_its_head_in_the_shards_is_refused(checkpoint, tmp_path) -> None:
+    raw = checkpoint("mimo")  # a raw checkpoint: the head lies in model-0000x shards
+    result = runner.invoke(app, ["train-head", str(raw), "-o", str(tmp_path / "out")])
+    assert result.exit_code == 1
+    lines = result.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"Error: MODEL {raw} keeps an MTP head in ")
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_killed_checkpoint_write_leaves_the_previous_one(llama, tmp_path, monkeypatch) -> None:
+    """A checkpoint is one unit: a kill in the middle of writing the next leaves the last
+    complete one, and a damaged or mixed one is refused with one line."""
+    from mtpkit.train import checkpoint as ckpt
+
+    settings = TrainSettings(
+        steps=4,
+        batch_size=2,
+        seq_len=16,
+        checkpoint_every=2,
+        eval_every=4,
+        data=DataSpec(samples_per_prompt=1),
+    )
+    directory = tmp_path / "state"
+    real_save = ckpt.mx.save_safetensors
+    calls = []
+
+    def killed_during_step_4(path: str, tensors, metadata=None) -> None:
+        calls.append(path)
+        if len(calls) == 4:  # step 4's optimizer file: the head's file is already written
+            raise Interrupted
+        real_save(path, tensors, metadata)
+
+    monkeypatch.setattr(ckpt.mx, "save_safetensors", killed_during_step_4)
+    with pytest.raises(Interrupted):
+        train_head(str(llama), settings=settings, checkpoint_dir=directory)
+    monkeypatch.setattr(ckpt.mx, "save_safetensors", real_save)
+    assert json.loads((directory / "state.json").read_text())["step"] == 2
+    resumed = train_head(str(llama), settings=settings, checkpoint_dir=directory, resume=True)
+    assert resumed.resumed_from == 2
+    # A mix of two steps (a file copied from another checkpoint) is refused, not trained on.
+    (directory / "head-4.safetensors").rename(directory / "head-2.safetensors")
+    (directory / "state.json").write_text(
+        (directory / "state.json").read_text().replace('"step": 4', '"step": 2')
+    )
+    with pytest.raises(MtpkitError, match="is of step 4 but state.json names step 2"):
+        train_head(str(llama), settings=settings, checkpoint_dir=directory, resume=True)
+    (directory / "state.json").write_text('{"step": ')
+    result = runner.invoke(
+        app,
+        [
+            "train-head",
+            str(llama),
+            "-o",
+            str(tmp_path / "o"),
+            "--checkpoint-dir",
+            str(directory),
+            "--resume",
+            *LLAMA_ARGS,
+        ],
+    )
+    assert result.exit_code == 1
+    assert result.stderr.splitlines() == [
+        f"Error: --resume: {directory / 'state.json'} is damaged (JSONDecodeError): delete "
+        f"{directory} and train from the start"
+    ]
+
+
+def test_a_head_trained_on_a_4bit_conversion_passes_check(checkpoint, tmp_path) -> None:
+    """The old head's 4-bit entries leave config.json with it: check finds what it records."""
+    quantized = tmp_path / "q4"
+    ok = runner.invoke(
+        app, ["convert", str(checkpoint("mimo")), "-o", str(quantized), "--bits", "4", "-q"]
+    )
+    assert ok.exit_code == 0, ok.output
+    out = tmp_path / "trained"
+    args = ["train-head", str(quantized), "-o", str(out), "--steps", "2", "--batch-size", "2"]
+    args += ["--seq-len", "16", "--samples-per-prompt", "1", "--eval-every", "2", "--quiet"]
+    trained = runner.invoke(app, args)
+    assert trained.exit_code == 0, trained.output
+    result = runner.invoke(app, ["check", str(out), "--no-probe", "--json"])
+    assert result.exit_code == 0, result.output
+    checks = {c["name"]: c["status"] for c in json.loads(result.stdout)["checks"]}
+    assert checks["quantization"] == "pass" and checks["head_present"] == "pass"
+
+
+def test_a_killed_runs_copy_is_removed_by_the_next(llama, tmp_path) -> None:
+    """The same stale-sibling rule as convert's: a model-sized hidden copy left by a killed
+    train-head is removed, with a line saying so, by the next run writing there."""
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    stale = tmp_path / f".out.mtpkit-tmp-{proc.pid}"
+    (stale / "mtp").mkdir(parents=True)
+    (stale / "model.safetensors").write_bytes(b"half a model")
+    out = tmp_path / "out"
+    result = runner.invoke(app, ["train-head", str(llama), "-o", str(out), "--data", "nope.csv"])
+    assert result.exit_code == 1
+    assert result.stderr.splitlines()[0] == (
+        f"removing {stale}, left by an earlier run that did not finish"
+    )
+    assert not stale.exists() and not out.exists()
+
+
+def test_into_writes_nothing_through_a_link_leaving_the_model(llama, tmp_path) -> None:
+    other = tmp_path / "other-model-mtp"
+    other.mkdir()
+    (other / "weights.safetensors").write_bytes(b"another model's head")
+    target = Path(shutil.copytree(llama, tmp_path / "conversion"))
+    (target / "mtp").symlink_to(other)
+    result = runner.invoke(app, ["train-head", str(llama), "--into", str(target), *LLAMA_ARGS])
+    assert result.exit_code == 1
+    assert result.stderr.splitlines() == [
+        f"Error: --into {target}: mtp is a link to {other}, outside {target}; mtpkit writes "
+        "nothing through it: replace the link with a directory"
+    ]
+    assert (other / "weights.safetensors").read_bytes() == b"another model's head"

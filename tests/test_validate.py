@@ -279,6 +279,29 @@ def test_convert_refuses_a_head_with_nan(checkpoint: CheckpointFactory, tmp_path
     assert not out.exists() and sorted(p.name for p in tmp_path.iterdir()) == ["src"]
 
 
+def test_a_float16_overflow_is_named_as_such(checkpoint: CheckpointFactory, tmp_path: Path):
+    """A bf16 head whose values pass float16's range (65504) becomes Inf when cast: the
+    line says so and names the fix, not "download the checkpoint again"."""
+    path = copy_of(checkpoint("mimo"), tmp_path / "src")
+    index = json.loads((path / "model.safetensors.index.json").read_text())
+    name = next(n for n in index["weight_map"] if n.startswith("model.mtp_layers.0.input_proj"))
+    shard = path / index["weight_map"][name]
+    tensors = dict(mx.load(str(shard)))
+    tensors[name] = tensors[name] * 1e6
+    mx.save_safetensors(str(shard), tensors, metadata={"format": "pt"})
+    out = tmp_path / "out"
+    result = runner.invoke(app, ["convert", str(path), "-o", str(out), "--dtype", "float16", "-q"])
+    assert result.exit_code == 1
+    assert result.stderr.splitlines() == [
+        f"Error: {path} cannot be converted to float16: the MTP head's "
+        "mtp.layers.0.input_proj.weight holds values past float16's range (65504); pass "
+        "--dtype bfloat16 or --dtype float32"
+    ]
+    assert not out.exists()
+    ok = runner.invoke(app, ["convert", str(path), "-o", str(out), "--dtype", "bfloat16", "-q"])
+    assert ok.exit_code == 0, ok.output
+
+
 def test_graft_never_installs_a_head_with_nan(checkpoint: CheckpointFactory, tmp_path: Path):
     """Even with --force, a NaN head does not replace a working one (issue: a graft replaced
     a working head by a NaN one); the target stays byte for byte as it was."""

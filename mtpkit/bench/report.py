@@ -136,6 +136,7 @@ class BenchResult:
     dtype: str | None = None
     moe_dtype: str | None = None  # what the experts ran in (bf16 experts run in float32 on CPU)
     acceptances: list[float] | None = None  # --acceptance: synthetic (oracle) drafts
+    draft_model: Any = None  # a `mtpkit.bench.draft.DraftModelRun` with --draft-model
 
     @property
     def beta(self) -> Figure:
@@ -191,6 +192,7 @@ class BenchResult:
             "verify_costs": {str(k + 1): v.median for k, v in self.costs.verify.items()},
             "runs": [r.to_json(stock_token) for r in self.runs if not r.adaptive],
             "adaptive": [r.to_json(stock_token) for r in self.runs if r.adaptive],
+            "draft_model": self.draft_model.to_json() if self.draft_model else None,
         }
 
 
@@ -243,4 +245,17 @@ def print_bench(result: BenchResult) -> None:
             "-" if ceiling is None else f"{ceiling:.2f}",
             "-" if not ceiling else f"{r.speedup.median / ceiling:.0%}",
         )
+    if result.draft_model is not None:
+        table.add_row(*draft_row(result.draft_model))
     stdout.print(table)
+    if result.draft_model is not None and result.draft_model.unavailable:
+        stdout.print(f"draft model: {result.draft_model.unavailable}")
+
+
+def draft_row(run: Any) -> list[str]:
+    """The table row of stock mlx-lm with a draft model (its acceptance: tokens from the draft)."""
+    name = f"draft model, {run.num_draft_tokens} drafts"
+    if run.unavailable:
+        return [name, "-", "-", "n/a (below)", "", "", "", ""]
+    accepted = "-" if run.acceptance is None else f"{run.acceptance:.1%} drafted"
+    return [name, str(run.decode_tps), str(run.speedup), accepted, "", "", "", ""]

@@ -201,10 +201,19 @@ def _scale_init(module: nn.Module, dtype: mx.Dtype) -> None:
 
 def random_model_dir(shape: str, dtype: str = "float32") -> Path:
     """A temporary directory holding a random model of `shape` (the caller removes its
-    parent)."""
+    parent). Interrupted while building (Ctrl-C, SIGTERM), it removes what it built; the
+    directories of runs killed outright are removed by the next run."""
     from importlib.resources import files
 
+    from mtpkit.convert.destination import remove_stale_work_dirs, work_dir_prefix
+
     shape_config(shape)  # an unknown shape is a one-line error
-    tmp = Path(tempfile.mkdtemp(prefix=f"mtpkit-bench-{shape}-"))
+    root = Path(tempfile.gettempdir())
+    remove_stale_work_dirs(root, "mtpkit-bench")
+    tmp = Path(tempfile.mkdtemp(prefix=f"{work_dir_prefix('mtpkit-bench')}{shape}-", dir=root))
     tok = Path(str(files("mtpkit") / "examples" / "tiny-qwen3_5"))
-    return build_random_model(shape, tmp / shape, dtype=dtype, tokenizer_from=tok)
+    try:
+        return build_random_model(shape, tmp / shape, dtype=dtype, tokenizer_from=tok)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise

@@ -23,7 +23,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -49,6 +49,9 @@ from mtpkit.runtime.model import (
 from mtpkit.runtime.upcast import upcast_experts
 from mtpkit.spec.decode import DraftFilter, MtpDecoder, SamplingSettings
 from mtpkit.spec.generate import check_prompt, encode_prompt
+
+if TYPE_CHECKING:
+    from mtpkit.bench.draft import DraftModelBench
 
 DEFAULT_PROMPT = (
     "Write a short explanation of how a hash table works, with an example of inserting "
@@ -205,11 +208,13 @@ def bench(
     trials: int = 5,
     acceptances: list[float] | None = None,
     seed: int = 0,
+    draft: DraftModelBench | None = None,
     progress: Callable[[str], None] | None = None,
 ) -> BenchResult:
     """Measure plain decoding against MTP decoding at depths 1..max_depth; `progress` gets a
     line per stage and per measured run. `acceptances`: instead of the head's own drafts,
-    oracle drafts right with each of these probabilities (`mtpkit.bench.oracle`; synthetic)."""
+    oracle drafts right with each of these probabilities (`mtpkit.bench.oracle`; synthetic).
+    `draft`: also stock mlx-lm with a separate draft model (`mtpkit.bench.draft`)."""
     if trials < 1 or max_tokens < 1:
         raise MtpkitError(f"trials and max_tokens must be at least 1, not {trials}, {max_tokens}")
     if acceptances is not None and not all(0.0 <= a <= 1.0 for a in acceptances):
@@ -226,7 +231,7 @@ def bench(
         say("forward and head costs")
         costs = measure_costs(m, tokens, max_depth=max_depth, repeats=repeats)
         plan = Plan(max_tokens, max_depth, trials, acceptances, seed)
-        return _trials(m, str(model), tokens, costs, plan, say)
+        return _trials(m, str(model), tokens, costs, plan, say, draft)
     finally:
         m.tokenizer.eos_token_ids = eos
 
@@ -265,6 +270,7 @@ def _trials(
     costs: Costs,
     plan: Plan,
     say: Callable[[str], None],
+    draft: DraftModelBench | None = None,
 ) -> BenchResult:
     import mlx_lm
 
@@ -277,6 +283,9 @@ def _trials(
     stock_tokenizer.eos_token_ids = []  # every run decodes exactly max_tokens tokens
     _stock_run(stock_model, stock_tokenizer, tokens, 8)  # warm up
     _mtp_run(m, tokens, 1, 8)
+    if draft is not None:
+        draft.check_target(stock_model, stock_tokenizer)
+        draft.run(stock_model, stock_tokenizer, tokens, 8)  # warm up
     filters: dict[float | None, DraftFilter | None] = {None: None}
     if plan.acceptances is not None:
         reference = _stock_tokens(stock_model, stock_tokenizer, tokens, plan.max_tokens + 8)
@@ -297,6 +306,9 @@ def _trials(
             no_mtp.values.append(_stock_run(m.model, m.tokenizer, tokens, plan.max_tokens))
         say(f"{at} mtpkit --no-mtp {no_mtp.values[-1]:.1f} tok/s")
         no_mtp_speedup.values.append(no_mtp.values[-1] / base if base else 0.0)
+        if draft is not None and not draft.result.unavailable:
+            rate = draft.run(stock_model, stock_tokenizer, tokens, plan.max_tokens, base)
+            say(f"{at} draft model {rate:.1f} tok/s, {draft.result.acceptance:.1%} from the draft")
         for config, run in runs.items():
             depth, adaptive, oracle = config
             rate, step, decoder = _mtp_run(
@@ -314,6 +326,7 @@ def _trials(
     return BenchResult(
         model, plain, no_mtp, costs, list(runs.values()), len(tokens), plan.max_tokens,
         plan.trials, no_mtp_speedup, moe_dtype=m.moe_dtype, acceptances=plan.acceptances,
+        draft_model=draft.result if draft is not None else None,
     )  # fmt: skip
 
 

@@ -13,8 +13,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from mtpkit.core.errors import MtpkitError
-
 
 @dataclass(frozen=True)
 class Case:
@@ -87,12 +85,11 @@ def junit_error_xml(
     return build_xml(where(source, revision), [case], {})
 
 
-def write_junit(report: dict[str, Any] | str, path: str | Path) -> None:
-    """Write a report (a result, or XML text from `junit_error_xml`) to `path`."""
-    path = Path(path)
+def write_junit(report: dict[str, Any] | str, path: str | Path, source: str | None = None) -> None:
+    """Write a report (a result, or XML text from `junit_error_xml`) to `path`, atomically
+    and never inside the checked `source` (`mtpkit.convert.destination.write_file`)."""
+    from mtpkit.convert.destination import local_source_dir, write_file
+
     text = report if isinstance(report, str) else junit_xml(report)
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(text, encoding="utf-8")
-    except OSError as e:
-        raise MtpkitError(f"cannot write the JUnit report to {path}: {e}") from None
+    sources = [local_source_dir(source)] if source is not None else []
+    write_file(Path(path), text, option="--junit", sources=sources)

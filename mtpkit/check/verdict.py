@@ -33,12 +33,9 @@ from mtpkit.check.probes import (
     shipped_variant,
 )
 from mtpkit.checkpoint.inspect import UNREADABLE, Checkpoint, read_checkpoint, unread_mtp_shards
-from mtpkit.checkpoint.validate import (
-    HEAD_NOT_FINITE,
-    INVALID_CONFIG,
-    LAYER_COUNT_MISMATCH,
-    nonfinite_tensors,
-)
+from mtpkit.checkpoint.validate import HEAD_NOT_FINITE, LAYER_COUNT_MISMATCH, nonfinite_tensors
+from mtpkit.convert.destination import local_source_dir, refuse_inside
+from mtpkit.core.config import INVALID_CONFIG
 from mtpkit.core.errors import MtpkitError, one_line
 from mtpkit.core.manifest import MANIFEST_FORMAT
 from mtpkit.core.prompts import BUILTIN_PROMPTS, RESERVE_PROMPTS, read_prompts
@@ -330,6 +327,8 @@ def check_checkpoint(
     `read_prompts`) replaces `prompts`. With `junit`, a JUnit report is written there, also
     when the check cannot run (then the error is re-raised).
     """
+    if junit is not None:  # before anything runs: no report, not even an error's, goes there
+        refuse_inside(Path(junit), [local_source_dir(source)], option="--junit")
     try:
         if prompts_file is not None:
             prompts = read_prompts(prompts_file)
@@ -345,10 +344,11 @@ def check_checkpoint(
         )
     except Exception as e:
         if junit is not None:  # CI shows why the check could not run
-            write_junit(junit_error_xml(source, revision, one_line(e), type(e).__name__), junit)
+            error = junit_error_xml(source, revision, one_line(e), type(e).__name__)
+            write_junit(error, junit, source)
         raise
     if junit is not None:
-        write_junit(result, junit)
+        write_junit(result, junit, source)
     return result
 
 
@@ -408,7 +408,7 @@ def _check(
         "source": ckpt.source.spec,
         "revision": ckpt.source.revision,
         "verdict": FAIL if any(c.status == FAIL for c in checks) else PASS,
-        "checks": [c.as_dict() for c in checks],
+        "checks": [c.to_json() for c in checks],
         "acceptance": round(diagnosis.acceptance, 4) if diagnosis else None,
         "best_variant": best_variant(diagnosis.best) if diagnosis else None,
         "moe_dtype": moe_dtype,

@@ -99,6 +99,12 @@ def parse_header(shard: str, file_size: int, read: Callable[[int, int], bytes]) 
     metadata = header.pop("__metadata__", None) or {}
     if not isinstance(metadata, dict):
         raise HeaderError(f"{shard}: __metadata__ is not an object")
+    odd = next((k for k, v in metadata.items() if not isinstance(v, str)), None)
+    if odd is not None:  # the safetensors format allows only strings; its loaders refuse others
+        raise HeaderError(
+            f"{shard}: __metadata__ value {odd!r} is a {type(metadata[odd]).__name__}, not a "
+            "string (the safetensors format allows only strings)"
+        )
     tensors: dict[str, TensorInfo] = {}
     for name, entry in header.items():
         tensors[name] = _tensor_info(shard, name, entry, data_start, data_size)

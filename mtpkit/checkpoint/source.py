@@ -11,7 +11,11 @@ from __future__ import annotations
 import json
 import os
 import re
+import sys
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
+from fnmatch import fnmatch
 from pathlib import Path, PurePosixPath
 from typing import Any
 
@@ -100,7 +104,9 @@ class HubSource(Source):
         from huggingface_hub import HfApi
 
         with hub_errors(repo_id, revision):
-            info = HfApi().model_info(repo_id, revision=revision, files_metadata=True)
+            info = HfApi().model_info(
+                repo_id, revision=revision, files_metadata=True, timeout=hub_timeouts()[0]
+            )
         files = {s.rfilename: int(s.size or 0) for s in info.siblings or []}
         super().__init__(spec=repo_id, revision=revision, commit=info.sha, files=files)
         self.repo_id = repo_id
@@ -108,15 +114,31 @@ class HubSource(Source):
     def local_file(self, name: str) -> Path:
         from huggingface_hub import hf_hub_download
 
-        with hub_errors(self.repo_id, self.revision, name):
-            return Path(hf_hub_download(self.repo_id, name, revision=self.commit or self.revision))
+        with hub_errors(self.repo_id, self.revision, name), hub_progress():
+            return Path(
+                hf_hub_download(
+                    self.repo_id,
+                    name,
+                    revision=self.commit or self.revision,
+                    etag_timeout=hub_timeouts()[0],
+                )
+            )
 
     def snapshot_dir(self) -> Path:
         """The repo at its resolved commit in the Hugging Face cache, the one all commands share."""
-        from huggingface_hub import snapshot_download
+        return self.download()
 
-        with hub_errors(self.repo_id, self.revision):
-            return Path(snapshot_download(self.repo_id, revision=self.commit or self.revision))
+    def download(self, patterns: Iterable[str] | None = None) -> Path:
+        """The repo's files (those matching `patterns`, default all) in the Hugging Face cache,
+        one bounded request at a time (snapshot_download's listing call has no timeout);
+        returns the snapshot folder."""
+        wanted = [
+            n for n in sorted(self.files) if patterns is None or any(fnmatch(n, p) for p in patterns)
+        ]
+        if "config.json" in self.files and "config.json" not in wanted:
+            wanted.insert(0, "config.json")
+        paths = [self.local_file(name) for name in wanted]
+        return paths[0].parents[len(PurePosixPath(wanted[0]).parts) - 1]
 
     def read_bytes_range(self, name: str, start: int, length: int) -> bytes:
         from huggingface_hub import get_session, hf_hub_url
@@ -128,7 +150,9 @@ class HubSource(Source):
         headers = build_hf_headers()
         headers["Range"] = f"bytes={start}-{start + length - 1}"
         with hub_errors(self.repo_id, self.revision, name):
-            response = get_session().get(url, headers=headers, follow_redirects=True)
+            response = get_session().get(
+                url, headers=headers, follow_redirects=True, timeout=hub_timeouts()[1]
+            )
             hf_raise_for_status(response)
         body = response.content
         if response.status_code == 200:  # server ignored Range: keep only what was asked
@@ -152,12 +176,22 @@ class hub_errors:
             EntryNotFoundError,
             GatedRepoError,
             HfHubHTTPError,
+            LocalEntryNotFoundError,
             OfflineModeIsEnabled,
             RepositoryNotFoundError,
             RevisionNotFoundError,
         )
 
         where = self.repo_id if self.revision is None else f"{self.repo_id}@{self.revision}"
+        endpoint = os.environ.get("HF_ENDPOINT", "https://huggingface.co")
+        if _timed_out(exc):
+            etag, download = hub_timeouts()
+            raise SourceNotFound(
+                f"cannot reach the Hub at {endpoint} for {where}: no answer within "
+                f"{etag:g}s (HF_HUB_ETAG_TIMEOUT) or {download:g}s (HF_HUB_DOWNLOAD_TIMEOUT) and "
+                "it is not cached: check the network, raise those limits, or pass a local "
+                "directory"
+            ) from None
         if isinstance(exc, GatedRepoError):
             raise SourceNotFound(
                 f"{self.repo_id} is gated: accept its terms on the Hub and log in (hf auth login)"
@@ -171,6 +205,11 @@ class hub_errors:
             raise SourceNotFound(
                 f"revision {self.revision!r} not found in {self.repo_id}: check --revision"
             ) from None
+        if isinstance(exc, LocalEntryNotFoundError):  # the client's word for "unreachable"
+            raise SourceNotFound(
+                f"cannot reach the Hub at {endpoint} for {where} and {self.filename or 'it'} "
+                "is not cached: check the network or pass a local directory"
+            ) from None
         if isinstance(exc, EntryNotFoundError):
             raise SourceNotFound(f"{self.filename} not found in {where}") from None
         if isinstance(exc, OfflineModeIsEnabled):
@@ -183,12 +222,48 @@ class hub_errors:
                 f"the Hub refused a request for {where}: {exc}".split("\n")[0]
             ) from None
         if isinstance(exc, (ConnectionError, OSError)) or "Connect" in type(exc).__name__:
-            endpoint = os.environ.get("HF_ENDPOINT", "https://huggingface.co")
             raise SourceNotFound(
                 f"cannot reach the Hub at {endpoint} for {where} and it is not cached: "
                 "check the network or pass a local directory"
             ) from None
         return False
+
+
+def hub_timeouts() -> tuple[float, float]:
+    """(a metadata request's, a download's) limits in seconds: huggingface_hub's own
+    HF_HUB_ETAG_TIMEOUT and HF_HUB_DOWNLOAD_TIMEOUT (10 s each by default)."""
+    from huggingface_hub import constants
+
+    return float(constants.HF_HUB_ETAG_TIMEOUT), float(constants.HF_HUB_DOWNLOAD_TIMEOUT)
+
+
+def _timed_out(exc: BaseException) -> bool:
+    """A request that got no answer in time: the HTTP client's timeout classes (httpx's, or
+    the fork huggingface_hub ships) or Python's own, raised directly or as the cause."""
+    chain = [e for e in (exc, exc.__cause__, exc.__context__) if e is not None]
+    return any("Timeout" in cls.__name__ for e in chain for cls in type(e).__mro__)
+
+
+@contextmanager
+def hub_progress() -> Iterator[None]:
+    """huggingface_hub's download bars only on a terminal: a log or a pipe gets no `\\r`
+    frames (HF_HUB_DISABLE_PROGRESS_BARS and --quiet are honoured as before)."""
+    from huggingface_hub.utils import (
+        are_progress_bars_disabled,
+        disable_progress_bars,
+        enable_progress_bars,
+    )
+
+    from mtpkit.core.console import is_terminal
+
+    if are_progress_bars_disabled() or is_terminal(sys.stderr):
+        yield
+        return
+    disable_progress_bars()
+    try:
+        yield
+    finally:
+        enable_progress_bars()
 
 
 def open_source(spec: str, *, revision: str | None = None) -> Source:

@@ -14,16 +14,16 @@ values are checked in `options.py`.
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from mtpkit.core.errors import MtpkitError
+from mtpkit.core.config import INVALID_CONFIG, as_count
 
 # Stable problem codes added by this layer (documented in README.md).
-INVALID_CONFIG = "invalid_config"
 LAYER_COUNT_MISMATCH = "mtp_layer_count_mismatch"
 HEAD_NOT_FINITE = "head_not_finite"
 
@@ -42,44 +42,36 @@ CONFIG_COUNTS: dict[str, int] = {
     "num_experts_per_tok": 1,
     "max_position_embeddings": 1,
 }
+# The most each count may be: far past any published model, short of sizes that would make
+# a loader allocate terabytes before failing (hidden_size 10^12, a vocabulary of 2^40).
+CONFIG_MOST: dict[str, int] = {
+    "num_hidden_layers": 1 << 12,
+    "hidden_size": 1 << 17,
+    "vocab_size": 1 << 23,
+    "num_attention_heads": 1 << 12,
+    "num_key_value_heads": 1 << 12,
+    "intermediate_size": 1 << 20,
+    "moe_intermediate_size": 1 << 20,
+    "num_experts": 1 << 16,
+    "n_routed_experts": 1 << 16,
+    "num_experts_per_tok": 1 << 16,
+    "max_position_embeddings": 1 << 31,
+}
+# Fields that must be positive finite numbers when present (mlx-lm builds norms and RoPE).
+CONFIG_NUMBERS = ("rms_norm_eps", "layer_norm_eps", "rope_theta")
+# Fields that must be JSON booleans when present.
+CONFIG_FLAGS = ("tie_word_embeddings",)
+# The quantization mlx-lm can load: bits and group sizes (mlx's affine modes).
+QUANT_BITS = (2, 3, 4, 5, 6, 8)
+QUANT_GROUP_SIZES = (32, 64, 128)
 # More MTP layers than this is no published model (they ship 1, a few at most).
 MAX_MTP_LAYERS = 64
-
-
-class InvalidConfig(MtpkitError):
-    """A config value that decides how the tensors are named is not a usable integer."""
-
-
-def require_count(config: dict[str, Any], key: str, default: int | None = None) -> int:
-    """A count the checkpoint's layout depends on (`num_hidden_layers`, expert counts);
-    anything but an integer is an error, as nothing can be read without it."""
-    value = config.get(key)
-    if value is None and default is not None:
-        return default
-    count = as_count(value)
-    if count is None or count < 0:
-        raise InvalidConfig(
-            f"config.json: {key}={value!r} is not a non-negative integer ({INVALID_CONFIG}): "
-            "fix config.json"
-        )
-    return count
 
 
 @dataclass(frozen=True)
 class Problem:
     code: str
     message: str
-
-
-def as_count(value: Any) -> int | None:
-    """An integer count as JSON spells it (`1`, also `1.0`), else None (`"one"`, `true`)."""
-    if isinstance(value, bool):
-        return None
-    if isinstance(value, int):
-        return value
-    if isinstance(value, float) and value.is_integer():
-        return int(value)
-    return None
 
 
 def _field(config: dict[str, Any], key: str) -> tuple[str, Any] | None:
@@ -92,7 +84,8 @@ def _field(config: dict[str, Any], key: str) -> tuple[str, Any] | None:
 
 
 def config_problems(config: dict[str, Any], mtp_field: str) -> list[Problem]:
-    """Values of `config.json` with the wrong type or out of range (`invalid_config`)."""
+    """Values of `config.json` with the wrong type or out of range (`invalid_config`): every
+    field mtpkit or mlx-lm builds from, checked here once, before anything is built."""
     problems = []
     text = config.get("text_config")
     if text is not None and not isinstance(text, dict):
@@ -104,6 +97,7 @@ def config_problems(config: dict[str, Any], mtp_field: str) -> list[Problem]:
             continue
         name, value = found
         count = as_count(value)
+        most = CONFIG_MOST.get(key)
         if count is None:
             problems.append(
                 Problem(INVALID_CONFIG, f"config.json: {name}={value!r} is not an integer")
@@ -111,6 +105,65 @@ def config_problems(config: dict[str, Any], mtp_field: str) -> list[Problem]:
         elif count < least and key != mtp_key:  # a negative MTP count is a layer mismatch
             problems.append(
                 Problem(INVALID_CONFIG, f"config.json: {name}={count} must be at least {least}")
+            )
+        elif most is not None and count > most:
+            problems.append(
+                Problem(
+                    INVALID_CONFIG,
+                    f"config.json: {name}={count} is past any model (at most {most})",
+                )
+            )
+    problems += _value_problems(config)
+    return problems
+
+
+def _positive(value: Any) -> bool:
+    real = isinstance(value, (int, float)) and not isinstance(value, bool)
+    return real and math.isfinite(value) and value > 0
+
+
+def _value_problems(config: dict[str, Any]) -> list[Problem]:
+    """Numbers, flags and the quantization block (see CONFIG_NUMBERS, CONFIG_FLAGS)."""
+    problems = []
+    for key in CONFIG_NUMBERS:
+        found = _field(config, key)
+        if found is None or found[1] is None:
+            continue
+        name, value = found
+        values = value if isinstance(value, list) and value else [value]  # per layer (Step 3.5)
+        if not all(_positive(v) for v in values):
+            problems.append(
+                Problem(INVALID_CONFIG, f"config.json: {name}={value!r} is not a positive number")
+            )
+    for key in CONFIG_FLAGS:
+        found = _field(config, key)
+        if found is not None and found[1] is not None and not isinstance(found[1], bool):
+            problems.append(
+                Problem(INVALID_CONFIG, f"config.json: {found[0]}={found[1]!r} is not true/false")
+            )
+    for key in ("quantization", "quantization_config"):
+        quant = config.get(key)
+        if quant is None or "quantization" in config and key == "quantization_config":
+            continue  # mlx-lm reads `quantization` first; transformers' own form is not its
+        if not isinstance(quant, dict):
+            problems.append(Problem(INVALID_CONFIG, f"config.json: {key} is not an object"))
+            continue
+        bits, group = quant.get("bits"), quant.get("group_size")
+        if bits is not None and as_count(bits) not in QUANT_BITS:
+            problems.append(
+                Problem(
+                    INVALID_CONFIG,
+                    f"config.json: {key}.bits={bits!r} is not one of "
+                    f"{', '.join(map(str, QUANT_BITS))}",
+                )
+            )
+        if group is not None and as_count(group) not in QUANT_GROUP_SIZES:
+            problems.append(
+                Problem(
+                    INVALID_CONFIG,
+                    f"config.json: {key}.group_size={group!r} is not one "
+                    f"of {', '.join(map(str, QUANT_GROUP_SIZES))}",
+                )
             )
     return problems
 

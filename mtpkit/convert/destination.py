@@ -1,11 +1,23 @@
-"""Where `convert` and graft write, and how, so that nothing they read is ever lost.
+"""Where mtpkit writes, and how, so that nothing it reads or did not make is ever lost.
 
-- An output that is the source, contains it, or lies inside it is refused, `--force` or not
-  (paths resolved, symlinks followed): replacing an ancestor of the source would delete it.
+One module serves every command that writes: `convert` and `train-head -o` (a new model
+directory), a graft and `train-head --into` (files swapped into an existing one), and
+`check --junit` (one report file).
+
+- Overlap: an output that is the source, contains it or lies inside it is refused, `--force`
+  or not, and so is one that holds any FILE of the source wherever its link points (a
+  Hugging Face cache snapshot links every file into `blobs/`).
+- `--force` replaces only what is recognisably a model directory (config.json beside
+  safetensors weights), an earlier mtpkit output (`mtp/manifest.json`) or an empty directory;
+  anything else (a photo folder, a folder of models, a file) is refused with the reason.
+- Nothing is written through a link that leaves the output (a symlinked `mtp/` of a model
+  directory may point into another model).
 - Everything is written into a temporary sibling `.NAME.mtpkit-tmp-PID` and renamed over the
-  target at the end; an interrupted run removes its sibling, and one killed outright (SIGKILL,
-  power loss) leaves it behind: the next run that writes there removes the siblings of runs
-  whose process is gone, and says so.
+  target at the end. An interrupted run removes its sibling; one killed outright (SIGKILL,
+  power loss) leaves it behind, and the next run that writes there removes the siblings of
+  runs whose process is gone, and says so. A run killed between its two final renames leaves
+  the previous output as `.NAME.mtpkit-old-PID`: the next run puts it back before anything
+  else, so an old output is kept until a new one is in place.
 """
 
 from __future__ import annotations
@@ -13,7 +25,8 @@ from __future__ import annotations
 import os
 import re
 import shutil
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from mtpkit.core.errors import MtpkitError
@@ -21,7 +34,17 @@ from mtpkit.core.errors import MtpkitError
 TEMP_MARK = "mtpkit-tmp"
 OLD_MARK = "mtpkit-old"
 # `.NAME.mtpkit-tmp-PID` (work in progress) or `.NAME.mtpkit-old-PID` (a replaced output).
-SIBLING = re.compile(rf"^\.(?P<name>.+)\.(?:{TEMP_MARK}|{OLD_MARK})-(?P<pid>\d+)$")
+SIBLING = re.compile(rf"^\.(?P<name>.+)\.(?P<mark>{TEMP_MARK}|{OLD_MARK})-(?P<pid>\d+)$")
+# What makes a directory recognisably a model directory (with config.json).
+WEIGHT_FILE = re.compile(r".*\.(safetensors|safetensors\.index\.json|gguf|bin|npz)$")
+EARLIER_OUTPUT = "mtp/manifest.json"
+# A checkpoint holds a few dozen files; the overlap walk stops well past that.
+MAX_SOURCE_ENTRIES = 100_000
+Log = Callable[[str], None]
+
+
+class DestinationError(MtpkitError):
+    """An output mtpkit refuses to write: it would lose data that is not its own."""
 
 
 def local_source_dir(spec: str) -> Path | None:
@@ -30,22 +53,142 @@ def local_source_dir(spec: str) -> Path | None:
     return path if path.is_dir() else None
 
 
+# --------------------------------------------------------------------------- overlap
+
+
+def _resolved(path: Path) -> Path:
+    return path.expanduser().resolve()
+
+
+def _source_links(source: Path) -> Iterator[tuple[Path, Path]]:
+    """(entry, where it really is) for every linked file or directory of a checkpoint
+    `source` (one with config.json; a directory such as /usr is never walked)."""
+    if not (source / "config.json").is_file():
+        return
+    seen = 0
+    for root, dirs, files in os.walk(source):
+        for name in files + dirs:
+            seen += 1
+            entry = Path(root) / name
+            if entry.is_symlink():
+                yield entry, entry.resolve()
+        if seen > MAX_SOURCE_ENTRIES:
+            return
+
+
 def refuse_overlap(out: Path, source: Path | None, *, option: str = "-o") -> None:
-    """Refuse an output that is `source`, contains it or lies inside it (resolved paths)."""
+    """Refuse an output that is `source`, contains it, lies inside it, or holds any file of
+    it through a link (resolved paths)."""
     if source is None:
         return
-    target, src = out.expanduser().resolve(), source.expanduser().resolve()
+    target, src = _resolved(out), _resolved(source)
     if target == src:
-        raise MtpkitError(f"{option} {out} is the source itself: write the output elsewhere")
+        raise DestinationError(f"{option} {out} is the source itself: write the output elsewhere")
     if src.is_relative_to(target):
-        raise MtpkitError(
+        raise DestinationError(
             f"{option} {out} contains the source {source}: replacing it would delete the "
             "source (with or without --force); write the output elsewhere"
         )
     if target.is_relative_to(src):
-        raise MtpkitError(
+        raise DestinationError(
             f"{option} {out} lies inside the source {source}: write the output outside it"
         )
+    if not src.is_dir():
+        return
+    for entry, real in _source_links(src):
+        if real.is_relative_to(target) or (real.is_dir() and target.is_relative_to(real)):
+            raise DestinationError(
+                f"{option} {out} holds {real}, the file the source's {entry.name} links to: "
+                "replacing it would delete the source's data (with or without --force); "
+                "write the output elsewhere"
+            )
+
+
+def refuse_inside(path: Path, sources: Iterable[Path | None], *, option: str) -> None:
+    """Refuse a file output that is a source file or lies inside a source directory."""
+    target = _resolved(path)
+    for source in sources:
+        if source is None:
+            continue
+        src = _resolved(source)
+        if target == src or target.is_relative_to(src):
+            raise DestinationError(
+                f"{option} {path} lies inside the source {source}: write it outside the source"
+            )
+        for entry, real in _source_links(src) if src.is_dir() else ():
+            if real == target:
+                raise DestinationError(
+                    f"{option} {path} is {entry}'s data (a link of the source): write it "
+                    "outside the source"
+                )
+
+
+def refuse_link_out(root: Path, target: Path, *, option: str) -> None:
+    """Refuse to write `target` where a link inside `root` would carry it out of `root`."""
+    real_root = _resolved(root)
+    real_parent = _resolved(target.parent)
+    if not real_parent.is_relative_to(real_root):
+        link = next(
+            (p for p in [target.parent, *target.parent.parents] if p.is_symlink()), target.parent
+        )
+        raise DestinationError(
+            f"{option} {root}: {link.relative_to(root)} is a link to {link.resolve()}, outside "
+            f"{root}; mtpkit writes nothing through it: replace the link with a directory"
+        )
+
+
+# --------------------------------------------------------------------------- --force
+
+
+def why_not_replaceable(out: Path) -> str | None:
+    """Why `--force` may not replace `out` (None: it may): only a model directory, an earlier
+    mtpkit output or an empty directory is replaced (a link is replaced, never followed)."""
+    if out.is_symlink() or not out.exists():
+        return None
+    if not out.is_dir():
+        return "it is a file, not a model directory"
+    entries = sorted(out.iterdir())
+    if not entries or (out / EARLIER_OUTPUT).is_file():
+        return None
+    nested = [e.name for e in entries if e.is_dir() and (e / "config.json").is_file()]
+    if nested:
+        return f"it holds other models ({', '.join(nested[:3])})"
+    weights = [e for e in entries if WEIGHT_FILE.match(e.name)]
+    if (out / "config.json").is_file() and weights:
+        return None
+    shown = ", ".join(e.name for e in entries[:3]) + (", ..." if len(entries) > 3 else "")
+    return f"it is not a model directory or an earlier mtpkit output (it holds {shown})"
+
+
+def claim_output(
+    out: Path,
+    *,
+    force: bool,
+    sources: Iterable[Path | None] = (),
+    option: str = "-o",
+    log: Log | None = None,
+) -> None:
+    """Everything refused about a new output directory, before any work is done; an output
+    a killed run left aside (`mtpkit-old`) is put back first, so it counts as existing."""
+    for source in sources:
+        refuse_overlap(out, source, option=option)
+    remove_stale([out], log)
+    if not (out.exists() or out.is_symlink()):
+        return
+    if not force:
+        raise DestinationError(
+            f"{out} already exists: pass --force to replace it, or choose another {option}"
+        )
+    why = why_not_replaceable(out)
+    if why is not None:
+        raise DestinationError(
+            f"{option} {out} --force: {why}; --force replaces only a model directory, an "
+            "earlier mtpkit output or an empty directory: remove it yourself or choose "
+            f"another {option}"
+        )
+
+
+# --------------------------------------------------------------------------- siblings
 
 
 def temp_sibling(path: Path, mark: str = TEMP_MARK) -> Path:
@@ -82,14 +225,22 @@ def stale_siblings(paths: Iterable[Path]) -> list[Path]:
     return found
 
 
-def remove_stale(paths: Iterable[Path], log: Callable[[str], None] | None = None) -> list[Path]:
-    """Remove the siblings `stale_siblings` finds, with one line each through `log`."""
+def remove_stale(paths: Iterable[Path], log: Log | None = None) -> list[Path]:
+    """Clean up after runs killed outright: a replaced output (`mtpkit-old`) whose target is
+    missing is put back, every other sibling of a dead run is removed; one line each."""
     if log is None:
         from mtpkit.core.console import log
-    removed = stale_siblings(paths)
-    for entry in removed:
+    removed = []
+    for entry in stale_siblings(paths):
+        match = SIBLING.match(entry.name)
+        target = entry.parent / match["name"]
+        if match["mark"] == OLD_MARK and not (target.exists() or target.is_symlink()):
+            log(f"restoring {target} from {entry}, left by a run killed while replacing it")
+            entry.rename(target)
+            continue
         log(f"removing {entry}, left by an earlier run that did not finish")
         _remove(entry)
+        removed.append(entry)
     return removed
 
 
@@ -98,9 +249,7 @@ def work_dir_prefix(stem: str) -> str:
     return f"{stem}-{os.getpid()}-"
 
 
-def remove_stale_work_dirs(
-    root: Path, stem: str, log: Callable[[str], None] | None = None
-) -> list[Path]:
+def remove_stale_work_dirs(root: Path, stem: str, log: Log | None = None) -> list[Path]:
     """Remove the `STEM-PID-*` scratch directories under `root` of runs whose process is
     gone (a killed `check` leaves a converted model there), with one line each."""
     if log is None:
@@ -116,8 +265,12 @@ def remove_stale_work_dirs(
     return removed
 
 
+# --------------------------------------------------------------------------- writing
+
+
 def fresh_temp_dir(out: Path) -> Path:
-    """An empty temporary directory beside `out`, named after this process."""
+    """An empty temporary directory beside `out`, named after this process (mode 0755
+    under the usual umask, as `mkdir` makes it)."""
     tmp = temp_sibling(out)
     try:
         if tmp.exists() or tmp.is_symlink():
@@ -143,6 +296,54 @@ def replace_with(out: Path, tmp: Path) -> None:
     _remove(old)
 
 
+@contextmanager
+def new_directory(out: Path, *, log: Log | None = None) -> Iterator[Path]:
+    """A temporary sibling of `out` to write into; renamed over `out` when the block ends
+    without an error, removed on any error or interrupt (then `out` is as it was)."""
+    remove_stale([out], log)  # a killed run's work; its replaced output is already back
+    tmp = fresh_temp_dir(out)
+    try:
+        yield tmp
+        replace_with(out, tmp)
+    except OSError as e:
+        _remove(tmp)
+        raise MtpkitError(f"writing {out} failed, nothing was written: {_reason(e)}") from None
+    except BaseException:
+        _remove(tmp)
+        raise
+
+
+def write_file(path: Path, text: str, *, option: str, sources: Iterable[Path | None] = ()) -> None:
+    """Write one file (a report) atomically: into a temporary sibling, then renamed; never
+    inside a source, never through a link (a link at `path` is replaced, not followed)."""
+    path = Path(path).expanduser()
+    refuse_inside(path, sources, option=option)
+    if path.is_dir():
+        raise DestinationError(f"{option} {path} is a directory: name a file")
+    tmp = temp_sibling(path)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp.write_text(text, encoding="utf-8")
+        os.replace(tmp, path)
+    except OSError as e:
+        _discard(tmp)
+        raise MtpkitError(f"cannot write {option} {path}: {_reason(e)}") from None
+    except BaseException:
+        _discard(tmp)
+        raise
+
+
+def _discard(tmp: Path) -> None:
+    try:
+        tmp.unlink(missing_ok=True)
+    except OSError:  # its parent is not a directory: there is nothing to remove
+        pass
+
+
+def _reason(e: OSError) -> str:
+    return f"{e.strerror} ({e.filename})" if e.strerror and e.filename else str(e.strerror or e)
+
+
 def _remove(entry: Path) -> None:
     if entry.is_dir() and not entry.is_symlink():
         shutil.rmtree(entry, ignore_errors=True)
@@ -151,19 +352,30 @@ def _remove(entry: Path) -> None:
 
 
 class FileSwap:
-    """Several files written beside their targets and moved over them at the end.
+    """Several files written beside their targets inside `root` and moved over them at the
+    end; nothing is written through a link that leaves `root`.
 
     On any failure before `commit`, the temporaries are removed and a directory this swap
     created is removed again, so the directory is left as it was.
     """
 
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, *, option: str = "--into") -> None:
         self.root = root
+        self.option = option
         self.pending: list[tuple[Path, Path]] = []
         self.created: list[Path] = []
 
+    def check(self, targets: Iterable[Path]) -> None:
+        """Refuse, before any work, targets a link would carry out of `root`."""
+        for target in targets:
+            parent = target.parent
+            while not parent.exists() and not parent.is_symlink() and parent != self.root:
+                parent = parent.parent
+            refuse_link_out(self.root, parent / "x", option=self.option)
+
     def temp_for(self, target: Path) -> Path:
         """Where to write `target`'s new content (its parent made if missing)."""
+        self.check([target])
         missing = []
         parent = target.parent
         while not parent.exists() and parent != parent.parent:
@@ -193,15 +405,22 @@ class FileSwap:
 
 
 __all__ = [
+    "DestinationError",
     "FileSwap",
+    "claim_output",
     "fresh_temp_dir",
     "local_source_dir",
+    "new_directory",
     "pid_alive",
+    "refuse_inside",
+    "refuse_link_out",
     "refuse_overlap",
     "remove_stale",
     "remove_stale_work_dirs",
     "replace_with",
     "stale_siblings",
     "temp_sibling",
+    "why_not_replaceable",
     "work_dir_prefix",
+    "write_file",
 ]

@@ -17,6 +17,7 @@ from __future__ import annotations
 import re
 import shutil
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -27,13 +28,14 @@ from mtpkit.checkpoint.inspect import Checkpoint, read_checkpoint
 from mtpkit.checkpoint.validate import nonfinite_tensors
 from mtpkit.convert.destination import (
     FileSwap,
-    fresh_temp_dir,
+    claim_output,
     local_source_dir,
+    new_directory,
     refuse_overlap,
     remove_stale,
-    replace_with,
 )
 from mtpkit.convert.plan import Converter, Plan, Settings, check_conv1d, refuse_problems
+from mtpkit.convert.records import build_manifest, output_config, set_quantization
 from mtpkit.convert.writer import (
     read_config,
     shard_jobs,
@@ -45,13 +47,13 @@ from mtpkit.convert.writer import (
 )
 from mtpkit.core.console import progress_bar
 from mtpkit.core.errors import CheckpointProblem, MtpkitError
-from mtpkit.core.manifest import (
-    HEAD_WEIGHTS_PATH,
-    MANIFEST_PATH,
-    build_manifest,
-    output_config,
-    set_quantization,
-    write_manifest,
+from mtpkit.core.manifest import HEAD_WEIGHTS_PATH, MANIFEST_PATH, write_manifest
+from mtpkit.core.peers import (
+    PEER_HEAD_FILE,
+    declare_for_peers,
+    peer_manifest_keys,
+    peer_name,
+    writes_peer_head,
 )
 
 # Files copied beside the weights: tokenizer, chat template, generation settings, and the
@@ -78,7 +80,7 @@ class ConvertResult:
     # What was repaired on the way (e.g. the declared MTP layer count), for stderr.
     warnings: list[str] = field(default_factory=list)
 
-    def as_dict(self) -> dict[str, Any]:
+    def to_json(self) -> dict[str, Any]:
         return {
             "output": str(self.output),
             "family": self.family,
@@ -125,13 +127,10 @@ def convert(
         hidden=hidden,
     )
     out = Path(output).expanduser()
-    refuse_overlap(out, local_source_dir(source))
-    if (out.exists() or out.is_symlink()) and not force:
-        raise MtpkitError(f"{out} already exists: pass --force to replace it, or choose another -o")
+    claim_output(out, force=force, sources=[local_source_dir(source)])
     ckpt = read_checkpoint(source, revision=revision)
     if ckpt.source.kind == "local":  # also a Hub repo's cached snapshot, used offline
         refuse_overlap(out, ckpt.source.snapshot_dir())
-    remove_stale([out])
     _check_convertible(ckpt, settings, out, recipe, recipe_family)
 
     converter = Converter(ckpt, settings)
@@ -144,17 +143,10 @@ def convert(
         config = output_config(ckpt, plan, settings, layers)
         backbone_quant = _backbone_quantization(ckpt, settings)
         manifest = build_manifest(ckpt, plan, settings, layers, backbone_quant=backbone_quant)
-        tmp = fresh_temp_dir(out)
-        try:
+        declare_head(ckpt, plan, config, manifest)
+        with new_directory(out) as tmp:
             _write_output(tmp, ckpt, converter, plan, config, manifest, quiet=quiet)
-            refuse_nonfinite_head(tmp / HEAD_WEIGHTS_PATH, ckpt)
-            replace_with(out, tmp)
-        except OSError as e:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise MtpkitError(f"writing {out} failed, nothing was written: {e}") from None
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
+            refuse_nonfinite_head(tmp / HEAD_WEIGHTS_PATH, ckpt, settings.dtype)
     finally:
         mx.set_cache_limit(cache_limit)
         converter.close()
@@ -166,22 +158,78 @@ def convert(
         len(plan.backbone),
         len(plan.head),
         seconds,
-        repaired(ckpt, layers),
+        repaired(ckpt, layers) + layout_warnings(settings),
     )
 
 
-def refuse_nonfinite_head(head_file: Path, ckpt: Checkpoint) -> None:
-    """A head with NaN or Inf is never published as a conversion (`head_not_finite`)."""
+def refuse_nonfinite_head(head_file: Path, ckpt: Checkpoint, dtype: str | None = None) -> None:
+    """A head with NaN or Inf is never published as a conversion (`head_not_finite`). Inf
+    from a cast to `--dtype float16` of a wider head is named as such: values past float16's
+    range, not a damaged download."""
     if not head_file.exists():
         return
     bad = list(nonfinite_tensors({head_file: None}))
-    if bad:
-        more = f" (+{len(bad) - 1} more)" if len(bad) > 1 else ""
+    if not bad:
+        return
+    more = f" (+{len(bad) - 1} more)" if len(bad) > 1 else ""
+    if dtype == "float16" and _overflowed(head_file, bad, ckpt):
         raise CheckpointProblem(
-            f"{ckpt.source.describe()} cannot be converted (head_not_finite): the MTP head's "
-            f"{bad[0]}{more} holds NaN or Inf; download the checkpoint again or take the head "
-            "from the original"
+            f"{ckpt.source.describe()} cannot be converted to float16: the MTP head's "
+            f"{bad[0]}{more} holds values past float16's range (65504); pass --dtype bfloat16 "
+            "or --dtype float32"
         )
+    raise CheckpointProblem(
+        f"{ckpt.source.describe()} cannot be converted (head_not_finite): the MTP head's "
+        f"{bad[0]}{more} holds NaN or Inf; download the checkpoint again or take the head "
+        "from the original"
+    )
+
+
+def _overflowed(head_file: Path, bad: list[str], ckpt: Checkpoint) -> bool:
+    """Only Inf (a cast overflows to Inf, never to NaN) from a head stored wider than F16."""
+    if all(t.dtype == "F16" for t in ckpt.mtp_tensors):
+        return False
+    tensors = mx.load(str(head_file), format="safetensors")
+    return not any(mx.any(mx.isnan(tensors[name])).item() for name in bad)
+
+
+# Why `--layout inline` is not the default (MTP_FORMATS.md "What the MLX runtimes read").
+INLINE_WARNING = (
+    "--layout inline: mlx-lm < 0.32 (pinned by vllm-mlx 0.6, MTPLX 2.12 and Rapid-MLX 0.16) adds "
+    "+1 to every backbone norm of a Qwen3.5 model whose shards hold mtp.* tensors, so those "
+    "runtimes run a corrupted backbone; the default sidecar layout runs in all of them"
+)
+
+
+def layout_warnings(settings: Settings) -> list[str]:
+    return [INLINE_WARNING] if settings.layout == "inline" else []
+
+
+def declare_head(
+    ckpt: Checkpoint, plan: Plan, config: dict[str, Any], manifest: dict[str, Any]
+) -> None:
+    """Declare the head where the MLX runtimes read it (`mtpkit.core.peers`): config.json keys
+    (in place, `auto_map` dropped) and the manifest's keys beside mtpkit's own."""
+    family = ckpt.family
+    dropped = declare_for_peers(
+        config,
+        family_name=family.name,
+        head_prefix=family.head_prefix,
+        head_quant=plan.head_quant,
+        hidden=manifest.get("hidden") if plan.head else None,
+    )
+    earlier = (ckpt.manifest or {}).get("config_dropped")
+    if isinstance(earlier, dict):  # converting mtpkit's own output: keep the first record
+        dropped = {**earlier, **dropped}
+    manifest.update(peer_manifest_keys(family.name, dropped))
+
+
+def peer_head_file(directory: Path, ckpt: Checkpoint) -> tuple[Path, Callable[[str], str]] | None:
+    """`mtp.safetensors` in `directory` and its key names, for the families the peers run."""
+    family = ckpt.family
+    if not writes_peer_head(family.name):
+        return None
+    return directory / PEER_HEAD_FILE, lambda name: peer_name(name, family.head_prefix)
 
 
 def repaired(ckpt: Checkpoint, layers: int) -> list[str]:
@@ -189,7 +237,7 @@ def repaired(ckpt: Checkpoint, layers: int) -> list[str]:
     return [
         f"{p['message'].split(': set ')[0]}; writing {ckpt.family.mtp_field()}={layers}"
         for p in ckpt.problems
-        if p["code"] == "mtp_layer_count_mismatch"
+        if p["code"] in ("mtp_layer_count_mismatch", "mtp_present_not_declared")
     ]
 
 
@@ -207,7 +255,7 @@ def _check_convertible(
             f"recipe {recipe} is for {recipe_family} models but {ckpt.source.describe()} is "
             f"{ckpt.family.name}: pick the recipe of this model"
         )
-    if settings.layout == "inline" and ckpt.family.head_prefix != "language_model.mtp.":
+    if settings.layout == "inline" and not ckpt.family.inline_layout:
         raise MtpkitError(
             f"--layout inline exists only for the Qwen3.5/3.6 families, not {ckpt.family.name}"
         )
@@ -250,13 +298,17 @@ def _write_output(
     files = [(tmp / shard_name(i, len(shards)), jobs) for i, jobs in enumerate(shards)]
     weight_map = {n: path.name for path, jobs in files for job in jobs for n in job.entry_names}
     total_size = sum(job.nbytes for job in model_jobs)
+    renames = {}
     if plan.head_jobs:
         files.append((tmp / HEAD_WEIGHTS_PATH, plan.head_jobs))
+        if (peer := peer_head_file(tmp, ckpt)) is not None:
+            files.append((peer[0], plan.head_jobs))
+            renames[peer[0]] = peer[1]
     # Each job is computed once, however many files hold it (inline: shards and mtp/).
     unique = {id(job): job for _, jobs in files for job in jobs}
     bar = progress_bar(sum(job.nbytes for job in unique.values()), desc="convert", quiet=quiet)
     meta = tensor_meta(plan.backbone + plan.head)
-    write_job_files(files, converter.run, meta, bar.update if bar is not None else None)
+    write_job_files(files, converter.run, meta, bar.update if bar is not None else None, renames)
     write_index(tmp / "model.safetensors.index.json", weight_map, total_size, plan.total_parameters)
     if plan.head_jobs:
         write_manifest(tmp / MANIFEST_PATH, manifest)
@@ -304,6 +356,7 @@ def graft(
     if not (into / "config.json").is_file():
         raise MtpkitError(f"--into {into} is not an MLX model directory (no config.json)")
     refuse_overlap(into, local_source_dir(source), option="--into")
+    FileSwap(into).check(graft_targets(into))
     trunk = read_checkpoint(str(into))
     if trunk.format != "mlx":
         raise MtpkitError(f"--into {into} is not an MLX conversion; run `mtpkit convert` instead")
@@ -342,6 +395,7 @@ def graft(
         )
         manifest = build_manifest(ckpt, plan, settings, layers, backbone_quant=backbone_quant)
         manifest["grafted_into"] = str(into)
+        declare_head(ckpt, plan, config, manifest)
         _write_graft(into, ckpt, converter, plan, config, manifest, quiet=quiet)
     finally:
         mx.set_cache_limit(cache_limit)
@@ -381,6 +435,11 @@ def _trunk_dtype(trunk: Checkpoint) -> str | None:
     return max(counts, key=lambda k: counts[k]) if counts else None
 
 
+def graft_targets(into: Path) -> list[Path]:
+    """The files a graft replaces in `into` (head, manifest, config), in writing order."""
+    return [into / HEAD_WEIGHTS_PATH, into / MANIFEST_PATH, into / "config.json"]
+
+
 def _write_graft(
     into: Path,
     ckpt: Checkpoint,
@@ -393,19 +452,23 @@ def _write_graft(
 ) -> None:
     """Head file, manifest and config written beside their targets, then moved over them;
     a failure (a NaN/Inf head included) leaves `into` as it was (no new empty mtp/)."""
-    targets = [into / HEAD_WEIGHTS_PATH, into / MANIFEST_PATH, into / "config.json"]
-    remove_stale(targets)
+    targets = graft_targets(into)
+    peer = peer_head_file(into, ckpt)
+    remove_stale(targets + ([peer[0]] if peer else []))
     swap = FileSwap(into)
     try:
         bar = progress_bar(sum(a.nbytes for _, a in plan.head), desc="graft", quiet=quiet)
         on_bytes = bar.update if bar is not None else None
         tmp_weights = swap.temp_for(targets[0])
-        write_job_files(
-            [(tmp_weights, plan.head_jobs)], converter.run, tensor_meta(plan.head), on_bytes
-        )
+        files = [(tmp_weights, plan.head_jobs)]
+        renames = {}
+        if peer is not None:  # the same head under the peers' names, moved in with the rest
+            files.append((swap.temp_for(peer[0]), plan.head_jobs))
+            renames[files[-1][0]] = peer[1]
+        write_job_files(files, converter.run, tensor_meta(plan.head), on_bytes, renames)
         if bar is not None:
             bar.close()
-        refuse_nonfinite_head(tmp_weights, ckpt)
+        refuse_nonfinite_head(tmp_weights, ckpt, converter.settings.dtype)
         write_manifest(swap.temp_for(targets[1]), manifest)
         write_config(swap.temp_for(targets[2]), config)
         swap.commit()

@@ -28,7 +28,9 @@ else:  # pragma: no cover
 from mtpkit.core.errors import MtpkitError
 
 RECIPE_KEYS = {"bits", "group_size", "keep_mtp_bf16", "mtp_bits", "dtype", "layout", "hidden"}
-RECIPES_DIR = Path(__file__).resolve().parents[2] / "recipes"
+# Shipped as package data (a wheel has them too); `recipes/` at the top of a checkout is a
+# link to this folder.
+RECIPES_DIR = Path(__file__).resolve().parent.parent / "recipes"
 
 
 @dataclass
@@ -39,15 +41,34 @@ class Recipe:
     settings: dict[str, Any] = field(default_factory=dict)
 
 
+def recipe_names() -> list[str]:
+    """The names `--recipe` takes (each recipe file's stem)."""
+    return [p.stem for p in all_recipes()]
+
+
 def find_recipe(spec: str | Path) -> Path:
-    """A recipe path, or a bare name looked up in the repository's `recipes/` folder."""
+    """A recipe path, or a name: a recipe's own (`qwen3.5-27b`), its model's as published
+    (`Qwen3.5-27B`) or its repo id (`Qwen/Qwen3.5-27B`), in any case."""
     path = Path(spec).expanduser()
     if path.is_file():
         return path
-    for candidate in (RECIPES_DIR / f"{spec}", RECIPES_DIR / f"{spec}.toml"):
-        if candidate.is_file():
+    wanted = str(spec).lower().removesuffix(".toml")
+    for candidate in all_recipes():
+        repo = _repo_of(candidate).lower()
+        if wanted in (candidate.stem, repo, repo.rsplit("/", 1)[-1]):
             return candidate
-    raise MtpkitError(f"no recipe {spec}: pass a .toml path (see recipes/)")
+    raise MtpkitError(
+        f"no recipe {spec}: pass a .toml path or one of {', '.join(recipe_names())}"
+    )
+
+
+def _repo_of(path: Path) -> str:
+    try:
+        model = tomllib.loads(path.read_text(encoding="utf-8")).get("model") or {}
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError, OSError):
+        return ""
+    repo = model.get("repo")
+    return repo if isinstance(repo, str) else ""
 
 
 def load_recipe(spec: str | Path) -> Recipe:

@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 
 import mlx.core as mx
 
+from mtpkit.core.choices import MAX_DEPTH
 from mtpkit.runtime.model import MtpModel, NoMtpHead
 from mtpkit.runtime.rollback.discard import PassUndo, can_discard
 from mtpkit.runtime.rollback.verify_pass import VerifyPass
@@ -41,7 +42,6 @@ from mtpkit.spec.drafter import HeadDrafter
 # SamplingSettings and rejection_sample live in mtpkit.spec.accept; importable from here too.
 __all__ = ["AdaptiveDrafting", "MtpDecoder", "SamplingSettings", "Stats", "rejection_sample"]
 
-MAX_DEPTH = 4
 CATCH_UP_AFTER = 256  # plain steps after which the head catches up while drafting is off
 # Pipeline rounds while at least this share of rounds keeps every draft (exponentially
 # smoothed over ~10 rounds). Measured on an H100 (qwen3_5-0.8b, depth 1, README

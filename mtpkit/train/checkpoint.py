@@ -1,14 +1,19 @@
 """Checkpoints of a `train-head` run: the head, the optimizer and where the data stream was.
 
-Each file is written to a temporary name and renamed, the state file last (it names the step
-the two tensor files belong to), so a run killed at any moment leaves the previous
-checkpoint or the new one, never a mix.
+A checkpoint is one unit, complete or absent. The tensor files of step N are written under
+names of their own (`head-N.safetensors`, `optimizer-N.safetensors`, each a temporary name
+renamed when complete, each recording its step), then `state.json`, which names step N, replaces
+the previous one: that rename is the moment the new checkpoint exists. Only then are the files
+of earlier steps removed. A run killed at any moment leaves the previous checkpoint or the
+new one; a resume reads exactly the files `state.json` names and refuses, with one line, a
+damaged checkpoint or one whose files disagree on the step.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -20,27 +25,90 @@ from mtpkit.core.errors import MtpkitError
 from mtpkit.families.head import MtpHead
 
 STATE_FILE = "state.json"
+PARTS = ("head", "optimizer")
+PART_FILE = re.compile(r"^(?:head|optimizer)-(\d+)\.safetensors$")
+TEMP_FILE = re.compile(r"^\.(?:head|optimizer)-\d+\.tmp\.safetensors$")
 # Settings a resumed run must share with the checkpoint (the batches depend on them).
 RESUME_KEYS = ("batch_size", "seq_len", "seed", "depth", "data")
 
 
 class CheckpointError(MtpkitError):
-    """No checkpoint to resume from, or one made by another run."""
+    """No checkpoint to resume from, one made by another run, or a damaged one."""
+
+
+def part_file(directory: Path, part: str, step: int) -> Path:
+    return directory / f"{part}-{step}.safetensors"
 
 
 def save_checkpoint(
     directory: Path, head: MtpHead, opt: optim.Optimizer, state: dict[str, Any]
 ) -> None:
-    """Head, optimizer and run `state` (with its `step`) into `directory`."""
+    """Head, optimizer and run `state` (with its `step`) into `directory`, as one unit."""
     directory.mkdir(parents=True, exist_ok=True)
-    step = state["step"]
-    for name, tree in (("head", head.parameters()), ("optimizer", opt.state)):
-        tmp = directory / f".{name}-{step}.tmp.safetensors"
-        mx.save_safetensors(str(tmp), dict(tree_flatten(tree)))
-        os.replace(tmp, directory / f"{name}.safetensors")
+    step = int(state["step"])
+    for part, tree in (("head", head.parameters()), ("optimizer", opt.state)):
+        final = part_file(directory, part, step)
+        tmp = directory / f".{part}-{step}.tmp.safetensors"  # mlx adds a missing suffix
+        mx.save_safetensors(str(tmp), dict(tree_flatten(tree)), {"step": str(step)})
+        os.replace(tmp, final)
     tmp = directory / f".{STATE_FILE}.tmp"
     tmp.write_text(json.dumps(state, indent=1) + "\n")
-    os.replace(tmp, directory / STATE_FILE)
+    os.replace(tmp, directory / STATE_FILE)  # the new checkpoint exists from here on
+    for entry in directory.iterdir():  # earlier steps', and what a killed save left
+        match = PART_FILE.match(entry.name)
+        if (match and int(match[1]) != step) or TEMP_FILE.match(entry.name):
+            entry.unlink(missing_ok=True)
+
+
+def read_state(directory: Path) -> dict[str, Any]:
+    """The checkpoint's `state.json`, checked for what a resume relies on."""
+    path = directory / STATE_FILE
+    if not path.exists():
+        raise CheckpointError(f"--resume: no checkpoint in {directory} (no {STATE_FILE})")
+    try:
+        state = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(
+            f"--resume: {path} is damaged ({type(e).__name__}): delete {directory} and train "
+            "from the start"
+        ) from None
+    step = state.get("step") if isinstance(state, dict) else None
+    if (
+        not isinstance(state, dict)
+        or not isinstance(step, int)
+        or isinstance(step, bool)
+        or step < 1
+        or not isinstance(state.get("chunks"), int)
+        or not isinstance(state.get("settings", {}), dict)
+    ):
+        raise CheckpointError(
+            f"--resume: {path} is damaged (no step, data position or settings): delete "
+            f"{directory} and train from the start"
+        )
+    return state
+
+
+def _load_part(directory: Path, part: str, step: int) -> dict[str, mx.array]:
+    path = part_file(directory, part, step)
+    if not path.exists():
+        raise CheckpointError(
+            f"--resume: the checkpoint in {directory} is incomplete ({path.name}, named by "
+            f"{STATE_FILE}, is missing): delete {directory} and train from the start"
+        )
+    try:
+        tensors, metadata = mx.load(str(path), return_metadata=True)
+    except (RuntimeError, ValueError, OSError) as e:
+        raise CheckpointError(
+            f"--resume: {path} is damaged ({str(e).splitlines()[0] if str(e) else type(e).__name__}): "
+            f"delete {directory} and train from the start"
+        ) from None
+    if metadata.get("step") != str(step):
+        raise CheckpointError(
+            f"--resume: {path} is of step {metadata.get('step')} but {STATE_FILE} names step "
+            f"{step}: the checkpoint is a mix of two runs; delete {directory} and train from "
+            "the start"
+        )
+    return tensors
 
 
 def load_checkpoint(
@@ -52,10 +120,7 @@ def load_checkpoint(
 ) -> dict[str, Any]:
     """Load the head and optimizer of the checkpoint in `directory` and return its state,
     after checking it was made for `model` with the same `settings` (`RESUME_KEYS`)."""
-    path = directory / STATE_FILE
-    if not path.exists():
-        raise CheckpointError(f"--resume: no checkpoint in {directory}")
-    state = json.loads(path.read_text())
+    state = read_state(directory)
     recorded = state.get("settings", {})
     for key in RESUME_KEYS:
         if recorded.get(key) != settings.get(key):
@@ -67,6 +132,22 @@ def load_checkpoint(
         raise CheckpointError(
             f"--resume: the checkpoint in {directory} trains {state.get('model')}, not {model}"
         )
-    head.load_weights(list(mx.load(str(directory / "head.safetensors")).items()), strict=True)
-    opt.state = tree_unflatten(list(mx.load(str(directory / "optimizer.safetensors")).items()))
+    step = state["step"]
+    weights = _load_part(directory, "head", step)
+    optimizer = _load_part(directory, "optimizer", step)
+    try:
+        head.load_weights(list(weights.items()), strict=True)
+    except ValueError as e:
+        raise CheckpointError(
+            f"--resume: the head in {directory} does not fit this model ({str(e).splitlines()[0]}): "
+            f"delete {directory} and train from the start"
+        ) from None
+    expected = {k: v.shape for k, v in tree_flatten(opt.state)}
+    found = {k: v.shape for k, v in optimizer.items()}
+    if found != expected:
+        raise CheckpointError(
+            f"--resume: the optimizer state in {directory} does not fit this head: delete "
+            f"{directory} and train from the start"
+        )
+    opt.state = tree_unflatten(list(optimizer.items()))
     return state

@@ -13,6 +13,7 @@ from mtpkit.cli.options import (
     TopKOpt,
     TopPOpt,
     friendly_errors,
+    read_stdin_prompt,
     require_depth,
     value,
 )
@@ -32,7 +33,7 @@ MtpAutoArg = Annotated[str | None, typer.Argument(hidden=True, metavar="[auto]")
 
 
 @friendly_errors
-def generate(
+def generate_command(
     model: Annotated[str, typer.Option("--model", "-m", help="A model directory or Hub repo id.")],
     prompt: Annotated[str, typer.Option("--prompt", "-p", help="The prompt; - reads stdin.")],
     max_tokens: Annotated[
@@ -77,16 +78,16 @@ def generate(
         raise MtpkitError(f"unexpected argument {mtp_mode!r}: the only word --mtp takes is 'auto'")
     mode: bool | str = "auto" if (mtp is None or mtp_mode == "auto") else mtp
     require_depth(depth)
-    text = sys.stdin.read() if prompt == "-" else prompt
+    text = read_stdin_prompt() if prompt == "-" else prompt
 
     from mtpkit.cli.output import print_generate, print_json
-    from mtpkit.spec.generate import generate as run_generate
+    from mtpkit.spec.generate import generate
 
     def stream(segment: str) -> None:
         sys.stdout.write(segment)
         sys.stdout.flush()
 
-    result = run_generate(
+    result = generate(
         model,
         text,
         max_tokens=max_tokens,

@@ -1,0 +1,53 @@
+"""Termination signals get Ctrl-C's cleanup.
+
+SIGTERM (what `timeout`, CI cancellation and `docker stop` send) and SIGHUP (a closed
+terminal) raise `Interrupted`, a `KeyboardInterrupt`, in the main thread, so every cleanup that
+runs on Ctrl-C runs on them too: a temporary output sibling removed, a graft's files left as
+they were, check's scratch conversion deleted. The CLI turns any of them into one
+`Error: interrupted by SIG...` line and the shell's exit code for the signal (128 + its number).
+"""
+
+from __future__ import annotations
+
+import signal
+from types import FrameType
+
+# Signals whose default is to die at once, without any cleanup. A signal the caller chose to
+# ignore (`nohup` ignores SIGHUP) stays ignored.
+TERMINATING = tuple(getattr(signal, name) for name in ("SIGTERM", "SIGHUP") if hasattr(signal, name))
+
+
+class Interrupted(KeyboardInterrupt):
+    """A termination signal, raised where Ctrl-C's KeyboardInterrupt would be."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+def _raise(signum: int, frame: FrameType | None) -> None:
+    # A second signal while the first one's cleanup runs would cut that cleanup short.
+    for sig in TERMINATING:
+        signal.signal(sig, signal.SIG_IGN)
+    raise Interrupted(signum)
+
+
+def install() -> None:
+    """Route SIGTERM and SIGHUP through Ctrl-C's path (main thread only, as Python requires)."""
+    for sig in TERMINATING:
+        if signal.getsignal(sig) is signal.SIG_DFL:
+            signal.signal(sig, _raise)
+
+
+def signal_number(interrupt: KeyboardInterrupt) -> int:
+    return getattr(interrupt, "signum", signal.SIGINT)
+
+
+def exit_code(interrupt: KeyboardInterrupt) -> int:
+    """The shell's code for a run ended by this signal (130 for Ctrl-C, 143 for SIGTERM)."""
+    return 128 + int(signal_number(interrupt))
+
+
+def message(interrupt: KeyboardInterrupt) -> str:
+    """The `Error:` line's text: which signal ended the run."""
+    return f"interrupted by {signal.Signals(signal_number(interrupt)).name}"
