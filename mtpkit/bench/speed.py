@@ -226,7 +226,7 @@ def bench(
     eos = m.tokenizer.eos_token_ids
     m.tokenizer.eos_token_ids = []  # every run decodes exactly max_tokens tokens
     try:
-        tokens = encode_prompt(m, prompt, chat_template=chat_template)
+        tokens = encode_prompt(m.tokenizer, prompt, chat_template=chat_template)
         check_prompt(m, tokens)
         say("forward and head costs")
         costs = measure_costs(m, tokens, max_depth=max_depth, repeats=repeats)
