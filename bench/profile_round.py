@@ -28,7 +28,7 @@ N = int(sys.argv[2]) if len(sys.argv) > 2 else 64
 d = random_model_dir(shape, "bfloat16")
 m = load_model(d)
 m.tokenizer.eos_token_ids = []
-prompt = encode_prompt(m, DEFAULT_PROMPT, chat_template=True)
+prompt = encode_prompt(m.tokenizer, DEFAULT_PROMPT, chat_template=True)
 med = statistics.median
 
 
