@@ -68,6 +68,60 @@ def table(results: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def _synthetic_cell(
+    result: dict[str, Any], acceptance: float, adaptive: bool
+) -> str | tuple[str, str]:
+    """The speedup at one oracle acceptance: depth 1 or best fixed depth, or adaptive."""
+    runs = result["adaptive" if adaptive else "runs"]
+    runs = [r for r in runs if r.get("synthetic_acceptance") == acceptance]
+    if not runs:
+        return "-"
+    if adaptive:
+        r = runs[0]
+        return spread(r["speedup"], r.get("speedup_range")) + "x"
+    depth1 = next(r for r in runs if r["depth"] == 1)
+    best = max(runs, key=lambda r: r["speedup"])
+    return (
+        spread(depth1["speedup"], depth1.get("speedup_range")) + "x",
+        spread(best["speedup"], best.get("speedup_range")) + f"x (depth {best['depth']})",
+    )
+
+
+def targets_table(results: list[dict[str, Any]]) -> str:
+    """README "Performance": per shape, `--acceptance 0,0.8,0.9` runs against the targets."""
+    columns = [
+        "model", "stock tok/s", "--no-mtp / stock", "acceptance 0.8, depth 1",
+        "acceptance 0.9, best depth", "acceptance 0, adaptive", "acceptance 0.9, adaptive",
+        "reliable",
+    ]  # fmt: skip
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    for result in results:
+        at08 = _synthetic_cell(result, 0.8, False)
+        at09 = _synthetic_cell(result, 0.9, False)
+        cells = [
+            result["model"],
+            spread(result["plain_tps"], result.get("plain_tps_range"), "{:.1f}"),
+            spread(result["no_mtp_speedup"], result.get("no_mtp_speedup_range")),
+            at08[0] if isinstance(at08, tuple) else at08,
+            at09[1] if isinstance(at09, tuple) else at09,
+            _synthetic_cell(result, 0.0, True),
+            _synthetic_cell(result, 0.9, True),
+            "yes"
+            if result.get("reliable")
+            else "no: " + "; ".join(result.get("unreliable_because", [])),
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
+    trials = sorted({r.get("trials") for r in results if r.get("trials")})
+    devices = sorted({f"{r.get('device')}, mlx {r.get('mlx')}" for r in results})
+    lines += [
+        "",
+        f"SYNTHETIC (oracle drafts at the stated acceptance). Medians [min-max] of "
+        f"{'/'.join(map(str, trials)) or '?'} interleaved trials on {'; '.join(devices)}; "
+        "speedup = MTP decode tok/s over stock mlx-lm's in the same trial.",
+    ]
+    return "\n".join(lines)
+
+
 def main(paths: list[str]) -> None:
     if not paths:
         sys.exit(__doc__)
@@ -77,7 +131,13 @@ def main(paths: list[str]) -> None:
             results.append(json.loads(Path(p).read_text()))
         except (OSError, ValueError) as e:  # a run that failed or timed out: its log says why
             print(f"skipped {p}: {e}", file=sys.stderr)
-    print(table(results))
+    synthetic = [r for r in results if r.get("synthetic")]
+    if synthetic:
+        print(targets_table(synthetic))
+        print()
+    real = [r for r in results if not r.get("synthetic")]
+    if real:
+        print(table(real))
 
 
 if __name__ == "__main__":

@@ -45,7 +45,10 @@ def train(model: Path, out: Path, args: list[str]) -> dict:
     """`mtpkit train-head MODEL -o OUT ARGS --json` in a fresh process (its own peak RSS)."""
     cmd = [sys.executable, "-m", "mtpkit", "train-head", str(model), "-o", str(out)]
     cmd += [*args, "--json", "--force"]
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    # This checkout first, then whatever the caller's path holds (the GPU machine's staged
+    # MLX wheels live on PYTHONPATH, which the child needs too).
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
+    env = {**os.environ, "PYTHONPATH": path}
     done = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False)
     if done.returncode != 0:
         sys.exit(f"train-head failed:\n{done.stderr}")
@@ -131,9 +134,11 @@ def example(args: argparse.Namespace, work: Path) -> dict:
 
 
 def random_shape(args: argparse.Namespace, work: Path) -> dict:
-    from mtpkit.bench.speed import random_model_dir
+    from mtpkit.bench.shapes import random_model_dir
+    from mtpkit.runtime.model import library_io
 
-    model = random_model_dir(args.random_shape)
+    with library_io():  # mlx-lm's quantization note to stderr
+        model = random_model_dir(args.random_shape, args.dtype)
     try:
         shutil.rmtree(model / "mtp", ignore_errors=True)
         corpus = docstring_corpus(work / "corpus.txt", CORPUS_BYTES)
@@ -162,6 +167,9 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=None, help="Override the step count.")
     p.add_argument("--batch-size", type=int, default=8, help="--random-shape only.")
     p.add_argument("--seq-len", type=int, default=512, help="--random-shape only.")
+    p.add_argument(
+        "--dtype", default="float32", help="--random-shape: scales' dtype (GPU: bfloat16)."
+    )
     p.add_argument("--prompts", type=int, default=16, help="Held-out prompts measured.")
     p.add_argument("--workdir", type=Path, default=None)
     p.add_argument("--keep", action="store_true", help="Keep the work directory.")

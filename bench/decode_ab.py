@@ -35,7 +35,7 @@ def load_revision(rev: str, tmp: Path) -> types.ModuleType:
     files = {}
     for name in ("accept", "decode"):
         shown = subprocess.run(
-            ["git", "show", f"{rev}:mtpkit/{name}.py"], cwd=ROOT, capture_output=True, text=True
+            ["git", "show", f"{rev}:mtpkit/spec/{name}.py"], cwd=ROOT, capture_output=True, text=True
         )
         if shown.returncode == 0:
             files[name] = shown.stdout
@@ -67,16 +67,16 @@ def main() -> None:
     import mlx_lm
 
     from mtpkit.bench.speed import DEFAULT_PROMPT
+    from mtpkit.core.prompts import encode_prompt
     from mtpkit.runtime.model import load_model
     from mtpkit.spec import decode
-    from mtpkit.spec.generate import encode_prompt
 
     before = load_revision(args.before, Path(tempfile.mkdtemp()))
     m = load_model(args.model)
     m.tokenizer.eos_token_ids = []
     stock_model, stock_tok = mlx_lm.load(args.model)
     stock_tok.eos_token_ids = []
-    prompt = encode_prompt(m, DEFAULT_PROMPT)
+    prompt = encode_prompt(m.tokenizer, DEFAULT_PROMPT)
     n = args.max_tokens
 
     def timed(tokens) -> tuple[dict[str, float], list[int]]:

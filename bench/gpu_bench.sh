@@ -22,7 +22,18 @@
 #      python bench/bench_table.py DIR/bench-*.json     # DIR: where the run tool put $OUT
 #
 # Environment: DTYPE (scales of the random models, default bfloat16, as published 4-bit
-# checkpoints carry), TRIALS (default 5), MAX_TOKENS (default 128), BENCH_LIMIT (default 280).
+# checkpoints carry), TRIALS (default 5), MAX_TOKENS (default 128), BENCH_LIMIT (default 280),
+# ACCEPTANCE (default 0,0.8,0.9: the random shapes run with oracle drafts at these
+# acceptances, `mtpkit bench --acceptance`, SYNTHETIC; empty: their random heads), DEPTH (3).
+#
+# The README "Performance" table (the targets of issue 18) is, per call while warm:
+#      run(command="bash bench/gpu_bench.sh bench tiny qwen3_5-0.8b train", ...)
+#      run(command="bash bench/gpu_bench.sh bench qwen3_5-4b", ...)   # and 9b, moe
+# then bench/bench_table.py over every bench-*.json (synthetic rows: the targets table).
+# Target `train`: bench/bench_train.py --random-shape qwen3_5-0.8b (steps/s, train-head).
+# To run a worktree's code: copy its mtpkit/ and bench/ into the main checkout's .gpuwt/
+# (git-excluded), carry it, and call `bash .gpuwt/bench/gpu_bench.sh ...` after
+# `bash .gpu/install.sh` (its install step then finds MLX already installed).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/mtpkit-bench-out}
@@ -48,7 +59,9 @@ install() {
 bench() {
   install
   export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
-  local limit=${BENCH_LIMIT:-280} args=(--trials "${TRIALS:-5}" --max-tokens "${MAX_TOKENS:-128}" --json)
+  local limit=${BENCH_LIMIT:-280} args=(--trials "${TRIALS:-5}" --max-tokens "${MAX_TOKENS:-128}" --depth "${DEPTH:-3}" --json)
+  local oracle=()
+  [ -n "${ACCEPTANCE-0,0.8,0.9}" ] && oracle=(--acceptance "${ACCEPTANCE-0,0.8,0.9}")
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
   git rev-parse HEAD 2>/dev/null >> "$OUT/gpu.txt"
   for target in "$@"; do
@@ -56,13 +69,17 @@ bench() {
     if [ "$target" = compile ]; then  # does mx.compile pay for the acceptance step here?
       timeout "$limit" python3 bench/compile_verdict.py | tee "$OUT/compile-verdict.txt"
       continue
+    elif [ "$target" = train ]; then  # the train-head figure of README (steps/s)
+      timeout "$limit" python3 bench/bench_train.py --random-shape qwen3_5-0.8b --dtype bfloat16 2>&1 \
+        | tee "$OUT/train.txt" | tail -5 >&2
+      continue
     elif [ "$target" = tiny ]; then
       python3 -m mtpkit convert mtpkit/examples/tiny-qwen3_5 -o /tmp/mtpkit-tiny --force >&2
       timeout "$limit" python3 -m mtpkit bench --model /tmp/mtpkit-tiny "${args[@]}" \
         > "$OUT/bench-$target.json" 2> "$OUT/bench-$target.log"
     else
       timeout "$limit" python3 -m mtpkit bench --random "$target" --dtype "${DTYPE:-bfloat16}" \
-        "${args[@]}" > "$OUT/bench-$target.json" 2> "$OUT/bench-$target.log"
+        "${args[@]}" "${oracle[@]}" > "$OUT/bench-$target.json" 2> "$OUT/bench-$target.log"
     fi
     echo "rc $? for $target" >&2
     tail -3 "$OUT/bench-$target.log" >&2
@@ -74,5 +91,5 @@ bench() {
 case "${1:-}" in
   stage) stage ;;
   bench) shift; bench "$@" ;;
-  *) sed -n '2,29p' "$0"; exit 2 ;;
+  *) sed -n '2,42p' "$0"; exit 2 ;;
 esac

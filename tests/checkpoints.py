@@ -44,6 +44,7 @@ __all__ = [
     "TOKENIZER_SPECIAL_TOKENS",
     "add_tensor",
     "build_checkpoint",
+    "build_dense_model",
     "dtype_for",
     "write_tokenizer",
 ]
@@ -373,6 +374,38 @@ def add_tensor(path: Path, shard_name: str, name: str, value: mx.array) -> None:
     index["weight_map"][name] = shard_name
     index["metadata"]["total_size"] += value.nbytes
     _write_json(path / "model.safetensors.index.json", index)
+
+
+def build_dense_model(path: Path, model_type: str = "llama", *, seed: int = 3) -> Path:
+    """A tiny dense decoder of `model_type` (llama, qwen2, qwen3: families that ship no MTP
+    head) with random weights, written by stock mlx-lm's own `save_model`, and a tokenizer."""
+    import importlib
+
+    from mlx_lm.utils import save_config, save_model
+
+    config = {
+        "model_type": model_type,
+        "hidden_size": 64,
+        "num_hidden_layers": 2,
+        "intermediate_size": 128,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 10000.0,
+        "vocab_size": 512,
+        "tie_word_embeddings": False,
+        "max_position_embeddings": 2048,
+        "eos_token_id": 2,
+    }
+    arch = importlib.import_module(f"mlx_lm.models.{model_type}")
+    mx.random.seed(seed)
+    model = arch.Model(arch.ModelArgs.from_dict(config))
+    path = Path(path)
+    save_model(path, model)
+    save_config(config, path / "config.json")
+    write_tokenizer(path, vocab_size=config["vocab_size"])
+    return path
 
 
 # --------------------------------------------------------------------------- tokenizer

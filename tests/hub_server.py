@@ -116,8 +116,10 @@ import hashlib
 import json
 import os
 import re
+import shutil
 import socket
 import struct
+import tempfile
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -144,7 +146,7 @@ _LOGGED_HEADERS = (
     "if-none-match",
     "content-type",
 )
-_REPO_OPS = {"revision", "tree", "paths-info", "refs", "resolve"}
+_REPO_OPS = {"revision", "tree", "paths-info", "refs", "resolve", "preupload", "commit"}
 
 
 def git_blob_sha1(data: bytes) -> str:
@@ -180,6 +182,7 @@ class _Commit:
     dirs: dict[str, str]  # folder path -> tree oid
     config: dict | None = None
     safetensors: dict | None = None
+    card: dict | None = None  # README.md's YAML front matter, as the Hub parses it
 
 
 @dataclass
@@ -289,6 +292,12 @@ class HubStandIn:
         self.requests: list[tuple[str, str, dict]] = []
         self.errors: list[str] = []  # internal server errors (tracebacks), should stay empty
         self._repos: dict[str, _Repo] = {}
+        # The write side (`tests/hub_upload.py`): LFS objects by sha256, kept on disk under
+        # `storage` while the server runs; failures a test injects.
+        self.storage: Path | None = None
+        self.lfs_objects: dict[str, Path] = {}
+        self.lfs_puts_before_failure: int | None = None  # then every LFS PUT answers 507
+        self.fail_commits = False  # every commit answers 500 (nothing is committed)
         self._lock = threading.RLock()
         self._server: _Server | None = None
         self._thread: threading.Thread | None = None
@@ -327,18 +336,38 @@ class HubStandIn:
             real = disk.resolve()
             if not real.is_file() or not real.is_relative_to(root):
                 continue  # folders, and links that lead outside the repo folder
-            size, git_sha, sha256 = _hash_file(real)
-            lfs = disk.suffix.lower() in self.lfs_suffixes or size >= self.lfs_min_size
-            pointer = _lfs_pointer(sha256, size)
-            files[rel] = _File(
-                path=rel,
-                disk=real,
-                size=size,
-                blob_oid=git_blob_sha1(pointer) if lfs else git_sha,
-                sha256=sha256,
-                lfs=lfs,
-                pointer_size=len(pointer),
-            )
+            files[rel] = self._file_entry(rel, real)
+        commit = self._make_commit(files, commit_sha)
+        with self._lock:
+            repo = self._repos.get(repo_id)
+            if repo is None:
+                repo = self._repos[repo_id] = _Repo(repo_id, default_branch=revision)
+            repo.commits[commit.sha] = commit
+            repo.refs[revision] = commit.sha
+        return commit.sha
+
+    def is_lfs(self, path: str, size: int) -> bool:
+        """Whether the Hub stores a file of this name and size with git-lfs."""
+        return Path(path).suffix.lower() in self.lfs_suffixes or size >= self.lfs_min_size
+
+    def _file_entry(self, rel: str, real: Path) -> _File:
+        size, git_sha, sha256 = _hash_file(real)
+        lfs = self.is_lfs(rel, size)
+        pointer = _lfs_pointer(sha256, size)
+        return _File(
+            path=rel,
+            disk=real,
+            size=size,
+            blob_oid=git_blob_sha1(pointer) if lfs else git_sha,
+            sha256=sha256,
+            lfs=lfs,
+            pointer_size=len(pointer),
+        )
+
+    def _make_commit(
+        self, files: dict[str, _File], commit_sha: str | None = None, salt: str = ""
+    ) -> _Commit:
+        """A commit of exactly `files` (its sha derived from them and `salt` when not given)."""
         dirs: dict[str, str] = {}
         for rel in files:
             parts = rel.split("/")[:-1]
@@ -351,7 +380,7 @@ class HubStandIn:
             dirs[d] = hashlib.sha1(f"tree\0{d}\0{listing}".encode()).hexdigest()
         if commit_sha is None:
             listing = "".join(f"{p}\0{f.blob_oid}\n" for p, f in sorted(files.items()))
-            commit_sha = hashlib.sha1(f"commit\0{listing}".encode()).hexdigest()
+            commit_sha = hashlib.sha1(f"commit\0{salt}{listing}".encode()).hexdigest()
         commit_sha = commit_sha.lower()
         if not _SHA_RE.match(commit_sha):
             raise ValueError(f"commit_sha must be 40 hex digits, got {commit_sha!r}")
@@ -368,14 +397,7 @@ class HubStandIn:
                 for dtype, n in _safetensors_params(f.disk).items():
                     params[dtype] = params.get(dtype, 0) + n
         safetensors = {"parameters": params, "total": sum(params.values())} if params else None
-        commit = _Commit(commit_sha, files, dirs, config, safetensors)
-        with self._lock:
-            repo = self._repos.get(repo_id)
-            if repo is None:
-                repo = self._repos[repo_id] = _Repo(repo_id, default_branch=revision)
-            repo.commits[commit_sha] = commit
-            repo.refs[revision] = commit_sha
-        return commit_sha
+        return _Commit(commit_sha, files, dirs, config, safetensors, _card_data(files))
 
     # ------------------------------------------------------------- lifecycle
     @property
@@ -389,6 +411,7 @@ class HubStandIn:
             return
         server = _Server(("127.0.0.1", 0), _Handler)
         server.hub = self
+        self.storage = Path(tempfile.mkdtemp(prefix="hub-stand-in-"))
         thread = threading.Thread(
             target=server.serve_forever,
             kwargs={"poll_interval": 0.05},
@@ -408,6 +431,9 @@ class HubStandIn:
         server.close_connections()
         if thread is not None:
             thread.join(timeout=5)
+        if self.storage is not None:
+            shutil.rmtree(self.storage, ignore_errors=True)
+            self.storage = None
 
     def __enter__(self) -> HubStandIn:
         self.start()
@@ -578,6 +604,10 @@ class _Handler(BaseHTTPRequestHandler):
             if seg in (".", "..") or "\0" in seg or "\\" in seg or ".." in seg.split("/"):
                 raise _HttpError(400, f"Invalid path: {split.path!r}")
         hub = self.server.hub
+        from tests import hub_upload  # the write endpoints (create_repo, commits, LFS)
+
+        if hub_upload.route(self, method, segments, query, body):
+            return
         if segments[:1] == ["api"]:
             if len(segments) >= 3 and segments[1] in ("datasets", "spaces", "kernels"):
                 raise self._repo_not_found()
@@ -652,13 +682,15 @@ class _Handler(BaseHTTPRequestHandler):
             "disabled": False,
             "downloads": 0,
             "likes": 0,
-            "tags": [],
+            "tags": _card_tags(commit.card),
             "siblings": siblings,
             "spaces": [],
             "usedStorage": sum(f.size for f in commit.files.values()),
         }
         if commit.config is not None:
             data["config"] = commit.config
+        if commit.card is not None:
+            data["cardData"] = commit.card
         if commit.safetensors is not None:
             data["safetensors"] = commit.safetensors
         expand = query.get("expand", []) + query.get("expand[]", [])
@@ -792,6 +824,36 @@ class _Handler(BaseHTTPRequestHandler):
                 hub._count(key, len(chunk))
                 self.wfile.write(chunk)
                 remaining -= len(chunk)
+
+
+def _card_data(files: dict[str, _File]) -> dict | None:
+    """README.md's YAML front matter (the Hub's `cardData`), None without one."""
+    readme = files.get("README.md")
+    if readme is None:
+        return None
+    text = readme.disk.read_text(errors="replace")
+    if not text.startswith("---\n") or "\n---" not in text[4:]:
+        return None
+    import yaml
+
+    try:
+        data = yaml.safe_load(text[4 : text.index("\n---", 4)])
+    except yaml.YAMLError:
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def _card_tags(card: dict | None) -> list[str]:
+    """The tags the Hub shows for a card: its `tags`, its library and `base_model:` ones."""
+    if not card:
+        return []
+    tags = [str(t) for t in card.get("tags") or []]
+    if card.get("library_name"):
+        tags.append(str(card["library_name"]))
+    bases = card.get("base_model") or []
+    for base in [bases] if isinstance(bases, str) else bases:
+        tags.append(f"base_model:{base}")
+    return list(dict.fromkeys(tags))
 
 
 def _truthy(values: list[str] | None) -> bool:

@@ -29,7 +29,7 @@ from mtpkit.runtime.rollback.replay import CacheReplay
 from mtpkit.spec.generate import MtpDecoder, SamplingSettings, generate, load_model
 from tests.bailing_reference import bailing_mtp_logits
 from tests.checkpoints import CheckpointFactory
-from tests.injected import accepted_per_round, inject_drafts
+from tests.injected import accepted_per_round, inject_drafts, planned_per_round
 from tests.mtp_reference import load_raw
 from tests.test_mla_families import stock_convert
 
@@ -120,30 +120,37 @@ def test_greedy_mtp_equals_plain_decoding(converted, layout: str) -> None:
     assert drafted.tokens == plain.tokens and drafted.drafted > 0
 
 
+@pytest.mark.parametrize("pipeline", [False, True], ids=["serial", "pipelined"])
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_partial_acceptance_replays_the_linear_attention_states(converted, layout: str) -> None:
+def test_partial_acceptance_replays_the_linear_attention_states(
+    converted, layout: str, pipeline: bool
+) -> None:
     """Drafts right up to depth j, then wrong: every round ends with the caches as plain
     decoding leaves them (restored and replayed), so the output stays plain decoding's."""
     m = load_model(converted(layout))
     n = 24
     reference = generate(m, PROMPT, max_tokens=n, mtp=False).tokens
-    decoder = MtpDecoder(m, PROMPT, depth=3, sampling=SamplingSettings(), adaptive=False)
+    decoder = MtpDecoder(
+        m, PROMPT, depth=3, sampling=SamplingSettings(), adaptive=False, pipeline=pipeline
+    )
     vocab = m.embedding.weight.shape[0]
-    plan = [0, 3, 1, 2] * 10
+    plan = [0, 3, 1, 3, 2, 3] * 10
     rights = inject_drafts(decoder, reference, plan, vocab)
-    verify = decoder.verify
+    verify = m.verify
     replays: list[bool] = []
 
-    def verify_and_record(drafts):
-        verified = verify(drafts)
+    def verify_and_record(tokens, cache):
+        verified = verify(tokens, cache)
         replays.append(isinstance(verified.replay, CacheReplay))
         return verified
 
-    decoder.verify = verify_and_record
+    m.verify = verify_and_record
     assert list(decoder.tokens(n)) == reference
     accepted = accepted_per_round(decoder)
-    assert accepted == rights[: len(accepted)] and set(accepted) == {0, 1, 2, 3}
+    assert accepted == planned_per_round(decoder, rights) and set(accepted) == {0, 1, 2, 3}
     assert replays and all(replays)
+    if pipeline:  # queued rounds were both used (after a full round) and discarded
+        assert decoder.stats.discarded > 0 and decoder.stats.pipelined > decoder.stats.discarded
 
 
 def test_replay_restores_exactly_the_plain_caches(converted) -> None:

@@ -13,9 +13,10 @@ import mlx.core as mx
 import mlx_lm
 import pytest
 
+from mtpkit.core.prompts import encode_prompt
 from mtpkit.runtime.model import load_model
 from mtpkit.spec.decode import MtpDecoder, SamplingSettings
-from mtpkit.spec.generate import encode_prompt, generate, measure_acceptance
+from mtpkit.spec.generate import generate, measure_acceptance
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "mtpkit" / "examples" / "tiny-qwen3_5"
 
@@ -55,7 +56,7 @@ def test_example_is_a_raw_checkpoint_with_a_head(model) -> None:
 @pytest.mark.parametrize("depth", [1, 2, 3, 4])
 def test_greedy_is_token_for_token_stock_mlx_lm(model, converted: Path, depth: int) -> None:
     for text in heldout_prompts(3):
-        prompt = encode_prompt(model, text)
+        prompt = encode_prompt(model.tokenizer, text)
         reference = stock_tokens(converted, prompt, 40)
         plain = generate(model, prompt, max_tokens=40, mtp=False)
         drafted = generate(model, prompt, max_tokens=40, depth=depth, adaptive=False)
@@ -65,7 +66,7 @@ def test_greedy_is_token_for_token_stock_mlx_lm(model, converted: Path, depth: i
 
 
 def test_greedy_identity_with_adaptive_switching(model, converted: Path) -> None:
-    prompt = encode_prompt(model, heldout_prompts(1)[0])
+    prompt = encode_prompt(model.tokenizer, heldout_prompts(1)[0])
     result = generate(model, prompt, max_tokens=60, depth=2, adaptive=True)
     assert result.tokens == stock_tokens(converted, prompt, 60)
 
@@ -79,7 +80,7 @@ def test_acceptance_is_what_the_head_predicts(model) -> None:
     """Recount acceptance independently: run the backbone over the final sequence in one
     pass (no caches), then the head over every position in one pass, and compare the head's
     argmax with the token that actually followed wherever the decoder drafted."""
-    prompt = encode_prompt(model, heldout_prompts(2)[1])
+    prompt = encode_prompt(model.tokenizer, heldout_prompts(2)[1])
     decoder = MtpDecoder(model, prompt, depth=1, sampling=SamplingSettings(), adaptive=False)
     eos, model.tokenizer.eos_token_ids = model.tokenizer.eos_token_ids, []
     try:
@@ -114,7 +115,7 @@ def test_broken_conversions_collapse_acceptance(converted: Path) -> None:
 
 def test_sampling_is_reproducible_with_a_seed(model) -> None:
     """Seeded runs repeat exactly without adaptive drafting (whose switches follow timings)."""
-    prompt = encode_prompt(model, heldout_prompts(1)[0])
+    prompt = encode_prompt(model.tokenizer, heldout_prompts(1)[0])
     runs = [
         generate(
             model, prompt, max_tokens=30, temp=0.8, top_p=0.95, seed=3, depth=2, adaptive=False
@@ -128,7 +129,7 @@ def test_sampling_is_reproducible_with_a_seed(model) -> None:
 def test_chained_drafts_are_the_head_applied_to_its_own_output(model) -> None:
     """At depth 2 the second draft is the head run on its own (final-normed) output and the
     first draft, after every confirmed pair: recomputed here without any cache."""
-    prompt = encode_prompt(model, heldout_prompts(3)[2])
+    prompt = encode_prompt(model.tokenizer, heldout_prompts(3)[2])
     decoder = MtpDecoder(model, prompt, depth=2, sampling=SamplingSettings(), adaptive=False)
     eos, model.tokenizer.eos_token_ids = model.tokenizer.eos_token_ids, []
     try:
@@ -151,33 +152,62 @@ def test_chained_drafts_are_the_head_applied_to_its_own_output(model) -> None:
         assert mx.argmax(model.lm_head(norm(x2[:, -1:]))[0, -1]).item() == d2
 
 
-def test_adaptive_drafting_pauses_a_hopeless_or_losing_head() -> None:
-    from mtpkit.spec.decode import AdaptiveDrafting
+def test_adaptive_drafting_decides_from_the_yield_and_never_from_one_round() -> None:
+    from mtpkit.spec.adaptive import FIRST_ROUNDS, RETRY_ROUNDS, AdaptiveDrafting
 
-    def run(round_seconds: float, emitted: int, rounds: int, a=None) -> AdaptiveDrafting:
-        a = a or AdaptiveDrafting(enabled=True)
-        for _ in range(rounds):
-            while a.probing_plain:
+    def run(yields: list[int], cost: float = 1.6, a=None, **kw) -> AdaptiveDrafting:
+        a = a or AdaptiveDrafting(enabled=True, cost=cost, **kw)
+        for emitted in yields:
+            while not a.want_draft():
                 a.record_plain(1.0)
-            if not a.want_draft():
-                break
-            a.record_round(round_seconds, emitted, capacity=2)
+            a.record_round(emitted, 1.0)
         return a
 
-    hopeless = run(2.7, 1, rounds=10)  # a verify costs more than two plain tokens
-    assert not hopeless.want_draft() and hopeless.plain_left == 256
-    losing = run(1.5, 1, rounds=10)  # could pay off, but does not at this acceptance
-    assert not losing.want_draft() and losing.plain_left == 32
-    winning = run(1.3, 2, rounds=50)
+    # A useless head: judged after its first rounds, paused for 256 tokens (barren).
+    useless = run([1] * FIRST_ROUNDS)
+    assert not useless.want_draft() and useless.plain_left == 256
+    assert useless.plain_ahead() == 255  # the stretch's plain steps are queued one ahead
+    # Retried after the stretch, on RETRY_ROUNDS rounds of its own; still useless: 512.
+    useless = run([1] * RETRY_ROUNDS, a=useless)
+    assert useless.plain_left == 512
+    # A head that pays (1.9 tokens a round at a cost of 1.6 steps) keeps drafting; a single
+    # bad round (or a slow one: rounds are not timed here) does not switch it off.
+    winning = run([2, 2, 2, 2, 2, 2, 2, 2, 2, 1] * 5 + [1])
     assert winning.want_draft()
-    # A head that never had a draft accepted, losing narrowly (by less than a quarter per
-    # token): after its first 4 rounds it is paused like a hopeless one.
-    barren = run(1.2, 1, rounds=4)
-    assert not barren.want_draft() and barren.plain_left == 256
-    # One that had: the same rounds only count as losing, over the 6-round window.
-    fruitful = run(1.2, 2, rounds=1)
-    fruitful = run(1.2, 1, rounds=10, a=fruitful)
-    assert not fruitful.want_draft() and fruitful.plain_left == 32
+    # One that yields less than a round costs is paused for 32 tokens, doubling.
+    losing = run([2, 1, 1, 1])
+    assert not losing.want_draft() and losing.plain_left == 32
+    losing = run([1, 1, 2], a=losing)
+    assert losing.plain_left == 64
+    # Greedy runs refine the cost by the wall clock, medians of many steps: rounds that cost
+    # 3 plain steps make a 2-token yield lose, though the prior (1.6) says it pays.
+    timed = AdaptiveDrafting(enabled=True, cost=1.6, timed=True)
+    for _ in range(8):
+        timed.record_plain(1.0)
+        timed.record_plain(1.0)
+    for _ in range(8):
+        timed.record_round(2, 3.0)
+    assert timed.cost() == 3.0 and not timed.want_draft()
+
+
+def test_adaptive_decisions_are_reproducible_without_timing() -> None:
+    """A sampled run's decisions depend on the yields only: the same yields with any round
+    times give the same decisions."""
+    from mtpkit.spec.adaptive import AdaptiveDrafting
+
+    yields = [1, 2, 1, 1, 1, 3, 1, 1, 2, 1, 1, 1] * 6
+    runs = []
+    for seconds in (0.001, 5.0):
+        a = AdaptiveDrafting(enabled=True, depth=2, cost=1.9)
+        decisions = []
+        for emitted in yields:
+            while not a.want_draft():
+                decisions.append("plain")
+                a.record_plain(seconds)
+            decisions.append("draft")
+            a.record_round(emitted, seconds * 3)
+        runs.append(decisions)
+    assert runs[0] == runs[1] and "plain" in runs[0]
 
 
 def test_the_raw_checkpoint_runs_directly(converted: Path) -> None:
@@ -193,7 +223,7 @@ def test_the_raw_checkpoint_runs_directly(converted: Path) -> None:
         )
         < 0.1
     )
-    prompt = encode_prompt(raw, prompts[0])
+    prompt = encode_prompt(raw.tokenizer, prompts[0])
     assert generate(raw, prompt, max_tokens=30, depth=2, adaptive=False).tokens == stock_tokens(
         EXAMPLE, prompt, 30
     )

@@ -139,3 +139,29 @@ def test_bench_json(converted: Path) -> None:
     spec.loader.exec_module(bench_table)
     row = bench_table.table([out]).splitlines()[2]
     assert row.startswith(f"| {converted} |") and row.count("x /") == 2
+
+
+def test_bench_synthetic_acceptance(converted: Path) -> None:
+    """`--acceptance`: oracle drafts keep exactly the planned share (seeded per position),
+    the JSON says the figures are synthetic, and one stderr line says that 2 trials mean
+    little; a value outside [0, 1] is a command-line error."""
+    result = run(
+        "bench", "--model", str(converted), "--max-tokens", "24", "--depth", "2", "--trials",
+        "2", "--acceptance", "0,0.5,1", "--json",
+    )  # fmt: skip
+    assert result.exit_code == 0, result.output
+    out = json.loads(result.stdout)
+    assert out["synthetic"] and out["acceptances"] == [0.0, 0.5, 1.0]
+    assert out["reliable"] is False and "2 trial(s)" in out["unreliable_because"][0]
+    warnings = [line for line in result.stderr.splitlines() if line.startswith("warning:")]
+    assert len(warnings) == 1 and "mean little" in warnings[0]
+    runs = {(r["depth"], r["synthetic_acceptance"]): r for r in out["runs"]}
+    assert runs[(1, 0.0)]["acceptance"] == 0.0 and runs[(2, 1.0)]["acceptance"] == 1.0
+    assert 0.2 < runs[(1, 0.5)]["acceptance"] < 0.8
+    assert out["stock_token_ms"] > 0 and runs[(1, 1.0)]["step_ms"] > 0
+    assert runs[(1, 1.0)]["ceiling_pipelined"] > 0
+    # adaptive acceptance is a median of the trials like every other figure
+    adaptive = {r["synthetic_acceptance"]: r for r in out["adaptive"]}
+    assert adaptive[1.0]["acceptance"] == 1.0 and adaptive[0.0]["acceptance"] == 0.0
+    bad = run("bench", "--model", str(converted), "--acceptance", "0,2")
+    assert bad.exit_code == 2 and "--acceptance" in bad.stderr

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
+import pytest
 
 from mtpkit.runtime.model import load_model
 from mtpkit.spec.decode import MtpDecoder, SamplingSettings, rejection_sample
@@ -64,9 +65,14 @@ def test_rejection_sample_keeps_the_target_distribution() -> None:
     assert stat < CHI2_999[dof]
 
 
-def test_mtp_sampling_matches_the_backbone_distribution_end_to_end() -> None:
-    """The first two tokens sampled with depth-2 drafting follow the backbone's exact joint
-    distribution under top-k 3 (computed by enumerating the support)."""
+@pytest.mark.parametrize("depth, pipeline", [(2, False), (1, True)], ids=["depth2", "pipelined"])
+def test_mtp_sampling_matches_the_backbone_distribution_end_to_end(
+    depth: int, pipeline: bool
+) -> None:
+    """The first two tokens sampled with drafting follow the backbone's exact joint
+    distribution under top-k 3 (computed by enumerating the support). Pipelined (depth 1,
+    three tokens wanted): the second round is queued before the first verdict is read, used
+    when the first draft is kept and discarded (its draws thrown away) when it is not."""
     m = load_model(EXAMPLE)  # the raw checkpoint; mlx-lm and mtpkit both read it directly
     settings = SamplingSettings(temp=1.0, top_k=3)
     prompt = m.tokenizer.encode("Return the number of")
@@ -80,15 +86,37 @@ def test_mtp_sampling_matches_the_backbone_distribution_end_to_end() -> None:
     keys = sorted(exact)
     index = {k: i for i, k in enumerate(keys)}
     counts: Counter = Counter()
-    drafted = accepted = 0
+    drafted = accepted = pipelined = discarded = 0
     n = 500
     for seed in range(n):
         mx.random.seed(seed)
-        decoder = MtpDecoder(m, prompt, depth=2, sampling=settings, adaptive=False)
-        pair = tuple(decoder.tokens(2))
+        decoder = MtpDecoder(
+            m, prompt, depth=depth, sampling=settings, adaptive=False, pipeline=pipeline
+        )
+        pair = tuple(decoder.tokens(3 if pipeline else 2))[:2]
+        pipelined += decoder.stats.pipelined
+        discarded += decoder.stats.discarded
         counts[index.get(pair, -1)] += 1
         drafted += decoder.stats.drafted
         accepted += decoder.stats.accepted
     assert 0 < accepted < drafted  # both the accept and the resample paths ran
+    if pipeline:  # queued rounds were both used and discarded
+        assert 0 < discarded < pipelined
     stat, dof = chi_square(counts, {index[k]: v for k, v in exact.items()}, n)
     assert stat < CHI2_999[dof]
+
+
+def test_seed_reproduces_a_sampled_text_with_adaptive_drafting() -> None:
+    """Adaptive drafting decides from counts, never the wall clock or a random draw: the same
+    seed gives the same sampled text, however long each step took."""
+    from mtpkit.spec.generate import stream_tokens
+
+    m = load_model(EXAMPLE)
+    prompt = m.tokenizer.encode("Return the number of")
+    settings = SamplingSettings(temp=0.8)
+    texts = []
+    for _ in range(2):
+        tokens, stats = stream_tokens(m, prompt, max_tokens=48, sampling=settings, seed=7)
+        texts.append(list(tokens))
+        assert stats().rounds > 0
+    assert texts[0] == texts[1]

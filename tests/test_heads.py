@@ -18,7 +18,7 @@ from mtpkit.convert.pipeline import convert
 from mtpkit.runtime.headload import EMBEDDING_FIRST, HIDDEN_FIRST, build_head, supported_families
 from mtpkit.spec.generate import MtpDecoder, SamplingSettings, generate, load_model
 from tests.checkpoints import MLX_LAYOUTS, RAW_WITH_MTP, build_checkpoint, dtype_for
-from tests.injected import accepted_per_round, inject_drafts
+from tests.injected import accepted_per_round, inject_drafts, planned_per_round
 
 PROMPT = list(range(5, 21))
 
@@ -76,25 +76,38 @@ def test_build_head_rejects_unknown_family() -> None:
         build_head({"model_type": "gpt2"})
 
 
+@pytest.mark.parametrize("pipeline", [False, True], ids=["serial", "pipelined"])
 @pytest.mark.parametrize(
     "layout", ["qwen3_5", "qwen3_next", "exaone_moe", "mimo_v2_flash", "step3p5", "nemotron_h"]
 )
-def test_injected_drafts_partial_acceptance_keeps_caches_exact(tmp_path: Path, layout: str) -> None:
+def test_injected_drafts_partial_acceptance_keeps_caches_exact(
+    tmp_path: Path, layout: str, pipeline: bool
+) -> None:
     """Drafts right up to depth j (then wrong) for every j in 0..4: the output must stay the
-    backbone's, and exactly j drafts must be accepted each round."""
+    backbone's, and exactly j drafts must be accepted each round. Pipelined: every round
+    queues the next before its verdict is read, so each partial round discards a queued one
+    (gated-delta-net states, sliding windows (exaone, mimo_v2_flash, step3p5: window 8),
+    Mamba states, KV caches all taken back across the round boundary)."""
     path = converted_dir(tmp_path, layout)
     m = load_model(path)
     n = 40
     reference = stock_tokens(path, PROMPT, n)
     assert len(reference) == n
-    decoder = MtpDecoder(m, PROMPT, depth=4, sampling=SamplingSettings(), adaptive=False)
+    decoder = MtpDecoder(
+        m, PROMPT, depth=4, sampling=SamplingSettings(), adaptive=False, pipeline=pipeline
+    )
     vocab = m.embedding.weight.shape[0]
-    plan = [0, 4, 1, 3, 2, 4, 0, 2, 1, 3] * 10
+    plan = [0, 4, 1, 3, 2, 4, 4, 0, 2, 1, 3] * 10
     rights = inject_drafts(decoder, reference, plan, vocab)
     assert list(decoder.tokens(n)) == reference
     accepted = accepted_per_round(decoder)
-    assert accepted == rights[: len(accepted)]
+    assert accepted == planned_per_round(decoder, rights)
     assert set(accepted) == {0, 1, 2, 3, 4}
+    if pipeline:  # queued rounds were both used (after a full round) and discarded
+        used = decoder.stats.pipelined - decoder.stats.discarded
+        assert decoder.stats.discarded > 0 and used > 0
+    else:
+        assert decoder.stats.pipelined == 0
 
 
 def test_vllm_mlx_qwen3_next_head_file_beside_the_shards(tmp_path: Path) -> None:
@@ -106,6 +119,7 @@ def test_vllm_mlx_qwen3_next_head_file_beside_the_shards(tmp_path: Path) -> None
     for f in (path / "mtp").iterdir():
         f.unlink()
     (path / "mtp").rmdir()
+    (path / "mtp.safetensors").unlink()  # mtpkit's copy for the other runtimes: not vllm-mlx's
     with pytest.raises(ValueError, match="mtp"):
         mlx_lm.load(str(path))
     m = load_model(path)

@@ -218,11 +218,19 @@ def test_the_kernels_arithmetic_is_mlx_quantized_matmul(rows: int, n: int, k: in
 
 
 def test_rows_and_shapes_the_kernel_takes() -> None:
+    qmv.set_min_weights(0)  # as MTPKIT_QMV=1 sets it (a CUDA load before may have set it)
     assert qmv.rows_of((1, 3, 1024)) == 3 and qmv.rows_of((2, 2, 64)) == 4
     assert qmv.rows_of((1024,)) == 1
     assert [qmv.takes_kernel(r, 1024, 1024) for r in range(1, 8)] == [False] + [True] * 4 + [
         False
     ] * 2
+    # The measured rule (the default on CUDA): only very wide matrices, the lm_head.
+    qmv.set_min_weights(qmv.WIDE_WEIGHTS)
+    try:
+        assert qmv.takes_kernel(3, 248320, 1024) and not qmv.takes_kernel(3, 3584, 1024)
+        assert not qmv.takes_kernel(1, 248320, 1024)
+    finally:
+        qmv.set_min_weights(0)
     assert not qmv.kernel_shape_ok(bits=8, group_size=64, mode="affine", n=64, k=1024, biased=True)
     assert not qmv.kernel_shape_ok(bits=4, group_size=32, mode="mxfp4", n=64, k=1024, biased=False)
     assert not qmv.kernel_shape_ok(bits=4, group_size=64, mode="affine", n=64, k=96, biased=True)

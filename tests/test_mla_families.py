@@ -29,7 +29,7 @@ from mtpkit.convert.pipeline import convert
 from mtpkit.families import family_for
 from mtpkit.spec.generate import MtpDecoder, SamplingSettings, generate, load_model
 from tests.checkpoints import CheckpointFactory
-from tests.injected import accepted_per_round, inject_drafts
+from tests.injected import accepted_per_round, inject_drafts, planned_per_round
 from tests.mtp_reference import load_raw, longcat_logits, nextn_logits
 
 LAYOUTS = ("glm4_moe_lite", "deepseek_v32", "glm_moe_dsa", "longcat_flash")
@@ -147,12 +147,12 @@ def test_partial_acceptance_keeps_the_caches_exact(converted, layout: str) -> No
     n = 24
     reference = generate(m, PROMPT, max_tokens=n, mtp=False).tokens
     decoder = MtpDecoder(m, PROMPT, depth=3, sampling=SamplingSettings(), adaptive=False)
-    vocab = m.inner.embed_tokens.weight.shape[0]
+    vocab = m.embedding.weight.shape[0]
     plan = [0, 3, 1, 2] * 10
     rights = inject_drafts(decoder, reference, plan, vocab)
     assert list(decoder.tokens(n)) == reference
     accepted = accepted_per_round(decoder)
-    assert accepted == rights[: len(accepted)] and set(accepted) == {0, 1, 2, 3}
+    assert accepted == planned_per_round(decoder, rights) and set(accepted) == {0, 1, 2, 3}
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)

@@ -11,8 +11,9 @@ import pytest
 from mlx.utils import tree_flatten
 
 from mtpkit.core.errors import MtpkitError
+from mtpkit.core.prompts import encode_prompt
 from mtpkit.runtime.model import load_backbone, load_model
-from mtpkit.spec.generate import encode_prompt, generate
+from mtpkit.spec.generate import generate
 from tests import hub_server
 from tests.hub_server import HubStandIn
 
@@ -51,7 +52,7 @@ def test_verify_rolls_back_to_any_prefix(converted: Path, kept: int) -> None:
     gated-delta-net states restored), the next token's logits are stock mlx-lm's over the
     whole sequence without any cache."""
     m = load_model(converted)
-    prompt = encode_prompt(m, PROMPT)
+    prompt = encode_prompt(m.tokenizer, PROMPT)
     cache = m.make_cache()
     m.forward(mx.array(prompt[:-1])[None], cache)
     verify = [prompt[-1], 11, 42]

@@ -26,7 +26,7 @@ from mtpkit.core.errors import MtpkitError
 from mtpkit.spec.generate import generate, load_model, measure_acceptance
 from mtpkit.train.data import ChunkStream, DataSpec, file_documents
 from mtpkit.train.loop import TrainSettings, train_head
-from tests.checkpoints import write_tokenizer
+from tests.checkpoints import build_dense_model
 from tests.conftest import EXAMPLE
 
 runner = CliRunner()
@@ -73,29 +73,7 @@ def retrained(headless: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple
 @pytest.fixture(scope="module")
 def llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny Llama with random weights, written by stock mlx-lm, no MTP head."""
-    from mlx_lm.models import llama
-    from mlx_lm.utils import save_config, save_model
-
-    path = tmp_path_factory.mktemp("llama") / "tiny-llama"
-    config = {
-        "model_type": "llama",
-        "hidden_size": 64,
-        "num_hidden_layers": 2,
-        "intermediate_size": 128,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "rms_norm_eps": 1e-5,
-        "vocab_size": 512,
-        "tie_word_embeddings": False,
-        "max_position_embeddings": 2048,
-        "eos_token_id": 2,
-    }
-    mx.random.seed(3)
-    model = llama.Model(llama.ModelArgs.from_dict(config))
-    save_model(path, model)
-    save_config(config, path / "config.json")
-    write_tokenizer(path, vocab_size=512)
-    return path
+    return build_dense_model(tmp_path_factory.mktemp("llama") / "tiny-llama", "llama")
 
 
 def test_retrained_example_gets_most_of_the_shipped_acceptance(converted, retrained) -> None:

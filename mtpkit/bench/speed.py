@@ -19,16 +19,24 @@ speedup is a ratio to stock decoding within the same trial.
 
 from __future__ import annotations
 
-import statistics
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
 import mlx.nn as nn
 
+from mtpkit.bench.oracle import OracleDrafts
+from mtpkit.bench.report import (
+    BenchResult,
+    BenchRun,
+    Costs,
+    Figure,
+    expected_tokens,
+    print_bench,  # noqa: F401  (the CLI imports it from here)
+)
 from mtpkit.core.errors import MtpkitError
 from mtpkit.runtime.model import (
     MtpModel,
@@ -39,117 +47,16 @@ from mtpkit.runtime.model import (
     untapped,
 )
 from mtpkit.runtime.upcast import upcast_experts
-from mtpkit.spec.decode import MtpDecoder, SamplingSettings
+from mtpkit.spec.decode import DraftFilter, MtpDecoder, SamplingSettings
 from mtpkit.spec.generate import check_prompt, encode_prompt
+
+if TYPE_CHECKING:
+    from mtpkit.bench.draft import DraftModelBench
 
 DEFAULT_PROMPT = (
     "Write a short explanation of how a hash table works, with an example of inserting "
     "and looking up keys, and the cost of each operation."
 )
-
-
-@dataclass
-class Figure:
-    """Repeated measurements of one quantity: the median and the range."""
-
-    values: list[float] = field(default_factory=list)
-
-    @property
-    def median(self) -> float:
-        return statistics.median(self.values) if self.values else 0.0
-
-    @property
-    def range(self) -> list[float]:
-        return [min(self.values), max(self.values)] if self.values else [0.0, 0.0]
-
-    def __str__(self) -> str:
-        low, high = self.range
-        return f"{self.median:.3g} [{low:.3g}-{high:.3g}]"
-
-
-@dataclass
-class BenchRun:
-    depth: int
-    adaptive: bool
-    acceptance: float | None
-    acceptance_by_depth: list[float | None]
-    decode_tps: Figure
-    speedup: Figure  # decode tok/s over stock's in the same trial
-    ceiling: float | None
-    plain_steps: int = 0
-    rounds: int = 0
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "depth": self.depth,
-            "adaptive": self.adaptive,
-            "acceptance": self.acceptance,
-            "acceptance_by_depth": self.acceptance_by_depth,
-            "decode_tps": self.decode_tps.median,
-            "decode_tps_range": self.decode_tps.range,
-            "speedup": self.speedup.median,
-            "speedup_range": self.speedup.range,
-            "ceiling": self.ceiling,
-            "realized_over_ceiling": (self.speedup.median / self.ceiling)
-            if self.ceiling
-            else None,
-            "rounds": self.rounds,
-            "plain_steps": self.plain_steps,
-        }
-
-
-@dataclass
-class Costs:
-    """Per repeat, interleaved: a 1-token forward's seconds, the (K+1)-token verify over it,
-    and a head step over it."""
-
-    one: Figure = field(default_factory=Figure)
-    verify: dict[int, Figure] = field(default_factory=dict)
-    delta: Figure = field(default_factory=Figure)
-
-
-@dataclass
-class BenchResult:
-    model: str
-    plain_tps: Figure
-    no_mtp_tps: Figure
-    costs: Costs
-    runs: list[BenchRun]
-    prompt_tokens: int
-    max_tokens: int
-    trials: int
-    no_mtp_speedup: Figure = field(default_factory=Figure)
-    dtype: str | None = None
-    moe_dtype: str | None = None  # what the experts ran in (bf16 experts run in float32 on CPU)
-
-    @property
-    def beta(self) -> Figure:
-        return self.costs.verify[1]
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "model": self.model,
-            "device": str(mx.default_device()),
-            "mlx": mx.__version__,
-            "dtype": self.dtype,
-            "moe_dtype": self.moe_dtype,
-            "prompt_tokens": self.prompt_tokens,
-            "max_tokens": self.max_tokens,
-            "trials": self.trials,
-            "plain_tps": self.plain_tps.median,
-            "plain_tps_range": self.plain_tps.range,
-            "no_mtp_tps": self.no_mtp_tps.median,
-            "no_mtp_tps_range": self.no_mtp_tps.range,
-            "no_mtp_speedup": self.no_mtp_speedup.median,
-            "forward_seconds": self.costs.one.median,
-            "beta": self.beta.median,
-            "beta_range": self.beta.range,
-            "delta": self.costs.delta.median,
-            "delta_range": self.costs.delta.range,
-            "verify_costs": {str(k + 1): v.median for k, v in self.costs.verify.items()},
-            "runs": [r.to_json() for r in self.runs if not r.adaptive],
-            "adaptive": [r.to_json() for r in self.runs if r.adaptive],
-        }
 
 
 class _ForwardTimer:
@@ -241,12 +148,32 @@ def _stock_run(model: nn.Module, tokenizer: Any, prompt: list[int], max_tokens: 
     return float(last.generation_tps) if last is not None else 0.0
 
 
+def _stock_tokens(model: nn.Module, tokenizer: Any, prompt: list[int], n: int) -> list[int]:
+    """Stock mlx-lm's greedy continuation: what oracle drafts take as the backbone's tokens."""
+    import mlx_lm
+
+    return [
+        r.token for r in mlx_lm.stream_generate(model, tokenizer, mx.array(prompt), max_tokens=n)
+    ]
+
+
 def _mtp_run(
-    m: MtpModel, prompt: list[int], depth: int, max_tokens: int, adaptive: bool = False
-) -> tuple[float, MtpDecoder]:
+    m: MtpModel,
+    prompt: list[int],
+    depth: int,
+    max_tokens: int,
+    adaptive: bool = False,
+    draft_filter: DraftFilter | None = None,
+) -> tuple[float, float, MtpDecoder]:
     """Decode tok/s over rounds 2..end (the first round's tokens arrive with the prompt's
-    cost, as the first token does in mlx-lm's figure), and the decoder with its stats."""
-    decoder = MtpDecoder(m, prompt, depth=depth, sampling=SamplingSettings(), adaptive=adaptive)
+    cost, as the first token does in mlx-lm's figure), seconds per step (round or plain) over
+    the same span, and the decoder with its stats."""
+    decoder = MtpDecoder(
+        m, prompt, depth=depth, sampling=SamplingSettings(), adaptive=adaptive,
+        draft_filter=draft_filter,
+    )  # fmt: skip
+    if isinstance(draft_filter, OracleDrafts):
+        decoder.read_round_verdict = draft_filter.read_verdict(decoder)
     n = first_round = 0
     t0 = None
     for _ in decoder.tokens(max_tokens):
@@ -258,19 +185,16 @@ def _mtp_run(
             first_round += 1
     elapsed = time.perf_counter() - (t0 or time.perf_counter())
     tps = (n - first_round) / elapsed if n > first_round and elapsed > 0 else 0.0
-    return tps, decoder
+    steps = decoder.stats.rounds + decoder.stats.plain_steps - first_steps if t0 else 0
+    return tps, (elapsed / steps if steps > 0 else 0.0), decoder
 
 
 def ceiling(
     acceptance_by_depth: list[float | None], verify_cost: float, delta: float
 ) -> float | None:
-    expected = 1.0
-    running = 1.0
-    for a in acceptance_by_depth:
-        running *= a or 0.0
-        expected += running
+    """E_K / (beta_K + K delta): against a synchronous 1-token forward (a diagnostic)."""
     cost = verify_cost + len(acceptance_by_depth) * delta
-    return expected / cost if cost > 0 else None
+    return expected_tokens(acceptance_by_depth) / cost if cost > 0 else None
 
 
 def bench(
@@ -282,12 +206,19 @@ def bench(
     chat_template: bool = True,
     repeats: int = 20,
     trials: int = 5,
+    acceptances: list[float] | None = None,
+    seed: int = 0,
+    draft: DraftModelBench | None = None,
     progress: Callable[[str], None] | None = None,
 ) -> BenchResult:
     """Measure plain decoding against MTP decoding at depths 1..max_depth; `progress` gets a
-    line per stage and per measured run."""
+    line per stage and per measured run. `acceptances`: instead of the head's own drafts,
+    oracle drafts right with each of these probabilities (`mtpkit.bench.oracle`; synthetic).
+    `draft`: also stock mlx-lm with a separate draft model (`mtpkit.bench.draft`)."""
     if trials < 1 or max_tokens < 1:
         raise MtpkitError(f"trials and max_tokens must be at least 1, not {trials}, {max_tokens}")
+    if acceptances is not None and not all(0.0 <= a <= 1.0 for a in acceptances):
+        raise MtpkitError(f"--acceptance takes values in [0, 1], not {acceptances}")
     say = progress or (lambda s: None)
     m = load_model(model)
     if m.head is None:
@@ -299,14 +230,37 @@ def bench(
         check_prompt(m, tokens)
         say("forward and head costs")
         costs = measure_costs(m, tokens, max_depth=max_depth, repeats=repeats)
-        return _trials(m, str(model), tokens, costs, max_tokens, max_depth, trials, say)
+        plan = Plan(max_tokens, max_depth, trials, acceptances, seed)
+        return _trials(m, str(model), tokens, costs, plan, say, draft)
     finally:
         m.tokenizer.eos_token_ids = eos
 
 
-def _configs(max_depth: int) -> list[tuple[int, bool]]:
-    """(depth, adaptive) of the MTP runs each trial makes after stock and --no-mtp."""
-    return [(d, False) for d in range(1, max_depth + 1)] + [(1, True)]
+# (depth, adaptive, oracle acceptance or None): one MTP run of each trial.
+Config = tuple[int, bool, float | None]
+
+
+@dataclass
+class Plan:
+    max_tokens: int
+    max_depth: int
+    trials: int
+    acceptances: list[float] | None
+    seed: int
+
+    def configs(self) -> list[Config]:
+        """The MTP runs each trial makes after stock and --no-mtp: depths 1..K and adaptive
+        (depth 1), with the head's drafts or at each oracle acceptance."""
+        out: list[Config] = []
+        for a in self.acceptances if self.acceptances is not None else [None]:
+            out += [(d, False, a) for d in range(1, self.max_depth + 1)] + [(1, True, a)]
+        return out
+
+
+def _name(config: Config) -> str:
+    depth, adaptive, oracle = config
+    name = f"MTP depth {depth}" + (" adaptive" if adaptive else "")
+    return name if oracle is None else f"{name} at oracle acceptance {oracle:g}"
 
 
 def _trials(
@@ -314,10 +268,9 @@ def _trials(
     model: str,
     tokens: list[int],
     costs: Costs,
-    max_tokens: int,
-    max_depth: int,
-    trials: int,
+    plan: Plan,
     say: Callable[[str], None],
+    draft: DraftModelBench | None = None,
 ) -> BenchResult:
     import mlx_lm
 
@@ -330,87 +283,59 @@ def _trials(
     stock_tokenizer.eos_token_ids = []  # every run decodes exactly max_tokens tokens
     _stock_run(stock_model, stock_tokenizer, tokens, 8)  # warm up
     _mtp_run(m, tokens, 1, 8)
+    if draft is not None:
+        draft.check_target(stock_model, stock_tokenizer)
+        draft.run(stock_model, stock_tokenizer, tokens, 8)  # warm up
+    filters: dict[float | None, DraftFilter | None] = {None: None}
+    if plan.acceptances is not None:
+        reference = _stock_tokens(stock_model, stock_tokenizer, tokens, plan.max_tokens + 8)
+        vocab = int(m.embedding.weight.shape[0])
+        for a in plan.acceptances:
+            filters[a] = OracleDrafts(reference, len(tokens), a, vocab, plan.seed)
     plain, no_mtp, no_mtp_speedup = Figure(), Figure(), Figure()
-    tps = {c: Figure() for c in _configs(max_depth)}
-    speedup = {c: Figure() for c in _configs(max_depth)}
-    last: dict[tuple[int, bool], MtpDecoder] = {}
-    for trial in range(trials):
-        at = f"trial {trial + 1}/{trials}:"
-        base = _stock_run(stock_model, stock_tokenizer, tokens, max_tokens)
+    runs = {
+        c: BenchRun(c[0], c[1], [], [], Figure(), Figure(), Figure(), oracle=c[2])
+        for c in plan.configs()
+    }
+    for trial in range(plan.trials):
+        at = f"trial {trial + 1}/{plan.trials}:"
+        base = _stock_run(stock_model, stock_tokenizer, tokens, plan.max_tokens)
         say(f"{at} stock mlx-lm {base:.1f} tok/s")
         plain.values.append(base)
         with untapped(m.final_norm):
-            no_mtp.values.append(_stock_run(m.model, m.tokenizer, tokens, max_tokens))
+            no_mtp.values.append(_stock_run(m.model, m.tokenizer, tokens, plan.max_tokens))
         say(f"{at} mtpkit --no-mtp {no_mtp.values[-1]:.1f} tok/s")
         no_mtp_speedup.values.append(no_mtp.values[-1] / base if base else 0.0)
-        for config in _configs(max_depth):
-            rate, last[config] = _mtp_run(m, tokens, config[0], max_tokens, adaptive=config[1])
-            tps[config].values.append(rate)
-            speedup[config].values.append(rate / base if base else 0.0)
-            acceptance = last[config].stats.acceptance
-            accepted = "n/a" if acceptance is None else f"{acceptance:.1%}"
-            name = f"MTP depth {config[0]}" + (" adaptive" if config[1] else "")
-            say(f"{at} {name} {rate:.1f} tok/s, acceptance {accepted}")
-    del stock_model
-    runs = []
-    for depth, adaptive in _configs(max_depth):
-        stats = last[(depth, adaptive)].stats
-        by_depth = stats.acceptance_by_depth(depth)
-        runs.append(
-            BenchRun(
-                depth=depth,
-                adaptive=adaptive,
-                acceptance=stats.acceptance,
-                acceptance_by_depth=by_depth,
-                decode_tps=tps[(depth, adaptive)],
-                speedup=speedup[(depth, adaptive)],
-                ceiling=None
-                if adaptive
-                else ceiling(by_depth, costs.verify[depth].median, costs.delta.median),
-                plain_steps=stats.plain_steps,
-                rounds=stats.rounds,
+        if draft is not None and not draft.result.unavailable:
+            rate = draft.run(stock_model, stock_tokenizer, tokens, plan.max_tokens, base)
+            say(f"{at} draft model {rate:.1f} tok/s, {draft.result.acceptance:.1%} from the draft")
+        for config, run in runs.items():
+            depth, adaptive, oracle = config
+            rate, step, decoder = _mtp_run(
+                m, tokens, depth, plan.max_tokens, adaptive, filters[oracle]
             )
-        )
+            _record(run, decoder, rate, base, step)
+            accepted = run.acceptances[-1]
+            shown = "n/a" if accepted is None else f"{accepted:.1%}"
+            say(f"{at} {_name(config)} {rate:.1f} tok/s, acceptance {shown}")
+    del stock_model
+    for run in runs.values():
+        if not run.adaptive:
+            verify = costs.verify[run.depth].median
+            run.ceiling_sync = ceiling(run.acceptance_by_depth, verify, costs.delta.median)
     return BenchResult(
-        model, plain, no_mtp, costs, runs, len(tokens), max_tokens, trials, no_mtp_speedup,
-        moe_dtype=m.moe_dtype,
+        model, plain, no_mtp, costs, list(runs.values()), len(tokens), plan.max_tokens,
+        plan.trials, no_mtp_speedup, moe_dtype=m.moe_dtype, acceptances=plan.acceptances,
+        draft_model=draft.result if draft is not None else None,
     )  # fmt: skip
 
 
-def print_bench(result: BenchResult) -> None:
-    """The table people read (stdout)."""
-    from rich.table import Table
-
-    from mtpkit.core.console import stdout
-
-    costs = result.costs
-    stdout.print(
-        f"[bold]{result.model}[/bold] on {mx.default_device()}: prompt {result.prompt_tokens} "
-        f"tokens, {result.max_tokens} generated per run, median \\[min-max] of "
-        f"{result.trials} interleaved trials"
-        + (f", experts in {result.moe_dtype}" if result.moe_dtype else "")
-    )
-    verify = ", ".join(f"{k + 1} tokens {v}" for k, v in sorted(costs.verify.items()))
-    stdout.print(
-        f"1-token forward {costs.one.median * 1e3:.2f} ms; beta {result.beta}, delta "
-        f"{costs.delta}, beta+delta {result.beta.median + costs.delta.median:.3f} "
-        f"(verify over a 1-token forward: {verify})"
-    )
-    table = Table(title_justify="left")
-    for col in ("decoding", "tok/s", "vs stock", "acceptance", "by depth", "ceiling", "of ceiling"):
-        table.add_column(col, justify="left" if col in ("decoding", "by depth") else "right")
-    table.add_row("stock mlx-lm", str(result.plain_tps), "1", "", "", "", "")
-    table.add_row("--no-mtp", str(result.no_mtp_tps), str(result.no_mtp_speedup), *[""] * 4)
-    for r in result.runs:
-        by_depth = " ".join("-" if a is None else f"{a:.0%}" for a in r.acceptance_by_depth)
-        name = f"depth {r.depth}" + (", adaptive" if r.adaptive else "")
-        table.add_row(
-            name,
-            str(r.decode_tps),
-            str(r.speedup),
-            "-" if r.acceptance is None else f"{r.acceptance:.1%}",
-            by_depth,
-            "-" if r.ceiling is None else f"{r.ceiling:.2f}",
-            "-" if not r.ceiling else f"{r.speedup.median / r.ceiling:.0%}",
-        )
-    stdout.print(table)
+def _record(run: BenchRun, decoder: MtpDecoder, rate: float, base: float, step: float) -> None:
+    stats = decoder.stats
+    run.decode_tps.values.append(rate)
+    run.speedup.values.append(rate / base if base else 0.0)
+    run.step_seconds.values.append(step)
+    run.acceptances.append(stats.acceptance)
+    run.by_depth.append(stats.acceptance_by_depth(run.depth))
+    run.rounds.append(stats.rounds)
+    run.plain_steps.append(stats.plain_steps)

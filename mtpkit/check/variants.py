@@ -14,12 +14,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from mtpkit.core.choices import CONCAT_ORDERS, DEFAULT_HIDDEN, HIDDEN_VARIANTS
+
 PASS, WARN, FAIL = "pass", "warn", "fail"
 
-HIDDEN_VARIANTS = ("post_norm", "pre_norm")
-CONCAT_ORDERS = ("embedding_first", "hidden_first")
-# What the runtime feeds the head when a checkpoint records nothing (vLLM/transformers default).
-DEFAULT_HIDDEN = "post_norm"
 
 DEFAULT_MIN_ACCEPTANCE = 0.2
 DEFAULT_MAX_TOKENS = 48
@@ -38,7 +36,7 @@ class CheckResult:
     status: str
     detail: str
 
-    def as_dict(self) -> dict[str, str]:
+    def to_json(self) -> dict[str, str]:
         return {"name": self.name, "status": self.status, "detail": self.detail}
 
 

@@ -33,13 +33,9 @@ from mtpkit.check.probes import (
     shipped_variant,
 )
 from mtpkit.checkpoint.inspect import UNREADABLE, Checkpoint, read_checkpoint, unread_mtp_shards
-from mtpkit.checkpoint.validate import (
-    HEAD_NOT_FINITE,
-    INVALID_CONFIG,
-    LAYER_COUNT_MISMATCH,
-    nonfinite_tensors,
-)
+from mtpkit.checkpoint.validate import HEAD_NOT_FINITE, LAYER_COUNT_MISMATCH, nonfinite_tensors
 from mtpkit.convert.destination import local_source_dir, refuse_inside
+from mtpkit.core.config import INVALID_CONFIG
 from mtpkit.core.errors import MtpkitError, one_line
 from mtpkit.core.manifest import MANIFEST_FORMAT
 from mtpkit.core.prompts import BUILTIN_PROMPTS, RESERVE_PROMPTS, read_prompts
@@ -412,7 +408,7 @@ def _check(
         "source": ckpt.source.spec,
         "revision": ckpt.source.revision,
         "verdict": FAIL if any(c.status == FAIL for c in checks) else PASS,
-        "checks": [c.as_dict() for c in checks],
+        "checks": [c.to_json() for c in checks],
         "acceptance": round(diagnosis.acceptance, 4) if diagnosis else None,
         "best_variant": best_variant(diagnosis.best) if diagnosis else None,
         "moe_dtype": moe_dtype,

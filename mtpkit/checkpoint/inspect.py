@@ -61,6 +61,8 @@ class Checkpoint:
     tensors: dict[str, TensorInfo] = field(default_factory=dict)
     headers: dict[str, ShardHeader] = field(default_factory=dict)
     problems: list[dict[str, str]] = field(default_factory=list)
+    # Copies of the head for other runtimes, named by the manifest (not read as a head).
+    peer_files: list[str] = field(default_factory=list)
 
     def problem(self, code: str, message: str) -> None:
         self.problems.append({"code": code, "message": message})
@@ -85,7 +87,8 @@ def read_checkpoint(spec: str, *, revision: str | None = None) -> Checkpoint:
     config = source.read_json("config.json")
     if not isinstance(config, dict):
         raise NotACheckpoint(f"config.json in {source.describe()} is not a JSON object")
-    family = family_for(config)
+    drafter = drafter_base_type(config)
+    family = family_for({**config, "model_type": drafter} if drafter else config)
     manifest = source.read_json(MANIFEST_PATH) if source.has(MANIFEST_PATH) else None
     index = source.read_json(INDEX_PATH) if source.has(INDEX_PATH) else None
 
@@ -97,12 +100,24 @@ def read_checkpoint(spec: str, *, revision: str | None = None) -> Checkpoint:
     else:
         weight_map = {}
         shards = sorted(n for n in source.files if "/" not in n and n.endswith(".safetensors"))
-    sidecars = [n for n in SIDECAR_WEIGHTS if source.has(n) and n not in shards]
+    # Files an mtpkit manifest names as copies of its head for other runtimes
+    # (`mtpkit.core.peers`): the same tensors again, not a second head.
+    peer_files = sorted(
+        n
+        for n in ((manifest or {}).get("peer_files") or {} if isinstance(manifest, dict) else {})
+        if isinstance(n, str) and source.has(n) and n not in shards
+    )
+    sidecars = [
+        n for n in SIDECAR_WEIGHTS if source.has(n) and n not in shards and n not in peer_files
+    ]
     if not shards and not sidecars:
         raise NotACheckpoint(f"{source.describe()} has config.json but no safetensors weights")
 
+    if drafter:  # every tensor of a standalone drafter is the head's
+        shards, sidecars = [], shards + sidecars
     ckpt = Checkpoint(source, config, family, "hf", manifest, index, shards, sidecars)
     copies: dict[str, list[str]] = {}  # tensors more than one shard holds
+    ckpt.peer_files = peer_files
     for p in config_problems(config, family.mtp_field()):
         ckpt.problem(p.code, p.message)
     for shard in shards + sidecars:
@@ -148,7 +163,7 @@ def read_checkpoint(spec: str, *, revision: str | None = None) -> Checkpoint:
                     "total_size_mismatch",
                     f"index metadata.total_size is {declared} but the shards hold {actual} tensor bytes",
                 )
-    ckpt.format = _format(ckpt)
+    ckpt.format = MLX_VLM_DRAFTER if drafter else _format(ckpt)
     if not isinstance(config.get("model_type"), str):
         ckpt.problem(
             "missing_model_type",
@@ -156,7 +171,8 @@ def read_checkpoint(spec: str, *, revision: str | None = None) -> Checkpoint:
             f'transformers pick the model class by it): add "model_type": '
             f'"{family.name}" or convert from the original repo',
         )
-    _check_mtp(ckpt)
+    if not drafter:  # a drafter's head is mlx-vlm's module tree, not the family's names
+        _check_mtp(ckpt)
     return ckpt
 
 
@@ -178,6 +194,22 @@ def _follow_index(ckpt: Checkpoint, copies: dict[str, list[str]], weight_map: di
         f"{name} is stored in {' and '.join(holders)}{more}; {rule}: remove the extra "
         "copies (or download the checkpoint again)",
     )
+
+
+# The `format` of a standalone mlx-vlm MTP drafter (`python -m mlx_vlm.split_mtp`, or a
+# published "-drafter" repo): config model_type `<base>_mtp`, the base model's text_config,
+# and the head alone under mlx-vlm's names (`fc.weight`, `layers.0...`).
+MLX_VLM_DRAFTER = "mlx-vlm-drafter"
+DRAFTER_TYPES = {"qwen3_5_mtp"}
+
+
+def drafter_base_type(config: dict[str, Any]) -> str | None:
+    """The base model_type of a standalone mlx-vlm drafter's config, None for any other."""
+    text = config.get("text_config")
+    if config.get("model_type") not in DRAFTER_TYPES or not isinstance(text, dict):
+        return None
+    base = text.get("model_type")
+    return base if isinstance(base, str) else None
 
 
 def _format(ckpt: Checkpoint) -> str:
@@ -252,6 +284,7 @@ def mtp_norm_convention(ckpt: Checkpoint) -> str:
 
 def report(ckpt: Checkpoint) -> dict[str, Any]:
     """The JSON object `inspect --json` prints (keys documented in README.md)."""
+    from mtpkit.checkpoint.runtimes import head_layout, runtimes
     mtp = sorted(ckpt.mtp_tensors, key=lambda t: t.name)
     tensors = []
     for t in mtp:
@@ -285,6 +318,8 @@ def report(ckpt: Checkpoint) -> dict[str, Any]:
             "bytes_needed": total - duplicates,
             "shards": sorted({t.shard for t in mtp}),
             "expert_layout": expert_layout(head_names),
+            "layout": head_layout(ckpt),
+            "peer_files": ckpt.peer_files,
             "norm_convention": mtp_norm_convention(ckpt),
             "concat_order": (ckpt.manifest or {}).get("concat_order", ckpt.family.concat_order),
             "hidden": (ckpt.manifest or {}).get("hidden"),
@@ -293,6 +328,7 @@ def report(ckpt: Checkpoint) -> dict[str, Any]:
             "tensors": tensors,
         },
         "problems": ckpt.problems,
+        "runtimes": runtimes(ckpt),
     }
 
 

@@ -21,10 +21,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from mtpkit.core.errors import MtpkitError
+from mtpkit.core.config import INVALID_CONFIG, as_count
 
 # Stable problem codes added by this layer (documented in README.md).
-INVALID_CONFIG = "invalid_config"
 LAYER_COUNT_MISMATCH = "mtp_layer_count_mismatch"
 HEAD_NOT_FINITE = "head_not_finite"
 
@@ -72,40 +71,10 @@ QUANT_GROUP_SIZES = (32, 64, 128)
 MAX_MTP_LAYERS = 64
 
 
-class InvalidConfig(MtpkitError):
-    """A config value that decides how the tensors are named is not a usable integer."""
-
-
-def require_count(config: dict[str, Any], key: str, default: int | None = None) -> int:
-    """A count the checkpoint's layout depends on (`num_hidden_layers`, expert counts);
-    anything but an integer is an error, as nothing can be read without it."""
-    value = config.get(key)
-    if value is None and default is not None:
-        return default
-    count = as_count(value)
-    if count is None or count < 0:
-        raise InvalidConfig(
-            f"config.json: {key}={value!r} is not a non-negative integer ({INVALID_CONFIG}): "
-            "fix config.json"
-        )
-    return count
-
-
 @dataclass(frozen=True)
 class Problem:
     code: str
     message: str
-
-
-def as_count(value: Any) -> int | None:
-    """An integer count as JSON spells it (`1`, also `1.0`), else None (`"one"`, `true`)."""
-    if isinstance(value, bool):
-        return None
-    if isinstance(value, int):
-        return value
-    if isinstance(value, float) and value.is_integer():
-        return int(value)
-    return None
 
 
 def _field(config: dict[str, Any], key: str) -> tuple[str, Any] | None:

@@ -38,9 +38,14 @@ def _root(
     """Keep, convert, run and check the MTP heads of open checkpoints on MLX."""
 
 
-for command in (inspect.inspect, check.check, convert.convert, generate.generate, bench.bench):
-    app.command()(command)
-app.command(name="train-head")(train_head.train_head)
+# Each command function is named `<name>_command`, so that it never shadows the library
+# function it calls (`convert_command` calls `mtpkit.convert.pipeline.convert`).
+app.command(name="inspect")(inspect.inspect_command)
+app.command(name="check")(check.check_command)
+app.command(name="convert")(convert.convert_command)
+app.command(name="generate")(generate.generate_command)
+app.command(name="bench")(bench.bench_command)
+app.command(name="train-head")(train_head.train_head_command)
 
 
 def main() -> None:

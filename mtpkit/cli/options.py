@@ -8,13 +8,21 @@ from __future__ import annotations
 import functools
 import math
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from enum import Enum
 from typing import Annotated, Any
 
 import typer
 
 from mtpkit.core import signals
+from mtpkit.core.choices import (
+    BITS,
+    DTYPES,
+    GROUP_SIZES,
+    HIDDEN_VARIANTS,
+    LAYOUTS,
+)
+from mtpkit.core.choices import require_depth as require_depth  # the commands' depth check
 from mtpkit.core.console import quiet_libraries
 from mtpkit.core.environment import check_environment
 from mtpkit.core.errors import MtpkitError, one_line
@@ -32,29 +40,17 @@ JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON object on 
 
 
 # Options with fixed choices: Click lists them in --help and rejects others as usage errors
-# (exit 2). The values are the library's own (tests/test_cli.py holds them equal).
-class Dtype(str, Enum):
-    bfloat16 = "bfloat16"
-    float16 = "float16"
-    float32 = "float32"
+# (exit 2). The values are the library's own (`mtpkit.core.choices`).
+def choices(name: str, values: Iterable[object], prefix: str = "") -> Any:
+    """A str Enum whose members are `values` (named `prefix` + value), for a Typer option."""
+    return Enum(name, [(f"{prefix}{v}", str(v)) for v in values], type=str)
 
 
-class Layout(str, Enum):
-    sidecar = "sidecar"
-    inline = "inline"
-
-
-class Hidden(str, Enum):
-    post_norm = "post_norm"
-    pre_norm = "pre_norm"
-
-
-class Bits(str, Enum):
-    b2, b3, b4, b5, b6, b8 = "2", "3", "4", "5", "6", "8"
-
-
-class GroupSize(str, Enum):
-    g32, g64, g128 = "32", "64", "128"
+Dtype = choices("Dtype", DTYPES)
+Layout = choices("Layout", LAYOUTS)
+Hidden = choices("Hidden", HIDDEN_VARIANTS)
+Bits = choices("Bits", BITS, prefix="b")
+GroupSize = choices("GroupSize", GROUP_SIZES, prefix="g")
 
 
 class RandomShape(str, Enum):
@@ -69,22 +65,12 @@ class ScaleDtype(str, Enum):
     bfloat16 = "bfloat16"
 
 
-# Draft depths the runtime supports (mtpkit.spec.decode.MAX_DEPTH; tests/test_cli.py holds them equal).
-MAX_DEPTH = 4
-
-
 def value(choice: Enum | None) -> Any:
     return None if choice is None else choice.value
 
 
 def number(choice: Enum | None) -> int | None:
     return None if choice is None else int(choice.value)
-
-
-def require_depth(depth: int) -> None:
-    """Checked here, before the runtime's imports (seconds), with the runtime's message."""
-    if not 1 <= depth <= MAX_DEPTH:
-        raise MtpkitError(f"--depth must be between 1 and {MAX_DEPTH}, not {depth}")
 
 
 def friendly_errors(fn: Callable[..., Any]) -> Callable[..., Any]:

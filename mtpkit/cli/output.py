@@ -54,6 +54,7 @@ def print_inspect(result: dict[str, Any], *, show_tensors: bool = True) -> None:
             "MTP tensors", f"{mtp['tensor_count']} ({human_bytes(mtp['bytes'])}{needed})"
         )
         summary.add_row("MTP shards", ", ".join(mtp["shards"]))
+        summary.add_row("layout", mtp["layout"])
         summary.add_row("expert layout", str(mtp["expert_layout"]))
         summary.add_row("dtypes", ", ".join(f"{k} x{v}" for k, v in mtp["dtypes"].items()))
         summary.add_row("quantized", "yes" if mtp["quantized"] else "no")
@@ -70,6 +71,8 @@ def print_inspect(result: dict[str, Any], *, show_tensors: bool = True) -> None:
                 name, "x".join(map(str, t["shape"])), t["dtype"], str(t["bytes"]), t["shard"]
             )
         stdout.print(table)
+    if result.get("runtimes"):
+        print_runtimes(result["runtimes"])
     if result["problems"]:
         table = Table(title="Problems", title_justify="left")
         table.add_column("code", style="red")
@@ -79,6 +82,19 @@ def print_inspect(result: dict[str, Any], *, show_tensors: bool = True) -> None:
         stdout.print(table)
     else:
         stdout.print("no problems found")
+
+
+def print_runtimes(rows: list[dict[str, Any]]) -> None:
+    """Which MLX runtimes run the directory, and with its head or plainly."""
+    table = Table(title="Runs in", title_justify="left")
+    for col in ("runtime", "version", "runs", "MTP", "how / why not"):
+        table.add_column(col)
+    for r in rows:
+        table.add_row(
+            r["runtime"], r["version"], "yes" if r["runs"] else "no",
+            "yes" if r["mtp"] else "no", r["note"],
+        )  # fmt: skip
+    stdout.print(table)
 
 
 def print_check(result: dict[str, Any]) -> None:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import re
 import shutil
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -34,6 +35,7 @@ from mtpkit.convert.destination import (
     remove_stale,
 )
 from mtpkit.convert.plan import Converter, Plan, Settings, check_conv1d, refuse_problems
+from mtpkit.convert.records import build_manifest, output_config, set_quantization
 from mtpkit.convert.writer import (
     read_config,
     shard_jobs,
@@ -45,13 +47,13 @@ from mtpkit.convert.writer import (
 )
 from mtpkit.core.console import progress_bar
 from mtpkit.core.errors import CheckpointProblem, MtpkitError
-from mtpkit.core.manifest import (
-    HEAD_WEIGHTS_PATH,
-    MANIFEST_PATH,
-    build_manifest,
-    output_config,
-    set_quantization,
-    write_manifest,
+from mtpkit.core.manifest import HEAD_WEIGHTS_PATH, MANIFEST_PATH, write_manifest
+from mtpkit.core.peers import (
+    PEER_HEAD_FILE,
+    declare_for_peers,
+    peer_manifest_keys,
+    peer_name,
+    writes_peer_head,
 )
 
 # Files copied beside the weights: tokenizer, chat template, generation settings, and the
@@ -78,7 +80,7 @@ class ConvertResult:
     # What was repaired on the way (e.g. the declared MTP layer count), for stderr.
     warnings: list[str] = field(default_factory=list)
 
-    def as_dict(self) -> dict[str, Any]:
+    def to_json(self) -> dict[str, Any]:
         return {
             "output": str(self.output),
             "family": self.family,
@@ -141,6 +143,7 @@ def convert(
         config = output_config(ckpt, plan, settings, layers)
         backbone_quant = _backbone_quantization(ckpt, settings)
         manifest = build_manifest(ckpt, plan, settings, layers, backbone_quant=backbone_quant)
+        declare_head(ckpt, plan, config, manifest)
         with new_directory(out) as tmp:
             _write_output(tmp, ckpt, converter, plan, config, manifest, quiet=quiet)
             refuse_nonfinite_head(tmp / HEAD_WEIGHTS_PATH, ckpt, settings.dtype)
@@ -155,7 +158,7 @@ def convert(
         len(plan.backbone),
         len(plan.head),
         seconds,
-        repaired(ckpt, layers),
+        repaired(ckpt, layers) + layout_warnings(settings),
     )
 
 
@@ -190,6 +193,45 @@ def _overflowed(head_file: Path, bad: list[str], ckpt: Checkpoint) -> bool:
     return not any(mx.any(mx.isnan(tensors[name])).item() for name in bad)
 
 
+# Why `--layout inline` is not the default (MTP_FORMATS.md "What the MLX runtimes read").
+INLINE_WARNING = (
+    "--layout inline: mlx-lm < 0.32 (pinned by vllm-mlx 0.6, MTPLX 2.12 and Rapid-MLX 0.16) adds "
+    "+1 to every backbone norm of a Qwen3.5 model whose shards hold mtp.* tensors, so those "
+    "runtimes run a corrupted backbone; the default sidecar layout runs in all of them"
+)
+
+
+def layout_warnings(settings: Settings) -> list[str]:
+    return [INLINE_WARNING] if settings.layout == "inline" else []
+
+
+def declare_head(
+    ckpt: Checkpoint, plan: Plan, config: dict[str, Any], manifest: dict[str, Any]
+) -> None:
+    """Declare the head where the MLX runtimes read it (`mtpkit.core.peers`): config.json keys
+    (in place, `auto_map` dropped) and the manifest's keys beside mtpkit's own."""
+    family = ckpt.family
+    dropped = declare_for_peers(
+        config,
+        family_name=family.name,
+        head_prefix=family.head_prefix,
+        head_quant=plan.head_quant,
+        hidden=manifest.get("hidden") if plan.head else None,
+    )
+    earlier = (ckpt.manifest or {}).get("config_dropped")
+    if isinstance(earlier, dict):  # converting mtpkit's own output: keep the first record
+        dropped = {**earlier, **dropped}
+    manifest.update(peer_manifest_keys(family.name, dropped))
+
+
+def peer_head_file(directory: Path, ckpt: Checkpoint) -> tuple[Path, Callable[[str], str]] | None:
+    """`mtp.safetensors` in `directory` and its key names, for the families the peers run."""
+    family = ckpt.family
+    if not writes_peer_head(family.name):
+        return None
+    return directory / PEER_HEAD_FILE, lambda name: peer_name(name, family.head_prefix)
+
+
 def repaired(ckpt: Checkpoint, layers: int) -> list[str]:
     """Warnings for the problems convert repairs rather than refuses (TOLERATED_PROBLEMS)."""
     return [
@@ -213,7 +255,7 @@ def _check_convertible(
             f"recipe {recipe} is for {recipe_family} models but {ckpt.source.describe()} is "
             f"{ckpt.family.name}: pick the recipe of this model"
         )
-    if settings.layout == "inline" and ckpt.family.head_prefix != "language_model.mtp.":
+    if settings.layout == "inline" and not ckpt.family.inline_layout:
         raise MtpkitError(
             f"--layout inline exists only for the Qwen3.5/3.6 families, not {ckpt.family.name}"
         )
@@ -256,13 +298,17 @@ def _write_output(
     files = [(tmp / shard_name(i, len(shards)), jobs) for i, jobs in enumerate(shards)]
     weight_map = {n: path.name for path, jobs in files for job in jobs for n in job.entry_names}
     total_size = sum(job.nbytes for job in model_jobs)
+    renames = {}
     if plan.head_jobs:
         files.append((tmp / HEAD_WEIGHTS_PATH, plan.head_jobs))
+        if (peer := peer_head_file(tmp, ckpt)) is not None:
+            files.append((peer[0], plan.head_jobs))
+            renames[peer[0]] = peer[1]
     # Each job is computed once, however many files hold it (inline: shards and mtp/).
     unique = {id(job): job for _, jobs in files for job in jobs}
     bar = progress_bar(sum(job.nbytes for job in unique.values()), desc="convert", quiet=quiet)
     meta = tensor_meta(plan.backbone + plan.head)
-    write_job_files(files, converter.run, meta, bar.update if bar is not None else None)
+    write_job_files(files, converter.run, meta, bar.update if bar is not None else None, renames)
     write_index(tmp / "model.safetensors.index.json", weight_map, total_size, plan.total_parameters)
     if plan.head_jobs:
         write_manifest(tmp / MANIFEST_PATH, manifest)
@@ -349,6 +395,7 @@ def graft(
         )
         manifest = build_manifest(ckpt, plan, settings, layers, backbone_quant=backbone_quant)
         manifest["grafted_into"] = str(into)
+        declare_head(ckpt, plan, config, manifest)
         _write_graft(into, ckpt, converter, plan, config, manifest, quiet=quiet)
     finally:
         mx.set_cache_limit(cache_limit)
@@ -406,15 +453,19 @@ def _write_graft(
     """Head file, manifest and config written beside their targets, then moved over them;
     a failure (a NaN/Inf head included) leaves `into` as it was (no new empty mtp/)."""
     targets = graft_targets(into)
-    remove_stale(targets)
+    peer = peer_head_file(into, ckpt)
+    remove_stale(targets + ([peer[0]] if peer else []))
     swap = FileSwap(into)
     try:
         bar = progress_bar(sum(a.nbytes for _, a in plan.head), desc="graft", quiet=quiet)
         on_bytes = bar.update if bar is not None else None
         tmp_weights = swap.temp_for(targets[0])
-        write_job_files(
-            [(tmp_weights, plan.head_jobs)], converter.run, tensor_meta(plan.head), on_bytes
-        )
+        files = [(tmp_weights, plan.head_jobs)]
+        renames = {}
+        if peer is not None:  # the same head under the peers' names, moved in with the rest
+            files.append((swap.temp_for(peer[0]), plan.head_jobs))
+            renames[files[-1][0]] = peer[1]
+        write_job_files(files, converter.run, tensor_meta(plan.head), on_bytes, renames)
         if bar is not None:
             bar.close()
         refuse_nonfinite_head(tmp_weights, ckpt, converter.settings.dtype)

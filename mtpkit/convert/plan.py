@@ -18,9 +18,6 @@ import mlx.core as mx
 
 from mtpkit.checkpoint.inspect import Checkpoint
 from mtpkit.convert.quant import (
-    BITS,
-    DTYPES,
-    GROUP_SIZES,
     ModuleTree,
     QuantSpec,
     build_model,
@@ -35,12 +32,11 @@ from mtpkit.convert.quant import (
 from mtpkit.convert.reader import TensorReader, load_tensors
 from mtpkit.convert.rules import Job, Tensor, TensorRules, is_raw_conv1d, shift_norm
 from mtpkit.convert.writer import decode_floats
+from mtpkit.core.choices import BITS, DEFAULT_HIDDEN, DTYPES, GROUP_SIZES, HIDDEN_VARIANTS, LAYOUTS
 from mtpkit.core.errors import CheckpointProblem, MtpkitError
 from mtpkit.core.manifest import SHIFTED, UNSHIFTED, head_layer_count
 from mtpkit.families import Family
 
-LAYOUTS = ("sidecar", "inline")
-HIDDEN_VARIANTS = ("post_norm", "pre_norm")
 # Problems inspect may report that do not make a conversion unsafe: convert declares the
 # head in the output config itself.
 # Problems convert repairs: it declares the MTP layers the weights hold, with a warning.
@@ -59,7 +55,7 @@ class Settings:
     mtp_bits: int | None = None
     dtype: str | None = None
     layout: str = "sidecar"
-    hidden: str = "post_norm"
+    hidden: str = DEFAULT_HIDDEN
     hidden_given: bool = False  # asked for by a flag or recipe (else a re-conversion keeps it)
 
     def validate(self) -> None:

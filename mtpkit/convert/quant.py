@@ -11,12 +11,7 @@ See https://github.com/ml-explore/mlx-lm/blob/main/mlx_lm/utils.py (`quantize_mo
 from __future__ import annotations
 
 import copy
-import importlib
-import importlib.util
 import math
-import re
-import sys
-import types
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -25,12 +20,9 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
+from mtpkit.core.choices import DEFAULT_GROUP_SIZE
 from mtpkit.core.errors import MtpkitError
-
-DTYPES = ("bfloat16", "float16", "float32")
-BITS = (2, 3, 4, 5, 6, 8)
-GROUP_SIZES = (32, 64, 128)
-DEFAULT_GROUP_SIZE = 64
+from mtpkit.mlxlm import model_classes
 
 
 @dataclass(frozen=True)
@@ -47,53 +39,12 @@ class QuantSpec:
 def build_model(config: dict[str, Any]) -> nn.Module:
     """mlx-lm's model for `config`, built lazily (its random init is never evaluated)."""
     try:
-        model_class, args_class = _model_classes(config)
+        model_class, args_class = model_classes(config)
         return model_class(args_class.from_dict(copy.deepcopy(config)))
     except (ValueError, KeyError, TypeError, AttributeError) as e:
         raise MtpkitError(
             f"mlx-lm cannot build a {config.get('model_type')} model from this config.json: {e}"
         ) from None
-
-
-def _model_classes(config: dict[str, Any]) -> tuple[Any, Any]:
-    """mlx-lm's (Model, ModelArgs) for the config; remapped model types go through mlx-lm."""
-    model_type = str(config.get("model_type"))
-    if re.fullmatch(r"\w+", model_type):
-        try:
-            module = mlx_lm_models(model_type)
-            return module.Model, module.ModelArgs
-        except ImportError:
-            pass
-    from mlx_lm.utils import _get_classes
-
-    return _get_classes(config=copy.deepcopy(config))
-
-
-def mlx_lm_models(name: str) -> types.ModuleType:
-    """`mlx_lm.models.<name>`, without importing transformers when mlx_lm is not loaded yet.
-
-    `import mlx_lm.models.X` first runs `mlx_lm/__init__.py`, which imports transformers for
-    its tokenizer code: ~1.7 s that a conversion never needs. When mlx_lm is not imported
-    yet, the model module is loaded under a bare stand-in package and every module loaded
-    that way is dropped from `sys.modules` afterwards (the returned module keeps working),
-    so a later `import mlx_lm` is the ordinary one.
-    """
-    if "mlx_lm" in sys.modules:
-        return importlib.import_module(f"mlx_lm.models.{name}")
-    spec = importlib.util.find_spec("mlx_lm")
-    if spec is None or not spec.submodule_search_locations:
-        raise ImportError("mlx_lm is not installed")
-    stand_in = types.ModuleType("mlx_lm")
-    stand_in.__path__ = list(spec.submodule_search_locations)
-    stand_in.__spec__ = spec
-    before = set(sys.modules)
-    sys.modules["mlx_lm"] = stand_in
-    try:
-        return importlib.import_module(f"mlx_lm.models.{name}")
-    finally:
-        for loaded in set(sys.modules) - before:
-            if loaded == "mlx_lm" or loaded.startswith("mlx_lm."):
-                del sys.modules[loaded]
 
 
 @dataclass

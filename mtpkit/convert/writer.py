@@ -273,8 +273,12 @@ def write_job_files(
     compute: Callable[[Job], list[tuple[str, mx.array]]],
     meta: dict[str, tuple[tuple[int, ...], mx.Dtype]],
     on_bytes: Callable[[int], None] | None = None,
+    renames: dict[Path, Callable[[str], str]] | None = None,
 ) -> None:
-    """Lay out every file, then compute each job once and write it to every file it is in."""
+    """Lay out every file, then compute each job once and write it to every file it is in.
+
+    `renames[path]` names the entries in that file's header (the same tensors under other
+    keys, e.g. the peers' `mtp.safetensors`)."""
     destinations: Destinations = {}
     fds: list[int] = []
     order: list[Job] = []
@@ -282,12 +286,14 @@ def write_job_files(
     try:
         for path, jobs in files:
             path.parent.mkdir(parents=True, exist_ok=True)
-            entries = [(n, *meta[n]) for job in jobs for n in job.entry_names]
+            rename = (renames or {}).get(path, lambda n: n)
+            names = [n for job in jobs for n in job.entry_names]
+            entries = [(rename(n), *meta[n]) for n in names]
             layout = FileLayout(path, entries, metadata={"format": "mlx"})
             fd = layout.create()
             fds.append(fd)
-            for name, offset in layout.offsets.items():
-                destinations.setdefault(name, []).append((fd, offset))
+            for name in names:
+                destinations.setdefault(name, []).append((fd, layout.offsets[rename(name)]))
             for job in jobs:
                 if id(job) not in seen:
                     seen.add(id(job))

@@ -25,6 +25,10 @@ class CheckpointProblem(MtpkitError):
     """inspect reported a problem that makes the requested operation unsafe."""
 
 
+class InvalidConfig(MtpkitError):
+    """A config value that decides how the tensors are named is not a usable integer."""
+
+
 def one_line(error: BaseException) -> str:
     """The message of `Error: ...` for any exception: a user-fixable error's own message, else
     the exception's type and the first line of its text (MTPKIT_DEBUG=1 shows the rest)."""

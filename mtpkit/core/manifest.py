@@ -30,25 +30,17 @@ Keys written by `mtpkit convert` (stable; `MANIFEST_KEYS` lists them):
   tied lm_head, vision tower, rotary buffers).
 - `grafted_into`: only after `--mtp-only --into DIR`, the directory grafted into.
 
-This module also builds the output's config.json (the backbone as mlx_lm.convert declares it,
-plus the head's quantization and MTP layer count), the other record a conversion leaves.
+`head_manifest` is the one builder of these keys: `mtpkit.convert.records` fills it from a
+conversion's plan, `mtpkit.train.output` from a trained head.
 """
 
 from __future__ import annotations
 
-import copy
 import json
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from mtpkit import __version__
-from mtpkit.convert.quant import dtype_name, is_floating
-from mtpkit.families.base import expert_layout
-
-if TYPE_CHECKING:
-    from mtpkit.checkpoint.inspect import Checkpoint
-    from mtpkit.convert.plan import Plan, Settings
-    from mtpkit.families import Family
 
 MANIFEST_PATH = "mtp/manifest.json"
 HEAD_WEIGHTS_PATH = "mtp/weights.safetensors"
@@ -107,65 +99,60 @@ def head_layer_count(head_prefix: str, names: list[str]) -> int:
     return len({n[len(prefix) :].split(".", 1)[0] for n in names if n.startswith(prefix)})
 
 
-def build_manifest(
-    ckpt: Checkpoint, plan: Plan, settings: Settings, layers: int, *, backbone_quant: Any
+class HeadFamily(Protocol):
+    """What a manifest records of the head's family (`mtpkit.families.Family` has it)."""
+
+    name: str
+    head_prefix: str
+    zero_centred_norms: bool
+    concat_order: str
+
+
+def head_manifest(
+    family: HeadFamily,
+    *,
+    model_type: str | None,
+    source: dict[str, Any],
+    num_layers: int,
+    layout: str,
+    shifted: dict[str, list[str]],
+    hidden: str,
+    expert_layout: dict[str, str | None],
+    mtp_dtype: str | list[str] | None,
+    head_quant: dict[str, Any],
+    backbone_quant: dict[str, Any] | None,
+    dropped: list[str],
 ) -> dict[str, Any]:
-    """The manifest of a conversion (keys above); an mtpkit source keeps its first record."""
-    family = ckpt.family
-    previous = ckpt.manifest if (ckpt.manifest or {}).get("format") == MANIFEST_FORMAT else None
-    source = {
-        "spec": ckpt.source.spec,
-        "revision": ckpt.source.revision,
-        "commit": ckpt.source.commit,
-    }
-    shifted = {"backbone": sorted(plan.shifted["backbone"]), "mtp": sorted(plan.shifted["head"])}
-    if previous is not None:
-        # Converting mtpkit's own output: the first conversion's record stays the truth.
-        source = previous.get("source", source)
-        old = previous.get("norm_shift") or {}
-        shifted = {
-            "backbone": sorted(set(old.get("backbone", [])) | set(shifted["backbone"])),
-            "mtp": sorted(set(old.get("mtp", [])) | set(shifted["mtp"])),
-        }
-    head_dtypes = sorted(
-        {
-            dtype_name(a.dtype)
-            for n, a in plan.head
-            if is_floating(a.dtype) and not n.endswith((".scales", ".biases"))
-        }
-    )
+    """A manifest (the keys above, in their order). `shifted` is `{backbone, mtp}`: the
+    tensors shifted +1; `head_quant` every quantizable head module -> false or its setting."""
     return {
         "format": MANIFEST_FORMAT,
         "mtpkit_version": __version__,
         "family": family.name,
-        "model_type": ckpt.config.get("model_type"),
+        "model_type": model_type,
         "source": source,
         "weights": Path(HEAD_WEIGHTS_PATH).name,
         "prefix": family.head_prefix,
-        "num_layers": layers,
-        "layout": settings.layout,
+        "num_layers": num_layers,
+        "layout": layout,
         "rmsnorm_weight_format": SHIFTED if family.zero_centred_norms else PLAIN,
         "norm_shift": {
-            **shifted,
+            "backbone": shifted["backbone"],
+            "mtp": shifted["mtp"],
             "dtype": "float32" if (shifted["backbone"] or shifted["mtp"]) else None,
         },
-        "hidden": settings.hidden
-        if settings.hidden_given
-        else (previous or {}).get("hidden", settings.hidden),
+        "hidden": hidden,
         "concat_order": family.concat_order,
-        "expert_layout": {
-            "source": expert_layout(plan.source_head_names),
-            "output": expert_layout([n for n, _ in plan.head]),
-        },
-        "mtp_dtype": head_dtypes[0] if len(head_dtypes) == 1 else (head_dtypes or None),
-        "mtp_quantization": _main_quantization(plan.head_quant),
-        "mtp_quantization_paths": plan.head_quant,
+        "expert_layout": expert_layout,
+        "mtp_dtype": mtp_dtype,
+        "mtp_quantization": main_quantization(head_quant),
+        "mtp_quantization_paths": head_quant,
         "backbone_quantization": backbone_quant,
-        "dropped": sorted(plan.dropped),
+        "dropped": dropped,
     }
 
 
-def _main_quantization(paths: dict[str, Any]) -> dict[str, int] | None:
+def main_quantization(paths: dict[str, Any]) -> dict[str, int] | None:
     """The (bits, group_size) most quantized head modules use, or None."""
     counts: dict[tuple[int, int], int] = {}
     for v in paths.values():
@@ -175,48 +162,3 @@ def _main_quantization(paths: dict[str, Any]) -> dict[str, int] | None:
         return None
     bits, group = max(counts, key=lambda k: counts[k])
     return {"bits": bits, "group_size": group}
-
-
-def output_config(ckpt: Checkpoint, plan: Plan, settings: Settings, layers: int) -> dict[str, Any]:
-    """config.json as mlx_lm.convert writes it (with mlx-lm's load_config's eos_token_id),
-    plus the head's quantization and the MTP declaration."""
-    config = copy.deepcopy(ckpt.config)
-    generation = (
-        ckpt.source.read_json("generation_config.json")
-        if ckpt.source.has("generation_config.json")
-        else None
-    )
-    if isinstance(generation, dict) and generation.get("eos_token_id"):
-        config["eos_token_id"] = generation["eos_token_id"]
-    qc = config.get("quantization_config")
-    if isinstance(qc, dict) and qc.get("quant_method") == "fp8":
-        config.pop("quantization_config")  # dequantized: the weights are no longer FP8
-    quant: dict[str, Any] | None = config.get("quantization")
-    if settings.bits:
-        quant = {"group_size": settings.group_size, "bits": settings.bits, "mode": "affine"}
-        quant.update(plan.quant_overrides)
-    set_quantization(config, quant, ckpt.family, plan, settings)
-    if layers:
-        ckpt.family.declare_mtp(config, layers)
-    return config
-
-
-def set_quantization(
-    config: dict[str, Any],
-    quant: dict[str, Any] | None,
-    family: Family,
-    plan: Plan,
-    settings: Settings,
-) -> None:
-    """Write the backbone's quantization (`quant`, any old head entries dropped) plus one entry
-    per head module into `config`, as mlx-lm's loader reads them."""
-    if quant is not None:
-        quant = {k: v for k, v in quant.items() if not k.startswith(family.head_prefix)}
-    if quant is None and any(plan.head_quant.values()):
-        spec = settings.head_spec()
-        assert spec is not None
-        quant = {"group_size": spec.group_size, "bits": spec.bits, "mode": "affine"}
-    if quant is not None:
-        quant.update(plan.head_quant)
-        config["quantization"] = quant
-        config["quantization_config"] = quant

@@ -1,4 +1,5 @@
-"""The short prompts `mtpkit check` probes a head with, and the `--prompts FILE` reader.
+"""The short prompts `mtpkit check` probes a head with, the `--prompts FILE` reader, and how
+a prompt becomes token ids (`encode_prompt`: generate, bench, check and train-head alike).
 
 A mix of prose, code and lists, because heads are good at different things on each (code and
 lists are more predictable than prose) and a convention error shows on all of them. They are
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 from mtpkit.core.errors import MtpkitError
 
@@ -97,3 +99,22 @@ def read_prompts(path: str | Path) -> list[str]:
             f"{path} holds no prompts: write one prompt per paragraph (blank lines between)"
         )
     return prompts
+
+
+def has_chat_template(tokenizer: Any) -> bool:
+    return bool(getattr(tokenizer, "chat_template", None))
+
+
+def encode_prompt(tokenizer: Any, prompt: str, *, chat_template: bool = True) -> list[int]:
+    """A generation prompt's token ids: a user turn where the tokenizer has a chat template
+    (and `chat_template`), else the text, with the tokenizer's special tokens unless the
+    text already starts with its BOS."""
+    if chat_template and has_chat_template(tokenizer):
+        return list(
+            tokenizer.apply_chat_template(
+                [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True
+            )
+        )
+    bos = getattr(tokenizer, "bos_token", None)
+    add_special = bos is None or not prompt.startswith(bos)
+    return list(tokenizer.encode(prompt, add_special_tokens=add_special))

@@ -13,7 +13,8 @@ import pkgutil
 from typing import Any
 
 from mtpkit.core.errors import UnsupportedFamily
-from mtpkit.families.base import REGISTRY, Family, register
+from mtpkit.families.base import REGISTRY, BackboneParts, Family, register
+from mtpkit.mlxlm import model_remapping
 
 for _module in pkgutil.iter_modules(__path__):
     importlib.import_module(f"{__name__}.{_module.name}")
@@ -22,13 +23,9 @@ FAMILIES = REGISTRY
 
 
 def _remapped() -> dict[str, str]:
-    """mlx-lm's `MODEL_REMAPPING` entries that land on a registered family.
-
-    Read on demand: `mlx_lm.utils` imports transformers, which conversion never needs.
-    """
-    from mlx_lm.utils import MODEL_REMAPPING
-
-    return {k: v for k, v in MODEL_REMAPPING.items() if v in REGISTRY and k not in REGISTRY}
+    """mlx-lm's `MODEL_REMAPPING` entries that land on a registered family."""
+    remapping = model_remapping()
+    return {k: v for k, v in remapping.items() if v in REGISTRY and k not in REGISTRY}
 
 
 def supported() -> list[str]:
@@ -67,4 +64,23 @@ def family_for(config: dict[str, Any]) -> Family:
     return cls(config)
 
 
-__all__ = ["Family", "FAMILIES", "family_class", "family_for", "register", "supported"]
+def backbone_parts(model: Any, config: dict[str, Any]) -> BackboneParts:
+    """The parts of a loaded mlx-lm model (`Family.backbone_parts`): its family's reading,
+    or mlx-lm's common layout (under `language_model` where it wraps one) for a model type
+    no family covers."""
+    try:
+        return family_for(config).backbone_parts(model)
+    except UnsupportedFamily:
+        return Family(config).backbone_parts(getattr(model, "language_model", model))
+
+
+__all__ = [
+    "BackboneParts",
+    "Family",
+    "FAMILIES",
+    "backbone_parts",
+    "family_class",
+    "family_for",
+    "register",
+    "supported",
+]

@@ -81,6 +81,7 @@ class BailingFamily(Family):
     }
     required_mtp_tensors = BAILING_REQUIRED
     head_class: ClassVar[type[MtpHead]] = BailingHead
+    embedding_attr = "word_embeddings"
     split_tensor = DeepseekV3.split_tensor
 
     def mtp_layer_offset(self) -> int:

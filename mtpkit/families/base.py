@@ -10,15 +10,32 @@ from __future__ import annotations
 import functools
 import re
 from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from mtpkit.checkpoint.validate import as_count, require_count
-from mtpkit.convert.quant import mlx_lm_models
+from mtpkit.core.config import as_count, require_count
 from mtpkit.families.head import MtpHead
+from mtpkit.mlxlm import mlx_lm_models
 
 EXPERT_INDEX = re.compile(
     r"^(?P<prefix>.*\.experts)\.(?P<expert>\d+)\.(?P<proj>\w+?)(?:\.weight)?$"
 )
+
+
+@dataclass(frozen=True)
+class BackboneParts:
+    """Where a loaded mlx-lm model keeps what an MTP head works with; its family says
+    (`Family.backbone_parts`), so no other module names a model's attributes."""
+
+    text: Any  # the text model: owns `lm_head` and the `args` the head shares
+    embedding: Any  # token embedding: [V] ids -> [V, H] table
+    layers: list[Any]  # the decoder stack, input to output
+    final_norm: Any  # the norm before `lm_head`; the head drafts from its input or output
+    lm_head: Any | None  # None: tied, the embedding's `as_linear`
+
+    def logits(self, x: Any) -> Any:
+        """`lm_head` over hidden states `x` [..., H]: logits [..., V]."""
+        return self.lm_head(x) if self.lm_head is not None else self.embedding.as_linear(x)
 
 
 # -- conversion hooks (used by mtpkit.convert.pipeline) ------------------------------------------------
@@ -114,6 +131,16 @@ class Family(ConvertHooks):
     duplicates: ClassVar[dict[str, str]] = {}
     # Where the head's tensors may sit in a model directory (sidecar, inline), tried in order.
     head_prefixes: ClassVar[tuple[str, ...]] = ("mtp.",)
+    # Whether the head may also be written into the model shards (`convert --layout inline`):
+    # only where mlx-lm's own model class keeps it there (Qwen3.5/3.6).
+    inline_layout: ClassVar[bool] = False
+
+    # -- the backbone: where mlx-lm's model class keeps its parts (`backbone_parts`) ---------
+    # The decoder stack's attribute on the text model, and the embedding's and final norm's
+    # on the decoder stack (mlx-lm's common names; Nemotron-H: backbone, embeddings, norm_f).
+    decoder_attr: ClassVar[str] = "model"
+    embedding_attr: ClassVar[str] = "embed_tokens"
+    final_norm_attr: ClassVar[str] = "norm"
 
     # -- the head module -----------------------------------------------------------------
     head_class: ClassVar[type[MtpHead]]
@@ -235,6 +262,18 @@ class Family(ConvertHooks):
     def text_model(self, model: Any) -> Any:
         """The part of an mlx-lm model whose `args` the head shares."""
         return model
+
+    def backbone_parts(self, model: Any) -> BackboneParts:
+        """The embedding, decoder layers, final norm and lm_head of a loaded mlx-lm model."""
+        text = self.text_model(model)
+        decoder = getattr(text, self.decoder_attr)
+        return BackboneParts(
+            text=text,
+            embedding=getattr(decoder, self.embedding_attr),
+            layers=list(decoder.layers),
+            final_norm=getattr(decoder, self.final_norm_attr),
+            lm_head=text.get("lm_head"),
+        )
 
     def head_args(self, model: Any = None) -> Any:
         """mlx-lm's args for the head: the model's own when given, else from the config."""

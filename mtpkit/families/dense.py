@@ -14,20 +14,7 @@ from typing import Any, ClassVar
 import mlx.nn as nn
 
 from mtpkit.families.base import Family
-from mtpkit.families.head import MtpHead, QwenHead
-
-DENSE_REQUIRED = (
-    "fc.weight",
-    "pre_fc_norm_embedding.weight",
-    "pre_fc_norm_hidden.weight",
-    "norm.weight",
-    "layers.0.input_layernorm.weight",
-    "layers.0.post_attention_layernorm.weight",
-    "layers.0.self_attn.q_proj.weight",
-    "layers.0.self_attn.k_proj.weight",
-    "layers.0.self_attn.v_proj.weight",
-    "layers.0.self_attn.o_proj.weight",
-)
+from mtpkit.families.head import QWEN_REQUIRED, MtpHead, QwenHead
 
 
 class DenseHead(QwenHead):
@@ -48,7 +35,7 @@ class DenseFamily(Family):
     """A dense decoder whose head, when it has one, was trained by `mtpkit train-head`."""
 
     ships_head = False
-    required_mtp_tensors = DENSE_REQUIRED
+    required_mtp_tensors = QWEN_REQUIRED
     raw_head_roots: ClassVar[tuple[str, ...]] = ("mtp.",)
     head_prefixes: ClassVar[tuple[str, ...]] = ("mtp.",)
     head_class: ClassVar[type[MtpHead]] = DenseHead

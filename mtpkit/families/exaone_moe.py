@@ -19,7 +19,7 @@ from typing import Any, ClassVar
 import mlx.nn as nn
 
 from mtpkit.families.base import Family, register
-from mtpkit.families.head import MtpHead, QwenHead
+from mtpkit.families.head import QWEN_REQUIRED, MtpHead, QwenHead
 
 
 class ExaoneHead(QwenHead):
@@ -53,18 +53,7 @@ class ExaoneHead(QwenHead):
 @register
 class ExaoneMoe(Family):
     name = "exaone_moe"
-    required_mtp_tensors = (
-        "fc.weight",
-        "pre_fc_norm_embedding.weight",
-        "pre_fc_norm_hidden.weight",
-        "norm.weight",
-        "layers.0.input_layernorm.weight",
-        "layers.0.post_attention_layernorm.weight",
-        "layers.0.self_attn.q_proj.weight",
-        "layers.0.self_attn.k_proj.weight",
-        "layers.0.self_attn.v_proj.weight",
-        "layers.0.self_attn.o_proj.weight",
-    )
+    required_mtp_tensors = QWEN_REQUIRED
     raw_head_roots: ClassVar[tuple[str, ...]] = ("mtp.",)
     head_class: ClassVar[type[MtpHead]] = ExaoneHead
     mlx_module = "exaone_moe"

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from mtpkit.convert.quant import mlx_lm_models
 from mtpkit.families.base import register
 from mtpkit.families.deepseek_v32 import DeepseekV32
+from mtpkit.mlxlm import mlx_lm_models
 
 
 @register

@@ -13,7 +13,7 @@ the head tensor names with the head prefix (`language_model.mtp.`, `mtp.`) remov
 
 mlx-lm is imported only inside the methods that run the head, so that conversion, which
 builds heads only to read their parameter tree, never pays for `import mlx_lm` (see
-`mtpkit.convert.quant.mlx_lm_models`). A family names its head class once; `Family.build_head` builds it for the runtime and
+`mtpkit.mlxlm.mlx_lm_models`). A family names its head class once; `Family.build_head` builds it for the runtime and
 `Family.head_module` roots the very same class at the head prefix for conversion.
 """
 
@@ -25,9 +25,9 @@ from typing import Any, ClassVar
 import mlx.core as mx
 import mlx.nn as nn
 
-EMBEDDING_FIRST = "embedding_first"
-HIDDEN_FIRST = "hidden_first"
-CONCAT_ORDERS = (EMBEDDING_FIRST, HIDDEN_FIRST)
+from mtpkit.core.choices import CONCAT_ORDERS, EMBEDDING_FIRST, HIDDEN_FIRST
+
+__all__ = ["CONCAT_ORDERS", "EMBEDDING_FIRST", "HIDDEN_FIRST", "MtpHead"]
 
 
 class MtpHead(nn.Module):
@@ -77,6 +77,12 @@ class MtpHead(nn.Module):
         return self.role("final_norm", i)
 
     # -- the step ------------------------------------------------------------------------
+    @property
+    def num_steps(self) -> int:
+        """MTP layers (steps) in the head: one per entry of `layers` unless a step spans
+        several blocks."""
+        return len(self.layers)
+
     @property
     def concat_order(self) -> str:
         return self._concat_order
@@ -132,6 +138,21 @@ class MtpHead(nn.Module):
         from mlx_lm.models.cache import KVCache
 
         return [KVCache() for _ in self.layers]
+
+
+# The tensors a Qwen-form head must have (relative to the head), whichever family uses it.
+QWEN_REQUIRED = (
+    "fc.weight",
+    "pre_fc_norm_embedding.weight",
+    "pre_fc_norm_hidden.weight",
+    "norm.weight",
+    "layers.0.input_layernorm.weight",
+    "layers.0.post_attention_layernorm.weight",
+    "layers.0.self_attn.q_proj.weight",
+    "layers.0.self_attn.k_proj.weight",
+    "layers.0.self_attn.v_proj.weight",
+    "layers.0.self_attn.o_proj.weight",
+)
 
 
 class QwenHead(MtpHead):

@@ -16,10 +16,10 @@ from typing import Any, ClassVar
 import mlx.core as mx
 import mlx.nn as nn
 
-from mtpkit.convert.quant import mlx_lm_models
 from mtpkit.families.base import Family, register
 from mtpkit.families.deepseek_v3 import DeepseekV3
 from mtpkit.families.head import MtpHead
+from mtpkit.mlxlm import mlx_lm_models
 
 
 class Wrapped(nn.Module):

@@ -156,6 +156,9 @@ class NemotronH(Family):
     head_class: ClassVar[type[MtpHead]] = NemotronHHead
     mlx_module = "nemotron_h"
     block_class = "NemotronHBlock"
+    decoder_attr = "backbone"
+    embedding_attr = "embeddings"
+    final_norm_attr = "norm_f"
 
     def head_args(self, model: Any = None) -> Any:
         # mlx-lm's ModelArgs has no MTP pattern: carry it on a copy of the args.

@@ -10,21 +10,7 @@ from __future__ import annotations
 from typing import Any, ClassVar
 
 from mtpkit.families.base import Family, register
-from mtpkit.families.head import MtpHead, QwenHead
-
-QWEN_REQUIRED = (
-    "fc.weight",
-    "pre_fc_norm_embedding.weight",
-    "pre_fc_norm_hidden.weight",
-    "norm.weight",
-    "layers.0.input_layernorm.weight",
-    "layers.0.post_attention_layernorm.weight",
-    "layers.0.self_attn.q_proj.weight",
-    "layers.0.self_attn.k_proj.weight",
-    "layers.0.self_attn.v_proj.weight",
-    "layers.0.self_attn.o_proj.weight",
-)
-
+from mtpkit.families.head import QWEN_REQUIRED, MtpHead, QwenHead
 
 # mlx-lm's qwen3_5/qwen3_next sanitize shifts exactly these (1-D) backbone norms; the gated
 # delta net's `linear_attn.norm` is not zero-centred and is never shifted.
@@ -68,6 +54,7 @@ class Qwen3_5(QwenMtpNames):
     name = "qwen3_5"
     aliases: ClassVar[tuple[str, ...]] = ("qwen3_5_text",)
     head_prefix = "language_model.mtp."
+    inline_layout = True
     head_prefixes: ClassVar[tuple[str, ...]] = (
         "language_model.mtp.",
         "model.language_model.mtp.",

@@ -37,6 +37,14 @@ NORMS = (
     ".q_norm.weight",
     ".k_norm.weight",
 )
+# Config lists with one entry per layer, the trunk's then the MTP layers'.
+PER_LAYER_FIELDS = (
+    "layer_types",
+    "rope_theta",
+    "partial_rotary_factors",
+    "swiglu_limits",
+    "swiglu_limits_shared",
+)
 # vLLM strips a `transformer.` segment from the nextn layer's names.
 TRANSFORMER = re.compile(r"^(layers\.\d+\.)transformer\.")
 
@@ -84,6 +92,15 @@ class Step3p5(NextnFamily):
     @property
     def num_experts(self) -> int:
         return int(self.text_config.get("moe_num_experts") or 0)
+
+    def declare_mtp(self, config: dict[str, Any], layers: int) -> None:
+        """Also cut the per-layer lists to trunk + `layers` entries (transformers refuses a
+        `layer_types` of another length), as for a head with fewer layers than the source's."""
+        super().declare_mtp(config, layers)
+        total = self.num_hidden_layers + layers
+        for key in PER_LAYER_FIELDS:
+            if isinstance(config.get(key), list) and len(config[key]) > total:
+                config[key] = config[key][:total]
 
     def head_relative(self, name: str) -> str | None:
         relative = super().head_relative(name)

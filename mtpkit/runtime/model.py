@@ -23,7 +23,10 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from mtpkit.checkpoint.source import HubSource, open_source
+from mtpkit.core.choices import DEFAULT_HIDDEN, HIDDEN_VARIANTS, POST_NORM
 from mtpkit.core.errors import MtpkitError
+from mtpkit.families import BackboneParts, backbone_parts
+from mtpkit.mlxlm import stock_model_classes
 from mtpkit.runtime.headload import HeadWeights, MtpHead, load_head
 from mtpkit.runtime.kernels.gdn_verify import use_fast_verify
 from mtpkit.runtime.kernels.qmv import multi_row_matmuls
@@ -37,9 +40,6 @@ from mtpkit.runtime.rollback.replay import CacheReplay, gdn_covers
 from mtpkit.runtime.rollback.verify_pass import VerifyPass
 from mtpkit.runtime.upcast import moe_dtype, upcast_experts
 
-POST_NORM = "post_norm"
-PRE_NORM = "pre_norm"
-HIDDEN_MODES = (POST_NORM, PRE_NORM)
 # What mlx-lm needs from a Hub repo to load a model and its tokenizer.
 MODEL_FILES = ("*.json", "*.safetensors", "*.py", "*.model", "*.tiktoken", "*.txt", "*.jinja")
 # A tokenizer mlx-lm (through transformers) can build: one of these is needed.
@@ -73,18 +73,6 @@ class HiddenCapture:
     def __init__(self) -> None:
         self.pre: mx.array | None = None
         self.post: mx.array | None = None
-
-
-def inner_model(model: nn.Module) -> nn.Module:
-    """The decoder stack of an mlx-lm model: `model.model`, or `model.backbone` (Nemotron-H)."""
-    inner = getattr(model, "model", None)
-    return inner if inner is not None else model.backbone
-
-
-def final_norm_of(model: nn.Module) -> nn.Module:
-    """The backbone's final norm: `norm`, or `norm_f` (Nemotron-H)."""
-    inner = inner_model(model)
-    return inner.norm if "norm" in inner else inner.norm_f
 
 
 def tap_final_norm(norm: nn.Module) -> HiddenCapture:
@@ -142,6 +130,7 @@ class MtpModel:
     hidden: str
     capture: HiddenCapture
     context_length: int | None
+    parts: BackboneParts
 
     @property
     def moe_dtype(self) -> str | None:
@@ -149,34 +138,20 @@ class MtpModel:
         return moe_dtype(self.model) or (moe_dtype(self.head) if self.head is not None else None)
 
     @property
-    def text_model(self) -> nn.Module:
-        return getattr(self.model, "language_model", self.model)
-
-    @property
-    def inner(self) -> nn.Module:
-        return inner_model(self.model)
-
-    @property
     def final_norm(self) -> nn.Module:
-        return final_norm_of(self.model)
+        return self.parts.final_norm
 
     @property
     def embedding(self) -> nn.Module:
-        """The token embedding (`word_embeddings` in mlx-lm's Bailing models, `embeddings`
-        in Nemotron-H)."""
-        inner = self.inner
-        for name in ("embed_tokens", "word_embeddings"):
-            if name in inner:
-                return inner[name]
-        return inner.embeddings
+        return self.parts.embedding
 
     def embed(self, tokens: mx.array) -> mx.array:
+        """Token embeddings [..., H] of `tokens` [...]."""
         return self.embedding(tokens)
 
     def lm_head(self, x: mx.array) -> mx.array:
-        if "lm_head" in self.text_model:
-            return self.text_model.lm_head(x)
-        return self.embedding.as_linear(x)
+        """Logits [..., V] of hidden states `x` [..., H] (tied: the embedding's as_linear)."""
+        return self.parts.logits(x)
 
     def hidden_state(self) -> mx.array:
         return self.capture.post if self.hidden == POST_NORM else self.capture.pre
@@ -268,13 +243,7 @@ def model_classes_without(
     config: dict[str, Any], drop: Callable[[str], bool]
 ) -> tuple[type[nn.Module], type]:
     """mlx-lm's model class for `config`, whose sanitize first drops the tensors `drop` names."""
-    import inspect
-
-    from mlx_lm.utils import load_model as mlx_load_model
-
-    # mlx-lm's own class lookup, read as the default of its public loader's parameter.
-    stock_classes = inspect.signature(mlx_load_model).parameters["get_model_classes"].default
-    model_cls, args_cls = stock_classes(config)
+    model_cls, args_cls = stock_model_classes(config)
 
     class WithoutHead(model_cls):  # type: ignore[misc, valid-type]
         def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
@@ -403,12 +372,17 @@ def load_model(
     upcast_experts([model, head], what=str(path))
     if hidden is None:
         manifest = head_weights.manifest if head_weights is not None else None
-        hidden = (manifest or {}).get("hidden") or POST_NORM
-    if hidden not in HIDDEN_MODES:
-        raise GenerateError(f"--hidden must be one of {', '.join(HIDDEN_MODES)}, not {hidden!r}")
-    capture = tap_final_norm(final_norm_of(model))
+        hidden = (manifest or {}).get("hidden") or DEFAULT_HIDDEN
+    if hidden not in HIDDEN_VARIANTS:
+        raise GenerateError(
+            f"--hidden must be one of {', '.join(HIDDEN_VARIANTS)}, not {hidden!r}"
+        )
+    parts = backbone_parts(model, config)
+    capture = tap_final_norm(parts.final_norm)
     tap_gated_delta_layers(model)
     use_fast_verify(model)  # CUDA only: one-kernel recurrence and multi-row matmuls
     text = config.get("text_config") or config
     context = text.get("max_position_embeddings") or config.get("max_position_embeddings")
-    return MtpModel(path, model, tokenizer, config, head, head_weights, hidden, capture, context)
+    return MtpModel(
+        path, model, tokenizer, config, head, head_weights, hidden, capture, context, parts
+    )

@@ -1,10 +1,15 @@
-"""Which drafts a verify pass keeps, decided on the device: greedy matching and exact
+"""Which drafts a verify pass accepts, decided on the device: greedy matching and exact
 rejection sampling, packed into one small array so that a round reads the host once.
 
+The head is the proposer: it drafts K tokens; the backbone (the target) verifies them in one
+pass. The accepted drafts are followed by one token of the backbone's own: the bonus token
+when every draft is accepted, else the recovered token that replaces the first rejected one
+(greedy: the backbone's argmax there; sampling: a draw from the residual distribution).
+
 `verdict` returns, lazily:
-- `packed` int32: what `read_verdict` turns into the number of drafts kept, the backbone's
-  token after them, and the drafts (greedy: the backbone's argmaxes and the drafts;
-  sampling: the count, the token, the drafts);
+- `packed` int32: what `read_verdict` turns into the number of accepted drafts, the bonus or
+  recovered token after them, and the drafts (greedy: the backbone's argmaxes and the
+  drafts; sampling: the count, the token, the drafts);
 - `followers` int32 [K+1]: the confirmed token after each verify input (valid up to the
   number kept), which the head pairs with the backbone's hidden states next round.
 """
@@ -16,11 +21,13 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
+from mtpkit.core.choices import TOP_P_OFF
+
 
 @dataclass(frozen=True)
 class SamplingSettings:
     temp: float = 0.0
-    top_p: float = 0.0
+    top_p: float = TOP_P_OFF
     top_k: int = 0
 
     @property
@@ -66,8 +73,8 @@ def sampled_verdict(
 
     `target` [K+1, V] are the backbone's distributions after each verify input, `draft`
     [K, V] the head's distributions each draft was drawn from. Draft j is kept with
-    probability min(1, p_j(d)/q_j(d)); on the first rejection the next token is drawn from
-    normalize(max(p_j - q_j, 0)); when all are kept, from p_K. Each position gets its own
+    probability min(1, p_j(d)/q_j(d)); on the first rejection the recovered token is drawn
+    from normalize(max(p_j - q_j, 0)); when all are accepted, the bonus token from p_K. Each position gets its own
     uniform and its own residual draw; only those up to the first rejection are used, so the
     decisions are the sequential algorithm's.
 
@@ -102,7 +109,8 @@ def verdict(
 
 
 def read_verdict(packed: mx.array, greedy: bool) -> tuple[int, int, list[int]]:
-    """The round's one host read: drafts kept, the token after them, the drafts."""
+    """The round's one host read: accepted drafts, the bonus or recovered token after them,
+    the drafts."""
     values = packed.tolist()
     if not greedy:
         kept, token, *drafts = values

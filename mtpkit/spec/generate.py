@@ -16,9 +16,11 @@ from typing import Any
 
 import mlx.core as mx
 
+from mtpkit.core.choices import MAX_DEPTH, MIN_DEPTH, TOP_P_OFF, require_depth
 from mtpkit.core.errors import MtpkitError
+from mtpkit.core.prompts import encode_prompt
 from mtpkit.runtime.model import GenerateError, MtpModel, NoMtpHead, load_model, untapped
-from mtpkit.spec.decode import MAX_DEPTH, MtpDecoder, SamplingSettings, Stats
+from mtpkit.spec.decode import MtpDecoder, SamplingSettings, Stats
 
 GREEDY = SamplingSettings()
 
@@ -65,19 +67,6 @@ class GenerationResult:
         }
 
 
-def encode_prompt(m: MtpModel, prompt: str, *, chat_template: bool = True) -> list[int]:
-    tokenizer = m.tokenizer
-    if chat_template and getattr(tokenizer, "chat_template", None):
-        return list(
-            tokenizer.apply_chat_template(
-                [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True
-            )
-        )
-    bos = getattr(tokenizer, "bos_token", None)
-    add_special = bos is None or not prompt.startswith(bos)
-    return list(tokenizer.encode(prompt, add_special_tokens=add_special))
-
-
 def check_prompt(m: MtpModel, prompt: list[int]) -> None:
     if not prompt:
         raise GenerateError("the prompt is empty")
@@ -100,8 +89,7 @@ def stream_tokens(
     seed: int | None = None,
 ) -> tuple[Iterator[int], Callable[[], Stats]]:
     """Token ids as they are confirmed, and a function giving the run's statistics."""
-    if not 1 <= depth <= MAX_DEPTH:
-        raise GenerateError(f"--depth must be between 1 and {MAX_DEPTH}, not {depth}")
+    require_depth(depth)
     check_prompt(m, prompt)
     if seed is not None:
         mx.random.seed(seed)
@@ -115,7 +103,7 @@ def warm_up(m: MtpModel, prompt: list[int], *, mtp: bool, depth: int = 1) -> Non
     """A short untimed greedy run down the same path, so that the reported rates leave out
     MLX's first-call costs (its CPU backend compiles kernels on first use), as the warm-up
     of mlx-lm's own benchmark does. Nothing of it is kept (fresh caches, no sampling)."""
-    if not 1 <= depth <= MAX_DEPTH:
+    if not MIN_DEPTH <= depth <= MAX_DEPTH:
         return  # stream_tokens reports it
     it, _ = stream_tokens(m, prompt[:2], max_tokens=depth + 1, mtp=mtp, depth=depth)
     for _ in it:
@@ -162,7 +150,7 @@ def generate(
     mtp: bool | str = True,
     depth: int = 1,
     temp: float = 0.0,
-    top_p: float = 0.0,
+    top_p: float = TOP_P_OFF,
     top_k: int = 0,
     seed: int | None = None,
     hidden: str | None = None,
@@ -184,7 +172,7 @@ def generate(
     tokens = (
         prompt
         if isinstance(prompt, list)
-        else encode_prompt(m, prompt, chat_template=chat_template)
+        else encode_prompt(m.tokenizer, prompt, chat_template=chat_template)
     )
     sampling = SamplingSettings(temp=temp, top_p=top_p, top_k=top_k)
     check_prompt(m, tokens)
@@ -272,7 +260,7 @@ def measure_acceptance(
         raise NoMtpHead(f"{m.path} has no MTP head: run `mtpkit inspect` and `mtpkit convert`")
     drafted = accepted = 0
     for text in prompts:
-        tokens = encode_prompt(m, text, chat_template=chat_template)
+        tokens = encode_prompt(m.tokenizer, text, chat_template=chat_template)
         check_prompt(m, tokens)
         decoder = MtpDecoder(m, tokens, depth=1, sampling=SamplingSettings(), adaptive=False)
         for _ in decoder.tokens(max_tokens):

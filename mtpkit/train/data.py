@@ -29,6 +29,7 @@ from typing import Any
 import mlx.core as mx
 
 from mtpkit.core.errors import MtpkitError
+from mtpkit.core.prompts import encode_prompt, has_chat_template
 
 # Prompts the default self-generated corpus starts from: a spread of prose, code and lists,
 # none of them among `mtpkit.core.prompts`' (what `check` measures acceptance on).
@@ -96,10 +97,6 @@ def check_files(files: Sequence[str]) -> None:
 # --------------------------------------------------------------------------- tokenizing
 
 
-def has_chat_template(tokenizer: Any) -> bool:
-    return bool(getattr(tokenizer, "chat_template", None))
-
-
 def encode_text(tokenizer: Any, text: str) -> list[int]:
     return list(tokenizer.encode(text))
 
@@ -108,13 +105,6 @@ def encode_chat(tokenizer: Any, messages: list[dict[str, str]], *, generation: b
     return list(
         tokenizer.apply_chat_template(messages, add_generation_prompt=generation, tokenize=True)
     )
-
-
-def encode_prompt(tokenizer: Any, prompt: str, chat_template: bool) -> list[int]:
-    """A generation prompt: a user turn where the tokenizer has a chat template."""
-    if chat_template and has_chat_template(tokenizer):
-        return encode_chat(tokenizer, [{"role": "user", "content": prompt}], generation=True)
-    return encode_text(tokenizer, prompt)
 
 
 def end_token(tokenizer: Any) -> int:
@@ -237,7 +227,7 @@ def generate_pool(
     eos = eos_ids(tokenizer)
     pool = []
     for i, text in enumerate(prompts):
-        prompt = encode_prompt(tokenizer, text, spec.chat_template)[: length - 1]
+        prompt = encode_prompt(tokenizer, text, chat_template=spec.chat_template)[: length - 1]
         rows = sample_continuations(
             model,
             prompt,
@@ -291,7 +281,7 @@ def greedy_sequences(
     drafting run would verify, for the held-out acceptance (its length)."""
     out = []
     for text in prompts:
-        prompt = encode_prompt(tokenizer, text, chat_template)
+        prompt = encode_prompt(tokenizer, text, chat_template=chat_template)
         rows = sample_continuations(model, prompt, count=1, max_tokens=max_tokens, temperature=0.0)
         out.append((prompt + rows[0], len(prompt)))
     return out

@@ -16,7 +16,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
-from mtpkit.families import Family
+from mtpkit.families import BackboneParts, Family
 from mtpkit.families.head import MtpHead
 
 
@@ -58,10 +58,10 @@ def source_layer(block: nn.Module, layers: list[nn.Module]) -> tuple[int, dict[s
 
 
 def initial_head(
-    family: Family, model: nn.Module, inner: nn.Module, depth_layers: int = 1
+    family: Family, model: nn.Module, parts: BackboneParts, depth_layers: int = 1
 ) -> tuple[MtpHead, dict[str, Any]]:
-    """The family's head for `model` (mlx-lm's, `inner` its decoder stack), in float32, and
-    a record of where each part came from (for the manifest).
+    """The family's head for `model` (mlx-lm's, `parts` its backbone parts), in float32,
+    and a record of where each part came from (for the manifest).
 
     - every MTP layer's decoder block: the last backbone layer of the same shape;
     - `fc` over [embedding; hidden]: half of each input ([I/2, I/2]), so the block starts
@@ -76,16 +76,16 @@ def initial_head(
     for i, layer in enumerate(head.layers):
         # The block alone: a DeepSeek-style layer also holds the projection and norms.
         block_names = set(dict(tree_flatten(layer.parameters())))
-        index, params = source_layer(layer, list(inner.layers))
+        index, params = source_layer(layer, parts.layers)
         if index < 0:
-            params = _block_only(layer, inner.layers, block_names)
-            index = -1 if not params else len(inner.layers) - 1
+            params = _block_only(layer, parts.layers, block_names)
+            index = -1 if not params else len(parts.layers) - 1
         weights += [(f"layers.{i}.{k}", v) for k, v in params.items()]
         record["block_from_layer"] = index if index >= 0 else None
     hidden = head.projection(0).weight.shape[0]
     eye = mx.eye(hidden, dtype=mx.float32) * 0.5
-    final_norm = float_parameters(inner.norm)["weight"]
-    for i in range(len(head.layers)):
+    final_norm = float_parameters(parts.final_norm)["weight"]
+    for i in range(head.num_steps):
         head.projection(i).weight = mx.concatenate([eye, eye], axis=1)
         head.norm_embedding(i).weight = mx.ones((hidden,), dtype=mx.float32)
         head.norm_hidden(i).weight = mx.ones((hidden,), dtype=mx.float32)

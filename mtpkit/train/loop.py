@@ -35,18 +35,17 @@ import mlx.core as mx
 import mlx.nn as nn
 import mlx.optimizers as optim
 
+from mtpkit.core.choices import POST_NORM, require_depth
 from mtpkit.core.errors import MtpkitError
 from mtpkit.core.prompts import BUILTIN_PROMPTS
 from mtpkit.families import family_for
 from mtpkit.families.head import MtpHead
-from mtpkit.runtime.model import POST_NORM, MtpModel, load_model
+from mtpkit.runtime.model import MtpModel, load_model
 from mtpkit.spec.decode import MtpDecoder, SamplingSettings
 from mtpkit.train.checkpoint import load_checkpoint, save_checkpoint
 from mtpkit.train.data import ChunkStream, DataSpec, end_token, generate_pool, greedy_sequences
 from mtpkit.train.init_head import initial_head
 from mtpkit.train.output import head_dtype
-
-MAX_ROLLOUT = 4
 
 
 class TrainError(MtpkitError):
@@ -75,8 +74,7 @@ class TrainSettings:
     def check(self) -> None:
         if self.steps < 1 or self.batch_size < 1 or self.seq_len < 2 + self.depth:
             raise TrainError("--steps and --batch-size must be >= 1, --seq-len >= depth + 2")
-        if not 1 <= self.depth <= MAX_ROLLOUT:
-            raise TrainError(f"--depth must be between 1 and {MAX_ROLLOUT}, not {self.depth}")
+        require_depth(self.depth)
         if self.lr <= 0:
             raise TrainError(f"--lr must be positive, not {self.lr}")
         if self.weight_decay < 0 or self.grad_clip < 0:
@@ -157,7 +155,10 @@ def backbone_pass(m: MtpModel, tokens: mx.array) -> tuple[mx.array, mx.array]:
 def head_steps(
     head: MtpHead, m: MtpModel, hidden: mx.array, embedded: mx.array, depth: int
 ) -> list[mx.array]:
-    """Head logits for steps 0..depth-1: step j's row k drafts t_{k+2+j} (teacher forced)."""
+    """Head logits for steps 0..depth-1: step j's row k drafts t_{k+2+j} (teacher forced).
+
+    `hidden` [B, T, H] (float32) and `embedded` [B, T, H] come from `backbone_pass` and the
+    embedding; step j's logits are [B, T - 1 - j, V] (float32)."""
     out = []
     prev = hidden[:, :-1]
     for j in range(depth):
@@ -176,7 +177,8 @@ def distillation_loss(
     teacher: mx.array,
     depth: int,
 ) -> mx.array:
-    """Mean over rollout steps and positions of KL(backbone || head)."""
+    """Mean over rollout steps and positions of KL(backbone || head); `teacher` [B, T, V] is
+    the backbone's log-probabilities (`backbone_pass`)."""
     total = mx.array(0.0)
     for j, logits in enumerate(head_steps(head, m, hidden, embedded, depth)):
         logq = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
@@ -320,7 +322,7 @@ def train_head(
     cpu_started = time.process_time()
     m = load_model(model, with_head=False)
     family = family_for(m.config)
-    head, init = initial_head(family, m.model, m.inner, 1)
+    head, init = initial_head(family, m.model, m.parts, 1)
     opt = make_optimizer(settings)
     opt.init(head.trainable_parameters())
     first_step = 0
@@ -372,7 +374,7 @@ def train_head(
         peak_mlx_bytes=int(mx.get_peak_memory()),
         settings=settings.record(),
         init=init,
-        dtype=head_dtype(m.model),
+        dtype=head_dtype(m.embedding),
         hidden=m.hidden,
         head=head,
     )
@@ -389,37 +391,23 @@ def default_checkpoint_dir(output: Path | None, into: Path | None) -> Path:
 def train_and_write(
     model: str,
     *,
+    settings: TrainSettings = TrainSettings(),
     output: Path | None = None,
     into: Path | None = None,
     force: bool = False,
-    data: list[str] | None = None,
-    prompts: str | None = None,
-    samples_per_prompt: int | None = None,
-    temperature: float = 0.7,
-    chat_template: bool = True,
     checkpoint_dir: Path | None = None,
     resume: bool = False,
     quiet: bool = False,
-    **settings: Any,
 ) -> dict[str, Any]:
     """What `mtpkit train-head` does: train, write the head (`mtpkit.train.output`), drop
-    the checkpoints; returns the `--json` summary. `settings` are `TrainSettings` fields."""
+    the checkpoints; returns the `--json` summary."""
     from mtpkit.core.console import log, step_bar
-    from mtpkit.core.prompts import read_prompts
     from mtpkit.train.output import check_destination, write_trained_head
 
     check_destination(output, into, force, model)
-    spec = DataSpec(
-        files=tuple(data or ()),
-        prompts=tuple(read_prompts(prompts)) if prompts else None,
-        samples_per_prompt=samples_per_prompt,
-        temperature=temperature,
-        chat_template=chat_template,
-    )
-    run_settings = TrainSettings(data=spec, **settings)
-    run_settings.check()
+    settings.check()
     checkpoints = checkpoint_dir or default_checkpoint_dir(output, into)
-    bar = step_bar(run_settings.steps, desc="train-head", quiet=quiet)
+    bar = step_bar(settings.steps, desc="train-head", quiet=quiet)
     status: dict[str, Any] = {}
 
     def on_step(step: int, loss: float, acc: float | None) -> None:
@@ -432,7 +420,7 @@ def train_and_write(
     try:
         result = train_head(
             model,
-            settings=run_settings,
+            settings=settings,
             checkpoint_dir=checkpoints,
             resume=resume,
             log=(lambda s: None) if quiet else log,

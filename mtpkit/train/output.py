@@ -21,9 +21,9 @@ from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
+import mlx.nn as nn
 from mlx.utils import tree_flatten
 
-from mtpkit import __version__
 from mtpkit.convert.destination import (
     FileSwap,
     claim_output,
@@ -33,15 +33,16 @@ from mtpkit.convert.destination import (
 )
 from mtpkit.convert.writer import read_config, write_config
 from mtpkit.core.errors import MtpkitError
-from mtpkit.core.manifest import (
-    HEAD_WEIGHTS_PATH,
-    MANIFEST_FORMAT,
-    MANIFEST_PATH,
-    PLAIN,
-    SHIFTED,
-    write_manifest,
+from mtpkit.core.manifest import HEAD_WEIGHTS_PATH, MANIFEST_PATH, head_manifest, write_manifest
+from mtpkit.core.peers import (
+    PEER_HEAD_FILE,
+    declare_for_peers,
+    peer_manifest_keys,
+    peer_name,
+    writes_peer_head,
 )
 from mtpkit.families import Family, family_for
+from mtpkit.families.base import expert_layout
 from mtpkit.families.head import MtpHead
 
 HEAD_DIR = str(Path(HEAD_WEIGHTS_PATH).parent)
@@ -104,12 +105,10 @@ def refuse_inline_head(model_dir: Path, what: str) -> None:
         )
 
 
-def head_dtype(model: Any) -> str:
+def head_dtype(embedding: nn.Module) -> str:
     """The dtype to store the head in: the backbone's embedding dtype when it is floating
     (its scales' when quantized), else bfloat16."""
-    embed = model.language_model.model if hasattr(model, "language_model") else model.model
-    table = embed.embed_tokens
-    dtype = getattr(table, "scales", table.weight).dtype
+    dtype = getattr(embedding, "scales", embedding.weight).dtype
     return next((name for name, d in DTYPES.items() if d == dtype), "bfloat16")
 
 
@@ -121,32 +120,31 @@ def head_tensors(head: MtpHead, family: Family, dtype: str) -> dict[str, mx.arra
 
 
 def training_manifest(
-    family: Family, config: dict[str, Any], *, dtype: str, hidden: str, training: dict[str, Any]
+    family: Family,
+    config: dict[str, Any],
+    tensors: dict[str, mx.array],
+    *,
+    dtype: str,
+    hidden: str,
+    training: dict[str, Any],
 ) -> dict[str, Any]:
     """The sidecar manifest of a trained head (`mtpkit.core.manifest` keys plus `training`)."""
-    return {
-        "format": MANIFEST_FORMAT,
-        "mtpkit_version": __version__,
-        "family": family.name,
-        "model_type": config.get("model_type"),
-        "source": {"spec": training.get("model"), "revision": None, "commit": None},
-        "weights": Path(HEAD_WEIGHTS_PATH).name,
-        "prefix": family.head_prefix,
-        "num_layers": 1,
-        "layout": "sidecar",
+    manifest = head_manifest(
+        family,
+        model_type=config.get("model_type"),
+        source={"spec": training.get("model"), "revision": None, "commit": None},
+        num_layers=1,
+        layout="sidecar",
         # Trained in mlx's own convention: a weight is what RMSNorm multiplies by.
-        "rmsnorm_weight_format": SHIFTED if family.zero_centred_norms else PLAIN,
-        "norm_shift": {"backbone": [], "mtp": [], "dtype": None},
-        "hidden": hidden,
-        "concat_order": family.concat_order,
-        "expert_layout": {"source": None, "output": "dense"},
-        "mtp_dtype": dtype,
-        "mtp_quantization": None,
-        "mtp_quantization_paths": {},
-        "backbone_quantization": _backbone_quantization(config),
-        "dropped": [],
-        "training": training,
-    }
+        shifted={"backbone": [], "mtp": []},
+        hidden=hidden,
+        expert_layout={"source": None, "output": expert_layout(tensors)},
+        mtp_dtype=dtype,
+        head_quant={},
+        backbone_quant=_backbone_quantization(config),
+        dropped=[],
+    )
+    return {**manifest, "training": training}
 
 
 def _backbone_quantization(config: dict[str, Any]) -> dict[str, int] | None:
@@ -162,9 +160,12 @@ def _write_sidecar(directory: Path, tensors: dict[str, mx.array], manifest: dict
     write_manifest(directory / Path(MANIFEST_PATH).name, manifest)
 
 
-def _declared_config(model_dir: Path, family: Family) -> dict[str, Any]:
-    """The model's config with one MTP layer declared and any old head's quantization
-    entries dropped (the trained head is stored unquantized)."""
+def _declared_config(
+    model_dir: Path, family: Family, hidden: str
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The model's config with one MTP layer declared, any old head's quantization entries
+    dropped (the trained head is stored unquantized) and the head declared for the runtimes
+    (`mtpkit.core.peers`); and the keys dropped from it."""
     config = read_config(model_dir / "config.json")
     family.declare_mtp(config, 1)
     for key in ("quantization", "quantization_config"):
@@ -172,7 +173,26 @@ def _declared_config(model_dir: Path, family: Family) -> dict[str, Any]:
             config[key] = {
                 k: v for k, v in config[key].items() if not k.startswith(family.head_prefix)
             }
-    return config
+    dropped = declare_for_peers(
+        config,
+        family_name=family.name,
+        head_prefix=family.head_prefix,
+        head_quant={},
+        hidden=hidden,
+    )
+    return config, dropped
+
+
+def _save_head(path: Path, tensors: dict[str, mx.array]) -> None:
+    """`mx.save_safetensors` to exactly `path` (it appends `.safetensors` to other names)."""
+    mx.save_safetensors(str(path), tensors, {"format": "mlx"})
+    if path.suffix != ".safetensors":
+        os.replace(f"{path}.safetensors", path)
+
+
+def _peer_head(tensors: dict[str, mx.array], family: Family) -> dict[str, mx.array]:
+    """The head as the MLX runtimes read it (`mtp.safetensors`, keys `mtp.<path>`)."""
+    return {peer_name(k, family.head_prefix): v for k, v in tensors.items()}
 
 
 def write_trained_head(
@@ -199,12 +219,16 @@ def write_trained_head(
         raise OutputError(
             f"--into {into} is a {family_for(target_config).name} model, the head is {family.name}"
         )
-    manifest = training_manifest(family, config, dtype=dtype, hidden=hidden, training=training)
+    declared, dropped = _declared_config(into if into is not None else model, family, hidden)
     tensors = head_tensors(head, family, dtype)
+    manifest = training_manifest(
+        family, config, tensors, dtype=dtype, hidden=hidden, training=training
+    )
+    manifest.update(peer_manifest_keys(family.name, dropped))
     if into is not None:
-        _install(into, family, tensors, manifest)
+        _install(into, family, tensors, manifest, declared)
     else:
-        _write_copy(model, output, family, tensors, manifest)
+        _write_copy(model, output, family, tensors, manifest, declared)
     return target
 
 
@@ -219,6 +243,7 @@ def _write_copy(
     family: Family,
     tensors: dict[str, mx.array],
     manifest: dict[str, Any],
+    config: dict[str, Any],
 ) -> None:
     with new_directory(output.absolute()) as tmp:
         for item in model.iterdir():
@@ -228,24 +253,31 @@ def _write_copy(
                 shutil.copytree(item, tmp / item.name)
             else:
                 shutil.copy2(item, tmp / item.name)
-        write_config(tmp / "config.json", _declared_config(model, family))
+        write_config(tmp / "config.json", config)
         _write_sidecar(tmp / HEAD_DIR, tensors, manifest)
+        if writes_peer_head(family.name):
+            _save_head(tmp / PEER_HEAD_FILE, _peer_head(tensors, family))
 
 
 def _install(
-    into: Path, family: Family, tensors: dict[str, mx.array], manifest: dict[str, Any]
+    into: Path,
+    family: Family,
+    tensors: dict[str, mx.array],
+    manifest: dict[str, Any],
+    config: dict[str, Any],
 ) -> None:
     """The head's files written beside their targets in `into` and moved over them, as a
     graft does; a failure leaves `into` as it was."""
     targets = install_targets(into)
-    remove_stale(targets)
+    peer = writes_peer_head(family.name)
+    remove_stale(targets + ([into / PEER_HEAD_FILE] if peer else []))
     swap = FileSwap(into)
     try:
-        weights = swap.temp_for(targets[0])
-        mx.save_safetensors(str(weights), tensors, {"format": "mlx"})
-        os.replace(f"{weights}.safetensors", weights)  # mlx adds the suffix
+        _save_head(swap.temp_for(targets[0]), tensors)
         write_manifest(swap.temp_for(targets[1]), manifest)
-        write_config(swap.temp_for(targets[2]), _declared_config(into, family))
+        if peer:
+            _save_head(swap.temp_for(into / PEER_HEAD_FILE), _peer_head(tensors, family))
+        write_config(swap.temp_for(targets[2]), config)  # last: it declares the head
         swap.commit()
     except BaseException as e:
         swap.abort()

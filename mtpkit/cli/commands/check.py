@@ -16,7 +16,7 @@ from mtpkit.cli.options import (
 
 
 @friendly_errors
-def check(
+def check_command(
     source: SourceArg,
     revision: RevisionOpt = None,
     json_output: JsonOpt = False,

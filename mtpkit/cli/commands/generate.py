@@ -33,7 +33,7 @@ MtpAutoArg = Annotated[str | None, typer.Argument(hidden=True, metavar="[auto]")
 
 
 @friendly_errors
-def generate(
+def generate_command(
     model: Annotated[str, typer.Option("--model", "-m", help="A model directory or Hub repo id.")],
     prompt: Annotated[str, typer.Option("--prompt", "-p", help="The prompt; - reads stdin.")],
     max_tokens: Annotated[
@@ -81,13 +81,13 @@ def generate(
     text = read_stdin_prompt() if prompt == "-" else prompt
 
     from mtpkit.cli.output import print_generate, print_json
-    from mtpkit.spec.generate import generate as run_generate
+    from mtpkit.spec.generate import generate
 
     def stream(segment: str) -> None:
         sys.stdout.write(segment)
         sys.stdout.flush()
 
-    result = run_generate(
+    result = generate(
         model,
         text,
         max_tokens=max_tokens,

@@ -16,7 +16,7 @@ from mtpkit.cli.options import (
 
 
 @friendly_errors
-def inspect(
+def inspect_command(
     source: SourceArg,
     revision: RevisionOpt = None,
     json_output: JsonOpt = False,
@@ -34,6 +34,8 @@ def inspect(
     """Report a checkpoint's MTP head from its config, index and safetensors headers.
 
     Reads no weights: on the Hub only the JSON files and a few kilobytes per shard are fetched.
+
+    Also says how the head is stored (mtpkit's sidecar, inline, a raw checkpoint, vllm-mlx's or MTPLX's sidecars, an mlx-vlm drafter directory) and which runtimes run the directory, with its head or plainly (mlx-lm, mtpkit, mlx-vlm, MTPLX, Rapid-MLX, vllm-mlx, LM Studio).
 
     Exit 0 when the checkpoint could be read (problems are listed, not fatal), 3 with --require-mtp when the head is not usable, 1 on an error.
     """

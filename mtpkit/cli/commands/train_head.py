@@ -8,6 +8,7 @@ from typing import Annotated
 import typer
 
 from mtpkit.cli.options import JsonOpt, friendly_errors
+from mtpkit.core.choices import MAX_DEPTH, MIN_DEPTH
 
 # The options, named here to keep the command's signature short.
 OutputOpt = Annotated[
@@ -34,7 +35,10 @@ GradClipOpt = Annotated[
 ]
 SeedOpt = Annotated[int, typer.Option("--seed", help="Seed of the data, sampling and order.")]
 DepthOpt = Annotated[
-    int, typer.Option("--depth", min=1, max=4, help="Rollout steps trained (1: NextN only).")
+    int,
+    typer.Option(
+        "--depth", min=MIN_DEPTH, max=MAX_DEPTH, help="Rollout steps trained (1: NextN only)."
+    ),
 ]
 DataOpt = Annotated[
     list[Path] | None,
@@ -94,7 +98,7 @@ QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="No progress bar."
 
 
 @friendly_errors
-def train_head(
+def train_head_command(
     model: Annotated[str, typer.Argument(help="An MLX model directory (or Hub repo id).")],
     output: OutputOpt = None,
     into: IntoOpt = None,
@@ -136,13 +140,18 @@ def train_head(
 
     check_files([str(p) for p in data or []])
 
-    from mtpkit.train.loop import train_and_write
+    from mtpkit.core.prompts import read_prompts
+    from mtpkit.train.data import DataSpec
+    from mtpkit.train.loop import TrainSettings, train_and_write
 
-    result = train_and_write(
-        model,
-        output=output,
-        into=into,
-        force=force,
+    spec = DataSpec(
+        files=tuple(str(p) for p in data or []),
+        prompts=tuple(read_prompts(prompts)) if prompts else None,
+        samples_per_prompt=samples,
+        temperature=temperature,
+        chat_template=chat_template,
+    )
+    settings = TrainSettings(
         steps=steps,
         lr=lr,
         batch_size=batch_size,
@@ -151,13 +160,16 @@ def train_head(
         grad_clip=grad_clip,
         seed=seed,
         depth=depth,
-        data=[str(p) for p in data or []],
-        prompts=str(prompts) if prompts else None,
-        samples_per_prompt=samples,
-        temperature=temperature,
-        chat_template=chat_template,
         eval_every=eval_every,
         checkpoint_every=checkpoint_every,
+        data=spec,
+    )
+    result = train_and_write(
+        model,
+        settings=settings,
+        output=output,
+        into=into,
+        force=force,
         checkpoint_dir=checkpoint_dir,
         resume=resume,
         quiet=quiet or json_output,

@@ -232,18 +232,26 @@ def _launch(kernel_of, threadgroup, q, k, v, a, b, A_log, dt_bias, state, mask, 
     return y, [states[t] for t in range(T)]
 
 
-def gdn_verify_cuda(original: Callable[..., Any], q, k, v, a, b, A_log, dt_bias, state, mask, **kwargs):  # noqa: N803, E501
+def gdn_verify_cuda(
+    original: Callable[..., Any], q, k, v, a, b, A_log, dt_bias, state, mask, **kwargs
+):  # noqa: N803, E501
     """`gdn.stepwise_verify`'s results from one CUDA kernel launch over all T tokens."""
     if not kernel_supports(q, v, kwargs):
         return stepwise_verify(original, q, k, v, a, b, A_log, dt_bias, state, mask, **kwargs)
-    return _launch(cuda_verify_kernel, (32, 4, 1), q, k, v, a, b, A_log, dt_bias, state, mask, kwargs)
+    return _launch(
+        cuda_verify_kernel, (32, 4, 1), q, k, v, a, b, A_log, dt_bias, state, mask, kwargs
+    )
 
 
-def gdn_verify_metal(original: Callable[..., Any], q, k, v, a, b, A_log, dt_bias, state, mask, **kwargs):  # noqa: N803, E501
+def gdn_verify_metal(
+    original: Callable[..., Any], q, k, v, a, b, A_log, dt_bias, state, mask, **kwargs
+):  # noqa: N803, E501
     """The Metal twin of `gdn_verify_cuda` (not run yet: written for Apple GPUs)."""
     if not kernel_supports(q, v, kwargs):
         return stepwise_verify(original, q, k, v, a, b, A_log, dt_bias, state, mask, **kwargs)
-    return _launch(metal_verify_kernel, (32, 4, 1), q, k, v, a, b, A_log, dt_bias, state, mask, kwargs)
+    return _launch(
+        metal_verify_kernel, (32, 4, 1), q, k, v, a, b, A_log, dt_bias, state, mask, kwargs
+    )
 
 
 def cuda_available() -> bool:
@@ -280,8 +288,9 @@ SELF_CHECK_TOLERANCE = 1e-4
 
 def use_fast_verify(model: nn.Module) -> list[str]:
     """On a CUDA GPU: the one-kernel gated-delta-net verify if `model` has such layers (after
-    a self-check against the reference), and, where asked (`MTPKIT_QMV=1`; not yet shown to
-    pay), the multi-row quantized matmul for the verify pass. Returns what it installed."""
+    a self-check against the reference), and the multi-row quantized matmul for the verify
+    pass on the matrices where it was measured to win (`qmv.WIDE_WEIGHTS`: the lm_head;
+    `MTPKIT_QMV=1`: every quantized layer, `0`: none). Returns what it installed."""
     if os.environ.get("MTPKIT_KERNELS", "1") == "0" or not cuda_available():
         return []
     from mtpkit.core.console import log
@@ -299,6 +308,29 @@ def use_fast_verify(model: nn.Module) -> list[str]:
             installed.append("gdn_verify")
         else:
             log(f"warning: the CUDA gated-delta-net verify kernel {detail}; using the reference")
-    if os.environ.get("MTPKIT_QMV", "0") == "1" and qmv.tap_quantized_layers(model):
-        installed.append("qmv")
+    routing = os.environ.get("MTPKIT_QMV", "wide")
+    if routing != "0" and _qmv_checked(log):
+        qmv.set_min_weights(0 if routing == "1" else qmv.WIDE_WEIGHTS)
+        if qmv.tap_quantized_layers(model):
+            installed.append("qmv")
     return installed
+
+
+_QMV_VERDICT: list[bool] = []
+
+
+def _qmv_checked(log: Callable[[str], None]) -> bool:
+    """The multi-row matmul's self-check, once per process (a kernel that fails to build or
+    to agree leaves MLX's matmul, with one warning line)."""
+    if not _QMV_VERDICT:
+        try:
+            error = qmv.self_check()
+        except Exception as e:
+            error, detail = float("inf"), f"{type(e).__name__}: {e}".splitlines()[0]
+        else:
+            detail = f"differs from MLX's by {error:.1e} (relative)"
+        ok = error <= qmv.SELF_CHECK_TOLERANCE
+        if not ok:
+            log(f"warning: the CUDA multi-row quantized matmul {detail}; using MLX's")
+        _QMV_VERDICT.append(ok)
+    return _QMV_VERDICT[0]

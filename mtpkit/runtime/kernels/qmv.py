@@ -42,8 +42,13 @@ WARP_STEP = 32 * CHUNK  # weights of one row a warp covers per step
 WARPS_PER_BLOCK = 8
 # Output features per warp (1: most warps in flight; >1: the rows' x values reused).
 COLUMNS_PER_WARP = 1
-# Smallest weight matrix (out features * in features) routed to the kernel; below it a
-# launch of either kernel costs about the same. Measured by bench/gpu_kernels.py.
+# Smallest weight matrix (out features * in features) routed to the kernel. Measured on an
+# H100 (issue 18, bench/gpu_kernels.py): on the 248,320 x 1024 lm_head MLX's kernel costs
+# 164 / 309 / 454 / 601 us for 1..4 rows and this one 86-92 us, while on a 16 x 1024
+# matrix this one costs ~2x MLX's (27 vs 12 us), and routing every layer made a verify
+# slower. So by default only very wide matrices take it (the lm_head and the like, at least
+# 64M weights); MTPKIT_QMV=1 routes every quantized layer (`set_min_weights(0)`).
+WIDE_WEIGHTS = 64 * 1024 * 1024
 MIN_WEIGHTS = 0
 
 HEADER = """
@@ -289,6 +294,12 @@ def rows_of(shape: tuple[int, ...]) -> int:
     return math.prod(shape[:-1])
 
 
+def set_min_weights(n: int) -> None:
+    """Route only matrices of at least `n` weights to the kernel (see `WIDE_WEIGHTS`)."""
+    global MIN_WEIGHTS
+    MIN_WEIGHTS = n
+
+
 def takes_kernel(rows: int, n: int, k: int) -> bool:
     """Whether `rows` rows against an [n, k] matrix go to the kernel: only the verify's few
     rows, and only matrices big enough that it measurably pays (`MIN_WEIGHTS`)."""
@@ -446,3 +457,29 @@ def tap_quantized_layers(model: nn.Module) -> int:
             module.__class__ = tapped
         count += isinstance(module, tuple(_TAPS.values()))
     return count
+
+
+def self_check() -> float:
+    """Largest relative difference between the kernel (both variants) and MLX's quantized
+    matmul on a small case: 3 rows, 4-bit, bfloat16 and float32."""
+    worst = 0.0
+    for dtype, variant in ((mx.bfloat16, "mma"), (mx.float32, "fma")):
+        n, k, gs = 256, 512, 64
+        key_w, key_x = mx.random.split(mx.random.key(1))
+        w, scales, biases = mx.quantize(mx.random.normal((n, k), key=key_w).astype(dtype), gs, 4)
+        x = mx.random.normal((1, 3, k), key=key_x).astype(dtype)
+        if variant == "mma" and not mma_shape_ok(
+            rows=3, n=n, k=k, group_size=gs, dtypes=(x.dtype, scales.dtype, biases.dtype)
+        ):
+            continue
+        ours = multi_row_qmv(x, w, scales, biases, group_size=gs, variant=variant)
+        ref = mx.quantized_matmul(x, w, scales, biases, transpose=True, group_size=gs, bits=4)
+        scale = mx.abs(ref).max().item() or 1.0
+        worst = max(
+            worst, mx.abs(ours.astype(mx.float32) - ref.astype(mx.float32)).max().item() / scale
+        )
+    return worst
+
+
+# Relative to the largest output: bfloat16 outputs (8 bits of mantissa) summed in another order.
+SELF_CHECK_TOLERANCE = 2e-2

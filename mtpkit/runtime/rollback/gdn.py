@@ -58,7 +58,9 @@ def capture_gdn_states(snapshots: GdnSnapshots | None) -> Iterator[GdnSnapshots 
         _ACTIVE_SNAPSHOTS.reset(token)
 
 
-def stepwise_verify(original: Callable[..., Any], q, k, v, a, b, A_log, dt_bias, state, mask, **kwargs):  # noqa: N803
+def stepwise_verify(
+    original: Callable[..., Any], q, k, v, a, b, A_log, dt_bias, state, mask, **kwargs
+):  # noqa: N803
     """The reference verify: mlx-lm's own `original` update run one token at a time (the
     same sequential recurrence mlx-lm runs). Returns the outputs [B, T, ...] and the list of
     the T states after each token."""
@@ -131,12 +133,18 @@ def _tap_conv_input(conv: nn.Module) -> None:
     )
 
 
+def gated_delta_net(layer: Any) -> nn.Module | None:
+    """A decoder layer's gated-delta-net mixer, or None: mlx-lm's `GatedDeltaNet`, which its
+    Qwen3-Next and Qwen3.5 layers keep as `linear_attn`."""
+    return layer.get("linear_attn") if isinstance(layer, dict) else None
+
+
 def tap_gated_delta_layers(model: nn.Module) -> int:
     """Prepare every gated-delta-net layer of `model` for `capture_gdn_states`; returns how
     many there are (tapping twice changes nothing)."""
     count = 0
     for layer in getattr(model, "layers", []):
-        gdn = layer.get("linear_attn") if isinstance(layer, dict) else None
+        gdn = gated_delta_net(layer)
         if gdn is not None:
             _patch_gated_delta(type(gdn).__module__)
             _tap_conv_input(gdn.conv1d)
@@ -149,4 +157,3 @@ def is_recurrent_cache(cache: Any) -> bool:
     from mlx_lm.models.cache import ArraysCache
 
     return isinstance(cache, ArraysCache)
-

@@ -19,6 +19,7 @@ from typing import Any
 import mlx.core as mx
 
 from mtpkit.core.errors import MtpkitError
+from mtpkit.runtime.rollback.gdn import gated_delta_net
 
 
 def is_trimmable(cache: Any) -> bool:
@@ -26,13 +27,13 @@ def is_trimmable(cache: Any) -> bool:
 
 
 def gdn_covers(model: Any, caches: list[Any], is_recurrent: Callable[[Any], bool]) -> bool:
-    """Whether every recurrent cache belongs to a gated-delta-net layer (`linear_attn`),
-    whose per-token states `mtpkit.runtime.rollback.gdn` captures during a verify pass."""
+    """Whether every recurrent cache belongs to a gated-delta-net layer, whose per-token
+    states `mtpkit.runtime.rollback.gdn` captures during a verify pass."""
     layers = list(getattr(model, "layers", []))
     if len(layers) != len(caches):
         return not any(is_recurrent(c) for c in caches)
     return all(
-        not is_recurrent(cache) or (isinstance(layer, dict) and "linear_attn" in layer)
+        not is_recurrent(cache) or gated_delta_net(layer) is not None
         for layer, cache in zip(layers, caches, strict=True)
     )
 

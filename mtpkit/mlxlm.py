@@ -1,0 +1,82 @@
+"""Every reach into mlx-lm beyond its documented entry points, in one place.
+
+mtpkit imports mlx-lm's own model classes (never a fork of them) and asks them what a
+conversion or a head needs. The names used here are mlx-lm internals (`_get_classes`, the
+default of `load_model`'s `get_model_classes`, `MODEL_REMAPPING`, the module layout of
+`mlx_lm.models`): they are tested against the range `pyproject.toml` pins
+(`TESTED_MLX_LM`), and a new mlx-lm release is checked here first.
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib
+import importlib.util
+import inspect
+import re
+import sys
+import types
+from typing import Any
+
+# The mlx-lm releases these reaches are tested with (pyproject.toml's pin).
+TESTED_MLX_LM = ">=0.32,<0.33"
+
+
+def model_classes(config: dict[str, Any]) -> tuple[Any, Any]:
+    """mlx-lm's (Model, ModelArgs) for the config; remapped model types go through mlx-lm."""
+    model_type = str(config.get("model_type"))
+    if re.fullmatch(r"\w+", model_type):
+        try:
+            module = mlx_lm_models(model_type)
+            return module.Model, module.ModelArgs
+        except ImportError:
+            pass
+    from mlx_lm.utils import _get_classes
+
+    return _get_classes(config=copy.deepcopy(config))
+
+
+def mlx_lm_models(name: str) -> types.ModuleType:
+    """`mlx_lm.models.<name>`, without importing transformers when mlx_lm is not loaded yet.
+
+    `import mlx_lm.models.X` first runs `mlx_lm/__init__.py`, which imports transformers for
+    its tokenizer code: ~1.7 s that a conversion never needs. When mlx_lm is not imported
+    yet, the model module is loaded under a bare stand-in package and every module loaded
+    that way is dropped from `sys.modules` afterwards (the returned module keeps working),
+    so a later `import mlx_lm` is the ordinary one.
+    """
+    if "mlx_lm" in sys.modules:
+        return importlib.import_module(f"mlx_lm.models.{name}")
+    spec = importlib.util.find_spec("mlx_lm")
+    if spec is None or not spec.submodule_search_locations:
+        raise ImportError("mlx_lm is not installed")
+    stand_in = types.ModuleType("mlx_lm")
+    stand_in.__path__ = list(spec.submodule_search_locations)
+    stand_in.__spec__ = spec
+    before = set(sys.modules)
+    sys.modules["mlx_lm"] = stand_in
+    try:
+        return importlib.import_module(f"mlx_lm.models.{name}")
+    finally:
+        for loaded in set(sys.modules) - before:
+            if loaded == "mlx_lm" or loaded.startswith("mlx_lm."):
+                del sys.modules[loaded]
+
+
+def stock_model_classes(config: dict[str, Any]) -> tuple[type, type]:
+    """mlx-lm's own (Model, ModelArgs) lookup for `config`, read as the default of its public
+    loader's `get_model_classes` parameter (what `mlx_lm.load` uses)."""
+    from mlx_lm.utils import load_model
+
+    lookup = inspect.signature(load_model).parameters["get_model_classes"].default
+    return lookup(config)
+
+
+def model_remapping() -> dict[str, str]:
+    """mlx-lm's `MODEL_REMAPPING` (`kimi_k2 -> deepseek_v3` style model-type aliases).
+
+    Read on demand: `mlx_lm.utils` imports transformers, which conversion never needs.
+    """
+    from mlx_lm.utils import MODEL_REMAPPING
+
+    return dict(MODEL_REMAPPING)

@@ -1,0 +1,105 @@
+"""The head's side of a round: its KV cache, the confirmed pairs it has not seen yet, and
+the drafts it chains."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+from mtpkit.runtime.model import POST_NORM, MtpModel
+from mtpkit.spec.accept import SamplingSettings
+
+HEAD_CHUNK = 2048  # pairs per head forward when it catches up with confirmed tokens
+
+
+class HeadDrafter:
+    """Drafts with the MTP head. Confirmed pairs (h_k, t_{k+1}) reach the head's cache in two
+    ways: after a drafting round, by `queue` (all of the round's pairs in one step, before its
+    acceptance is read) and `settle` (the unconfirmed ones trimmed), leaving `ready`, the
+    head's output at the last confirmed pair; after plain steps, they wait in `pending`
+    until the next draft or a catch-up runs the head over them."""
+
+    def __init__(self, m: MtpModel) -> None:
+        self.m = m
+        self.head = m.head
+        self.cache = m.head.make_cache()
+        self.pending_hidden: list[mx.array] = []
+        self.pending_tokens: list[int] = []
+        self.ready: mx.array | None = None
+
+    def add(self, hidden: mx.array, tokens: list[int]) -> None:
+        self.pending_hidden.append(hidden)
+        self.pending_tokens.extend(tokens)
+
+    def _pending(self) -> tuple[mx.array, list[int]]:
+        return mx.concatenate(self.pending_hidden, axis=1), self.pending_tokens
+
+    def catch_up(self, keep_last: bool = True) -> None:
+        """Run the head over the pending pairs (keeping the last one to draft from)."""
+        hidden, tokens = self._pending()
+        n = len(tokens) - (1 if keep_last else 0)
+        for i in range(0, n, HEAD_CHUNK):
+            j = min(i + HEAD_CHUNK, n)
+            x = self.head(hidden[:, i:j], self.m.embed(mx.array(tokens[i:j])[None]), self.cache)
+            mx.eval(x, [c.state for c in self.cache])
+        self.pending_hidden = [hidden[:, n:]]
+        self.pending_tokens = tokens[n:]
+
+    def can_draft(self) -> bool:
+        return bool(self.pending_tokens) or self.ready is not None
+
+    def draft(self, depth: int, sampling: SamplingSettings) -> tuple[mx.array, mx.array | None]:
+        """`depth` draft tokens (lazy, [K] int32) and, when sampling, their distributions
+        [K, V]. Consumes the pending pairs (or `ready`)."""
+        head, m = self.head, self.m
+        if self.pending_tokens:
+            hidden, tokens = self._pending()
+            self.pending_hidden, self.pending_tokens = [], []
+            x = head(hidden, m.embed(mx.array(tokens)[None]), self.cache, step=0)[:, -1:]
+        else:
+            x = self.ready
+        self.ready = None
+        drafts: list[mx.array] = []
+        dists = []
+        normed = None
+        for k in range(depth):
+            if k > 0:
+                prev = normed if m.hidden == POST_NORM else x
+                x = head(prev, m.embed(drafts[-1].reshape(1, 1)), self.cache, step=k)
+            normed = head.final_norm(head.layer_for_step(k))(x)
+            logits = m.lm_head(normed)[0, -1]
+            if sampling.greedy:
+                token = mx.argmax(logits, axis=-1)
+            else:
+                q = sampling.probs(logits)
+                token = mx.random.categorical(mx.log(q))
+                dists.append(q)
+            drafts.append(token.astype(mx.int32).reshape(1))
+        return mx.concatenate(drafts), (mx.stack(dists) if dists else None)
+
+    def drop_drafts(self, depth: int) -> None:
+        """Drop the head-cache entries built on drafts (steps 1..depth-1)."""
+        per_layer = [0] * len(self.cache)
+        for step in range(1, depth):
+            per_layer[self.head.layer_for_step(step)] += 1
+        for cache, n in zip(self.cache, per_layer, strict=True):
+            if n:
+                cache.trim(n)
+
+    def queue(self, depth: int, hidden: mx.array, followers: mx.array) -> mx.array:
+        """Start the head's step over every pair of a verify pass (hidden [1, K+1, H], the
+        token after each input) before the host knows how many are confirmed (one call,
+        queued with `mx.async_eval`); `settle` keeps the confirmed ones. Returns its output."""
+        self.drop_drafts(depth)
+        out = self.head(hidden, self.m.embed(followers[None]), self.cache, step=0)
+        mx.async_eval(out)
+        return out
+
+    def drop_step0(self, n: int) -> None:
+        """Drop the last `n` entries of step 0's layer (pairs queued but not confirmed)."""
+        if n:
+            self.cache[self.head.layer_for_step(0)].trim(n)
+
+    def settle(self, out: mx.array, kept: int) -> None:
+        """Keep the queued step's first `kept` pairs; the next draft starts from the last."""
+        self.drop_step0(out.shape[1] - kept)
+        self.ready = out[:, kept - 1 : kept]
