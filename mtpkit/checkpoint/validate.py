@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from mtpkit.core.config import INVALID_CONFIG, as_count
+from mtpkit.core.errors import InvalidConfig
 
 # Stable problem codes added by this layer (documented in README.md).
 LAYER_COUNT_MISMATCH = "mtp_layer_count_mismatch"
