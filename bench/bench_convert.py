@@ -178,7 +178,7 @@ def graft_bytes(src: Path, trunk: Path, work: Path) -> tuple[int, int]:
     import huggingface_hub.hf_api  # noqa: F401 - point_client_at patches it
     import pytest
 
-    from mtpkit.checkpoint.inspect import inspect_checkpoint
+    from mtpkit.checkpoint.report import inspect_checkpoint
     from mtpkit.convert.pipeline import graft
     from tests.hub_server import HubStandIn, point_client_at
 

@@ -21,7 +21,7 @@ import pytest
 from mlx.utils import tree_flatten
 
 from mtpkit.checkpoint.headers import HEADER_PROBE_BYTES
-from mtpkit.checkpoint.inspect import inspect_checkpoint
+from mtpkit.checkpoint.report import inspect_checkpoint
 from mtpkit.convert.pipeline import convert, graft
 from mtpkit.core.errors import MtpkitError
 from tests import hub_server

@@ -19,7 +19,7 @@ import pytest
 from safetensors import safe_open
 from typer.testing import CliRunner
 
-from mtpkit.checkpoint.inspect import inspect_checkpoint
+from mtpkit.checkpoint.report import inspect_checkpoint
 from mtpkit.cli.app import app
 from mtpkit.convert.pipeline import convert
 from mtpkit.families import supported

@@ -24,7 +24,7 @@ import pytest
 from mlx.utils import tree_flatten
 
 from mtpkit.check.verdict import check_checkpoint
-from mtpkit.checkpoint.inspect import inspect_checkpoint
+from mtpkit.checkpoint.report import inspect_checkpoint
 from mtpkit.convert.pipeline import convert
 from mtpkit.families import family_for
 from mtpkit.spec.generate import MtpDecoder, SamplingSettings, generate, load_model

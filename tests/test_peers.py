@@ -16,7 +16,7 @@ from pathlib import Path
 import mlx.core as mx
 import pytest
 
-from mtpkit.checkpoint.inspect import inspect_checkpoint
+from mtpkit.checkpoint.report import inspect_checkpoint
 from mtpkit.convert.pipeline import INLINE_WARNING, convert
 from tests.checkpoints import CheckpointFactory
 

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from mtpkit.check.verdict import check_checkpoint
-from mtpkit.checkpoint.inspect import inspect_checkpoint
+from mtpkit.checkpoint.report import inspect_checkpoint
 from mtpkit.convert.pipeline import convert
 from mtpkit.spec.generate import generate
 from tests.checkpoints import CheckpointFactory

@@ -25,7 +25,7 @@ from typer.testing import CliRunner
 from mtpkit.check.probes import Measurement, Variant, diagnose, single_variants
 from mtpkit.check.verdict import check_checkpoint
 from mtpkit.checkpoint.headers import HeaderError, parse_header
-from mtpkit.checkpoint.inspect import inspect_checkpoint
+from mtpkit.checkpoint.report import inspect_checkpoint
 from mtpkit.cli.app import app
 from mtpkit.convert.pipeline import convert
 from tests.checkpoints import CheckpointFactory

@@ -1,11 +1,11 @@
 """Reading a checkpoint without its weights: `source` (local or Hub) -> `headers` ->
-`validate` -> `inspect`."""
+`validate` -> `inspect` -> `runtimes` -> `report`."""
 
 from mtpkit.core.exports import lazy_exports
 
 _EXPORTS = {
     "Checkpoint": "inspect",
-    "inspect_checkpoint": "inspect",
+    "inspect_checkpoint": "report",
     "read_checkpoint": "inspect",
     "Source": "source",
     "open_source": "source",

@@ -43,7 +43,7 @@ def inspect_command(
 
     Exit 0 when the checkpoint could be read (problems are listed, not fatal), 3 with --require-mtp when the head is not usable, 1 on an error.
     """
-    from mtpkit.checkpoint.inspect import head_state, inspect_checkpoint
+    from mtpkit.checkpoint.report import head_state, inspect_checkpoint
     from mtpkit.cli.output import print_inspect, print_json
 
     result = inspect_checkpoint(one_source(ctx, source, model), revision=revision)

@@ -167,19 +167,17 @@ def train_head_command(
     used unchanged by generate, bench and check.
     """
     model = _model_and_destination(ctx, model, model_option, output, into)
+    from mtpkit.core.prompts import read_prompts
+    from mtpkit.train.data import DataSpec, check_files
     from mtpkit.train.output import check_destination
 
     check_destination(output, into, force, model)
-    from mtpkit.train.data import check_files
-
-    check_files([str(p) for p in data or []])
-
-    from mtpkit.core.prompts import read_prompts
-    from mtpkit.train.data import DataSpec
+    files = tuple(str(p) for p in data or [])
+    check_files(files)
     from mtpkit.train.loop import TrainSettings, train_and_write
 
     spec = DataSpec(
-        files=tuple(str(p) for p in data or []),
+        files=files,
         prompts=tuple(read_prompts(prompts)) if prompts else None,
         samples_per_prompt=samples,
         temperature=temperature,
