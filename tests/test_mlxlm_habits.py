@@ -294,7 +294,7 @@ def test_head_of_another_width_fails_check_at_once(converted, checkpoint, tmp_pa
     probes are skipped, nothing is loaded to find out), generate says so in one line."""
     narrow = convert(str(checkpoint("qwen3_5")), output=tmp_path / "narrow").output
     bad = tmp_path / "bad"
-    shutil.copytree(converted, bad, ignore=shutil.ignore_patterns("mtp"))
+    shutil.copytree(converted, bad, ignore=shutil.ignore_patterns("mtp", "mtp.safetensors"))
     shutil.copytree(narrow / "mtp", bad / "mtp")
     result = runner.invoke(app, ["check", str(bad), "--json"])
     assert result.exit_code == 3
