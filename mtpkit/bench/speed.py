@@ -38,6 +38,7 @@ from mtpkit.bench.report import (
     print_bench,  # noqa: F401  (the CLI imports it from here)
 )
 from mtpkit.core.errors import MtpkitError
+from mtpkit.core.prompts import encode_prompt
 from mtpkit.runtime.model import (
     MtpModel,
     NoMtpHead,
@@ -48,7 +49,7 @@ from mtpkit.runtime.model import (
 )
 from mtpkit.runtime.upcast import upcast_experts
 from mtpkit.spec.decode import DraftFilter, MtpDecoder, SamplingSettings
-from mtpkit.spec.generate import check_prompt, encode_prompt
+from mtpkit.spec.generate import check_prompt
 
 if TYPE_CHECKING:
     from mtpkit.bench.draft import DraftModelBench
@@ -226,7 +227,7 @@ def bench(
     eos = m.tokenizer.eos_token_ids
     m.tokenizer.eos_token_ids = []  # every run decodes exactly max_tokens tokens
     try:
-        tokens = encode_prompt(m, prompt, chat_template=chat_template)
+        tokens = encode_prompt(m.tokenizer, prompt, chat_template=chat_template)
         check_prompt(m, tokens)
         say("forward and head costs")
         costs = measure_costs(m, tokens, max_depth=max_depth, repeats=repeats)

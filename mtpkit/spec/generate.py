@@ -274,7 +274,6 @@ __all__ = [
     "GenerationResult",
     "PromptTooLong",
     "check_prompt",
-    "encode_prompt",
     "generate",
     "measure_acceptance",
     "stream_tokens",
