@@ -79,8 +79,8 @@ def test_stripped_head_fails_head_present_with_fix(built):
     assert result["verdict"] == "fail"
     assert statuses(result)["head_present"] == "fail"
     assert "--mtp-only --into" in detail(result, "head_present")
-    # Nothing to probe: no acceptance is claimed.
-    assert "acceptance" not in statuses(result)
+    # Nothing to probe: no acceptance is claimed, the case is reported as skipped.
+    assert statuses(result)["acceptance"] == "skip"
     assert result["acceptance"] is None
 
 
@@ -170,6 +170,25 @@ def test_undeclared_head_fails_head_declared(built, tmp_path):
     edit_config(path, lambda c: c["text_config"].pop("mtp_num_hidden_layers"))
     result = check_checkpoint(str(path), probe=False)
     assert statuses(result)["head_declared"] == "fail"
+
+
+def test_probe_cases_are_skipped_not_dropped_when_structure_fails(built, tmp_path):
+    """CI dashboards keep every case: the probe checks are reported as skipped."""
+    from mtpkit.check.verdict import PROBE_CHECKS
+
+    path = copy_of(built["qwen3_5"], tmp_path / "ckpt")
+    edit_config(path, lambda c: c["text_config"].pop("mtp_num_hidden_layers"))
+    report = tmp_path / "report.xml"
+    result = runner.invoke(app, ["check", str(path), "--json", "--junit", str(report)])
+    assert result.exit_code == EXIT_FAILED_REQUIREMENT
+    data = json.loads(result.stdout)
+    assert data["verdict"] == "fail"
+    assert [c["status"] for c in data["checks"] if c["name"] in PROBE_CHECKS] == ["skip"] * 5
+    assert all("head_declared" in detail(data, name) for name in PROBE_CHECKS)
+    suite = ET.parse(report).getroot().find("testsuite")
+    assert suite.get("skipped") == "5" and suite.get("tests") == str(len(data["checks"]))
+    skipped = [c.get("name") for c in suite.iter("testcase") if c.find("skipped") is not None]
+    assert skipped == list(PROBE_CHECKS)
 
 
 def test_missing_shard_fails_index(built, tmp_path):

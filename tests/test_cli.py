@@ -18,9 +18,16 @@ runner = CliRunner()
 def test_bench_choices_are_the_librarys():
     from mtpkit.bench.shapes import DTYPES as SCALE_DTYPES
     from mtpkit.bench.shapes import SHAPES
-
+    from mtpkit.core.choices import MODES, QUANT_PREDICATES
     assert [s.value for s in options.RandomShape] == list(SHAPES)
     assert [d.value for d in options.ScaleDtype] == list(SCALE_DTYPES)
+    assert [m.value for m in options.QuantMode] == list(MODES)
+    assert [q.value for q in options.QuantPredicate] == list(QUANT_PREDICATES)
+    # mlx-lm's own lists: the same choices as mlx_lm.convert offers.
+    from mlx_lm.convert import QUANT_RECIPES, configure_parser
+
+    assert list(QUANT_PREDICATES) == QUANT_RECIPES
+    assert "--q-mode {" + ",".join(MODES) + "}" in configure_parser().format_help()
 
 
 def test_help_lists_the_choices():
@@ -41,29 +48,29 @@ runner = CliRunner()
 for args in (
     ["bench", "--model", "m", "--trials", "0"],
     ["bench", "--model", "m", "--max-tokens", "0"],
-    ["generate", "-m", "m", "-p", "x", "--temp", "-1"],
-    ["generate", "-m", "m", "-p", "x", "--temp", "nan"],
-    ["generate", "-m", "m", "-p", "x", "--temp", "inf"],
-    ["generate", "-m", "m", "-p", "x", "--top-p", "5"],
-    ["generate", "-m", "m", "-p", "x", "--max-tokens", "-5"],
+    ["generate", "--model", "m", "-p", "x", "--temp", "-1"],
+    ["generate", "--model", "m", "-p", "x", "--temp", "nan"],
+    ["generate", "--model", "m", "-p", "x", "--temp", "inf"],
+    ["generate", "--model", "m", "-p", "x", "--top-p", "5"],
+    ["generate", "--model", "m", "-p", "x", "--max-tokens", "-5"],
     ["check", "m", "--min-acceptance", "2"],
     ["convert", "m", "-o", "o", "--dtype", "int8"],
+    ["bench", "--model", "m", "--depth", "5"],
+    ["generate", "--model", "m", "--depth", "0"],
+    ["train-head", "m", "-o", "o", "--depth", "5"],
 ):
     result = runner.invoke(app, args)
     lines = result.stderr.splitlines()
     # Click's plain form: usage, a hint, a blank line, one `Error:` line; never a box.
     plain = lines[0].startswith("Usage: ") and lines[1].startswith("Try ") and len(lines) == 4
     print(result.exit_code, lines[-1].startswith("Error: Invalid value for '--") and plain)
-result = runner.invoke(app, ["bench", "--model", "m", "--depth", "5"])
-print(result.exit_code, result.stderr.strip())
 print("mlx.core" in sys.modules)
 """
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     lines = out.stdout.splitlines()
-    assert lines[:9] == ["2 True"] * 9
-    assert lines[9] == "1 Error: --depth must be between 1 and 4, not 5"
-    assert lines[10] == "False"
+    assert lines[:12] == ["2 True"] * 12
+    assert lines[12] == "False"
 
 
 def test_version_comes_from_the_installed_distribution():

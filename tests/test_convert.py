@@ -125,18 +125,43 @@ def _files(path: Path) -> dict[str, bytes]:
 # --------------------------------------------------------------------------- parity
 
 
+# mlx_lm.convert's --q-mode and --quant-predicate choices, each with mlx-lm's defaults, on dense
+# and MoE families (routers keep the model's own 8-bit rule, except under a mixed recipe,
+# which replaces it as in mlx-lm).
+QUANT_CASES = [
+    ("qwen3_5", {"mode": "mxfp4"}),
+    ("qwen3_5_moe", {"mode": "mxfp4"}),
+    ("qwen3_5", {"mode": "nvfp4"}),
+    ("qwen3_next", {"mode": "nvfp4"}),
+    ("qwen3_5", {"mode": "mxfp8"}),
+    ("mimo", {"mode": "mxfp8"}),
+    ("qwen3_5", {"quant_predicate": "mixed_2_6"}),
+    ("mimo", {"quant_predicate": "mixed_3_4"}),
+    ("qwen3_5_moe", {"quant_predicate": "mixed_3_6"}),
+    ("qwen3_5", {"quant_predicate": "mixed_4_6", "group_size": 32}),
+    ("deepseek_v3", {"quant_predicate": "mixed_3_6", "bits": 3}),
+]
+STOCK_NAMES = {"bits": "q_bits", "group_size": "q_group_size", "mode": "q_mode"}
+
+
 @pytest.mark.parametrize(
-    ("layout", "bits", "dtype"),
-    [(layout, bits, None) for layout in RAW for bits in (None, 4)]
-    + [("qwen3_5", None, "float16"), ("mimo", 8, "float16"), ("qwen3_next", 4, "bfloat16")],
+    ("layout", "quant", "dtype"),
+    [(layout, {"bits": bits} if bits else {}, None) for layout in RAW for bits in (None, 4)]
+    + [(layout, quant, None) for layout, quant in QUANT_CASES]
+    + [("qwen3_5", {}, "float16"), ("mimo", {"bits": 8}, "float16")]
+    + [("qwen3_next", {"bits": 4}, "bfloat16")],
 )
-def test_backbone_equals_stock_mlx_lm_convert(layout, bits, dtype, sources, tmp_path):
+def test_backbone_equals_stock_mlx_lm_convert(layout, quant, dtype, sources, tmp_path):
     src = sources(layout)
-    out = convert(str(src), output=tmp_path / "out", bits=bits, dtype=dtype).output
+    out = convert(
+        str(src), output=tmp_path / "out", dtype=dtype, quantize=bool(quant), **quant
+    ).output
     # Stock deepseek_v3 drops its MTP layer by a literal index (61), so it is given the twin
     # without the head; the backbones are identical bit for bit.
     ref_src = sources(layout, with_mtp=False) if layout == "deepseek_v3" else src
-    stock_kwargs = {"quantize": True, "q_bits": bits, "q_group_size": 64} if bits else {}
+    stock_kwargs = {STOCK_NAMES.get(k, k): v for k, v in quant.items()}
+    if quant:
+        stock_kwargs["quantize"] = True
     if dtype:
         stock_kwargs["dtype"] = dtype
     ref = _stock_convert(ref_src, tmp_path / "ref", **stock_kwargs)
@@ -162,13 +187,14 @@ def test_backbone_equals_stock_mlx_lm_convert(layout, bits, dtype, sources, tmp_
     ref_index = json.loads((ref / "model.safetensors.index.json").read_text())
     assert index["metadata"] == ref_index["metadata"]  # total_size and total_parameters
     assert index["weight_map"].keys() == ref_index["weight_map"].keys()
-    if bits:
+    if quant:
         config = json.loads((out / "config.json").read_text())
         ref_config = json.loads((ref / "config.json").read_text())
         backbone_quant = {
             k: v for k, v in config["quantization"].items() if not k.startswith(PREFIX[layout])
         }
         assert backbone_quant == ref_config["quantization"]
+        assert manifest["backbone_quantization"]["mode"] == quant.get("mode", "affine")
 
 
 def test_float32_output_shifts_in_float32(sources, tmp_path):
@@ -303,16 +329,25 @@ def test_head_quantization_flags(sources, tmp_path):
     config = json.loads((out / "config.json").read_text())
     quant = config["quantization"]
     fc = "language_model.mtp.fc"
-    assert head[f"{fc}.weight"].dtype == mx.uint32 and quant[fc] == {"group_size": 64, "bits": 4}
+    assert head[f"{fc}.weight"].dtype == mx.uint32 and quant[fc] == {
+        "group_size": 64,
+        "bits": 4,
+        "mode": "affine",
+    }
     # Routers stay 8-bit group 64 in the head as in the backbone.
-    assert quant["language_model.mtp.layers.0.mlp.gate"] == {"group_size": 64, "bits": 8}
+    assert quant["language_model.mtp.layers.0.mlp.gate"] == {
+        "group_size": 64,
+        "bits": 8,
+        "mode": "affine",
+    }
     assert quant["language_model.mtp.layers.0.mlp.shared_expert_gate"] == {
         "group_size": 64,
         "bits": 8,
+        "mode": "affine",
     }
     manifest = json.loads((out / "mtp" / "manifest.json").read_text())
-    assert manifest["mtp_quantization"] == {"bits": 4, "group_size": 64}
-    assert manifest["backbone_quantization"] == {"bits": 4, "group_size": 64}
+    assert manifest["mtp_quantization"] == {"bits": 4, "group_size": 64, "mode": "affine"}
+    assert manifest["backbone_quantization"] == {"bits": 4, "group_size": 64, "mode": "affine"}
 
     kept = convert(str(src), output=tmp_path / "kept", bits=4, keep_mtp_bf16=True).output
     head = _head(kept)
@@ -330,16 +365,17 @@ def test_head_quantization_flags(sources, tmp_path):
 
     eight = convert(str(src), output=tmp_path / "eight", bits=4, mtp_bits=8).output
     quant = json.loads((eight / "config.json").read_text())["quantization"]
-    assert quant[fc] == {"group_size": 64, "bits": 8}
+    assert quant[fc] == {"group_size": 64, "bits": 8, "mode": "affine"}
     assert json.loads((eight / "mtp" / "manifest.json").read_text())["mtp_quantization"] == {
         "bits": 8,
         "group_size": 64,
+        "mode": "affine",
     }
 
     # Head quantized, backbone not: the config carries only the head's paths, and stock loads.
     only_head = convert(str(sources("qwen3_5")), output=tmp_path / "only_head", mtp_bits=4).output
     quant = json.loads((only_head / "config.json").read_text())["quantization"]
-    assert quant["language_model.mtp.fc"] == {"group_size": 64, "bits": 4}
+    assert quant["language_model.mtp.fc"] == {"group_size": 64, "bits": 4, "mode": "affine"}
     _load(only_head)
 
 

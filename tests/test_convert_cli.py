@@ -50,8 +50,10 @@ def test_convert_then_refusals(mimo, tmp_path):
 def test_bad_flags_are_one_line_errors(mimo, tmp_path):
     # Fixed choices are Click's: listed in --help, anything else a usage error (exit 2).
     choices = [
-        (["--bits", "7"], "Invalid value for '--bits'", "'7' is not one of '2', '3', '4'"),
-        (["--group-size", "48"], "Invalid value for '--group-size'", "'32', '64', '128'"),
+        (["--bits", "7"], "Invalid value for '--q-bits'", "'7' is not one of '2', '3', '4'"),
+        (["--group-size", "48"], "Invalid value for '--q-group-size'", "'32', '64', '128'"),
+        (["--q-mode", "int4"], "Invalid value for '--q-mode'", "'affine', 'mxfp4', 'nvfp4'"),
+        (["--quant-predicate", "q4_k_m"], "'--quant-predicate'", "'mixed_2_6', 'mixed_3_4'"),
         (["--dtype", "int8"], "Invalid value for '--dtype'", "'int8' is not one of 'bfloat16'"),
         (["--hidden", "mid"], "Invalid value for '--hidden'", "'post_norm', 'pre_norm'"),
         (["--layout", "x"], "Invalid value for '--layout'", "'sidecar', 'inline'"),
@@ -61,18 +63,24 @@ def test_bad_flags_are_one_line_errors(mimo, tmp_path):
         assert result.exit_code == 2
         text = " ".join(result.stderr.replace("│", " ").split())
         assert all(f in text for f in fragments), text
+    # Contradictions and a missing -o are usage errors too (exit 2), with the usage line.
     cases = [
-        (
-            ["--keep-mtp-bf16", "--mtp-bits", "8"],
-            "Error: --keep-mtp-bf16 and --mtp-bits contradict each other: pass one\n",
-        ),
+        (["-o", "x", "--keep-mtp-bf16", "--mtp-bits", "8"], "--keep-mtp-bf16 and --mtp-bits"),
+        (["-o", "x", "--q-mode", "mxfp4", "--q-bits", "8"], "mxfp4 takes 4 bits and group"),
+        (["-o", "x", "--q-mode", "nvfp4", "--quant-predicate", "mixed_3_6"], "affine"),
+        (["-o", "x", "--q-group-size", "32"], "--q-group-size takes effect only when"),
+        ([], "Missing option '-o' / '--output'"),
+        (["-o", "x", "--into", "y"], "--into DIR grafts a head"),
+        (["-o", "x", "--model", "other"], "name the model once"),
     ]
     for flags, message in cases:
-        result = runner.invoke(app, ["convert", str(mimo), "-o", str(tmp_path / "x"), *flags])
-        assert result.exit_code == 1
-        assert result.stderr == message
-    missing = runner.invoke(app, ["convert", str(mimo)])
-    assert missing.exit_code == 1 and "pass -o OUT" in missing.stderr
+        flags = [str(tmp_path / "x") if f == "x" else f for f in flags]
+        result = runner.invoke(app, ["convert", str(mimo), *flags])
+        lines = result.stderr.splitlines()
+        assert result.exit_code == 2, result.output
+        assert lines[0].startswith("Usage: ") and lines[-1].startswith("Error: "), lines
+        assert message in lines[-1], lines[-1]
+        assert not (tmp_path / "x").exists()
     assert not (tmp_path / "x").exists()
 
 
@@ -95,11 +103,11 @@ def test_graft_json(mimo, tmp_path):
     assert result.exit_code == 0, result.output
     data = json.loads(result.stdout)
     assert data["family"] == "mimo" and data["head_tensors"] > 0
-    assert data["manifest"]["mtp_quantization"] == {"bits": 8, "group_size": 64}
+    assert data["manifest"]["mtp_quantization"] == {"bits": 8, "group_size": 64, "mode": "affine"}
     bad = runner.invoke(
         app, ["convert", str(mimo), "--mtp-only", "--into", str(trunk), "--bits", "4"]
     )
-    assert bad.exit_code == 1 and "--mtp-only takes --into DIR" in bad.stderr
+    assert bad.exit_code == 2 and "--mtp-only takes --into DIR" in bad.stderr
 
 
 def test_every_recipe_loads():
@@ -152,23 +160,31 @@ def test_recipe_family_must_match(mimo, tmp_path):
     assert "is for qwen3_5 models but" in result.stderr
     ok = runner.invoke(
         app,
-        ["convert", str(mimo), "-o", str(tmp_path / "m"), "--recipe", "recipes/mimo-7b.toml", "-q"],
+        [
+            "convert",
+            str(mimo),
+            "-o",
+            str(tmp_path / "m"),
+            "--recipe",
+            "recipes/mimo-7b.toml",
+            "--quiet",
+        ],
     )
     assert ok.exit_code == 0, ok.output
     manifest = json.loads((tmp_path / "m" / "mtp" / "manifest.json").read_text())
-    assert manifest["backbone_quantization"] == {"bits": 8, "group_size": 64}
+    assert manifest["backbone_quantization"] == {"bits": 8, "group_size": 64, "mode": "affine"}
     assert manifest["mtp_quantization"] is None
 
 
 def test_hidden_variant_is_recorded(mimo, tmp_path):
     out = tmp_path / "pre"
     result = runner.invoke(
-        app, ["convert", str(mimo), "-o", str(out), "--hidden", "pre_norm", "-q"]
+        app, ["convert", str(mimo), "-o", str(out), "--hidden", "pre_norm", "--quiet"]
     )
     assert result.exit_code == 0, result.output
     assert json.loads((out / "mtp" / "manifest.json").read_text())["hidden"] == "pre_norm"
     # Converting again keeps what was recorded unless told otherwise.
-    again = runner.invoke(app, ["convert", str(out), "-o", str(tmp_path / "again"), "-q"])
+    again = runner.invoke(app, ["convert", str(out), "-o", str(tmp_path / "again"), "--quiet"])
     assert again.exit_code == 0, again.output
     manifest = json.loads((tmp_path / "again" / "mtp" / "manifest.json").read_text())
     assert manifest["hidden"] == "pre_norm"

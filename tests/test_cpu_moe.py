@@ -111,7 +111,7 @@ def test_check_generate_bench_cli_on_bf16_moe(layout: str, bf16: dict, tmp_path:
     for args in (["--mtp"], ["--no-mtp"]):
         gen = runner.invoke(
             app,
-            ["generate", "-m", str(bf16[layout]), "-p", "hi", "--max-tokens", "6",
+            ["generate", "--model", str(bf16[layout]), "-p", "hi", "--max-tokens", "6",
              "--no-chat-template", "--json", *args],
         )  # fmt: skip
         assert gen.exit_code == 0, gen.output
@@ -141,7 +141,7 @@ def test_too_large_for_memory_is_named_and_check_still_decides(
     model = shutil.copytree(bf16["glm4_moe"], tmp_path / "glm")
     monkeypatch.setattr(upcast, "available_memory", lambda: 64 * 1024)
     runner = CliRunner()
-    gen = runner.invoke(app, ["generate", "-m", str(model), "-p", "hi", "--max-tokens", "4"])
+    gen = runner.invoke(app, ["generate", "--model", str(model), "-p", "hi", "--max-tokens", "4"])
     assert gen.exit_code == 1
     assert gen.stderr.startswith("Error: moe_float32_exceeds_memory: ")
     assert len(gen.stderr.strip().splitlines()) == 1 and "Traceback" not in gen.output

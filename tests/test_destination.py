@@ -80,14 +80,14 @@ def test_graft_into_the_source_is_refused(models):
 def test_graft_refuses_an_existing_head_without_force(checkpoint, tmp_path):
     src = checkpoint("mimo")
     into = tmp_path / "mlx"
-    assert runner.invoke(app, ["convert", str(src), "-o", str(into), "-q"]).exit_code == 0
+    assert runner.invoke(app, ["convert", str(src), "-o", str(into), "--quiet"]).exit_code == 0
     before = tree_hashes(into)
     result = runner.invoke(app, ["convert", str(src), "--mtp-only", "--into", str(into)])
     assert result.exit_code == 1
     assert result.stderr.startswith(f"Error: --into {into} already has an MTP head (")
     assert result.stderr.rstrip().endswith("pass --force to replace it")
     assert tree_hashes(into) == before
-    forced = ["convert", str(src), "--mtp-only", "--into", str(into), "--force", "-q"]
+    forced = ["convert", str(src), "--mtp-only", "--into", str(into), "--force", "--quiet"]
     assert runner.invoke(app, forced).exit_code == 0
     after = tree_hashes(into)
     assert after.keys() == before.keys()
@@ -97,7 +97,7 @@ def test_graft_refuses_an_existing_head_without_force(checkpoint, tmp_path):
 def test_stale_temp_siblings_of_dead_runs_are_removed(checkpoint, tmp_path):
     src = checkpoint("mimo")
     out = tmp_path / "out"
-    assert runner.invoke(app, ["convert", str(src), "-o", str(out), "-q"]).exit_code == 0
+    assert runner.invoke(app, ["convert", str(src), "-o", str(out), "--quiet"]).exit_code == 0
     dead, live = dead_pid(), os.getppid()
     stale = tmp_path / f".out.mtpkit-tmp-{dead}"
     (stale / "mtp").mkdir(parents=True)
@@ -109,7 +109,7 @@ def test_stale_temp_siblings_of_dead_runs_are_removed(checkpoint, tmp_path):
     other = tmp_path / f".other.mtpkit-tmp-{dead}"
     other.mkdir()
     assert stale_siblings([out]) == [old, stale]
-    result = runner.invoke(app, ["convert", str(src), "-o", str(out), "-q", "--force"])
+    result = runner.invoke(app, ["convert", str(src), "-o", str(out), "--quiet", "--force"])
     assert result.exit_code == 0, result.output
     assert result.stderr.splitlines() == [
         f"removing {old}, left by an earlier run that did not finish",
@@ -124,7 +124,7 @@ def test_an_old_output_is_kept_until_a_new_one_is_in_place(checkpoint, tmp_path)
     puts it back first, and a next run that fails leaves it in place."""
     src = checkpoint("mimo")
     out = tmp_path / "out"
-    assert runner.invoke(app, ["convert", str(src), "-o", str(out), "-q"]).exit_code == 0
+    assert runner.invoke(app, ["convert", str(src), "-o", str(out), "--quiet"]).exit_code == 0
     before = tree_hashes(out)
     aside = tmp_path / f".out.mtpkit-old-{dead_pid()}"
     out.rename(aside)
@@ -212,8 +212,8 @@ def test_force_replaces_empty_model_and_earlier_output_directories(checkpoint, t
     elif what == "model":
         shutil.copytree(checkpoint("mlx_plain", dtype="bfloat16"), out)
     else:
-        assert runner.invoke(app, ["convert", str(src), "-o", str(out), "-q"]).exit_code == 0
-    result = runner.invoke(app, ["convert", str(src), "-o", str(out), "--force", "-q"])
+        assert runner.invoke(app, ["convert", str(src), "-o", str(out), "--quiet"]).exit_code == 0
+    result = runner.invoke(app, ["convert", str(src), "-o", str(out), "--force", "--quiet"])
     assert result.exit_code == 0, result.output
     assert (out / "mtp" / "manifest.json").is_file()
     assert out.stat().st_mode & 0o777 == 0o777 & ~current_umask()

@@ -95,7 +95,8 @@ def test_paths_that_exist_nowhere(tmp_path, monkeypatch):
     line = one_error_line(runner.invoke(app, ["inspect", "models/Qwen3.5-été"]))
     assert (
         line
-        == "Error: no such directory models/Qwen3.5-été, and it is not a Hub repo id (org/name)"
+        == "Error: no such directory models/Qwen3.5-été, and it is not a Hub repo id "
+        "(name or org/name)"
     )
     import huggingface_hub.constants as constants
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -37,7 +38,7 @@ GENERATE_KEYS = {
 def headless(converted: Path) -> Path:
     """The same model without its head (as stock `mlx_lm.convert` would have written it)."""
     out = converted.parent / "tiny-no-head"
-    shutil.copytree(converted, out, ignore=shutil.ignore_patterns("mtp"))
+    shutil.copytree(converted, out, ignore=shutil.ignore_patterns("mtp", "mtp.safetensors"))
     return out
 
 
@@ -60,26 +61,48 @@ def test_generate_json_keys_and_values(converted: Path) -> None:
     assert len(out["acceptance_by_depth"]) == 2
 
 
-def test_generate_streams_text_and_summarises_on_stderr(converted: Path) -> None:
-    mtp = run("generate", "-m", str(converted), "-p", PROMPT, "--max-tokens", "20", "--mtp")
-    plain = run("generate", "-m", str(converted), "-p", PROMPT, "--max-tokens", "20", "--no-mtp")
+LINES = (
+    r"==========\n(?P<text>.+)\n==========\n"
+    r"Prompt: \d+ tokens, \d+\.\d{3} tokens-per-sec\n"
+    r"Generation: \d+ tokens, (\d+\.\d{3}|n/a) tokens-per-sec\n"
+    r"Peak memory: \d+\.\d{3} GB\n"
+    r"MTP: (?P<mtp>.+)\n"
+)
+
+
+def test_generate_prints_mlx_lm_generates_lines(converted: Path) -> None:
+    """mlx_lm.generate's framing and lines (scripts parse them), plus mtpkit's MTP line."""
+    args = ("generate", "--model", str(converted), "-p", PROMPT, "-m", "20")
+    mtp, plain = run(*args, "--mtp"), run(*args, "--no-mtp")
     assert mtp.exit_code == 0 and plain.exit_code == 0
-    assert mtp.stdout == plain.stdout  # greedy: the same text
-    assert mtp.stdout.strip()
-    assert "acceptance" in mtp.stderr and "MTP depth 1" in mtp.stderr
-    assert "no MTP" in plain.stderr
+    a, b = re.fullmatch(LINES, mtp.stdout, re.S), re.fullmatch(LINES, plain.stdout, re.S)
+    assert a and b, (mtp.stdout, plain.stdout)
+    assert a["text"] == b["text"] and a["text"].strip()  # greedy: the same text
+    assert re.fullmatch(r"depth 1, acceptance \d+\.\d% \(\d+/\d+\)", a["mtp"])
+    assert b["mtp"] == "MTP: off (plain decoding)".removeprefix("MTP: ")
+    assert mtp.stderr == plain.stderr == ""
+    quiet = run(*args, "--mtp", "--verbose", "False")
+    assert quiet.stdout == a["text"] + "\n"  # mlx-lm's --verbose False: the text only
 
 
 def test_prompt_from_stdin(converted: Path) -> None:
     piped = run(
-        "generate", "-m", str(converted), "-p", "-", "--max-tokens", "8", "--json", input=PROMPT
+        "generate",
+        "--model",
+        str(converted),
+        "-p",
+        "-",
+        "--max-tokens",
+        "8",
+        "--json",
+        input=PROMPT,
     )
-    direct = run("generate", "-m", str(converted), "-p", PROMPT, "--max-tokens", "8", "--json")
+    direct = run("generate", "--model", str(converted), "-p", PROMPT, "--max-tokens", "8", "--json")
     assert json.loads(piped.stdout)["tokens"] == json.loads(direct.stdout)["tokens"]
 
 
 def test_mtp_without_a_head_is_a_clear_error(headless: Path) -> None:
-    result = run("generate", "-m", str(headless), "-p", PROMPT, "--mtp", "--max-tokens", "4")
+    result = run("generate", "--model", str(headless), "-p", PROMPT, "--mtp", "--max-tokens", "4")
     assert result.exit_code == 1
     assert result.stderr.startswith("Error: ")
     assert "mtpkit convert" in result.stderr and "mtpkit inspect" in result.stderr
@@ -89,7 +112,7 @@ def test_mtp_without_a_head_is_a_clear_error(headless: Path) -> None:
 def test_mtp_auto_without_a_head_warns_and_decodes(headless: Path) -> None:
     for args in (["--mtp", "auto"], []):
         result = run(
-            "generate", "-m", str(headless), "-p", PROMPT, "--max-tokens", "4", "--json", *args
+            "generate", "--model", str(headless), "-p", PROMPT, "--max-tokens", "4", "--json", *args
         )
         assert result.exit_code == 0, result.output
         assert "Warning: " in result.stderr and "decoding without MTP" in result.stderr
@@ -102,16 +125,30 @@ def test_prompt_longer_than_the_context(converted: Path, tmp_path: Path) -> None
     config = json.loads((small / "config.json").read_text())
     config["text_config"]["max_position_embeddings"] = 6
     (small / "config.json").write_text(json.dumps(config))
-    result = run("generate", "-m", str(small), "-p", PROMPT * 3, "--max-tokens", "4")
+    result = run("generate", "--model", str(small), "-p", PROMPT * 3, "--max-tokens", "4")
     assert result.exit_code == 1
     assert "context of 6" in result.stderr and "shorten the prompt" in result.stderr
 
 
-def test_bad_depth_and_stray_word(converted: Path) -> None:
-    result = run("generate", "-m", str(converted), "-p", PROMPT, "--depth", "5")
-    assert result.exit_code == 1 and "--depth must be between 1 and 4" in result.stderr
-    result = run("generate", "-m", str(converted), "-p", PROMPT, "--mtp", "sometimes")
-    assert result.exit_code == 1 and "'auto'" in result.stderr
+def test_bad_command_lines_are_usage_errors(converted: Path) -> None:
+    """Exit 2 with Click's usage line, which names no hidden [auto] argument."""
+    cases = [
+        (["--depth", "5"], "Invalid value for '--depth'"),
+        (["--mtp", "sometimes"], "Got unexpected extra argument (sometimes)"),
+        (["auto"], "Got unexpected extra argument (auto) (only `--mtp auto` takes a word)"),
+        (["--no-mtp", "--depth", "3"], "--depth drafts with the head: it contradicts --no-mtp"),
+        (["--no-mtp", "--hidden", "pre_norm"], "--hidden feeds the head: it contradicts"),
+        (["--verbose", "maybe"], "'maybe' is not True or False"),
+    ]
+    for args, message in cases:
+        result = run("generate", "--model", str(converted), "-p", PROMPT, *args)
+        lines = result.stderr.splitlines()
+        assert result.exit_code == 2, result.output
+        assert lines[0] == "Usage: mtpkit generate [OPTIONS]" or lines[0].endswith(
+            "generate [OPTIONS]"
+        ), lines[0]
+        assert message in lines[-1], lines[-1]
+    assert "[auto]" not in run("generate", "-h").stdout
 
 
 def test_bench_json(converted: Path) -> None:
@@ -133,6 +170,7 @@ def test_bench_json(converted: Path) -> None:
         assert low <= r["speedup"] <= high
     assert out["plain_tps"] > 0 and out["beta"] > 0 and out["delta"] > 0
     assert out["trials"] == 2 and set(out["verify_costs"]) == {"2", "3"}
+    assert out["device"] in ("cpu", "gpu")  # a word, not the repr Device(cpu, 0)
     # bench/bench_table.py turns it into a markdown row with every depth's figures.
     spec = importlib.util.spec_from_file_location("bench_table", ROOT / "bench" / "bench_table.py")
     bench_table = importlib.util.module_from_spec(spec)

@@ -300,7 +300,7 @@ def test_present_not_declared(fixtures, tmp_path: Path) -> None:
     assert codes(root) == ["mtp_present_not_declared"]
     # convert repairs it, with the `warning:` line the README promises
     out = tmp_path / "mlx"
-    result = runner.invoke(app, ["convert", str(root), "-o", str(out), "-q"])
+    result = runner.invoke(app, ["convert", str(root), "-o", str(out), "--quiet"])
     assert result.exit_code == 0, result.output
     assert result.stderr.splitlines() == [
         "warning: 16 MTP tensors exist but the config does not declare "

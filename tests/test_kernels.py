@@ -181,6 +181,27 @@ def test_the_kernel_is_installed_only_if_it_passes_its_self_check(
         gdn.set_gdn_verify_impl(gdn.stepwise_verify)
 
 
+def test_the_metal_twin_is_installed_behind_the_same_self_check(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """On an Apple GPU the Metal twin is checked first; here (no Metal back-end) it fails to
+    build, which leaves the reference with one warning line naming Metal; one that agrees
+    is installed (and no CUDA-only matmul is tapped)."""
+    m = load_model(EXAMPLE, with_head=False)
+    monkeypatch.setattr(kernels, "cuda_available", lambda: False)
+    monkeypatch.setattr(kernels, "metal_available", lambda: True)
+    assert kernels.use_fast_verify(m.model) == []
+    err = capsys.readouterr().err
+    warnings = [line for line in err.splitlines() if line.startswith("warning:")]
+    assert len(warnings) == 1 and "Metal gated-delta-net verify kernel" in warnings[0]
+    assert gdn.set_gdn_verify_impl(gdn.stepwise_verify) is gdn.stepwise_verify
+    monkeypatch.setattr(kernels, "gdn_verify_metal", gdn.stepwise_verify)
+    try:
+        assert kernels.use_fast_verify(m.model) == ["gdn_verify"]
+    finally:
+        gdn.set_gdn_verify_impl(gdn.stepwise_verify)
+
+
 # ---------------------------------------------------------------------------------------
 # The multi-row quantized matmul.
 
@@ -201,9 +222,13 @@ def emulated_qmv(x, w, scales, biases, *, group_size, columns=1):
     return (s[None] * dot + bb[None] * xsum).sum(axis=-1)
 
 
-@pytest.mark.parametrize(("rows", "n", "k", "group_size"), [(2, 64, 1024, 64), (5, 96, 2560, 64),
-                                                            (3, 32, 512, 32), (4, 16, 256, 128)])
-def test_the_kernels_arithmetic_is_mlx_quantized_matmul(rows: int, n: int, k: int, group_size: int) -> None:  # noqa: E501
+@pytest.mark.parametrize(
+    ("rows", "n", "k", "group_size"),
+    [(2, 64, 1024, 64), (5, 96, 2560, 64), (3, 32, 512, 32), (4, 16, 256, 128)],
+)
+def test_the_kernels_arithmetic_is_mlx_quantized_matmul(
+    rows: int, n: int, k: int, group_size: int
+) -> None:  # noqa: E501
     """Nibble order, group indexing and the scale/bias split the kernel uses give
     `mx.quantized_matmul`'s product (float32, so only summation order differs)."""
     w = mx.random.normal((n, k), key=mx.random.key(1)) * 0.05
@@ -288,8 +313,14 @@ def test_cuda_sources_compile(tmp_path: Path) -> None:
     units = []
     for masked in (False, True):
         for vec in (False, True):
-            inputs = [("q", "bfloat16"), ("k", "bfloat16"), ("v", "bfloat16"),
-                      ("g", "float32"), ("beta", "bfloat16"), ("state_in", "float32")]
+            inputs = [
+                ("q", "bfloat16"),
+                ("k", "bfloat16"),
+                ("v", "bfloat16"),
+                ("g", "float32"),
+                ("beta", "bfloat16"),
+                ("state_in", "float32"),
+            ]
             inputs += [("mask", "bool")] if masked else []
             units.append(cuda_source.wrap(
                 f"gdn_{int(masked)}{int(vec)}", kernels.gdn_cuda_source(masked=masked,
@@ -371,8 +402,9 @@ def test_the_cuda_verify_kernel_is_the_recurrence(emulated_cuda, T, hk, hv, dv, 
         np.testing.assert_allclose(np.array(states[t]), ref_states[t], atol=1e-5, rtol=1e-4)
 
 
-@pytest.mark.parametrize(("dtype", "masked", "per_channel"),
-                         [(mx.bfloat16, True, False), (mx.float32, False, True)])
+@pytest.mark.parametrize(
+    ("dtype", "masked", "per_channel"), [(mx.bfloat16, True, False), (mx.float32, False, True)]
+)
 def test_the_metal_twin_is_the_recurrence(emulated_metal, dtype, masked, per_channel) -> None:
     """The Metal source (emulated: no Apple GPU here) gives the same results."""
     T = 3  # noqa: N806
@@ -417,8 +449,9 @@ def test_a_verify_pass_with_the_emulated_kernel_is_the_references(emulated_cuda,
             assert mx.allclose(s, r, atol=1e-5, rtol=1e-4)
 
 
-@pytest.mark.parametrize(("rows", "n", "k", "group_size", "columns"),
-                         [(2, 16, 1536, 64, 1), (5, 8, 1024, 128, 2)])
+@pytest.mark.parametrize(
+    ("rows", "n", "k", "group_size", "columns"), [(2, 16, 1536, 64, 1), (5, 8, 1024, 128, 2)]
+)
 def test_the_cuda_qmv_is_the_quantized_product(emulated_cuda, rows, n, k, group_size,
                                                columns) -> None:  # fmt: skip
     """The CUDA source (emulated) on bf16 rows and bf16 scales: within one bf16 rounding of

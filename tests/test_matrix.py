@@ -206,7 +206,7 @@ def test_matrix(matrix, prompts_file, tmp_path, layout, precision, command):
         result = run([*graft, "--force"], code=0, untouched=keep, watched=(into,))
         assert json.loads(result.stdout)["head_tensors"] > 0
     elif command == "generate":
-        args = ["generate", "-m", str(model), "-p", PROMPT, "--max-tokens", "4", "--mtp"]
+        args = ["generate", "--model", str(model), "-p", PROMPT, "--max-tokens", "4", "--mtp"]
         result = run([*args, "--json"], code=0, untouched=keep)
         assert json.loads(result.stdout)["mtp"] is True
     elif command == "bench":
@@ -349,7 +349,7 @@ def test_usage_and_missing_paths(checkpoint, tmp_path):
     run(["inspect", "models/Qwen3.5-été", "--json"], code=1)
     run(["inspect", str(tmp_path / "nowhere"), "--json"], code=1)
     headless = checkpoint("mlx_plain", dtype="float32")  # a published build without its head
-    args = ["generate", "-m", str(headless), "-p", PROMPT, "--max-tokens", "4", "--mtp", "--json"]
+    args = ["generate", "--model", str(headless), "-p", PROMPT, "--max-tokens", "4", "--mtp", "--json"]
     run(args, code=1, untouched=(headless,))
 
 
@@ -395,7 +395,7 @@ def test_bad_environment_variables(checkpoint, tmp_path, monkeypatch, variable, 
         "inspect": ["inspect", str(source)],
         "convert": ["convert", str(source), "-o", str(out)],
         "check": ["check", str(source), "--max-tokens", "2"],
-        "generate": ["generate", "-m", str(source), "-p", PROMPT, "--max-tokens", "2"],
+        "generate": ["generate", "--model", str(source), "-p", PROMPT, "--max-tokens", "2"],
     }[command]
     result = run(args, code=1, untouched=(source,), absent=(out,))
     assert result.stderr.startswith(f"Error: {variable}={value}") or result.stderr.startswith(
@@ -409,7 +409,7 @@ def test_odd_bytes_on_stdin_are_one_line(matrix, monkeypatch):
     # The one command that reads stdin, when asked to (`-p -`): given bytes that are not text.
     monkeypatch.setattr(typer.testing, "make_input_stream", click.testing.make_input_stream)
     _, model = matrix("mimo", "float32")
-    args = ["generate", "-m", str(model), "-p", "-", "--max-tokens", "2"]
+    args = ["generate", "--model", str(model), "-p", "-", "--max-tokens", "2"]
     result = CliRunner().invoke(app, args, input=b"Say \xff\xfe hi")
     assert result.exit_code == 1
     assert result.stderr.splitlines() == [
@@ -426,7 +426,7 @@ def test_a_model_without_tokenizer_files_says_so(matrix, tmp_path, layout, comma
     for name in ("tokenizer.json", "tokenizer_config.json"):
         (bare / name).unlink()
     args = {
-        "generate": ["generate", "-m", str(bare), "-p", PROMPT, "--max-tokens", "2"],
+        "generate": ["generate", "--model", str(bare), "-p", PROMPT, "--max-tokens", "2"],
         "bench": ["bench", "--model", str(bare), "--trials", "1", "--max-tokens", "2"],
         "check": ["check", str(bare), "--max-tokens", "2"],
     }[command]
@@ -462,7 +462,7 @@ def test_a_full_disk_is_one_line_and_leaves_nothing(checkpoint, tmp_path, layout
 
     source = checkpoint(layout, dtype="float32")
     out = tmp_path / "out"
-    script = f'ulimit -f 64; exec "{sys.executable}" -m mtpkit convert "{source}" -o "{out}" -q'
+    script = f'ulimit -f 64; exec "{sys.executable}" -m mtpkit convert "{source}" -o "{out}" --quiet'
     root = Path(__file__).resolve().parents[1]
     proc = subprocess.run(["sh", "-c", script], cwd=root, capture_output=True, text=True)
     assert proc.returncode == 1, proc.stderr
@@ -480,3 +480,32 @@ def test_tables_print_whole_when_piped(matrix, monkeypatch):
     assert "…" not in result.stdout
     assert "model.mtp_layers.0.self_attn.q_proj.weight" in result.stdout
     assert "model-00002-of-00002.safetensors" in result.stdout
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "command"),
+    [
+        ("quantization", "4bit", "generate"),
+        ("rope_scaling", "x", "bench"),
+        ("num_hidden_layers", None, "generate"),
+        ("eos_token_id", "x", "bench"),
+        ("head_dim", -3, "generate"),
+    ],
+)
+def test_config_values_are_checked_before_a_model_is_built(matrix, tmp_path, field, value, command):
+    """The runtime checks config.json where inspect and convert check it (`invalid_config`),
+    so mlx-lm never builds from a bad value and fails somewhere deep."""
+    _, model = matrix("mimo", "float32")
+    bad = Path(shutil.copytree(model, tmp_path / "bad"))
+    config = json.loads((bad / "config.json").read_text())
+    config[field] = value
+    (bad / "config.json").write_text(json.dumps(config))
+    args = {
+        "generate": ["generate", "--model", str(bad), "-p", PROMPT, "--max-tokens", "2"],
+        "bench": ["bench", "--model", str(bad), "--trials", "1", "--max-tokens", "2"],
+    }[command]
+    result = run(args, code=1, untouched=(bad,))
+    assert result.stderr.startswith(f"Error: config.json in {bad}: {field}=") or (
+        result.stderr.startswith(f"Error: config.json in {bad}: {field} is not")
+    ), result.stderr
+    assert "(invalid_config)" in result.stderr

@@ -52,7 +52,7 @@ def silent_endpoint() -> Iterator[str]:
     [
         ["inspect", "org/tiny"],
         ["convert", "org/tiny", "-o", "{tmp}/out"],
-        ["generate", "-m", "org/tiny", "-p", "hi", "--max-tokens", "2"],
+        ["generate", "--model", "org/tiny", "-p", "hi", "--max-tokens", "2"],
     ],
     ids=["inspect", "convert", "generate"],
 )
@@ -88,7 +88,7 @@ def test_a_hub_that_never_answers_is_one_line_in_bounded_time(silent_endpoint, t
 def test_hub_downloads_draw_no_progress_frames_into_a_log(hub: HubStandIn, converted: Path):
     """stderr is not a terminal (a CI log): no `\\r` frames, only lines."""
     hub.add_repo("acme/tiny-mtp", converted)
-    args = ["generate", "-m", "acme/tiny-mtp", "-p", "hi", "--max-tokens", "2", "--mtp"]
+    args = ["generate", "--model", "acme/tiny-mtp", "-p", "hi", "--max-tokens", "2", "--mtp"]
     result = CliRunner().invoke(app, args)
     assert result.exit_code == 0, result.output
     assert "acme/tiny-mtp/mtp/weights.safetensors" in hub.bytes_served  # it did download

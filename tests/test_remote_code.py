@@ -96,10 +96,11 @@ def test_a_tokenizer_that_is_only_custom_code_is_one_error_line(mimo: Path, tmp_
     tokenizer_config["auto_map"] = {"AutoTokenizer": ["tokenization_mimo.MiMoTokenizer", None]}
     (model / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
     (model / "tokenization_mimo.py").write_text(CUSTOM_CODE)
-    proc = run_cli("generate", "-m", str(model), "-p", "hi", "--max-tokens", "4", "--json")
+    proc = run_cli("generate", "--model", str(model), "-p", "hi", "--max-tokens", "4", "--json")
     assert proc.returncode == 1
-    assert proc.stdout == ""
     lines = proc.stderr.strip().splitlines()
     assert lines[-1].startswith("Error: the tokenizer of ") and "custom code" in lines[-1]
+    # --json: stdout holds the error as a JSON object (issue 22), the same message.
+    assert json.loads(proc.stdout) == {"error": lines[-1].removeprefix("Error: "), "exit_code": 1}
     assert "Traceback" not in proc.stderr and "[y/N]" not in proc.stderr
     assert not (model / "RAN").exists()

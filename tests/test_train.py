@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -56,7 +57,7 @@ def acceptance(model_dir: Path) -> tuple[float, float]:
 def headless(converted: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The converted example without its head (the state of many published conversions)."""
     out = tmp_path_factory.mktemp("headless") / "tiny"
-    shutil.copytree(converted, out, ignore=shutil.ignore_patterns("mtp"))
+    shutil.copytree(converted, out, ignore=shutil.ignore_patterns("mtp", "mtp.safetensors"))
     return out
 
 
@@ -129,7 +130,7 @@ def test_llama_head_decodes_losslessly(llama, tmp_path) -> None:
     cli = runner.invoke(
         app, ["generate", "--model", str(out), "--mtp", "--prompt", "hello", "--max-tokens", "8"]
     )
-    assert cli.exit_code == 0 and "acceptance" in cli.stderr
+    assert cli.exit_code == 0 and "MTP: depth 1, acceptance" in cli.stdout, cli.output
 
 
 class Interrupted(Exception):
@@ -147,7 +148,7 @@ def test_resume_continues_where_the_checkpoint_left_off(llama, tmp_path) -> None
     )
     whole = train_head(str(llama), settings=settings, checkpoint_dir=tmp_path / "a")
 
-    def crash_after_3(step: int, loss: float, acc: float | None) -> None:
+    def crash_after_3(step: int, loss: float | None, acc: float | None) -> None:
         if step == 3:
             raise Interrupted
 
@@ -192,8 +193,6 @@ def test_into_installs_atomically_and_refuses_a_head(llama, tmp_path) -> None:
 @pytest.mark.parametrize(
     ("extra", "message"),
     [
-        ([], "pass exactly one of -o OUT (a new model directory) and --into DIR"),
-        (["-o", "{tmp}", "--into", "{tmp}"], "pass exactly one of -o OUT"),
         (["-o", "{tmp}"], "exists: pass --force to replace it"),
         (["-o", "{tmp}/new", "--data", "{tmp}/corpus.csv"], "must be .txt or .jsonl files"),
         (["-o", "{tmp}/new", "--data", "{tmp}/missing.txt"], "no such file"),
@@ -207,6 +206,18 @@ def test_bad_destinations_and_data_are_one_line_errors(llama, tmp_path, extra, m
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("Error: ") and message in lines[0]
     assert not (tmp_path / "new").exists()
+
+
+@pytest.mark.parametrize("extra", [[], ["-o", "{tmp}/a", "--into", "{tmp}/b"]])
+def test_no_or_two_destinations_are_usage_errors(llama, tmp_path, extra) -> None:
+    args = [a.replace("{tmp}", str(tmp_path)) for a in extra]
+    result = runner.invoke(app, ["train-head", str(llama), *args])
+    assert result.exit_code == 2
+    lines = result.stderr.strip().splitlines()
+    assert (
+        lines[0].startswith("Usage: ") and "pass -o DIR" in lines[-1] and "--into DIR" in lines[-1]
+    )
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_file_corpora_stream_in_chunks(llama, tmp_path) -> None:
@@ -320,7 +331,7 @@ def test_a_head_trained_on_a_4bit_conversion_passes_check(checkpoint, tmp_path) 
     """The old head's 4-bit entries leave config.json with it: check finds what it records."""
     quantized = tmp_path / "q4"
     ok = runner.invoke(
-        app, ["convert", str(checkpoint("mimo")), "-o", str(quantized), "--bits", "4", "-q"]
+        app, ["convert", str(checkpoint("mimo")), "-o", str(quantized), "--bits", "4", "--quiet"]
     )
     assert ok.exit_code == 0, ok.output
     out = tmp_path / "trained"
@@ -367,3 +378,17 @@ def test_into_writes_nothing_through_a_link_leaving_the_model(llama, tmp_path) -
         "nothing through it: replace the link with a directory"
     ]
     assert (other / "weights.safetensors").read_bytes() == b"another model's head"
+
+
+def test_progress_lines_in_a_log(llama, tmp_path) -> None:
+    """stderr that is not a terminal (CliRunner's, a CI log) gets a line per held-out
+    measurement, the start and the end included, so a long run shows it is alive."""
+    args = [a for a in LLAMA_ARGS if a != "--quiet"]
+    result = runner.invoke(app, ["train-head", str(llama), "-o", str(tmp_path / "o"), *args])
+    assert result.exit_code == 0, result.output
+    lines = [line for line in result.stderr.splitlines() if line.startswith("step ")]
+    assert len(lines) == 3 and "\r" not in result.stderr, result.stderr
+    assert re.fullmatch(r"step 0/24: held-out acceptance \d+\.\d%", lines[0]), lines
+    for n, text in zip((12, 24), lines[1:], strict=True):
+        pattern = rf"step {n}/24: loss \d+\.\d{{4}}, held-out acceptance \d+\.\d% "
+        assert re.match(pattern + r"\(\d+s elapsed, about \d+s left\)$", text), text

@@ -290,7 +290,7 @@ def test_a_float16_overflow_is_named_as_such(checkpoint: CheckpointFactory, tmp_
     tensors[name] = tensors[name] * 1e6
     mx.save_safetensors(str(shard), tensors, metadata={"format": "pt"})
     out = tmp_path / "out"
-    result = runner.invoke(app, ["convert", str(path), "-o", str(out), "--dtype", "float16", "-q"])
+    result = runner.invoke(app, ["convert", str(path), "-o", str(out), "--dtype", "float16", "--quiet"])
     assert result.exit_code == 1
     assert result.stderr.splitlines() == [
         f"Error: {path} cannot be converted to float16: the MTP head's "
@@ -298,7 +298,7 @@ def test_a_float16_overflow_is_named_as_such(checkpoint: CheckpointFactory, tmp_
         "--dtype bfloat16 or --dtype float32"
     ]
     assert not out.exists()
-    ok = runner.invoke(app, ["convert", str(path), "-o", str(out), "--dtype", "bfloat16", "-q"])
+    ok = runner.invoke(app, ["convert", str(path), "-o", str(out), "--dtype", "bfloat16", "--quiet"])
     assert ok.exit_code == 0, ok.output
 
 
@@ -306,10 +306,10 @@ def test_graft_never_installs_a_head_with_nan(checkpoint: CheckpointFactory, tmp
     """Even with --force, a NaN head does not replace a working one (issue: a graft replaced
     a working head by a NaN one); the target stays byte for byte as it was."""
     good = tmp_path / "good"
-    assert runner.invoke(app, ["convert", str(checkpoint("mimo")), "-o", str(good), "-q"]).exit_code == 0
+    assert runner.invoke(app, ["convert", str(checkpoint("mimo")), "-o", str(good), "--quiet"]).exit_code == 0
     before = {p: p.read_bytes() for p in good.rglob("*") if p.is_file()}
     bad = nan_head_source(checkpoint, tmp_path / "bad")
-    args = ["convert", str(bad), "--mtp-only", "--into", str(good), "--force", "-q"]
+    args = ["convert", str(bad), "--mtp-only", "--into", str(good), "--force", "--quiet"]
     result = runner.invoke(app, args)
     assert result.exit_code == 1 and "(head_not_finite)" in result.stderr
     assert {p: p.read_bytes() for p in good.rglob("*") if p.is_file()} == before

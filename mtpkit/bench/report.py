@@ -22,6 +22,11 @@ MIN_TRIALS = 5
 MAX_SPREAD = 0.25  # (max - min) / median of a speedup beyond which it means little
 
 
+def device_name() -> str:
+    """MLX's default device as a plain word ("cpu", "gpu"), not the repr `Device(cpu, 0)`."""
+    return mx.default_device().type.name
+
+
 @dataclass
 class Figure:
     """Repeated measurements of one quantity: the median and the range."""
@@ -166,7 +171,7 @@ class BenchResult:
         notes = self.reliability()
         return {
             "model": self.model,
-            "device": str(mx.default_device()),
+            "device": device_name(),
             "mlx": mx.__version__,
             "dtype": self.dtype,
             "moe_dtype": self.moe_dtype,
@@ -209,7 +214,7 @@ def print_bench(result: BenchResult) -> None:
 
     costs = result.costs
     stdout.print(
-        f"[bold]{result.model}[/bold] on {mx.default_device()}: prompt {result.prompt_tokens} "
+        f"[bold]{result.model}[/bold] on {device_name()}: prompt {result.prompt_tokens} "
         f"tokens, {result.max_tokens} generated per run, median \\[min-max] of "
         f"{result.trials} interleaved trials"
         + (f", experts in {result.moe_dtype}" if result.moe_dtype else "")

@@ -10,9 +10,12 @@ with an MTP sidecar of the same shape, that stock `mlx_lm.load` and `mtpkit` bot
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -126,6 +129,7 @@ def build_random_model(
     dtype: str = "float32",
     tokenizer_from: Path | None = None,
     overrides: dict[str, Any] | None = None,
+    progress: Callable[[str], None] | None = None,
 ) -> Path:
     """Write a random-weight mlx-lm directory of `shape`, quantized, with an MTP sidecar.
 
@@ -136,13 +140,19 @@ def build_random_model(
     from mlx_lm.models import qwen3_5, qwen3_5_moe
     from mlx_lm.utils import quantize_model, save_config, save_model
 
+    say = progress or (lambda line: None)
     config = shape_config(shape, overrides)
+    layers = config["text_config"]["num_hidden_layers"]
     arch = qwen3_5_moe if config["model_type"] == "qwen3_5_moe" else qwen3_5
     mx.random.seed(0)
+    say(f"building a random {shape} model ({layers} layers, {dtype} scales): random weights")
     model = arch.Model(arch.ModelArgs.from_dict(config))
     _scale_init(model, getattr(mx, dtype))
+    say(f"quantizing the random model to {bits} bits")
     predicate = getattr(model, "quant_predicate", None)
-    model, config = quantize_model(model, config, group_size, bits, quant_predicate=predicate)
+    with contextlib.redirect_stdout(io.StringIO()):  # mlx-lm's "[INFO] Quantized" line
+        model, config = quantize_model(model, config, group_size, bits, quant_predicate=predicate)
+    say(f"writing the random model to {out}")
     out.mkdir(parents=True, exist_ok=True)
     save_model(out, model)
     save_config(config, out / "config.json")
@@ -199,21 +209,36 @@ def _scale_init(module: nn.Module, dtype: mx.Dtype) -> None:
     module.update(tree_unflatten(params))
 
 
-def random_model_dir(shape: str, dtype: str = "float32") -> Path:
+def random_model_dir(
+    shape: str,
+    dtype: str = "float32",
+    *,
+    layers: int | None = None,
+    progress: Callable[[str], None] | None = None,
+) -> Path:
     """A temporary directory holding a random model of `shape` (the caller removes its
-    parent). Interrupted while building (Ctrl-C, SIGTERM), it removes what it built; the
-    directories of runs killed outright are removed by the next run."""
+    parent); `layers` builds only that many layers (same widths), for a quicker build.
+    Interrupted while building (Ctrl-C, SIGTERM), it removes what it built; the directories
+    of runs killed outright are removed by the next run."""
     from importlib.resources import files
 
     from mtpkit.convert.destination import remove_stale_work_dirs, work_dir_prefix
 
     shape_config(shape)  # an unknown shape is a one-line error
+    overrides = {"num_hidden_layers": layers} if layers else None
     root = Path(tempfile.gettempdir())
     remove_stale_work_dirs(root, "mtpkit-bench")
     tmp = Path(tempfile.mkdtemp(prefix=f"{work_dir_prefix('mtpkit-bench')}{shape}-", dir=root))
     tok = Path(str(files("mtpkit") / "examples" / "tiny-qwen3_5"))
     try:
-        return build_random_model(shape, tmp / shape, dtype=dtype, tokenizer_from=tok)
+        return build_random_model(
+            shape,
+            tmp / shape,
+            dtype=dtype,
+            tokenizer_from=tok,
+            overrides=overrides,
+            progress=progress,
+        )
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

@@ -34,6 +34,7 @@ from mtpkit.bench.report import (
     BenchRun,
     Costs,
     Figure,
+    device_name,  # noqa: F401  (importable from here, as before the split)
     expected_tokens,
     print_bench,  # noqa: F401  (the CLI imports it from here)
 )
@@ -47,6 +48,7 @@ from mtpkit.runtime.model import (
     load_model,
     untapped,
 )
+from mtpkit.runtime.sharded import PIPELINE, load_sharded, world
 from mtpkit.runtime.upcast import upcast_experts
 from mtpkit.spec.decode import DraftFilter, MtpDecoder, SamplingSettings
 from mtpkit.spec.generate import check_prompt
@@ -137,14 +139,22 @@ def _hidden_size(m: MtpModel) -> int:
     return int(text["hidden_size"])
 
 
-def _stock_run(model: nn.Module, tokenizer: Any, prompt: list[int], max_tokens: int) -> float:
-    """Decode tok/s of stock mlx-lm's `stream_generate` (its own `generation_tps`)."""
+def _stock_run(
+    model: nn.Module,
+    tokenizer: Any,
+    prompt: list[int],
+    max_tokens: int,
+    tick: Callable[[], None] = lambda: None,
+) -> float:
+    """Decode tok/s of stock mlx-lm's `stream_generate` (its own `generation_tps`); `tick`
+    after each token (the watchdog's beat across machines)."""
     import mlx_lm
 
     last = None
     for response in mlx_lm.stream_generate(
         model, tokenizer, mx.array(prompt), max_tokens=max_tokens
     ):
+        tick()
         last = response
     return float(last.generation_tps) if last is not None else 0.0
 
@@ -211,18 +221,23 @@ def bench(
     seed: int = 0,
     draft: DraftModelBench | None = None,
     progress: Callable[[str], None] | None = None,
+    pipeline: bool = False,
 ) -> BenchResult:
     """Measure plain decoding against MTP decoding at depths 1..max_depth; `progress` gets a
     line per stage and per measured run. `acceptances`: instead of the head's own drafts,
     oracle drafts right with each of these probabilities (`mtpkit.bench.oracle`; synthetic).
-    `draft`: also stock mlx-lm with a separate draft model (`mtpkit.bench.draft`)."""
+    `draft`: also stock mlx-lm with a separate draft model (`mtpkit.bench.draft`).
+    Under `mlx.launch` every rank measures its part in lockstep (`pipeline` as in
+    `mtpkit.spec.generate.generate`) against mlx-lm's own `sharded_load`, and every rank
+    returns the same runs (the timings are each rank's own: rank 0's are the ones to print)."""
     if trials < 1 or max_tokens < 1:
         raise MtpkitError(f"trials and max_tokens must be at least 1, not {trials}, {max_tokens}")
     if acceptances is not None and not all(0.0 <= a <= 1.0 for a in acceptances):
         raise MtpkitError(f"--acceptance takes values in [0, 1], not {acceptances}")
     say = progress or (lambda s: None)
-    m = load_model(model)
-    if m.head is None:
+    group = world()
+    m = load_model(model) if group is None else load_sharded(model, group, pipeline=pipeline)
+    if not m.has_head:
         raise NoMtpHead(f"{m.path} has no MTP head: run `mtpkit inspect` and `mtpkit convert`")
     eos = m.tokenizer.eos_token_ids
     m.tokenizer.eos_token_ids = []  # every run decodes exactly max_tokens tokens
@@ -273,13 +288,9 @@ def _trials(
     say: Callable[[str], None],
     draft: DraftModelBench | None = None,
 ) -> BenchResult:
-    import mlx_lm
 
     # Stock mlx-lm on its own, untouched load of the directory.
-    with library_io():  # never remote code, never a question on stdin
-        stock_model, stock_tokenizer = mlx_lm.load(
-            str(m.path), tokenizer_config={"trust_remote_code": False}
-        )
+    stock_model, stock_tokenizer = _stock_load(m)
     upcast_experts([stock_model], what=str(m.path))  # as mtpkit's own load does (CPU only)
     stock_tokenizer.eos_token_ids = []  # every run decodes exactly max_tokens tokens
     _stock_run(stock_model, stock_tokenizer, tokens, 8)  # warm up
@@ -300,11 +311,12 @@ def _trials(
     }
     for trial in range(plan.trials):
         at = f"trial {trial + 1}/{plan.trials}:"
-        base = _stock_run(stock_model, stock_tokenizer, tokens, plan.max_tokens)
+        base = _stock_run(stock_model, stock_tokenizer, tokens, plan.max_tokens, m.lockstep.tick)
         say(f"{at} stock mlx-lm {base:.1f} tok/s")
         plain.values.append(base)
         with untapped(m.final_norm):
-            no_mtp.values.append(_stock_run(m.model, m.tokenizer, tokens, plan.max_tokens))
+            rate = _stock_run(m.model, m.tokenizer, tokens, plan.max_tokens, m.lockstep.tick)
+            no_mtp.values.append(rate)
         say(f"{at} mtpkit --no-mtp {no_mtp.values[-1]:.1f} tok/s")
         no_mtp_speedup.values.append(no_mtp.values[-1] / base if base else 0.0)
         if draft is not None and not draft.result.unavailable:
@@ -329,6 +341,31 @@ def _trials(
         plan.trials, no_mtp_speedup, moe_dtype=m.moe_dtype, acceptances=plan.acceptances,
         draft_model=draft.result if draft is not None else None,
     )  # fmt: skip
+
+
+def _stock_load(m: MtpModel) -> tuple[nn.Module, Any]:
+    """Stock mlx-lm's own load of the directory: `mlx_lm.load`, or across ranks its
+    `sharded_load` sharded the same way as mtpkit's model."""
+    import mlx_lm
+    from mlx_lm.utils import sharded_load
+
+    lockstep = m.lockstep
+    with library_io():  # never remote code, never a question on stdin
+        if lockstep.size == 1:
+            return mlx_lm.load(str(m.path), tokenizer_config={"trust_remote_code": False})
+        pipeline = lockstep.sharding == PIPELINE
+        try:
+            return sharded_load(
+                str(m.path),
+                pipeline_group=lockstep.group if pipeline else None,
+                tensor_group=None if pipeline else lockstep.group,
+                tokenizer_config={"trust_remote_code": False},
+            )
+        except ValueError as e:
+            raise MtpkitError(
+                f"mlx-lm's sharded_load, bench's baseline, cannot load {m.path} that way "
+                f"({e}): drop --pipeline"
+            ) from None
 
 
 def _record(run: BenchRun, decoder: MtpDecoder, rate: float, base: float, step: float) -> None:

@@ -16,12 +16,13 @@ from typing import Any
 
 @dataclass(frozen=True)
 class Case:
-    """One test case; at most one of `failure`, `error` and `warning` is set."""
+    """One test case; at most one of `failure`, `error`, `warning` and `skipped` is set."""
 
     name: str
     failure: str | None = None
     error: str | None = None
     warning: str | None = None
+    skipped: str | None = None
     error_type: str = "MtpkitError"
 
 
@@ -37,7 +38,8 @@ def build_xml(suite_name: str, cases: list[Case], properties: dict[str, str]) ->
         "errors": str(sum(c.error is not None for c in cases)),
     }
     suites = ET.Element("testsuites", name="mtpkit check", **counts)
-    suite = ET.SubElement(suites, "testsuite", name=suite_name, **counts, skipped="0")
+    skipped = str(sum(c.skipped is not None for c in cases))
+    suite = ET.SubElement(suites, "testsuite", name=suite_name, **counts, skipped=skipped)
     if properties:
         props = ET.SubElement(suite, "properties")
         for name, value in properties.items():
@@ -51,6 +53,8 @@ def build_xml(suite_name: str, cases: list[Case], properties: dict[str, str]) ->
             ET.SubElement(case, "error", message=c.error, type=c.error_type).text = c.error
         elif c.warning is not None:
             ET.SubElement(case, "system-out").text = f"warning: {c.warning}"
+        elif c.skipped is not None:
+            ET.SubElement(case, "skipped", message=c.skipped)
     ET.indent(suites)
     return (
         '<?xml version="1.0" encoding="UTF-8"?>\n' + ET.tostring(suites, encoding="unicode") + "\n"
@@ -64,6 +68,7 @@ def junit_xml(result: dict[str, Any]) -> str:
             c["name"],
             failure=c["detail"] if c["status"] == "fail" else None,
             warning=c["detail"] if c["status"] == "warn" else None,
+            skipped=c["detail"] if c["status"] == "skip" else None,
         )
         for c in result["checks"]
     ]

@@ -12,13 +12,12 @@ from typing import Any
 
 from mtpkit.check.probes import CONCAT_ORDERS, HIDDEN_VARIANTS
 from mtpkit.checkpoint.inspect import Checkpoint
+from mtpkit.core.choices import MODE_DEFAULTS
 from mtpkit.core.errors import MtpkitError
 from mtpkit.core.manifest import MANIFEST_FORMAT, PLAIN, SHIFTED, UNSHIFTED
 from mtpkit.families import family_for
 from mtpkit.families.base import expert_layout
 
-# (group_size, bits) mlx-lm assumes for a mode that records neither.
-MODE_DEFAULTS = {"affine": (64, 4), "mxfp4": (32, 4), "nvfp4": (16, 4), "mxfp8": (32, 8)}
 QUANT_PARAM_KEYS = ("group_size", "bits", "mode")
 
 
@@ -38,8 +37,10 @@ def layer_params(q: dict[str, Any] | None, path: str) -> dict[str, Any] | bool |
     override = q.get(path)
     if override is False:
         return False
-    base = dict(q) if not isinstance(override, dict) else {**q, **override}
-    mode = base.get("mode", "affine")
+    # An override is what mlx-lm passes to `to_quantized` as it is: keys it leaves out take
+    # the layer's defaults (affine, the mode's group size and bits), not the top level's.
+    base = dict(q) if not isinstance(override, dict) else dict(override)
+    mode = base.get("mode") or "affine"
     group, bits = MODE_DEFAULTS.get(mode, (64, 4))
     return {
         "group_size": int(base.get("group_size") or group),

@@ -17,6 +17,9 @@ from typing import Any
 from mtpkit.core.choices import CONCAT_ORDERS, DEFAULT_HIDDEN, HIDDEN_VARIANTS
 
 PASS, WARN, FAIL = "pass", "warn", "fail"
+# A probe check that did not run because a structural check failed first: reported (JSON,
+# JUnit `<skipped>`) so CI dashboards keep every case; it does not fail the verdict.
+SKIP = "skip"
 
 
 DEFAULT_MIN_ACCEPTANCE = 0.2

@@ -32,6 +32,7 @@ from mtpkit.check.probes import (
     Measurement,
     shipped_variant,
 )
+from mtpkit.check.variants import SKIP
 from mtpkit.checkpoint.inspect import UNREADABLE, Checkpoint, read_checkpoint, unread_mtp_shards
 from mtpkit.checkpoint.validate import HEAD_NOT_FINITE, LAYER_COUNT_MISMATCH, nonfinite_tensors
 from mtpkit.convert.destination import local_source_dir, refuse_inside
@@ -58,6 +59,8 @@ CHECKS = {
     "concat_order": "the head's projection gets its two inputs in the trained order",
     "head_matches_trunk": "the head was trained with this trunk (some variant reaches --min-acceptance)",
 }
+# The checks the probes decide; reported as skipped when a structural check fails first.
+PROBE_CHECKS = ("acceptance", "norm_shift", "hidden", "concat_order", "head_matches_trunk")
 
 
 # --------------------------------------------------------------------------- structural
@@ -161,7 +164,38 @@ def _head_complete(ckpt: Checkpoint) -> CheckResult:
             f"{messages[0]}{more}: re-convert from the original repo, or re-graft with "
             "`mtpkit convert ORIGINAL --mtp-only --into DIR`",
         )
+    if (mismatch := head_shape_problem(ckpt)) is not None:
+        return CheckResult(
+            "head_complete",
+            FAIL,
+            f"{mismatch}; the head is not this model's (another model's head?): graft the "
+            "model's own with `mtpkit convert ORIGINAL --mtp-only --into DIR`",
+        )
     return CheckResult("head_complete", PASS, "every required head tensor is present")
+
+
+def head_shape_problem(ckpt: Checkpoint) -> str | None:
+    """An MLX directory's head tensors against the head its config implies (names and
+    shapes, from the headers, as convert checks them), so a head of another width fails here
+    at once instead of in the probes. Raw checkpoints are checked when converted."""
+    if ckpt.format != "mlx":
+        return None
+    from mtpkit.convert.plan import Converter, Settings, check_outputs
+
+    family = ckpt.family
+    try:
+        tree = Converter(ckpt, Settings(), head_only=True).head_tree
+        if tree is None:
+            return None
+        produced = {
+            family.rename_head(t.name): tuple(t.shape)
+            for t in ckpt.mtp_tensors
+            if family.duplicate_of(t.name) is None
+        }
+        check_outputs(tree, produced, where="the head", family=family.name, what="head")
+    except MtpkitError as e:
+        return str(e).split(": the config does not match the weights")[0]
+    return None
 
 
 INDEX_CODES = (
@@ -383,6 +417,7 @@ def _check(
     skipped: list[CheckResult] = []
     if probe and any(c.status == FAIL for c in checks):
         log("probes skipped: a structural check failed")
+        checks.extend(skipped_probes(checks))
     elif probe:
         with runnable_copy(ckpt, log=log) as model_dir:
             if not is_local and ckpt.format == "mlx":
@@ -413,6 +448,16 @@ def _check(
         "best_variant": best_variant(diagnosis.best) if diagnosis else None,
         "moe_dtype": moe_dtype,
     }
+
+
+def skipped_probes(checks: list[CheckResult]) -> list[CheckResult]:
+    """Each probe check as skipped, naming the structural checks that failed (CI dashboards
+    keep seeing every case)."""
+    failed = ", ".join(c.name for c in checks if c.status == FAIL)
+    return [
+        CheckResult(name, SKIP, f"not run: structural check(s) failed first ({failed})")
+        for name in PROBE_CHECKS
+    ]
 
 
 def _load_for_probes(

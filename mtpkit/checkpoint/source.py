@@ -21,8 +21,9 @@ from typing import Any
 
 from mtpkit.core.errors import MtpkitError, NotACheckpoint, SourceNotFound
 
-# What the Hub accepts as a repo id (ASCII only: `huggingface_hub.utils.validate_repo_id`).
-REPO_ID = re.compile(r"^[A-Za-z0-9][\w.\-]*/[\w.\-]+$", re.ASCII)
+# What the Hub accepts as a repo id (ASCII only: `huggingface_hub.utils.validate_repo_id`),
+# one-part ids such as `gpt2` included, as mlx-lm and huggingface_hub take them.
+REPO_ID = re.compile(r"^[A-Za-z0-9][\w.\-]*(/[\w.\-]+)?$", re.ASCII)
 
 
 def is_safe_relpath(name: str) -> bool:
@@ -282,7 +283,9 @@ def open_source(spec: str, *, revision: str | None = None) -> Source:
             )
         return LocalSource(path)
     if spec.startswith((".", "/", "~")) or not REPO_ID.match(spec):
-        raise SourceNotFound(f"no such directory {spec}, and it is not a Hub repo id (org/name)")
+        raise SourceNotFound(
+            f"no such directory {spec}, and it is not a Hub repo id (name or org/name)"
+        )
     try:
         return HubSource(spec, revision)
     except SourceNotFound as e:

@@ -21,7 +21,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from mtpkit.core.choices import BITS, GROUP_SIZES
 from mtpkit.core.config import INVALID_CONFIG, as_count
+from mtpkit.core.errors import InvalidConfig
 
 # Stable problem codes added by this layer (documented in README.md).
 LAYER_COUNT_MISMATCH = "mtp_layer_count_mismatch"
@@ -41,7 +43,10 @@ CONFIG_COUNTS: dict[str, int] = {
     "n_routed_experts": 0,
     "num_experts_per_tok": 1,
     "max_position_embeddings": 1,
+    "head_dim": 1,
 }
+# Sizes every model has: an explicit null is as wrong as a word (absent is mlx-lm's business).
+NEVER_NULL = ("num_hidden_layers", "hidden_size", "vocab_size")
 # The most each count may be: far past any published model, short of sizes that would make
 # a loader allocate terabytes before failing (hidden_size 10^12, a vocabulary of 2^40).
 CONFIG_MOST: dict[str, int] = {
@@ -61,9 +66,9 @@ CONFIG_MOST: dict[str, int] = {
 CONFIG_NUMBERS = ("rms_norm_eps", "layer_norm_eps", "rope_theta")
 # Fields that must be JSON booleans when present.
 CONFIG_FLAGS = ("tie_word_embeddings",)
-# The quantization mlx-lm can load: bits and group sizes (mlx's affine modes).
-QUANT_BITS = (2, 3, 4, 5, 6, 8)
-QUANT_GROUP_SIZES = (32, 64, 128)
+# The quantization mlx-lm can load: bits and group sizes (affine's, and nvfp4's 16).
+QUANT_BITS = BITS
+QUANT_GROUP_SIZES = GROUP_SIZES
 # More MTP layers than this is no published model (they ship 1, a few at most).
 MAX_MTP_LAYERS = 64
 
@@ -93,7 +98,7 @@ def config_problems(config: dict[str, Any], mtp_field: str) -> list[Problem]:
     mtp_key = mtp_field.rsplit(".", 1)[-1]
     for key, least in {**CONFIG_COUNTS, mtp_key: 0}.items():
         found = _field(config, key)
-        if found is None or found[1] is None:
+        if found is None or (found[1] is None and key not in NEVER_NULL):
             continue
         name, value = found
         count = as_count(value)
@@ -140,6 +145,22 @@ def _value_problems(config: dict[str, Any]) -> list[Problem]:
         if found is not None and found[1] is not None and not isinstance(found[1], bool):
             problems.append(
                 Problem(INVALID_CONFIG, f"config.json: {found[0]}={found[1]!r} is not true/false")
+            )
+    for key in ("rope_scaling", "rope_parameters"):
+        found = _field(config, key)
+        if found is not None and found[1] is not None and not isinstance(found[1], dict):
+            problems.append(
+                Problem(INVALID_CONFIG, f"config.json: {found[0]}={found[1]!r} is not an object")
+            )
+    found = _field(config, "eos_token_id")
+    if found is not None and found[1] is not None:
+        ids = found[1] if isinstance(found[1], list) else [found[1]]
+        if not ids or any(as_count(i) is None or as_count(i) < 0 for i in ids):
+            problems.append(
+                Problem(
+                    INVALID_CONFIG,
+                    f"config.json: {found[0]}={found[1]!r} is not a token id or a list of them",
+                )
             )
     for key in ("quantization", "quantization_config"):
         quant = config.get(key)
@@ -224,3 +245,16 @@ def nonfinite_tensors(files: dict[Path, list[str] | None]) -> Iterator[str]:
                 continue
             if not mx.all(mx.isfinite(t)).item():
                 yield name
+
+
+def require_valid_config(config: dict[str, Any], mtp_field: str, where: str) -> None:
+    """Raise `InvalidConfig` on the first `config_problems` of a model about to be loaded
+    (generate, bench, check's probes), so the loader never builds from a bad value."""
+    problems = config_problems(config, mtp_field)
+    if problems:
+        more = f" (+{len(problems) - 1} more)" if len(problems) > 1 else ""
+        message = problems[0].message.removeprefix("config.json: ")
+        raise InvalidConfig(
+            f"config.json in {where}: {message}{more} ({INVALID_CONFIG}): fix config.json or "
+            "convert from the original checkpoint"
+        )

@@ -19,6 +19,8 @@ app = typer.Typer(
     # Click's plain forms: a usage error is two lines of usage and one `Error: ...` line
     # (exit 2), never a box; help is plain text that logs and pipes keep intact.
     rich_markup_mode=None,
+    # -h as well as --help, as mlx-lm's commands take it.
+    context_settings={"help_option_names": ["-h", "--help"]},
 )
 
 
@@ -43,10 +45,17 @@ def _root(
 app.command(name="inspect")(inspect.inspect_command)
 app.command(name="check")(check.check_command)
 app.command(name="convert")(convert.convert_command)
-app.command(name="generate")(generate.generate_command)
+app.command(name="generate", context_settings=generate.CONTEXT)(generate.generate_command)
 app.command(name="bench")(bench.bench_command)
 app.command(name="train-head")(train_head.train_head_command)
 
 
 def main() -> None:
+    import sys
+
+    from mtpkit.cli.ranks import supervise_rank
+
+    code = supervise_rank(sys.argv[1:])  # one rank of mlx.launch: run as a supervised child
+    if code is not None:
+        sys.exit(code)
     app()

@@ -6,8 +6,10 @@ Checked here, before any heavy import (MLX, mlx-lm take seconds), so a bad value
 from __future__ import annotations
 
 import functools
+import json
 import math
 import os
+import sys
 from collections.abc import Callable, Iterable
 from enum import Enum
 from typing import Annotated, Any
@@ -21,6 +23,10 @@ from mtpkit.core.choices import (
     GROUP_SIZES,
     HIDDEN_VARIANTS,
     LAYOUTS,
+    MAX_DEPTH,
+    MIN_DEPTH,
+    MODES,
+    QUANT_PREDICATES,
 )
 from mtpkit.core.choices import require_depth as require_depth  # the commands' depth check
 from mtpkit.core.console import quiet_libraries
@@ -31,12 +37,42 @@ from mtpkit.core.errors import MtpkitError, one_line
 EXIT_FAILED_REQUIREMENT = 3
 
 SourceArg = Annotated[
-    str, typer.Argument(help="A local checkpoint directory or a Hugging Face Hub repo id.")
+    str | None,
+    typer.Argument(
+        metavar="SOURCE",
+        help="A local checkpoint directory or a Hugging Face Hub repo id (or --model).",
+        show_default=False,
+    ),
+]
+# mlx-lm names the model with --model on every command (convert also takes --hf-path).
+ModelOpt = Annotated[
+    str | None,
+    typer.Option("--model", metavar="SOURCE", help="The same as SOURCE (mlx-lm's spelling)."),
 ]
 RevisionOpt = Annotated[
-    str | None, typer.Option("--revision", help="Hub branch, tag or commit (Hub repos only).")
+    str | None,
+    typer.Option("--revision", metavar="REV", help="Hub branch, tag or commit (Hub repos only)."),
 ]
-JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON object on stdout.")]
+JsonOpt = Annotated[
+    bool,
+    typer.Option(
+        "--json",
+        help="Print one JSON object on stdout (on an error: {error, exit_code}).",
+    ),
+]
+QuietOpt = Annotated[bool, typer.Option("--quiet", help="No progress bar.")]
+# mtpkit never runs a checkpoint's own code; the flag is accepted so mlx-lm command lines run.
+TrustRemoteCodeOpt = Annotated[
+    bool,
+    typer.Option(
+        "--trust-remote-code",
+        help="Accepted for mlx-lm's command lines; mtpkit never runs a checkpoint's own code.",
+    ),
+]
+REMOTE_CODE_NOTE = (
+    "note: mtpkit never runs a checkpoint's own code; --trust-remote-code changes nothing "
+    "(every supported family is built from mlx-lm's classes)"
+)
 
 
 # Options with fixed choices: Click lists them in --help and rejects others as usage errors
@@ -51,6 +87,8 @@ Layout = choices("Layout", LAYOUTS)
 Hidden = choices("Hidden", HIDDEN_VARIANTS)
 Bits = choices("Bits", BITS, prefix="b")
 GroupSize = choices("GroupSize", GROUP_SIZES, prefix="g")
+QuantMode = choices("QuantMode", MODES)
+QuantPredicate = choices("QuantPredicate", QUANT_PREDICATES)
 
 
 class RandomShape(str, Enum):
@@ -73,10 +111,22 @@ def number(choice: Enum | None) -> int | None:
     return None if choice is None else int(choice.value)
 
 
+def one_source(ctx: typer.Context, source: str | None, model: str | None) -> str:
+    """The model named as SOURCE or with --model (mlx-lm's spelling): once, and not twice
+    differently; otherwise a usage error (exit 2)."""
+    if source is not None and model is not None and source != model:
+        ctx.fail(f"got SOURCE {source!r} and --model {model!r}: name the model once")
+    chosen = source if source is not None else model
+    if chosen is None:
+        ctx.fail("Missing argument 'SOURCE' (or --model SOURCE).")
+    return chosen
+
+
 def friendly_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
     """Any error becomes one `Error: ...` line on stderr and exit 1 (MTPKIT_DEBUG=1: the
     traceback): a user-fixable one with its message, anything else with its type and first
-    line. Typer's own exits and usage errors (exit 2) pass through."""
+    line; with --json, stdout gets `{"error": ..., "exit_code": ...}` as well, so a script
+    reading stdout sees why. Typer's own exits and usage errors (exit 2) pass through."""
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
@@ -94,18 +144,54 @@ def friendly_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
         except Exception as e:  # noqa: BLE001 - the one place every error is turned into a line
             if os.environ.get("MTPKIT_DEBUG") == "1":
                 raise
-            typer.echo(f"Error: {one_line(e)}", err=True)
-            raise typer.Exit(e.exit_code if isinstance(e, MtpkitError) else 1) from None
+            message = one_line(e)
+            code = e.exit_code if isinstance(e, MtpkitError) else 1
+            if kwargs.get("json_output"):
+                sys.stdout.write(json.dumps({"error": message, "exit_code": code}) + "\n")
+                sys.stdout.flush()
+            typer.echo(f"Error: {message}", err=True)
+            raise typer.Exit(code) from None
 
     return wrapper
 
 
-# Options of `convert` and `generate`, declared here to keep the signatures short.
+# Options of `convert` and `generate`, declared here to keep the signatures short; mlx-lm's
+# names first, mtpkit's earlier ones kept as aliases.
+QuantizeOpt = Annotated[
+    bool,
+    typer.Option(
+        "--quantize",
+        "-q",
+        help="Quantize the backbone as mlx_lm.convert -q does (affine: 4 bits, group 64).",
+    ),
+]
 BitsOpt = Annotated[
-    Bits | None, typer.Option("--bits", help="Quantize to this many bits (affine).")
+    Bits | None,
+    typer.Option("--q-bits", "--bits", help="Bits per weight (implies -q; default: the mode's)."),
 ]
 GroupSizeOpt = Annotated[
-    GroupSize | None, typer.Option("--group-size", help="Quantization group size.")
+    GroupSize | None,
+    typer.Option(
+        "--q-group-size",
+        "--group-size",
+        help="Quantization group size (default: the mode's; also --mtp-bits').",
+    ),
+]
+QuantModeOpt = Annotated[
+    QuantMode | None,
+    typer.Option(
+        "--q-mode",
+        help="Quantization mode (implies -q): affine (default), or mxfp4/nvfp4/mxfp8 with "
+        "their fixed bits and group size.",
+    ),
+]
+QuantPredicateOpt = Annotated[
+    QuantPredicate | None,
+    typer.Option(
+        "--quant-predicate",
+        help="mlx-lm's mixed-bit recipe (implies -q; affine only); the head follows its rule "
+        "for the layer after the last unless --mtp-bits or --keep-mtp-bf16 says otherwise.",
+    ),
 ]
 KeepMtpBf16Opt = Annotated[
     bool,
@@ -115,7 +201,8 @@ KeepMtpBf16Opt = Annotated[
     ),
 ]
 MtpBitsOpt = Annotated[
-    Bits | None, typer.Option("--mtp-bits", help="Quantize the MTP head at this many bits.")
+    Bits | None,
+    typer.Option("--mtp-bits", help="Quantize the MTP head at this many bits (affine)."),
 ]
 DtypeOpt = Annotated[
     Dtype | None, typer.Option("--dtype", help="The dtype of unquantized weights.")
@@ -139,7 +226,13 @@ def finite(value: float) -> float:
 
 TempOpt = Annotated[
     float,
-    typer.Option("--temp", min=0.0, callback=finite, help="Sampling temperature; 0 is greedy."),
+    typer.Option(
+        "--temp",
+        min=0.0,
+        callback=finite,
+        metavar="T",
+        help="Sampling temperature; 0 is greedy.",
+    ),
 ]
 TopPOpt = Annotated[
     float,
@@ -147,16 +240,41 @@ TopPOpt = Annotated[
         "--top-p",
         min=0.0,
         max=1.0,
+        metavar="P",
         help="Nucleus sampling: keep this much probability mass (1, the default, is off; so is 0).",
     ),
 ]
-TopKOpt = Annotated[int, typer.Option("--top-k", min=0, help="Sample among the top K (0: off).")]
+MinPOpt = Annotated[
+    float,
+    typer.Option(
+        "--min-p",
+        min=0.0,
+        max=1.0,
+        metavar="P",
+        help="Drop tokens below this fraction of the top token's probability (0: off).",
+    ),
+]
+TopKOpt = Annotated[
+    int, typer.Option("--top-k", min=0, metavar="K", help="Sample among the top K (0: off).")
+]
+DepthOpt = Annotated[
+    int,
+    typer.Option(
+        "--depth",
+        "--num-draft-tokens",
+        min=MIN_DEPTH,
+        max=MAX_DEPTH,
+        metavar="K",
+        help=f"Draft tokens per step, {MIN_DEPTH}..{MAX_DEPTH} (the head chained).",
+    ),
+]
+MaxTokensOpt = Annotated[
+    int, typer.Option("--max-tokens", "-m", min=1, metavar="N", help="Tokens to generate.")
+]
 
 
 def read_stdin_prompt() -> str:
     """`--prompt -`: standard input as UTF-8 text; other bytes are one line naming where."""
-    import sys
-
     stream = getattr(sys.stdin, "buffer", None)
     data = stream.read() if stream is not None else sys.stdin.read()
     if isinstance(data, str):
@@ -168,3 +286,181 @@ def read_stdin_prompt() -> str:
             f"--prompt -: standard input is not UTF-8 text (byte 0x{data[e.start]:02x} at "
             f"offset {e.start}): pass the prompt as UTF-8"
         ) from None
+
+
+# Options of a command run under `mlx.launch` (`mtpkit.cli.ranks`).
+PipelineOpt = Annotated[
+    bool,
+    typer.Option(
+        "--pipeline",
+        help="Under mlx.launch: pipeline stages instead of tensor parallelism, for models "
+        "mlx-lm can shard both ways (as mlx_lm.server --pipeline).",
+    ),
+]
+TimeoutOpt = Annotated[
+    float,
+    typer.Option(
+        "--timeout",
+        min=1,
+        metavar="SECONDS",
+        help="Under mlx.launch: seconds a rank waits for the others before ending with an error.",
+    ),
+]
+
+
+# Options of `generate`: mlx_lm.generate's names and meanings.
+def str2bool(text: str) -> bool:
+    """mlx_lm.generate's --verbose value: 'False'/'F' (any case) is false; so are 'no', '0'."""
+    if text.lower() in ("false", "f", "no", "n", "0"):
+        return False
+    if text.lower() in ("true", "t", "yes", "y", "1"):
+        return True
+    raise typer.BadParameter(f"{text!r} is not True or False")
+
+
+GenerateModelOpt = Annotated[
+    str, typer.Option("--model", metavar="SOURCE", help="A model directory or Hub repo id.")
+]
+# mlx_lm.generate's default prompt (DEFAULT_PROMPT).
+DEFAULT_PROMPT = "hello"
+PromptOpt = Annotated[
+    str,
+    typer.Option(
+        "--prompt",
+        "-p",
+        metavar="TEXT",
+        help="The prompt; - reads stdin; \\n and \\t are read as newline and tab (as mlx-lm).",
+    ),
+]
+SystemPromptOpt = Annotated[
+    str | None,
+    typer.Option("--system-prompt", metavar="TEXT", help="System prompt for the chat template."),
+]
+PrefillResponseOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--prefill-response",
+        metavar="TEXT",
+        help="Start of the answer for the chat template; generation continues it.",
+    ),
+]
+IgnoreChatTemplateOpt = Annotated[
+    bool,
+    typer.Option(
+        "--ignore-chat-template", help="Use the raw prompt (the same as --no-chat-template)."
+    ),
+]
+MaxKvSizeOpt = Annotated[
+    int | None,
+    typer.Option(
+        "--max-kv-size",
+        min=1,
+        metavar="N",
+        help="Keep at most N tokens in each attention cache (rotating, as mlx-lm's).",
+    ),
+]
+ExtraEosTokenOpt = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--extra-eos-token",
+        metavar="TOKEN",
+        help="Also stop at this token or id (repeat the option for several).",
+    ),
+]
+VerboseOpt = Annotated[
+    str,
+    typer.Option(
+        "--verbose",
+        metavar="BOOL",
+        callback=lambda v: str(str2bool(v)),
+        help="True (default): mlx-lm's framing and Prompt/Generation/Peak memory/MTP lines; "
+        "False: only the text.",
+    ),
+]
+
+
+MtpOpt = Annotated[
+    bool | None,
+    typer.Option(
+        "--mtp/--no-mtp",
+        help="--mtp: draft with the MTP head (an error without one); --mtp auto, or neither "
+        "flag: use the head when there is one, else warn and decode plainly; --no-mtp: "
+        "plain decoding (stock mlx-lm).",
+    ),
+]
+GenerateHiddenOpt = Annotated[
+    Hidden | None,
+    typer.Option("--hidden", help="Hidden state fed to the head (default: the manifest's)."),
+]
+AdaptiveOpt = Annotated[
+    bool,
+    typer.Option(
+        "--adaptive/--no-adaptive", help="Pause drafting while it is slower than plain decoding."
+    ),
+]
+ChatTemplateOpt = Annotated[
+    bool,
+    typer.Option(
+        "--chat-template/--no-chat-template",
+        help="Apply the tokenizer's chat template, when it has one.",
+    ),
+]
+SampleSeedOpt = Annotated[
+    int | None, typer.Option("--seed", metavar="N", help="Random seed for sampling.")
+]
+
+
+# Options of `bench`.
+BenchModelOpt = Annotated[
+    str | None,
+    typer.Option("--model", metavar="SOURCE", help="A model directory or Hub repo id."),
+]
+RandomShapeOpt = Annotated[
+    RandomShape | None,
+    typer.Option(
+        "--random",
+        help="Instead of --model, build a random-weight 4-bit model of this shape in a "
+        "temporary directory.",
+    ),
+]
+RandomLayersOpt = Annotated[
+    int | None,
+    typer.Option(
+        "--random-layers",
+        min=4,
+        metavar="N",
+        help="With --random: build only N layers (a multiple of 4), for a quicker build "
+        "of the same widths.",
+    ),
+]
+ScaleDtypeOpt = Annotated[
+    ScaleDtype | None,
+    typer.Option(
+        "--dtype",
+        help="With --random: the dtype of the quantization scales and unquantized weights "
+        "(default float32, which runs ~10x faster on Linux CPUs; published 4-bit models "
+        "carry bfloat16).",
+    ),
+]
+BenchPromptOpt = Annotated[
+    str | None, typer.Option("--prompt", "-p", metavar="TEXT", help="The prompt.")
+]
+BenchMaxTokensOpt = Annotated[
+    int,
+    typer.Option("--max-tokens", "-m", min=1, metavar="N", help="Tokens per run."),
+]
+BenchDepthOpt = Annotated[
+    int,
+    typer.Option(
+        "--depth", min=MIN_DEPTH, max=MAX_DEPTH, metavar="K", help="Measure depths 1..K."
+    ),
+]
+TrialsOpt = Annotated[
+    int,
+    typer.Option(
+        "--trials",
+        min=1,
+        metavar="N",
+        help="Interleaved trials; each figure is their median and range.",
+    ),
+]

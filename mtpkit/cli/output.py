@@ -8,16 +8,14 @@ from typing import Any
 
 from rich.table import Table
 
-from mtpkit.core.console import log, stdout
+from mtpkit.core.console import stdout
 
-STATUS_STYLE = {"pass": "green", "warn": "yellow", "fail": "bold red"}
+STATUS_STYLE = {"pass": "green", "warn": "yellow", "fail": "bold red", "skip": "dim"}
 
 
 def print_json(obj: Any) -> None:
     sys.stdout.write(json.dumps(obj, indent=2) + "\n")
     sys.stdout.flush()
-
-
 
 
 
@@ -118,7 +116,7 @@ def print_check(result: dict[str, Any]) -> None:
                 f"{best['hidden']}, {best['concat_order']}"
             )
         line += ")"
-    elif not any(c["name"] == "acceptance" for c in result["checks"]):
+    elif not any(c["name"] == "acceptance" and c["status"] != "skip" for c in result["checks"]):
         line += " (no probes run)"
     if result.get("moe_dtype"):
         line += f"; experts ran in {result['moe_dtype']}"
@@ -130,7 +128,6 @@ def _pct(x: float) -> str:
     return f"{100 * x:.1f}%"
 
 
-
 def print_convert(result: Any) -> None:
     """The one line `mtpkit convert` prints (a `ConvertResult`)."""
     print(
@@ -140,23 +137,33 @@ def print_convert(result: Any) -> None:
     )
 
 
+# mlx_lm.generate's framing of the text (`generate(..., verbose=True)`).
+FRAME = "=" * 10
+
+
 def print_generate(result: Any) -> None:
-    """`mtpkit generate`'s summary on stderr (the text itself streamed to stdout)."""
-    summary = (
-        f"{len(result.tokens)} tokens, {result.decode_tps:.1f} tok/s, "
-        f"prompt {result.prompt_tokens} tokens at {result.prompt_tps:.1f} tok/s"
-    )
+    """After the streamed text, mlx_lm.generate's closing frame and its `Prompt:`,
+    `Generation:` and `Peak memory:` lines (same wording and precision), then mtpkit's `MTP:`
+    line; all on stdout, as mlx-lm prints them."""
+    print()
+    print(FRAME)
+    if not result.text:
+        print("No text generated for this prompt", flush=True)
+        return
+    # The first token's time is the prompt's, as in mlx-lm; with no token after it there
+    # is no decode rate to report.
+    tps = "n/a" if result.decode_tps is None else f"{result.decode_tps:.3f}"
+    print(f"Prompt: {result.prompt_tokens} tokens, {result.prompt_tps:.3f} tokens-per-sec")
+    print(f"Generation: {len(result.tokens)} tokens, {tps} tokens-per-sec")
+    print(f"Peak memory: {result.peak_memory_gb:.3f} GB")
     if result.mtp:
         acc = "n/a" if result.acceptance is None else f"{result.acceptance:.1%}"
-        summary += (
-            f", MTP depth {result.depth}: acceptance {acc} ({result.accepted}/{result.drafted})"
-        )
+        line = f"MTP: depth {result.depth}, acceptance {acc} ({result.accepted}/{result.drafted})"
     else:
-        summary += ", no MTP"
+        line = "MTP: off (plain decoding)"
     if result.moe_dtype:
-        summary += f", experts in {result.moe_dtype}"
-    log(summary)
-
+        line += f"; experts in {result.moe_dtype}"
+    print(line, flush=True)
 
 
 def print_train(result: dict[str, Any]) -> None:

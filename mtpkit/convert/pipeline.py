@@ -100,8 +100,11 @@ def convert(
     *,
     output: str | Path,
     revision: str | None = None,
+    quantize: bool = False,
     bits: int | None = None,
     group_size: int | None = None,
+    mode: str | None = None,
+    quant_predicate: str | None = None,
     keep_mtp_bf16: bool = False,
     mtp_bits: int | None = None,
     dtype: str | None = None,
@@ -113,14 +116,19 @@ def convert(
 ) -> ConvertResult:
     """Convert `source` (local dir or Hub repo) into an MLX directory at `output`.
 
-    Flags override the recipe's settings. The directory is written into a temporary sibling
-    and renamed at the end, so an interrupted run leaves no `output`.
+    The backbone is quantized as `mlx_lm.convert -q` quantizes it when `quantize` is set or
+    any of `bits`, a `mode` other than affine, or a `quant_predicate` is given (the same
+    defaults per mode). Flags override the recipe's settings. The directory is written into
+    a temporary sibling and renamed at the end, so an interrupted run leaves no `output`.
     """
     started = time.perf_counter()
     settings, recipe_family = resolve_settings(
         recipe,
+        quantize=quantize,
         bits=bits,
         group_size=group_size,
+        mode=mode,
+        quant_predicate=quant_predicate,
         keep_mtp_bf16=keep_mtp_bf16,
         mtp_bits=mtp_bits,
         dtype=dtype,
@@ -142,7 +150,7 @@ def convert(
         plan = converter.plan()
         layers = plan.head_layers(ckpt.family)
         config = output_config(ckpt, plan, settings, layers)
-        backbone_quant = _backbone_quantization(ckpt, settings)
+        backbone_quant = settings.backbone_record() or _source_quantization(ckpt)
         manifest = build_manifest(ckpt, plan, settings, layers, backbone_quant=backbone_quant)
         declare_head(ckpt, plan, config, manifest)
         with new_directory(out) as tmp:
@@ -261,7 +269,8 @@ def _check_convertible(
             f"--layout inline exists only for the Qwen3.5/3.6 families, not {ckpt.family.name}"
         )
     source_quant = ckpt.config.get("quantization")
-    if source_quant is not None and (settings.bits or settings.mtp_bits or settings.keep_mtp_bf16):
+    requested = settings.quantizes_backbone or settings.mtp_bits or settings.keep_mtp_bf16
+    if source_quant is not None and requested:
         origin = ((ckpt.manifest or {}).get("source") or {}).get("spec")
         hint = f" ({origin})" if origin else ""
         raise MtpkitError(
@@ -272,14 +281,16 @@ def _check_convertible(
     check_conv1d(ckpt)
 
 
-def _backbone_quantization(ckpt: Checkpoint, settings: Settings) -> dict[str, Any] | None:
-    """The backbone's {bits, group_size} for the manifest: asked for, or kept from the source."""
-    if settings.bits:
-        return {"bits": settings.bits, "group_size": settings.group_size}
+def _source_quantization(ckpt: Checkpoint) -> dict[str, Any] | None:
+    """The backbone's {bits, group_size, mode} for the manifest, kept from the source."""
     source_quant = ckpt.config.get("quantization")
-    if source_quant is not None:
-        return {"bits": source_quant.get("bits"), "group_size": source_quant.get("group_size")}
-    return None
+    if not isinstance(source_quant, dict):
+        return None
+    return {
+        "bits": source_quant.get("bits"),
+        "group_size": source_quant.get("group_size"),
+        "mode": source_quant.get("mode", "affine"),
+    }
 
 
 def _write_output(
@@ -370,9 +381,11 @@ def graft(
     ckpt = read_checkpoint(source, revision=revision)
     _check_graftable(ckpt, trunk, into)
     trunk_quant = trunk.config.get("quantization")
+    trunk_mode = (trunk_quant or {}).get("mode") or "affine"
     settings = Settings(
         bits=trunk_quant.get("bits") if trunk_quant else None,
-        group_size=group_size or (trunk_quant or {}).get("group_size") or 64,
+        group_size=group_size or (trunk_quant or {}).get("group_size"),
+        mode=trunk_mode,
         keep_mtp_bf16=keep_mtp_bf16,
         mtp_bits=mtp_bits,
         dtype=dtype or _trunk_dtype(trunk),
@@ -389,11 +402,7 @@ def graft(
         config = read_config(into / "config.json")
         set_quantization(config, config.get("quantization"), ckpt.family, plan, settings)
         ckpt.family.declare_mtp(config, layers)
-        backbone_quant = (
-            {"bits": trunk_quant.get("bits"), "group_size": trunk_quant.get("group_size")}
-            if trunk_quant
-            else None
-        )
+        backbone_quant = _source_quantization(trunk)
         manifest = build_manifest(ckpt, plan, settings, layers, backbone_quant=backbone_quant)
         manifest["grafted_into"] = str(into)
         declare_head(ckpt, plan, config, manifest)

@@ -19,10 +19,14 @@ import mlx.core as mx
 from mtpkit.checkpoint.inspect import Checkpoint
 from mtpkit.convert.quant import (
     ModuleTree,
+    Predicate,
     QuantSpec,
     build_model,
     count_parameters,
+    head_predicate,
     is_floating,
+    mixed_predicate,
+    mode_problem,
     model_cast_predicate,
     model_quant_predicate,
     quant_decision,
@@ -31,7 +35,16 @@ from mtpkit.convert.quant import (
 from mtpkit.convert.reader import TensorReader, load_tensors
 from mtpkit.convert.rules import Finish, Job, Tensor, TensorRules, finish, is_raw_conv1d
 from mtpkit.convert.writer import decode_floats
-from mtpkit.core.choices import BITS, DEFAULT_HIDDEN, DTYPES, GROUP_SIZES, HIDDEN_VARIANTS, LAYOUTS
+from mtpkit.core.choices import (
+    BITS,
+    DEFAULT_HIDDEN,
+    DTYPES,
+    GROUP_SIZES,
+    HIDDEN_VARIANTS,
+    LAYOUTS,
+    MODES,
+    QUANT_PREDICATES,
+)
 from mtpkit.core.errors import CheckpointProblem, MtpkitError
 from mtpkit.core.manifest import SHIFTED, UNSHIFTED, head_layer_count
 from mtpkit.families import Family
@@ -49,19 +62,24 @@ class Settings:
     """The resolved conversion settings (flags over recipe over defaults)."""
 
     bits: int | None = None
-    group_size: int = 64
+    group_size: int | None = None
     keep_mtp_bf16: bool = False
     mtp_bits: int | None = None
     dtype: str | None = None
     layout: str = "sidecar"
     hidden: str = DEFAULT_HIDDEN
     hidden_given: bool = False  # asked for by a flag or recipe (else a re-conversion keeps it)
+    quantize: bool = False  # -q: quantize the backbone (implied by bits, mode or predicate)
+    mode: str = "affine"
+    quant_predicate: str | None = None
 
     def validate(self) -> None:
         choices = (
-            ("--bits", self.bits, BITS),
+            ("--q-bits", self.bits, BITS),
             ("--mtp-bits", self.mtp_bits, BITS),
-            ("--group-size", self.group_size, GROUP_SIZES),
+            ("--q-group-size", self.group_size, GROUP_SIZES),
+            ("--q-mode", self.mode, MODES),
+            ("--quant-predicate", self.quant_predicate, QUANT_PREDICATES),
             ("--dtype", self.dtype, DTYPES),
             ("--layout", self.layout, LAYOUTS),
             ("--hidden", self.hidden, HIDDEN_VARIANTS),
@@ -71,21 +89,51 @@ class Settings:
                 raise MtpkitError(f"{flag} {value} is not one of {', '.join(map(str, allowed))}")
         if self.keep_mtp_bf16 and self.mtp_bits is not None:
             raise MtpkitError("--keep-mtp-bf16 and --mtp-bits contradict each other: pass one")
+        if self.quant_predicate is not None and self.mode != "affine":
+            # mlx_lm.convert's own rule: its recipes are affine bit mixes.
+            raise MtpkitError(
+                f"--quant-predicate {self.quant_predicate} supports only --q-mode affine, "
+                f"not {self.mode}"
+            )
+        quantizing = self.quantizes_backbone or self.mtp_bits is not None
+        if quantizing and (problem := mode_problem(self.mode, self.bits, self.group_size)):
+            raise MtpkitError(problem)
+
+    @property
+    def quantizes_backbone(self) -> bool:
+        return bool(self.quantize or self.bits or self.mode != "affine" or self.quant_predicate)
 
     def backbone_spec(self) -> QuantSpec | None:
-        return QuantSpec(self.bits, self.group_size) if self.bits else None
+        if not self.quantizes_backbone:
+            return None
+        return QuantSpec.for_mode(self.mode, self.bits, self.group_size)
 
     def head_spec(self) -> QuantSpec | None:
+        """The head's quantization: none with --keep-mtp-bf16; affine at --mtp-bits (group
+        --q-group-size, else 64); else the backbone's."""
         if self.keep_mtp_bf16:
             return None
         if self.mtp_bits is not None:
-            return QuantSpec(self.mtp_bits, self.group_size)
+            group = self.group_size if self.mode == "affine" and self.group_size else None
+            return QuantSpec.for_mode("affine", self.mtp_bits, group)
         return self.backbone_spec()
 
     def head_dtype(self, default: str | None) -> str | None:
         if self.keep_mtp_bf16:
             return "float16" if self.dtype == "float16" else "bfloat16"
         return default
+
+    def backbone_record(self) -> dict[str, Any] | None:
+        """The backbone's quantization for the manifest: {bits, group_size, mode} and the
+        predicate recipe when one was given."""
+        spec = self.backbone_spec()
+        if spec is None:
+            return None
+        record: dict[str, Any] = {"bits": spec.bits, "group_size": spec.group_size}
+        record["mode"] = spec.mode
+        if self.quant_predicate:
+            record["predicate"] = self.quant_predicate
+        return record
 
 
 @dataclass
@@ -183,12 +231,25 @@ class Converter:
             if self.has_head
             else None
         )
-        self.quant_predicate = model_quant_predicate(self.model)
+        self.quant_predicate, self.head_quant_predicate = self._quant_predicates()
         self.cast_predicate = model_cast_predicate(self.model)
         self.reader: TensorReader | None = None
         self.names: set[str] = set()
         self.backbone_dtype: str | None = None
         self.head_dtype: str | None = None
+
+    def _quant_predicates(self) -> tuple[Predicate | None, Predicate | None]:
+        """(backbone, head) predicates: mlx-lm's mixed recipe replaces the model's own, as in
+        mlx_lm.convert; the head follows the recipe's rule for its layers unless --mtp-bits
+        chose its bits (then the model's own predicate, e.g. 8-bit routers, applies)."""
+        own = model_quant_predicate(self.model)
+        recipe = self.settings.quant_predicate
+        if recipe is None or not self.settings.quantizes_backbone:
+            return own, own
+        mixed = mixed_predicate(recipe, self.model, self.settings.group_size)
+        if self.settings.mtp_bits is not None:
+            return mixed, own
+        return mixed, head_predicate(mixed, self.model, self.family.head_prefix)
 
     def close(self) -> None:
         """Remove temporary files of ranged reads (after the output is written)."""
@@ -328,9 +389,10 @@ class Converter:
         into `plan`."""
         if t.role == "head":
             dtype, tree, spec = self.head_dtype, self.head_tree, self.settings.head_spec()
+            predicate = self.head_quant_predicate
         else:
             dtype, tree = self.backbone_dtype, self.backbone_tree
-            spec = self.settings.backbone_spec()
+            spec, predicate = self.settings.backbone_spec(), self.quant_predicate
         cast = self._cast_dtype(t, dtype)
         path = t.name.removesuffix(".weight")
         packed = path + ".scales" in self.names
@@ -339,11 +401,11 @@ class Converter:
             plan.total_parameters += count_parameters(t.name, shape, size, tree)
         if packed or not t.name.endswith(".weight") or spec is None or tree is None:
             return Finish(cast)
-        chosen, explicit = quant_decision(path, tree, spec, self.quant_predicate)
+        chosen, recorded = quant_decision(path, tree, spec, predicate)
         if chosen is None:
             return Finish(cast)
-        if t.role == "backbone" and explicit:
-            plan.quant_overrides[path] = chosen.as_config()
+        if t.role == "backbone" and recorded is not None:
+            plan.quant_overrides[path] = recorded
         return Finish(cast, chosen)
 
     def _cast_dtype(self, t: Tensor, dtype: str | None) -> mx.Dtype | None:

@@ -20,20 +20,49 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
-from mtpkit.core.choices import DEFAULT_GROUP_SIZE
+from mtpkit.core.choices import AFFINE_GROUP_SIZES, DEFAULT_GROUP_SIZE, MODE_DEFAULTS
 from mtpkit.core.errors import MtpkitError
 from mtpkit.mlxlm import model_classes
 
 
 @dataclass(frozen=True)
 class QuantSpec:
-    """Affine quantization settings, as mlx-lm records them in `config["quantization"]`."""
+    """Quantization settings, as mlx-lm records them in `config["quantization"]`."""
 
     bits: int
     group_size: int = DEFAULT_GROUP_SIZE
+    mode: str = "affine"
 
-    def as_config(self) -> dict[str, int]:
-        return {"group_size": self.group_size, "bits": self.bits}
+    @classmethod
+    def for_mode(cls, mode: str, bits: int | None, group_size: int | None) -> QuantSpec:
+        """mlx-lm's defaults for what was not given (`defaults_for_mode`)."""
+        default_group, default_bits = MODE_DEFAULTS[mode]
+        return cls(bits or default_bits, group_size or default_group, mode)
+
+    def as_config(self) -> dict[str, Any]:
+        return {"group_size": self.group_size, "bits": self.bits, "mode": self.mode}
+
+    @classmethod
+    def of_params(cls, params: dict[str, Any], default: QuantSpec) -> QuantSpec:
+        """What `to_quantized(**params)` builds: keys a predicate leaves out take the
+        layer's own defaults (affine; the mode's group size and bits), not the model's."""
+        mode = params.get("mode") or "affine"
+        group, bits = MODE_DEFAULTS.get(mode, MODE_DEFAULTS["affine"])
+        return cls(int(params.get("bits") or bits), int(params.get("group_size") or group), mode)
+
+
+def mode_problem(mode: str, bits: int | None, group_size: int | None) -> str | None:
+    """Why (bits, group_size) do not fit `mode`, or None: the floating-point modes take one pair."""
+    if mode == "affine":
+        if group_size is not None and group_size not in AFFINE_GROUP_SIZES:
+            return f"affine quantization takes group size 32, 64 or 128, not {group_size}"
+        return None
+    group, fixed_bits = MODE_DEFAULTS[mode]
+    if (bits is not None and bits != fixed_bits) or (
+        group_size is not None and group_size != group
+    ):
+        return f"--q-mode {mode} takes {fixed_bits} bits and group size {group} only"
+    return None
 
 
 def build_model(config: dict[str, Any]) -> nn.Module:
@@ -68,28 +97,57 @@ Predicate = Callable[[str, nn.Module], "bool | dict[str, Any]"]
 
 def quant_decision(
     path: str, tree: ModuleTree, spec: QuantSpec, predicate: Predicate | None
-) -> tuple[QuantSpec | None, bool]:
-    """(settings or None, whether mlx-lm would record them per path) for module `path`.
+) -> tuple[QuantSpec | None, dict[str, Any] | None]:
+    """(settings or None, the params mlx-lm records for this path or None) for module `path`.
 
     Mirrors `wrapped_predicate` in mlx_lm.utils.quantize_model: modules without
     `to_quantized` or whose input dimension the group size does not divide stay as they are;
-    the model's predicate may veto or override (e.g. routers at 8 bits, group 64).
+    the predicate may veto or override (e.g. routers at 8 bits, group 64), and its dict is
+    recorded as it is (a mixed recipe's `group_size` may be null).
     """
     module = tree.quantizable.get(path)
     if module is None:
-        return None, False
+        return None, None
     if module.weight.shape[-1] % spec.group_size != 0:
-        return None, False
+        return None, None
     verdict: bool | dict[str, Any] = True if predicate is None else predicate(path, module)
     if verdict is False:
-        return None, False
+        return None, None
     if isinstance(verdict, dict):
-        override = QuantSpec(
-            bits=int(verdict.get("bits", spec.bits)),
-            group_size=int(verdict.get("group_size", spec.group_size)),
-        )
-        return override, True
-    return spec, False
+        return QuantSpec.of_params(verdict, spec), dict(verdict)
+    return spec, None
+
+
+def mixed_predicate(recipe: str, model: nn.Module, group_size: int | None) -> Predicate:
+    """mlx_lm.convert's own `--quant-predicate` recipe for `model` (imported, not copied:
+    a change upstream is followed). It replaces the model's predicate, as in mlx-lm."""
+    from mlx_lm.convert import mixed_quant_predicate_builder
+
+    try:
+        return mixed_quant_predicate_builder(recipe, model, group_size)
+    except ValueError as e:
+        raise MtpkitError(f"--quant-predicate {recipe}: {e}") from None
+
+
+def head_predicate(predicate: Predicate, model: nn.Module, head_prefix: str) -> Predicate:
+    """`predicate` for the MTP head, whose layers sit after the backbone's last: each head
+    path is asked as the path of backbone layer `num_layers + i` (a mixed recipe's rule for
+    that layer type and depth), root modules (fc, norms) as layer `num_layers`."""
+    layer_path = next((k for k, _ in model.named_modules() if "down_proj" in k), None)
+    parts = (layer_path or "model.layers.0").split(".")
+    at = next((i for i, p in enumerate(parts) if p.isdigit()), len(parts) - 1)
+    layers = ".".join(parts[:at])
+    count = len(model.layers)
+
+    def ask(path: str, module: nn.Module) -> bool | dict[str, Any]:
+        rest = path.removeprefix(head_prefix)
+        first, _, tail = rest.partition(".")
+        index, _, after = tail.partition(".")
+        if first == "layers" and index.isdigit() and after:
+            return predicate(f"{layers}.{count + int(index)}.{after}", module)
+        return predicate(f"{layers}.{count}.{rest}", module)
+
+    return ask
 
 
 def model_quant_predicate(model: nn.Module) -> Predicate | None:
@@ -100,24 +158,34 @@ def model_cast_predicate(model: nn.Module) -> Callable[[str], bool]:
     return getattr(model, "cast_predicate", lambda _: True)
 
 
-def quantize(array: mx.array, spec: QuantSpec) -> tuple[mx.array, mx.array, mx.array]:
-    """Affine quantization, what `to_quantized` of Linear/SwitchLinear/Embedding computes."""
-    weight, scales, biases = mx.quantize(array, group_size=spec.group_size, bits=spec.bits)
-    return weight, scales, biases
+def quantize(array: mx.array, spec: QuantSpec) -> dict[str, mx.array]:
+    """What `to_quantized` of Linear/SwitchLinear/Embedding computes: `weight`, `scales`
+    and (affine only) `biases`."""
+    packed = mx.quantize(array, group_size=spec.group_size, bits=spec.bits, mode=spec.mode)
+    return dict(zip(("weight", "scales", "biases"), packed, strict=False))
 
 
 def infer_spec(
-    weight_shape: tuple[int, ...], scales_shape: tuple[int, ...], in_dims: int
+    weight_shape: tuple[int, ...],
+    scales_shape: tuple[int, ...],
+    in_dims: int,
+    scales_dtype: mx.Dtype | None = None,
 ) -> QuantSpec:
     """The settings a stored quantized weight was packed with.
 
-    The arithmetic of `mlx_lm.utils.infer_quant_config`, for the affine mode mtpkit writes;
-    not imported from there because `mlx_lm.utils` loads transformers (about 0.9 s and 50 MB
-    per conversion, a third of a 1 GB conversion's time) and conversion never needs it.
+    The arithmetic of `mlx_lm.utils.infer_quant_config` (only affine keeps its scales in a
+    float dtype; each floating-point mode has one (bits, group size) pair); not imported
+    from there because `mlx_lm.utils` loads transformers (about 0.9 s and 50 MB per
+    conversion, a third of a 1 GB conversion's time) and conversion never needs it.
     """
-    return QuantSpec(
-        bits=(weight_shape[-1] * 32) // in_dims, group_size=in_dims // scales_shape[-1]
-    )
+    bits, group = (weight_shape[-1] * 32) // in_dims, in_dims // scales_shape[-1]
+    mode = "affine"
+    if scales_dtype == mx.uint8:
+        by_pair = {(b, g): m for m, (g, b) in MODE_DEFAULTS.items() if m != "affine"}
+        if (bits, group) not in by_pair:
+            raise MtpkitError(f"cannot tell the quantization mode of {bits} bits, group {group}")
+        mode = by_pair[(bits, group)]
+    return QuantSpec(bits=bits, group_size=group, mode=mode)
 
 
 def is_floating(dtype: mx.Dtype) -> bool:
@@ -147,10 +215,10 @@ def count_parameters(name: str, shape: tuple[int, ...], size: int, tree: ModuleT
 
 def quantization_paths(
     tree: ModuleTree, written: dict[str, mx.array]
-) -> dict[str, bool | dict[str, int]]:
+) -> dict[str, bool | dict[str, Any]]:
     """Every quantizable module path -> False or the settings its written weight was packed
     with, as `config["quantization"]` records per path."""
-    paths: dict[str, bool | dict[str, int]] = {}
+    paths: dict[str, bool | dict[str, Any]] = {}
     for path, module in sorted(tree.quantizable.items()):
         scales = written.get(f"{path}.scales")
         if scales is None:
@@ -158,5 +226,6 @@ def quantization_paths(
             continue
         weight = written[f"{path}.weight"]
         in_dims = module.weight.shape[-1]
-        paths[path] = infer_spec(tuple(weight.shape), tuple(scales.shape), in_dims).as_config()
+        spec = infer_spec(tuple(weight.shape), tuple(scales.shape), in_dims, scales.dtype)
+        paths[path] = spec.as_config()
     return paths

@@ -27,7 +27,18 @@ else:  # pragma: no cover
 
 from mtpkit.core.errors import MtpkitError
 
-RECIPE_KEYS = {"bits", "group_size", "keep_mtp_bf16", "mtp_bits", "dtype", "layout", "hidden"}
+RECIPE_KEYS = {
+    "quantize",
+    "bits",
+    "group_size",
+    "mode",
+    "quant_predicate",
+    "keep_mtp_bf16",
+    "mtp_bits",
+    "dtype",
+    "layout",
+    "hidden",
+}
 # Shipped as package data (a wheel has them too); `recipes/` at the top of a checkout is a
 # link to this folder.
 RECIPES_DIR = Path(__file__).resolve().parent.parent / "recipes"

@@ -78,8 +78,9 @@ def output_config(ckpt: Checkpoint, plan: Plan, settings: Settings, layers: int)
     if isinstance(qc, dict) and qc.get("quant_method") == "fp8":
         config.pop("quantization_config")  # dequantized: the weights are no longer FP8
     quant: dict[str, Any] | None = config.get("quantization")
-    if settings.bits:
-        quant = {"group_size": settings.group_size, "bits": settings.bits, "mode": "affine"}
+    spec = settings.backbone_spec()
+    if spec is not None:
+        quant = spec.as_config()
         quant.update(plan.quant_overrides)
     set_quantization(config, quant, ckpt.family, plan, settings)
     if layers:
@@ -101,7 +102,7 @@ def set_quantization(
     if quant is None and any(plan.head_quant.values()):
         spec = settings.head_spec()
         assert spec is not None
-        quant = {"group_size": spec.group_size, "bits": spec.bits, "mode": "affine"}
+        quant = spec.as_config()
     if quant is not None:
         quant.update(plan.head_quant)
         config["quantization"] = quant

@@ -186,8 +186,8 @@ def finish(t: Tensor, decided: Finish | None) -> Outputs:
     if decided.quant is None:
         return [(t.name, array)]
     path = t.name.removesuffix(".weight")
-    weight, scales, biases = quantize(array, decided.quant)
-    return [(f"{path}.weight", weight), (f"{path}.scales", scales), (f"{path}.biases", biases)]
+    # weight and scales, plus biases in affine mode (mlx-lm's `to_quantized` outputs).
+    return [(f"{path}.{k}", v) for k, v in quantize(array, decided.quant).items()]
 
 
 def job_computer() -> Callable[[Job], Outputs]:

@@ -9,10 +9,19 @@ from mtpkit.core.errors import MtpkitError
 
 # Floating dtypes a conversion writes (`--dtype`) and a trained head is stored in.
 DTYPES = ("bfloat16", "float16", "float32")
-# Affine quantization (`--bits`, `--mtp-bits`, `--group-size`), as mlx-lm supports it.
+# Quantization (`--q-bits`, `--mtp-bits`, `--q-group-size`), as mlx-lm supports it; affine
+# takes group sizes 32, 64 and 128 only (16 is nvfp4's).
 BITS = (2, 3, 4, 5, 6, 8)
-GROUP_SIZES = (32, 64, 128)
+GROUP_SIZES = (16, 32, 64, 128)
+AFFINE_GROUP_SIZES = (32, 64, 128)
 DEFAULT_GROUP_SIZE = 64
+# mlx_lm.convert's --q-mode choices and the (group_size, bits) each defaults to
+# (`defaults_for_mode` in mlx_lm.utils.quantize_model); the floating-point modes allow only
+# their own pair.
+MODE_DEFAULTS = {"affine": (64, 4), "mxfp4": (32, 4), "nvfp4": (16, 4), "mxfp8": (32, 8)}
+MODES = tuple(MODE_DEFAULTS)
+# mlx_lm.convert's --quant-predicate recipes (mlx_lm.convert.QUANT_RECIPES).
+QUANT_PREDICATES = ("mixed_2_6", "mixed_3_4", "mixed_3_6", "mixed_4_6")
 # Where a conversion keeps the head: mtp/ only, or also in the model shards.
 LAYOUTS = ("sidecar", "inline")
 

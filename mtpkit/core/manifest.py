@@ -23,9 +23,11 @@ Keys written by `mtpkit convert` (stable; `MANIFEST_KEYS` lists them):
   `concat_order`: "embedding_first" or "hidden_first".
 - `expert_layout`: `{source, output}`: "per_expert", "fused", "stacked", "dense".
 - `mtp_dtype`: dtype of the head's unquantized tensors; `mtp_quantization`: null or
-  `{bits, group_size}` (the setting most head modules use); `mtp_quantization_paths`: every
-  quantizable head module path -> false or `{group_size, bits}` (as in config.json).
-- `backbone_quantization`: null or `{bits, group_size}`.
+  `{bits, group_size, mode}` (the setting most head modules use); `mtp_quantization_paths`:
+  every quantizable head module path -> false or `{group_size, bits, mode}` (as in
+  config.json).
+- `backbone_quantization`: null or `{bits, group_size, mode}`, plus `predicate` (mlx-lm's
+  mixed recipe, e.g. "mixed_3_6") when one chose the bits per layer.
 - `dropped`: source tensors deliberately not written (duplicated embeddings and heads,
   tied lm_head, vision tower, rotary buffers).
 - `grafted_into`: only after `--mtp-only --into DIR`, the directory grafted into.
@@ -152,13 +154,15 @@ def head_manifest(
     }
 
 
-def main_quantization(paths: dict[str, Any]) -> dict[str, int] | None:
-    """The (bits, group_size) most quantized head modules use, or None."""
-    counts: dict[tuple[int, int], int] = {}
+def main_quantization(paths: dict[str, Any]) -> dict[str, Any] | None:
+    """The (bits, group_size, mode) most quantized head modules use, or None."""
+    counts: dict[tuple[int, int, str], int] = {}
     for v in paths.values():
         if v:
-            counts[(v["bits"], v["group_size"])] = counts.get((v["bits"], v["group_size"]), 0) + 1
+            key = (v["bits"], v["group_size"], v.get("mode", "affine"))
+            counts[key] = counts.get(key, 0) + 1
     if not counts:
         return None
-    bits, group = max(counts, key=lambda k: counts[k])
-    return {"bits": bits, "group_size": group}
+    bits, group, mode = max(counts, key=lambda k: counts[k])
+    return {"bits": bits, "group_size": group, "mode": mode}
+

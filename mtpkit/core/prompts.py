@@ -105,14 +105,31 @@ def has_chat_template(tokenizer: Any) -> bool:
     return bool(getattr(tokenizer, "chat_template", None))
 
 
-def encode_prompt(tokenizer: Any, prompt: str, *, chat_template: bool = True) -> list[int]:
-    """A generation prompt's token ids: a user turn where the tokenizer has a chat template
-    (and `chat_template`), else the text, with the tokenizer's special tokens unless the
-    text already starts with its BOS."""
+def encode_prompt(
+    tokenizer: Any,
+    prompt: str,
+    *,
+    chat_template: bool = True,
+    system_prompt: str | None = None,
+    prefill_response: str | None = None,
+) -> list[int]:
+    """A generation prompt's token ids: where the tokenizer has a chat template (and
+    `chat_template`), the messages as mlx_lm.generate builds them (an optional system prompt,
+    the user's prompt, an optional start of the assistant's answer that generation
+    continues); else the text, with the tokenizer's special tokens unless the text already
+    starts with its BOS."""
     if chat_template and has_chat_template(tokenizer):
+        messages = [{"role": "system", "content": system_prompt}] if system_prompt else []
+        messages.append({"role": "user", "content": prompt})
+        prefill = prefill_response is not None
+        if prefill:
+            messages.append({"role": "assistant", "content": prefill_response})
         return list(
             tokenizer.apply_chat_template(
-                [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True
+                messages,
+                add_generation_prompt=not prefill,
+                continue_final_message=prefill,
+                tokenize=True,
             )
         )
     bos = getattr(tokenizer, "bos_token", None)

@@ -28,6 +28,7 @@ class BackboneParts:
     (`Family.backbone_parts`), so no other module names a model's attributes."""
 
     text: Any  # the text model: owns `lm_head` and the `args` the head shares
+    decoder: Any  # the module holding the stack (mlx-lm's `pipeline()` lives there)
     embedding: Any  # token embedding: [V] ids -> [V, H] table
     layers: list[Any]  # the decoder stack, input to output
     final_norm: Any  # the norm before `lm_head`; the head drafts from its input or output
@@ -269,6 +270,7 @@ class Family(ConvertHooks):
         decoder = getattr(text, self.decoder_attr)
         return BackboneParts(
             text=text,
+            decoder=decoder,
             embedding=getattr(decoder, self.embedding_attr),
             layers=list(decoder.layers),
             final_norm=getattr(decoder, self.final_norm_attr),

@@ -21,6 +21,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from mtpkit.convert.rules import shift_norm, stack_experts
+from mtpkit.core.errors import MtpkitError
 from mtpkit.families import Family, family_for, supported
 from mtpkit.families.head import CONCAT_ORDERS, EMBEDDING_FIRST, HIDDEN_FIRST, MtpHead
 
@@ -175,13 +176,14 @@ def quantization_predicate(
         entry = qconfig.get(f"{prefix}{path}")
         params: dict[str, Any] = {}
         if isinstance(entry, dict):
-            params.update({k: entry[k] for k in ("bits", "group_size", "mode") if k in entry})
+            params.update({k: entry[k] for k in ("bits", "group_size", "mode") if entry.get(k)})
+            # A per-path entry is what mlx-lm passes to `to_quantized`: no mode means affine.
+            params.setdefault("mode", "affine")
         in_dims = module.weight.shape[-1]
         packed = weights[f"{path}.weight"].shape[-1]
         params.setdefault("group_size", in_dims // scales.shape[-1])
         params.setdefault("bits", packed * 32 // in_dims)
-        if "mode" in qconfig:
-            params.setdefault("mode", qconfig["mode"])
+        params.setdefault("mode", qconfig.get("mode") or "affine")
         return params
 
     return predicate
@@ -211,7 +213,13 @@ def load_head(
             bits=int(qconfig.get("bits", 4)),
             class_predicate=quantization_predicate(hw.weights, qconfig, hw.prefix),
         )
-    head.load_weights(list(hw.weights.items()), strict=True)
+    try:
+        head.load_weights(list(hw.weights.items()), strict=True)
+    except ValueError as e:  # names or shapes of another model's head
+        raise MtpkitError(
+            f"the MTP head in {model_dir} does not fit this model ({e}): graft the model's "
+            "own head with `mtpkit convert ORIGINAL --mtp-only --into DIR`"
+        ) from None
     head.eval()
     order = concat_order or (hw.manifest or {}).get("concat_order")
     if order:

@@ -30,6 +30,7 @@ from mtpkit.mlxlm import stock_model_classes
 from mtpkit.runtime.headload import HeadWeights, MtpHead, load_head
 from mtpkit.runtime.kernels.gdn_verify import use_fast_verify
 from mtpkit.runtime.kernels.qmv import multi_row_matmuls
+from mtpkit.runtime.ranks import SINGLE, Lockstep
 from mtpkit.runtime.rollback.gdn import (
     GdnSnapshots,
     capture_gdn_states,
@@ -131,6 +132,15 @@ class MtpModel:
     capture: HiddenCapture
     context_length: int | None
     parts: BackboneParts
+    # The ranks this model is spread over (`mtpkit.runtime.sharded`); one process by default.
+    lockstep: Lockstep = SINGLE
+    # True on a rank without the head while rank 0 has one (a non-last pipeline stage).
+    head_elsewhere: bool = False
+
+    @property
+    def has_head(self) -> bool:
+        """Whether the decoding (on any rank) has an MTP head to draft with."""
+        return self.head is not None or self.head_elsewhere
 
     @property
     def moe_dtype(self) -> str | None:
@@ -150,16 +160,27 @@ class MtpModel:
         return self.embedding(tokens)
 
     def lm_head(self, x: mx.array) -> mx.array:
-        """Logits [..., V] of hidden states `x` [..., H] (tied: the embedding's as_linear)."""
-        return self.parts.logits(x)
+        """Logits [..., V] of hidden states `x` [..., H] (tied: the embedding's as_linear).
+        Under tensor parallelism mlx-lm may shard the lm_head by vocabulary (its
+        `sharding_group`); the slices are gathered as mlx-lm's own forward gathers them, a
+        collective every rank joins."""
+        logits = self.parts.logits(x)
+        group = getattr(self.parts.text, "sharding_group", None)
+        if group is None or self.parts.lm_head is None:
+            return logits
+        from mlx_lm.models.base import gather_last_axis
+
+        return gather_last_axis(logits, group)
 
     def hidden_state(self) -> mx.array:
         return self.capture.post if self.hidden == POST_NORM else self.capture.pre
 
-    def make_cache(self) -> list[Any]:
+    def make_cache(self, max_kv_size: int | None = None) -> list[Any]:
+        """mlx-lm's caches for the backbone (rotating ones of `max_kv_size`, as mlx-lm's
+        --max-kv-size makes them, for models without their own `make_cache`)."""
         from mlx_lm.models.cache import make_prompt_cache
 
-        return make_prompt_cache(self.model)
+        return make_prompt_cache(self.model, max_kv_size=max_kv_size)
 
     def forward(self, tokens: mx.array, cache: list[Any]) -> tuple[mx.array, mx.array]:
         """Logits [1, T, V] and hidden states [1, T, H] of `tokens` [1, T]."""
@@ -193,6 +214,7 @@ def resolve_model_path(spec: str, revision: str | None = None) -> Path:
         path = local if local.is_dir() else source.root  # else: an offline Hub snapshot
     if not (path / "config.json").exists():
         raise MtpkitError(f"{spec} has no config.json: pass a model directory")
+    _validate_config(path, spec)
     weights = any(path.glob("*.safetensors"))  # without any, the loader's own error says so
     if weights and not any(any(path.glob(pattern)) for pattern in TOKENIZER_FILES):
         raise MtpkitError(
@@ -200,6 +222,28 @@ def resolve_model_path(spec: str, revision: str | None = None) -> Path:
             "from the original checkpoint into it"
         )
     return path
+
+
+def _validate_config(path: Path, spec: str) -> None:
+    """config.json's values checked where inspect and convert check them, before mlx-lm
+    builds a model from them (a word for a size, a string for `quantization`)."""
+    import json
+
+    from mtpkit.checkpoint.validate import require_valid_config
+    from mtpkit.core.errors import UnsupportedFamily
+    from mtpkit.families import family_for
+
+    try:
+        config = json.loads((path / "config.json").read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise MtpkitError(f"config.json in {spec} is not valid JSON ({type(e).__name__})") from None
+    if not isinstance(config, dict):
+        raise MtpkitError(f"config.json in {spec} is not a JSON object")
+    try:
+        field = family_for(config).mtp_field()
+    except UnsupportedFamily:  # a model mtpkit has no family for: mlx-lm decides
+        field = "num_nextn_predict_layers"
+    require_valid_config(config, field, spec)
 
 
 def head_tensor_filter(config: dict[str, Any]) -> Callable[[str], bool]:
@@ -346,6 +390,22 @@ def load_model(
         loaded = load_head(path, config, norm_shift=norm_shift, concat_order=concat_order)
         if loaded is not None:
             head, head_weights = loaded
+    return assemble(path, model, tokenizer, config, head, head_weights, hidden)
+
+
+def assemble(
+    path: Path,
+    model: nn.Module,
+    tokenizer: Any,
+    config: dict[str, Any],
+    head: MtpHead | None,
+    head_weights: HeadWeights | None,
+    hidden: str | None,
+    lockstep: Lockstep = SINGLE,
+    head_elsewhere: bool = False,
+) -> MtpModel:
+    """A loaded backbone and head made ready to decode: experts upcast where MLX needs it,
+    the final norm and the gated-delta-net layers tapped."""
     upcast_experts([model, head], what=str(path))
     if hidden is None:
         manifest = head_weights.manifest if head_weights is not None else None
@@ -361,5 +421,6 @@ def load_model(
     text = config.get("text_config") or config
     context = text.get("max_position_embeddings") or config.get("max_position_embeddings")
     return MtpModel(
-        path, model, tokenizer, config, head, head_weights, hidden, capture, context, parts
-    )
+        path, model, tokenizer, config, head, head_weights, hidden, capture, context, parts,
+        lockstep, head_elsewhere,
+    )  # fmt: skip

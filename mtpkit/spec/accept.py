@@ -29,6 +29,7 @@ class SamplingSettings:
     temp: float = 0.0
     top_p: float = TOP_P_OFF
     top_k: int = 0
+    min_p: float = 0.0
 
     @property
     def greedy(self) -> bool:
@@ -37,15 +38,18 @@ class SamplingSettings:
     def sampler(self) -> Callable[[mx.array], mx.array]:
         from mlx_lm.sample_utils import make_sampler
 
-        return make_sampler(temp=self.temp, top_p=self.top_p, top_k=self.top_k)
+        return make_sampler(temp=self.temp, top_p=self.top_p, min_p=self.min_p, top_k=self.top_k)
 
     def probs(self, logits: mx.array) -> mx.array:
-        """The distribution mlx-lm's sampler draws from, for each row of `logits`."""
-        from mlx_lm.sample_utils import apply_top_k, apply_top_p
+        """The distribution mlx-lm's sampler draws from, for each row of `logits` (its
+        filters in its order: top-p, min-p, top-k)."""
+        from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
 
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
         if 0 < self.top_p < 1.0:
             logprobs = apply_top_p(logprobs, self.top_p)
+        if self.min_p != 0.0:
+            logprobs = apply_min_p(logprobs, self.min_p)
         if self.top_k > 0:
             logprobs = apply_top_k(logprobs, self.top_k)
         return mx.softmax(logprobs.astype(mx.float32) * (1 / self.temp), axis=-1)

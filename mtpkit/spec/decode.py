@@ -38,15 +38,18 @@ from mtpkit.runtime.rollback.verify_pass import VerifyPass
 from mtpkit.spec.accept import SamplingSettings, read_verdict, rejection_sample, verdict
 from mtpkit.spec.adaptive import AdaptiveDrafting
 from mtpkit.spec.drafter import HeadDrafter
+from mtpkit.spec.follower import FollowerDrafter, followers_of, placeholder_verdict
 
 # SamplingSettings and rejection_sample live in mtpkit.spec.accept; importable from here too.
 __all__ = ["AdaptiveDrafting", "MtpDecoder", "SamplingSettings", "Stats", "rejection_sample"]
 
 CATCH_UP_AFTER = 256  # plain steps after which the head catches up while drafting is off
 # Pipeline rounds while at least this share of rounds keeps every draft (exponentially
-# smoothed over ~10 rounds). On an H100 a queued-and-discarded round wasted ~a whole round's
-# host time while pipelining saved 13-25% of one: break-even near 0.75-0.87 full rounds.
-PIPELINE_MIN_FULL = 0.8
+# smoothed over ~10 rounds). Measured on an H100 (qwen3_5-0.8b, depth 1, README
+# "Performance"): a pipelined round that is kept costs ~0.87 of a serial one, a discarded
+# one wastes ~1.3 serial rounds (its host time, and its kernels ahead of the real round), so
+# at 83% fully kept rounds pipelining made rounds 11% slower; break-even is near 91%.
+PIPELINE_MIN_FULL = 0.92
 FULL_SMOOTHING = 0.1
 
 # A draft filter: (position of the round's first draft in prompt + output, the head's
@@ -68,6 +71,7 @@ class Stats:
     decode_time: float = 0.0
     decode_tokens: int = 0
     rounds: int = 0
+    last_accepted: int = 0
     plain_steps: int = 0
     pipelined: int = 0  # rounds queued before the previous verdict was read
     discarded: int = 0  # of those, thrown away after a rejection
@@ -88,12 +92,27 @@ class Stats:
 
     def record_round(self, position: int, drafts: list[int], accepted: int) -> None:
         self.draft_log.append((position, drafts))
-        self.drafted += len(drafts)
-        self.accepted += accepted
-        for j in range(min(accepted + 1, len(drafts))):
-            self.drafted_by_depth[j] += 1
-            self.accepted_by_depth[j] += 1 if j < accepted else 0
+        self.last_accepted = accepted
+        self._count(drafts, accepted, +1)
         self.rounds += 1
+
+    def end_round_at(self, kept: int) -> None:
+        """The last round's output ended after `kept` of its tokens (at an EOS): drafts from
+        there on, the EOS among them, count as neither drafted nor accepted."""
+        position, drafts = self.draft_log[-1]
+        if kept >= self.last_accepted:
+            return  # the EOS was the round's own next token, not a draft
+        self._count(drafts, self.last_accepted, -1)
+        self.draft_log[-1] = (position, drafts[:kept])
+        self.last_accepted = kept
+        self._count(drafts[:kept], kept, +1)
+
+    def _count(self, drafts: list[int], accepted: int, sign: int) -> None:
+        self.drafted += sign * len(drafts)
+        self.accepted += sign * accepted
+        for j in range(min(accepted + 1, len(drafts))):
+            self.drafted_by_depth[j] += sign
+            self.accepted_by_depth[j] += sign if j < accepted else 0
 
 
 @dataclass
@@ -124,14 +143,23 @@ class MtpDecoder:
         use_mtp: bool = True,
         pipeline: bool | None = None,
         draft_filter: DraftFilter | None = None,
+        max_kv_size: int | None = None,
     ) -> None:
-        if m.head is None and use_mtp:
+        if not m.has_head and use_mtp:
             raise NoMtpHead(f"{m.path} has no MTP head")
         self.m, self.prompt, self.depth, self.sampling = m, prompt, depth, sampling
         self.use_mtp = use_mtp
-        self.adaptive = AdaptiveDrafting(adaptive and use_mtp, depth, timed=sampling.greedy)
-        self.cache = m.make_cache()
-        self.drafter = HeadDrafter(m) if m.head is not None else None
+        # Across ranks (`mtpkit.runtime.ranks`) every rank must take the same step: adaptive
+        # drafting may decide from each machine's own clock, so there every round drafts.
+        self.lockstep = m.lockstep
+        adaptive = adaptive and use_mtp and self.lockstep.size == 1
+        self.adaptive = AdaptiveDrafting(adaptive, depth, timed=sampling.greedy)
+        self.cache = m.make_cache(max_kv_size)
+        self.drafter: HeadDrafter | FollowerDrafter | None = None
+        if m.head is not None:
+            self.drafter = HeadDrafter(m)
+        elif m.head_elsewhere:
+            self.drafter = FollowerDrafter()
         # The last confirmed token: the backbone has not consumed it yet.
         self.last_token = prompt[-1]
         self._ahead: tuple[mx.array, mx.array] | None = None
@@ -141,7 +169,10 @@ class MtpDecoder:
         self.sampler = sampling.sampler()
         if pipeline is None and mx.default_device() != mx.gpu:
             pipeline = False  # a CPU computes a discarded round on the cores it decodes on
-        self.pipeline = pipeline if can_discard(self.cache) else False
+        # Every rank pipelines rounds alike: rank 0's choice, if every rank's caches can
+        # take a queued round back (pipeline stages hold different cache kinds).
+        discardable = self.lockstep.all_true(can_discard(self.cache))
+        self.pipeline = self.lockstep.share_choice(pipeline) if discardable else False
         self.full_share = 1.0  # smoothed share of rounds that kept every draft
         self.draft_filter = draft_filter
 
@@ -160,6 +191,7 @@ class MtpDecoder:
                 if self.drafter is not None:
                     self.drafter.add(hidden, prompt[i + 1 : i + 1 + len(chunk)])
                 mx.clear_cache()
+                self.lockstep.tick()
             if self.drafter is not None and len(self.drafter.pending_tokens) > 1:
                 self.drafter.catch_up()  # the head's KV cache over the prompt
         self.stats.prompt_time = time.perf_counter() - start
@@ -171,10 +203,17 @@ class MtpDecoder:
         keep what takes this pass back."""
         undo = PassUndo.before(self.cache, self.depth + 1) if speculative else None
         drafts, dists = self.drafter.draft(self.depth, self.sampling)
-        if self.draft_filter is not None:
+        if self.draft_filter is not None and self.m.head is not None:
             drafts = self.draft_filter(position, drafts)
+        drafts = self.lockstep.share(drafts)  # rank 0's drafts on every rank
         verified = self.m.verify(mx.concatenate([last, drafts]), self.cache)
-        packed, followers = verdict(verified.logits[0], drafts, dists, self.sampling)
+        if self.m.head is not None:
+            packed, followers = verdict(verified.logits[0], drafts, dists, self.sampling)
+        else:  # a rank without the head reads rank 0's verdict
+            packed = placeholder_verdict(self.depth, self.sampling.greedy, verified.logits)
+        if self.lockstep.size > 1:  # rank 0's verdict, and the followers it implies
+            packed = self.lockstep.share(packed, after=[verified.logits])
+            followers = followers_of(packed, self.depth, self.sampling.greedy)
         mx.async_eval(packed)
         head_out = self.drafter.queue(self.depth, verified.hidden, followers)
         return Round(position, verified, packed, followers, head_out, undo)
@@ -233,7 +272,10 @@ class MtpDecoder:
         logits, hidden = self.m.forward(token.reshape(1, 1), self.cache)
         logits = logits[:, -1, :]
         logprobs = logits - mx.logsumexp(logits, keepdims=True)
-        return self.sampler(logprobs), hidden
+        y = self.sampler(logprobs)
+        if self.lockstep.size > 1:  # rank 0's token (as int32: every backend sums those)
+            y = self.lockstep.share(y.astype(mx.int32))
+        return y, hidden
 
     def plain_step(self, ahead: bool = False) -> list[int]:
         """One backbone step, as mlx-lm's generate_step takes it. With `ahead` (the next
@@ -261,6 +303,7 @@ class MtpDecoder:
     def step(self, may_look_ahead: bool) -> list[int]:
         """A drafting round or a plain step, as adaptive drafting decides. `may_look_ahead`:
         more tokens are wanted after this step's first."""
+        self.lockstep.tick()
         t0 = time.perf_counter()
         can_draft = self.use_mtp and self.drafter is not None
         drafting = can_draft and self.adaptive.want_draft() and self._ahead is None
@@ -284,14 +327,17 @@ class MtpDecoder:
             try:
                 with mx.stream(generation_stream):
                     while produced < max_tokens:
+                        rounds = self.stats.rounds
                         # A queued round pays only if tokens past this round's are wanted.
                         left = max_tokens - produced
                         new = self.step(may_look_ahead=left > self.depth + 1)
                         if first_done is None:
                             first_done, first_count = time.perf_counter(), len(new)
                             self.stats.prompt_time = first_done - start
-                        for t in new:
+                        for i, t in enumerate(new):
                             if t in eos:
+                                if self.stats.rounds > rounds:
+                                    self.stats.end_round_at(i)
                                 return
                             self.stats.generated.append(t)
                             produced += 1

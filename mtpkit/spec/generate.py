@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -17,9 +17,11 @@ from typing import Any
 import mlx.core as mx
 
 from mtpkit.core.choices import MAX_DEPTH, MIN_DEPTH, TOP_P_OFF, require_depth
-from mtpkit.core.errors import MtpkitError
+from mtpkit.core.errors import MtpkitError, UnsupportedFamily
 from mtpkit.core.prompts import encode_prompt
+from mtpkit.families import Family, family_for
 from mtpkit.runtime.model import GenerateError, MtpModel, NoMtpHead, load_model, untapped
+from mtpkit.runtime.sharded import load_sharded, world
 from mtpkit.spec.decode import MtpDecoder, SamplingSettings, Stats
 
 GREEDY = SamplingSettings()
@@ -37,7 +39,8 @@ class GenerationResult:
     drafted: int
     accepted: int
     acceptance_by_depth: list[float | None]
-    decode_tps: float
+    # None when no token came after the first (its time is the prompt's, as in mlx-lm).
+    decode_tps: float | None
     prompt_tps: float
     peak_memory_gb: float
     mtp: bool
@@ -87,15 +90,23 @@ def stream_tokens(
     sampling: SamplingSettings = GREEDY,
     adaptive: bool = True,
     seed: int | None = None,
+    max_kv_size: int | None = None,
 ) -> tuple[Iterator[int], Callable[[], Stats]]:
-    """Token ids as they are confirmed, and a function giving the run's statistics."""
+    """Token ids as they are confirmed, and a function giving the run's statistics.
+    `max_kv_size` bounds the attention caches as mlx-lm's does (rotating caches)."""
     require_depth(depth)
     check_prompt(m, prompt)
     if seed is not None:
         mx.random.seed(seed)
+    if seed is None and m.lockstep.size > 1:  # stock decoding samples on every rank
+        mx.random.seed(m.lockstep.share_int(int(mx.random.randint(0, 2**31 - 1).item())))
     if not mtp:
-        return _stock_tokens(m, prompt, max_tokens=max_tokens, sampling=sampling)
-    decoder = MtpDecoder(m, prompt, depth=depth, sampling=sampling, adaptive=adaptive)
+        return _stock_tokens(
+            m, prompt, max_tokens=max_tokens, sampling=sampling, max_kv_size=max_kv_size
+        )
+    decoder = MtpDecoder(
+        m, prompt, depth=depth, sampling=sampling, adaptive=adaptive, max_kv_size=max_kv_size
+    )
     return decoder.tokens(max_tokens), lambda: decoder.stats
 
 
@@ -111,7 +122,12 @@ def warm_up(m: MtpModel, prompt: list[int], *, mtp: bool, depth: int = 1) -> Non
 
 
 def _stock_tokens(
-    m: MtpModel, prompt: list[int], *, max_tokens: int, sampling: SamplingSettings
+    m: MtpModel,
+    prompt: list[int],
+    *,
+    max_tokens: int,
+    sampling: SamplingSettings,
+    max_kv_size: int | None = None,
 ) -> tuple[Iterator[int], Callable[[], Stats]]:
     """Plain decoding is stock mlx-lm's `stream_generate`, unchanged."""
     from mlx_lm import stream_generate
@@ -128,16 +144,20 @@ def _stock_tokens(
                 mx.array(prompt),
                 max_tokens=max_tokens,
                 sampler=sampling.sampler(),
+                prompt_progress_callback=lambda *_: m.lockstep.tick(),
+                max_kv_size=max_kv_size,
             ):
                 if first is None:
                     first = time.perf_counter()
                     stats.prompt_time = first - start
+                m.lockstep.tick()
                 if response.finish_reason == "stop":
                     break
                 stats.generated.append(response.token)
                 yield response.token
+        # As for MTP decoding: the first token's time is the prompt's.
         stats.decode_time = time.perf_counter() - (first or start)
-        stats.decode_tokens = len(stats.generated)
+        stats.decode_tokens = max(0, len(stats.generated) - 1)
 
     return run(), lambda: stats
 
@@ -152,29 +172,49 @@ def generate(
     temp: float = 0.0,
     top_p: float = TOP_P_OFF,
     top_k: int = 0,
+    min_p: float = 0.0,
     seed: int | None = None,
     hidden: str | None = None,
     adaptive: bool = True,
     chat_template: bool = True,
+    system_prompt: str | None = None,
+    prefill_response: str | None = None,
+    max_kv_size: int | None = None,
+    extra_eos_tokens: Sequence[str] = (),
     on_token: Callable[[str], None] | None = None,
     warn: Callable[[str], None] | None = None,
+    pipeline: bool = False,
 ) -> GenerationResult:
     """Generate from a model directory with (or without) its MTP head.
 
     `mtp` is True (the head is required), False, or "auto" (use the head when there is one,
     else warn and decode plainly). `on_token` receives text segments as they are decoded.
+    Under `mlx.launch` each rank loads its part (`mtpkit.runtime.sharded`; `pipeline` picks
+    pipeline stages where the model also has tensor parallelism) and every rank returns the
+    same result.
+    The sampling, prompt and cache options mean what mlx_lm.generate's do; each of
+    `extra_eos_tokens` (a token or an id) also ends generation.
     """
     if isinstance(model, MtpModel):
         m = model
+    elif (group := world()) is not None:  # one rank of `mlx.launch`
+        m = load_sharded(model, group, pipeline=pipeline, hidden=hidden, with_head=mtp is not False)
     else:
         m = load_model(model, hidden=hidden, with_head=mtp is not False)
     use_mtp = _use_head(m, mtp, warn)
+    add_eos_tokens(m, extra_eos_tokens)
     tokens = (
         prompt
         if isinstance(prompt, list)
-        else encode_prompt(m.tokenizer, prompt, chat_template=chat_template)
+        else encode_prompt(
+            m.tokenizer,
+            prompt,
+            chat_template=chat_template,
+            system_prompt=system_prompt,
+            prefill_response=prefill_response,
+        )
     )
-    sampling = SamplingSettings(temp=temp, top_p=top_p, top_k=top_k)
+    sampling = SamplingSettings(temp=temp, top_p=top_p, top_k=top_k, min_p=min_p)
     check_prompt(m, tokens)
     warm_up(m, tokens, mtp=use_mtp, depth=depth)
     mx.reset_peak_memory()
@@ -187,9 +227,13 @@ def generate(
         sampling=sampling,
         adaptive=adaptive,
         seed=seed,
+        max_kv_size=max_kv_size,
     )
     text = _detokenize(m.tokenizer, it, on_token)
-    stats = stats_fn()
+    return _result(m, text, stats_fn(), use_mtp, depth)
+
+
+def _result(m: MtpModel, text: str, stats: Stats, use_mtp: bool, depth: int) -> GenerationResult:
     return GenerationResult(
         text=text,
         tokens=list(stats.generated),
@@ -197,7 +241,9 @@ def generate(
         drafted=stats.drafted,
         accepted=stats.accepted,
         acceptance_by_depth=stats.acceptance_by_depth(depth) if use_mtp else [],
-        decode_tps=stats.decode_tokens / stats.decode_time if stats.decode_time > 0 else 0.0,
+        decode_tps=stats.decode_tokens / stats.decode_time
+        if stats.decode_tokens and stats.decode_time > 0
+        else None,
         prompt_tps=stats.prompt_tokens / stats.prompt_time if stats.prompt_time > 0 else 0.0,
         peak_memory_gb=mx.get_peak_memory() / 1e9,
         mtp=use_mtp,
@@ -206,14 +252,31 @@ def generate(
     )
 
 
+def add_eos_tokens(m: MtpModel, tokens: Sequence[str]) -> None:
+    """mlx_lm.generate's --extra-eos-token: each (a token or an id) also ends generation."""
+    for token in tokens:
+        try:
+            m.tokenizer.add_eos_token(token)
+        except ValueError:
+            raise GenerateError(
+                f"--extra-eos-token {token!r} is not a token of {m.path.name}'s tokenizer: "
+                "pass a token as the tokenizer spells it, or its id"
+            ) from None
+
+
 def _use_head(m: MtpModel, mtp: bool | str, warn: Callable[[str], None] | None) -> bool:
     """Whether to draft: `mtp` True needs a head, "auto" falls back to plain with a warning."""
-    if not mtp or m.head is not None:
+    if not mtp or m.has_head:
         return bool(mtp)
+    family = family_or_none(m.config)
+    if family is not None and not family.ships_head:
+        # A dense decoder (Llama, Qwen3, ...): no published checkpoint has a head to keep.
+        fix = f"{family.name} models ship none: train one with `mtpkit train-head {m.path} -o OUT`"
+    else:
+        fix = "run `mtpkit inspect` on it, and `mtpkit convert` the original checkpoint to keep its head"
     message = (
         f"{m.path} has no MTP head (no mtp/weights.safetensors sidecar and no mtp.* "
-        "tensors in its shards): run `mtpkit inspect` on it, and `mtpkit convert` the "
-        "original checkpoint to keep its head"
+        f"tensors in its shards): {fix}"
     )
     if mtp != "auto":
         raise NoMtpHead(message)
@@ -221,6 +284,13 @@ def _use_head(m: MtpModel, mtp: bool | str, warn: Callable[[str], None] | None) 
         message + "; decoding without MTP"
     )
     return False
+
+
+def family_or_none(config: dict[str, Any]) -> Family | None:
+    try:
+        return family_for(config)
+    except UnsupportedFamily:
+        return None
 
 
 def _detokenize(

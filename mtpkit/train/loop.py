@@ -314,10 +314,11 @@ def train_head(
     checkpoint_dir: Path | None = None,
     resume: bool = False,
     log: Callable[[str], None] = lambda s: None,
-    on_step: Callable[[int, float, float | None], None] | None = None,
+    on_step: Callable[[int, float | None, float | None], None] | None = None,
 ) -> TrainResult:
     """Train an MTP head for the model directory `model`; the head is in the result (write
-    it with `mtpkit.train.output`). `on_step(step, loss, heldout)` follows the run."""
+    it with `mtpkit.train.output`). `on_step(step, loss, heldout)` follows the run (step 0:
+    loss None, the held-out acceptance before training)."""
     settings.check()
     cpu_started = time.process_time()
     m = load_model(model, with_head=False)
@@ -340,7 +341,9 @@ def train_head(
         run.history = list(state.get("history", []))
         run.losses = list(state.get("losses", []))
     else:
-        run.evaluate(0, None)
+        start_acc = run.evaluate(0, None)
+        if on_step is not None:
+            on_step(0, None, start_acc)
     step_fn = run.step_fn()
     train_started = time.perf_counter()
     for step in range(first_step + 1, settings.steps + 1):
@@ -401,22 +404,14 @@ def train_and_write(
 ) -> dict[str, Any]:
     """What `mtpkit train-head` does: train, write the head (`mtpkit.train.output`), drop
     the checkpoints; returns the `--json` summary."""
-    from mtpkit.core.console import log, step_bar
+    from mtpkit.core.console import log
     from mtpkit.train.output import check_destination, write_trained_head
+    from mtpkit.train.progress import TrainProgress
 
     check_destination(output, into, force, model)
     settings.check()
     checkpoints = checkpoint_dir or default_checkpoint_dir(output, into)
-    bar = step_bar(settings.steps, desc="train-head", quiet=quiet)
-    status: dict[str, Any] = {}
-
-    def on_step(step: int, loss: float, acc: float | None) -> None:
-        if acc is not None:
-            status["held-out"] = f"{100 * acc:.1f}%"
-        if bar is not None:
-            bar.n = step
-            bar.set_postfix(loss=f"{loss:.4f}", **status, refresh=True)
-
+    progress = TrainProgress(settings.steps, quiet=quiet, log=log)
     try:
         result = train_head(
             model,
@@ -424,11 +419,10 @@ def train_and_write(
             checkpoint_dir=checkpoints,
             resume=resume,
             log=(lambda s: None) if quiet else log,
-            on_step=on_step,
+            on_step=progress,
         )
     finally:
-        if bar is not None:
-            bar.close()
+        progress.close()
     assert result.head is not None
     summary = result.to_json()
     target = write_trained_head(

@@ -147,11 +147,15 @@ def training_manifest(
     return {**manifest, "training": training}
 
 
-def _backbone_quantization(config: dict[str, Any]) -> dict[str, int] | None:
+def _backbone_quantization(config: dict[str, Any]) -> dict[str, Any] | None:
     q = config.get("quantization")
     if not isinstance(q, dict) or "bits" not in q:
         return None
-    return {"bits": int(q["bits"]), "group_size": int(q["group_size"])}
+    return {
+        "bits": int(q["bits"]),
+        "group_size": int(q["group_size"]),
+        "mode": q.get("mode") or "affine",
+    }
 
 
 def _write_sidecar(directory: Path, tensors: dict[str, mx.array], manifest: dict[str, Any]) -> None:

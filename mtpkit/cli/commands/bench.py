@@ -7,68 +7,66 @@ from typing import Annotated
 import typer
 
 from mtpkit.cli.options import (
+    BenchDepthOpt,
+    BenchMaxTokensOpt,
+    BenchModelOpt,
+    BenchPromptOpt,
     JsonOpt,
-    RandomShape,
-    ScaleDtype,
+    PipelineOpt,
+    RandomLayersOpt,
+    RandomShapeOpt,
+    ScaleDtypeOpt,
+    TimeoutOpt,
+    TrialsOpt,
     friendly_errors,
-    require_depth,
     value,
 )
-from mtpkit.core.errors import MtpkitError
+from mtpkit.cli.ranks import DEFAULT_TIMEOUT, on_ranks
+
+DraftModelOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--draft-model",
+        metavar="DIR",
+        help="Also measure stock mlx-lm's speculative decoding with this separate draft "
+        "model directory (same tokenizer), as one more row of the table.",
+    ),
+]
+NumDraftTokensOpt = Annotated[
+    int,
+    typer.Option(
+        "--num-draft-tokens", min=1, metavar="N", help="With --draft-model: drafts per step."
+    ),
+]
+AcceptanceOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--acceptance",
+        metavar="A[,B...]",
+        help="SYNTHETIC figures: A[,B...] in [0, 1]. The head runs, but its draft at each "
+        "depth is replaced, with probability A (seeded), by the backbone's own next token "
+        "(from a greedy pass), else by a wrong one: what a head of that acceptance gains.",
+    ),
+]
 
 
 @friendly_errors
 def bench_command(
-    model: Annotated[
-        str | None, typer.Option("--model", "-m", help="A model directory or Hub repo id.")
-    ] = None,
-    random_shape: Annotated[
-        RandomShape | None,
-        typer.Option(
-            "--random",
-            help="Instead of --model, build a random-weight 4-bit model of this shape in a "
-            "temporary directory.",
-        ),
-    ] = None,
-    dtype: Annotated[
-        ScaleDtype,
-        typer.Option(
-            "--dtype",
-            help="With --random: the dtype of the quantization scales and unquantized weights "
-            "(float32 runs ~10x faster on Linux CPUs; published 4-bit models carry bfloat16).",
-        ),
-    ] = ScaleDtype.float32,
-    prompt: Annotated[str | None, typer.Option("--prompt", "-p", help="The prompt.")] = None,
-    max_tokens: Annotated[int, typer.Option("--max-tokens", min=1, help="Tokens per run.")] = 128,
-    max_depth: Annotated[int, typer.Option("--depth", help="Measure depths 1..K.")] = 3,
-    trials: Annotated[
-        int,
-        typer.Option(
-            "--trials", min=1, help="Interleaved trials; each figure is their median and range."
-        ),
-    ] = 5,
-    draft_model: Annotated[
-        str | None,
-        typer.Option(
-            "--draft-model",
-            help="Also measure stock mlx-lm's speculative decoding with this separate draft "
-            "model directory (same tokenizer), as one more row of the table.",
-        ),
-    ] = None,
-    num_draft_tokens: Annotated[
-        int,
-        typer.Option("--num-draft-tokens", min=1, help="With --draft-model: drafts per step."),
-    ] = 3,
-    acceptance: Annotated[
-        str | None,
-        typer.Option(
-            "--acceptance",
-            help="SYNTHETIC figures: A[,B...] in [0, 1]. The head runs, but its draft at each "
-            "depth is replaced, with probability A (seeded), by the backbone's own next token "
-            "(from a greedy pass), else by a wrong one: what a head of that acceptance gains.",
-        ),
-    ] = None,
+    ctx: typer.Context,
+    model: BenchModelOpt = None,
+    random_shape: RandomShapeOpt = None,
+    random_layers: RandomLayersOpt = None,
+    dtype: ScaleDtypeOpt = None,
+    prompt: BenchPromptOpt = None,
+    max_tokens: BenchMaxTokensOpt = 128,
+    max_depth: BenchDepthOpt = 3,
+    trials: TrialsOpt = 5,
+    draft_model: DraftModelOpt = None,
+    num_draft_tokens: NumDraftTokensOpt = 3,
+    acceptance: AcceptanceOpt = None,
     json_output: JsonOpt = False,
+    pipeline: PipelineOpt = False,
+    timeout: TimeoutOpt = DEFAULT_TIMEOUT,
 ) -> None:
     """Measure plain decoding (stock mlx-lm, --no-mtp) against MTP decoding at depths 1..K.
 
@@ -79,9 +77,14 @@ def bench_command(
     import shutil
 
     if (model is None) == (random_shape is None):
-        raise MtpkitError("pass --model DIR or --random SHAPE")
-    require_depth(max_depth)
+        ctx.fail("pass --model SOURCE or --random SHAPE (one of them)")
+    if random_shape is None and (dtype is not None or random_layers is not None):
+        flag = "--dtype" if dtype is not None else "--random-layers"
+        ctx.fail(f"{flag} applies to the model --random builds: it has no effect with --model")
+    if random_layers is not None and random_layers % 4:
+        ctx.fail(f"--random-layers must be a multiple of 4 (3 linear, 1 full), not {random_layers}")
     shape = value(random_shape)
+    scales = value(dtype) or "float32"
     acceptances = parse_acceptances(acceptance)
 
     from mtpkit.bench.shapes import random_model_dir
@@ -90,33 +93,42 @@ def bench_command(
     from mtpkit.core.console import log
     from mtpkit.runtime.model import library_io
 
+    def progress(line: str) -> None:
+        log(f"... {line}")  # stderr, so also with --json
+
     draft = None
     if draft_model is not None:
         from mtpkit.bench.draft import DraftModelBench
 
-        log(f"... loading the draft model {draft_model}")
+        progress(f"loading the draft model {draft_model}")
         draft = DraftModelBench(draft_model, num_draft_tokens)
-    if shape:
-        log(f"... building a random {shape} model ({dtype.value} scales)")
     with library_io():  # mlx-lm's "[INFO] Quantized model ..." goes to stderr, not stdout
-        built = random_model_dir(shape, dtype.value) if shape else None
-    try:
-        result = bench(
-            str(built) if built else model,
-            prompt=prompt or DEFAULT_PROMPT,
-            max_tokens=max_tokens,
-            max_depth=max_depth,
-            trials=trials,
-            acceptances=acceptances,
-            progress=lambda line: log(f"... {line}"),  # stderr, so also with --json
-            draft=draft,
+        built = (
+            random_model_dir(shape, scales, layers=random_layers, progress=progress)
+            if shape
+            else None
         )
+    try:
+        with on_ranks(timeout) as ranks:  # under mlx.launch: rank 0 prints
+            result = bench(
+                str(built) if built else model,
+                prompt=prompt or DEFAULT_PROMPT,
+                max_tokens=max_tokens,
+                max_depth=max_depth,
+                trials=trials,
+                acceptances=acceptances,
+                progress=progress if ranks.is_root else None,
+                pipeline=pipeline,
+                draft=draft,
+            )
     finally:
         if built is not None:
             shutil.rmtree(built.parent, ignore_errors=True)
+    if not ranks.is_root:
+        return
     if shape:
         result.model = f"random:{shape}"
-        result.dtype = dtype.value
+        result.dtype = scales
     notes = result.reliability()
     if notes:
         log(f"warning: these figures mean little: {'; '.join(notes)}")

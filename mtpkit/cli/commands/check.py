@@ -9,21 +9,28 @@ import typer
 from mtpkit.cli.options import (
     EXIT_FAILED_REQUIREMENT,
     JsonOpt,
+    ModelOpt,
     RevisionOpt,
     SourceArg,
     friendly_errors,
+    one_source,
 )
 
 
 @friendly_errors
 def check_command(
-    source: SourceArg,
+    ctx: typer.Context,
+    source: SourceArg = None,
+    model: ModelOpt = None,
     revision: RevisionOpt = None,
     json_output: JsonOpt = False,
     junit: Annotated[
         str | None,
         typer.Option(
-            "--junit", help="Also write a JUnit XML report to this file (for CI).", dir_okay=False
+            "--junit",
+            metavar="FILE",
+            help="Also write a JUnit XML report to this file (for CI).",
+            dir_okay=False,
         ),
     ] = None,
     min_acceptance: Annotated[
@@ -31,6 +38,7 @@ def check_command(
         typer.Option(
             "--min-acceptance",
             min=0.0,
+            metavar="X",
             max=1.0,
             help="Fail when greedy acceptance as shipped is below this.",
         ),
@@ -48,12 +56,16 @@ def check_command(
         str | None,
         typer.Option(
             "--prompts",
+            metavar="FILE",
             help="Probe prompts: a JSON list of strings, or text with blank lines between prompts.",
             dir_okay=False,
         ),
     ] = None,
     max_tokens: Annotated[
-        int, typer.Option("--max-tokens", min=1, help="Tokens generated per probe prompt.")
+        int,
+        typer.Option(
+            "--max-tokens", "-m", min=1, metavar="N", help="Tokens generated per probe prompt."
+        ),
     ] = 48,
 ) -> None:
     """Check an MTP checkpoint for CI: structure, quantization, manifest and acceptance.
@@ -67,7 +79,7 @@ def check_command(
     from mtpkit.core.console import log
 
     result = check_checkpoint(
-        source,
+        one_source(ctx, source, model),
         revision=revision,
         probe=probe,
         prompts_file=prompts,

@@ -7,26 +7,46 @@ from typing import Annotated
 import typer
 
 from mtpkit.cli.options import (
+    REMOTE_CODE_NOTE,
+    Bits,
     BitsOpt,
     DtypeOpt,
+    GroupSize,
     GroupSizeOpt,
     Hidden,
     JsonOpt,
     KeepMtpBf16Opt,
     LayoutOpt,
     MtpBitsOpt,
+    QuantizeOpt,
+    QuantMode,
+    QuantModeOpt,
+    QuantPredicate,
+    QuantPredicateOpt,
+    QuietOpt,
     RevisionOpt,
     SourceArg,
+    TrustRemoteCodeOpt,
     friendly_errors,
     number,
+    one_source,
     value,
 )
 from mtpkit.convert.recipes import recipe_names
-from mtpkit.core.errors import MtpkitError
 from mtpkit.publish.card import HUB_REPO
 
 OutputOpt = Annotated[
-    str | None, typer.Option("--output", "-o", help="The MLX directory to write.")
+    str | None,
+    typer.Option("--output", "-o", "--mlx-path", metavar="DIR", help="The MLX directory to write."),
+]
+HfPathOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--hf-path",
+        "--model",
+        metavar="SOURCE",
+        help="The same as SOURCE (mlx_lm.convert's spelling).",
+    ),
 ]
 HiddenOpt = Annotated[
     Hidden | None,
@@ -40,6 +60,7 @@ RecipeOpt = Annotated[
     str | None,
     typer.Option(
         "--recipe",
+        metavar="RECIPE",
         help="A recipe: a .toml path or a name (" + ", ".join(recipe_names()) + "; a "
         "model's published name works too); flags override it.",
     ),
@@ -56,26 +77,32 @@ MtpOnlyOpt = Annotated[
     bool, typer.Option("--mtp-only", help="Graft only the MTP head (with --into).")
 ]
 IntoOpt = Annotated[
-    str | None, typer.Option("--into", help="The existing MLX directory to graft into.")
+    str | None,
+    typer.Option("--into", metavar="DIR", help="The existing MLX directory to graft into."),
 ]
 UploadRepoOpt = Annotated[
     str | None,
     typer.Option(
         "--upload-repo",
+        metavar="ORG/NAME",
         help="Then publish the output as this Hub repo (org/name), in one commit with a model "
         "card, after `mtpkit check` passes on it (as mlx_lm.convert --upload-repo).",
     ),
 ]
-QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="No progress bar.")]
 
 
 @friendly_errors
 def convert_command(
-    source: SourceArg,
+    ctx: typer.Context,
+    source: SourceArg = None,
+    hf_path: HfPathOpt = None,
     output: OutputOpt = None,
     revision: RevisionOpt = None,
+    quantize: QuantizeOpt = False,
     bits: BitsOpt = None,
     group_size: GroupSizeOpt = None,
+    q_mode: QuantModeOpt = None,
+    quant_predicate: QuantPredicateOpt = None,
     keep_mtp_bf16: KeepMtpBf16Opt = False,
     mtp_bits: MtpBitsOpt = None,
     dtype: DtypeOpt = None,
@@ -87,11 +114,12 @@ def convert_command(
     into: IntoOpt = None,
     upload_repo: UploadRepoOpt = None,
     quiet: QuietOpt = False,
+    trust_remote_code: TrustRemoteCodeOpt = False,
     json_output: JsonOpt = False,
 ) -> None:
     """Convert a checkpoint to an MLX directory that stock mlx-lm loads, keeping its MTP head.
 
-    The backbone is written as mlx_lm.convert writes it (same names, quantization and dtypes); the head goes to mtp/weights.safetensors and every decision (norm shift, expert layout, quantization, source commit) to mtp/manifest.json. Without --bits nothing is quantized; with --bits the head is quantized like the backbone unless --keep-mtp-bf16 or --mtp-bits says otherwise.
+    The backbone is written as mlx_lm.convert writes it (same names, quantization modes, mixed recipes and dtypes); the head goes to mtp/weights.safetensors and every decision (norm shift, expert layout, quantization, source commit) to mtp/manifest.json. Without -q (or --q-bits, --q-mode, --quant-predicate) nothing is quantized; with it the head is quantized like the backbone unless --keep-mtp-bf16 or --mtp-bits says otherwise.
 
     With --mtp-only --into DIR, only the head is read (on the Hub: its byte ranges) and added to an existing MLX conversion of the same model, quantized like it.
 
@@ -101,6 +129,11 @@ def convert_command(
     from mtpkit.convert.pipeline import convert, graft
     from mtpkit.core.console import log
 
+    source = one_source(ctx, source, hf_path)
+    quantizing = quantize or bits is not None or q_mode is not None or quant_predicate is not None
+    _check_quantization(ctx, bits, group_size, q_mode, quant_predicate, keep_mtp_bf16, mtp_bits)
+    if trust_remote_code:
+        log(REMOTE_CODE_NOTE)
     # The flags both paths take: how the head is stored, and how the run behaves.
     common = {
         "revision": revision,
@@ -115,17 +148,29 @@ def convert_command(
     if upload_repo is not None and not HUB_REPO.match(upload_repo):
         raise typer.BadParameter(f"{upload_repo!r} is not a Hub repo id (org/name)")
     if mtp_only:
-        if into is None or output is not None or bits is not None or layout or recipe:
-            raise MtpkitError(
-                "--mtp-only takes --into DIR and only the head flags "
-                "(--keep-mtp-bf16, --mtp-bits, --group-size, --dtype, --hidden, --force)"
+        if into is None or output is not None or quantizing or layout or recipe:
+            ctx.fail(
+                "--mtp-only takes --into DIR and only the head flags (--keep-mtp-bf16, "
+                "--mtp-bits, --q-group-size, --dtype, --hidden, --force)"
             )
         result = graft(source, into=into, **common)
     else:
-        if output is None or into is not None:
-            raise MtpkitError("pass -o OUT (or --mtp-only --into DIR to graft a head)")
+        _check_flags(ctx, output, into, quantizing or recipe is not None, group_size, mtp_bits)
+        if keep_mtp_bf16 and not quantizing and recipe is None:
+            log(
+                "warning: nothing is quantized without -q: --keep-mtp-bf16 only keeps the head "
+                "in bfloat16 (float16 with --dtype float16)"
+            )
         result = convert(
-            source, output=output, bits=number(bits), layout=value(layout), recipe=recipe, **common
+            source,
+            output=output,
+            quantize=quantize,
+            bits=number(bits),
+            mode=value(q_mode),
+            quant_predicate=value(quant_predicate),
+            layout=value(layout),
+            recipe=recipe,
+            **common,
         )
     for warning in result.warnings:
         log(f"warning: {warning}")
@@ -142,3 +187,48 @@ def convert_command(
         acceptance = (published["check"] or {}).get("acceptance")
         checked = f", check pass, acceptance {acceptance:.1%}" if acceptance is not None else ""
         print(f"published {published['repo']} at {published['commit'][:12]}{checked}", flush=True)
+
+
+def _check_quantization(
+    ctx: typer.Context,
+    bits: Bits | None,
+    group_size: GroupSize | None,
+    mode: QuantMode | None,
+    predicate: QuantPredicate | None,
+    keep_mtp_bf16: bool,
+    mtp_bits: Bits | None,
+) -> None:
+    """Quantization flags that contradict each other are usage errors (exit 2)."""
+    if keep_mtp_bf16 and mtp_bits is not None:
+        ctx.fail("--keep-mtp-bf16 and --mtp-bits contradict each other: pass one")
+    if predicate is not None and mode not in (None, QuantMode.affine):
+        ctx.fail(
+            f"--quant-predicate {predicate.value} supports only --q-mode affine (as in mlx-lm), "
+            f"not {mode.value}"
+        )
+    if mode is not None or group_size is not None:
+        from mtpkit.convert.quant import mode_problem
+
+        problem = mode_problem(value(mode) or "affine", number(bits), number(group_size))
+        if problem:
+            ctx.fail(problem)
+
+
+def _check_flags(
+    ctx: typer.Context,
+    output: str | None,
+    into: str | None,
+    quantizing: bool,
+    group_size: GroupSize | None,
+    mtp_bits: Bits | None,
+) -> None:
+    """Usage errors (exit 2) of a conversion's command line, before anything is read."""
+    if into is not None:
+        ctx.fail("--into DIR grafts a head: pass it with --mtp-only (or -o DIR to convert)")
+    if output is None:
+        ctx.fail("Missing option '-o' / '--output' (or --mtp-only --into DIR to graft a head).")
+    if group_size is not None and not quantizing and mtp_bits is None:
+        ctx.fail(
+            "--q-group-size takes effect only when something is quantized: add -q "
+            "(or --q-bits, --q-mode, --quant-predicate, --mtp-bits)"
+        )

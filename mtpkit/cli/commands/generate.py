@@ -2,109 +2,149 @@
 
 from __future__ import annotations
 
-from typing import Annotated
-
 import typer
 
 from mtpkit.cli.options import (
+    DEFAULT_PROMPT,
+    REMOTE_CODE_NOTE,
+    AdaptiveOpt,
+    ChatTemplateOpt,
+    DepthOpt,
+    ExtraEosTokenOpt,
+    GenerateHiddenOpt,
+    GenerateModelOpt,
     Hidden,
+    IgnoreChatTemplateOpt,
     JsonOpt,
+    MaxKvSizeOpt,
+    MaxTokensOpt,
+    MinPOpt,
+    MtpOpt,
+    PipelineOpt,
+    PrefillResponseOpt,
+    PromptOpt,
+    SampleSeedOpt,
+    SystemPromptOpt,
     TempOpt,
+    TimeoutOpt,
     TopKOpt,
     TopPOpt,
+    TrustRemoteCodeOpt,
+    VerboseOpt,
     friendly_errors,
     read_stdin_prompt,
-    require_depth,
     value,
 )
-from mtpkit.core.errors import MtpkitError
+from mtpkit.cli.ranks import DEFAULT_TIMEOUT, on_ranks
 
-MtpOpt = Annotated[
-    bool | None,
-    typer.Option(
-        "--mtp/--no-mtp",
-        help="--mtp: draft with the MTP head (an error without one); --mtp auto, or neither "
-        "flag: use the head when there is one, else warn and decode plainly; --no-mtp: "
-        "plain decoding (stock mlx-lm).",
-    ),
-]
-# `--mtp auto` parses as the --mtp flag followed by this word.
-MtpAutoArg = Annotated[str | None, typer.Argument(hidden=True, metavar="[auto]")]
+# `--mtp auto` reaches the command as the --mtp flag and one extra word (generate takes no
+# arguments otherwise, so the usage line shows none).
+CONTEXT = {"allow_extra_args": True}
 
 
 @friendly_errors
 def generate_command(
-    model: Annotated[str, typer.Option("--model", "-m", help="A model directory or Hub repo id.")],
-    prompt: Annotated[str, typer.Option("--prompt", "-p", help="The prompt; - reads stdin.")],
-    max_tokens: Annotated[
-        int, typer.Option("--max-tokens", min=1, help="Tokens to generate.")
-    ] = 256,
+    ctx: typer.Context,
+    model: GenerateModelOpt,
+    prompt: PromptOpt = DEFAULT_PROMPT,
+    max_tokens: MaxTokensOpt = 256,
     mtp: MtpOpt = None,
-    mtp_mode: MtpAutoArg = None,
-    depth: Annotated[
-        int, typer.Option("--depth", help="Draft tokens per step, 1..4 (the head chained).")
-    ] = 1,
+    depth: DepthOpt = 1,
     temp: TempOpt = 0.0,
     top_p: TopPOpt = 1.0,
+    min_p: MinPOpt = 0.0,
     top_k: TopKOpt = 0,
-    seed: Annotated[int | None, typer.Option("--seed", help="Random seed for sampling.")] = None,
-    hidden: Annotated[
-        Hidden | None,
-        typer.Option("--hidden", help="Hidden state fed to the head (default: the manifest's)."),
-    ] = None,
-    adaptive: Annotated[
-        bool,
-        typer.Option(
-            "--adaptive/--no-adaptive",
-            help="Pause drafting while it is slower than plain decoding.",
-        ),
-    ] = True,
-    chat_template: Annotated[
-        bool,
-        typer.Option(
-            "--chat-template/--no-chat-template",
-            help="Apply the tokenizer's chat template, when it has one.",
-        ),
-    ] = True,
+    seed: SampleSeedOpt = None,
+    hidden: GenerateHiddenOpt = None,
+    adaptive: AdaptiveOpt = True,
+    chat_template: ChatTemplateOpt = True,
+    ignore_chat_template: IgnoreChatTemplateOpt = False,
+    system_prompt: SystemPromptOpt = None,
+    prefill_response: PrefillResponseOpt = None,
+    max_kv_size: MaxKvSizeOpt = None,
+    extra_eos_token: ExtraEosTokenOpt = None,
+    verbose: VerboseOpt = "True",
+    trust_remote_code: TrustRemoteCodeOpt = False,
     json_output: JsonOpt = False,
+    pipeline: PipelineOpt = False,
+    timeout: TimeoutOpt = DEFAULT_TIMEOUT,
 ) -> None:
     """Generate text, drafting tokens with the model's MTP head and verifying them losslessly.
 
-    Greedy output is token for token the model's own (as stock mlx-lm's); at --temp > 0 exact rejection sampling keeps the model's distribution. Text streams to stdout; a summary goes to stderr.
+    Greedy output is token for token the model's own (as stock mlx-lm's); at --temp > 0 exact rejection sampling keeps the model's distribution. As mlx_lm.generate prints it: the text between ========== lines, then Prompt:, Generation: and Peak memory: lines, and mtpkit's MTP: line (--verbose False: the text only).
     """
     import sys
 
-    if mtp_mode not in (None, "auto") or (mtp_mode == "auto" and mtp is not True):
-        raise MtpkitError(f"unexpected argument {mtp_mode!r}: the only word --mtp takes is 'auto'")
-    mode: bool | str = "auto" if (mtp is None or mtp_mode == "auto") else mtp
-    require_depth(depth)
-    text = read_stdin_prompt() if prompt == "-" else prompt
+    mode = _mtp_mode(ctx, mtp, depth, hidden)
+    if trust_remote_code:
+        typer.echo(REMOTE_CODE_NOTE, err=True)
+    text = prompt.replace("\\n", "\n").replace("\\t", "\t")  # as mlx_lm.generate reads it
+    text = read_stdin_prompt() if text == "-" else text
+    verbose_output = verbose == "True" and not json_output
 
-    from mtpkit.cli.output import print_generate, print_json
+    from mtpkit.cli.output import FRAME, print_generate, print_json
     from mtpkit.spec.generate import generate
 
+    framed = []  # mlx-lm's opening frame, printed with the first text (not before an error)
+
     def stream(segment: str) -> None:
+        if verbose_output and not framed:
+            print(FRAME)
+            framed.append(True)
         sys.stdout.write(segment)
         sys.stdout.flush()
 
-    result = generate(
-        model,
-        text,
-        max_tokens=max_tokens,
-        mtp=mode,
-        depth=depth,
-        temp=temp,
-        top_p=top_p,
-        top_k=top_k,
-        seed=seed,
-        hidden=value(hidden),
-        adaptive=adaptive,
-        chat_template=chat_template,
-        on_token=None if json_output else stream,
-        warn=lambda message: typer.echo(f"Warning: {message}", err=True),
-    )
+    def warn(message: str) -> None:
+        typer.echo(f"Warning: {message}", err=True)
+
+    with on_ranks(timeout) as ranks:  # under mlx.launch: rank 0 prints, the others are silent
+        result = generate(
+            model,
+            text,
+            max_tokens=max_tokens,
+            mtp=mode,
+            depth=depth,
+            temp=temp,
+            top_p=top_p,
+            top_k=top_k,
+            min_p=min_p,
+            seed=seed,
+            hidden=value(hidden),
+            adaptive=adaptive,
+            chat_template=chat_template and not ignore_chat_template,
+            system_prompt=system_prompt,
+            prefill_response=prefill_response,
+            max_kv_size=max_kv_size,
+            extra_eos_tokens=extra_eos_token or (),
+            on_token=None if json_output or not ranks.is_root else stream,
+            warn=warn if ranks.is_root else lambda message: None,
+            pipeline=pipeline,
+        )
+    if not ranks.is_root:
+        return
     if json_output:
         print_json(result.to_json())
-        return
-    sys.stdout.write("\n")
-    print_generate(result)
+    elif verbose_output:
+        if not framed:
+            print(FRAME)
+        print_generate(result)
+    else:
+        sys.stdout.write("\n")
+
+
+def _mtp_mode(
+    ctx: typer.Context, mtp: bool | None, depth: int, hidden: Hidden | None
+) -> bool | str:
+    """True, False or "auto" from --mtp/--no-mtp and the one word `--mtp auto` may add;
+    anything else on the line is a usage error, as is a draft depth for plain decoding."""
+    extra = list(ctx.args)
+    if extra == ["auto"] and mtp is True:
+        return "auto"
+    if extra:
+        hint = " (only `--mtp auto` takes a word)" if "auto" in extra else ""
+        ctx.fail(f"Got unexpected extra argument ({' '.join(extra)}){hint}")
+    if mtp is False and depth != 1:
+        ctx.fail("--depth drafts with the head: it contradicts --no-mtp")
+    if mtp is False and hidden is not None:
+        ctx.fail("--hidden feeds the head: it contradicts --no-mtp")
+    return "auto" if mtp is None else mtp

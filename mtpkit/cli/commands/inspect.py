@@ -9,15 +9,19 @@ import typer
 from mtpkit.cli.options import (
     EXIT_FAILED_REQUIREMENT,
     JsonOpt,
+    ModelOpt,
     RevisionOpt,
     SourceArg,
     friendly_errors,
+    one_source,
 )
 
 
 @friendly_errors
 def inspect_command(
-    source: SourceArg,
+    ctx: typer.Context,
+    source: SourceArg = None,
+    model: ModelOpt = None,
     revision: RevisionOpt = None,
     json_output: JsonOpt = False,
     require_mtp: Annotated[
@@ -42,7 +46,7 @@ def inspect_command(
     from mtpkit.checkpoint.report import head_state, inspect_checkpoint
     from mtpkit.cli.output import print_inspect, print_json
 
-    result = inspect_checkpoint(source, revision=revision)
+    result = inspect_checkpoint(one_source(ctx, source, model), revision=revision)
     if json_output:
         print_json(result)
     else:

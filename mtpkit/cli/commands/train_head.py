@@ -7,43 +7,60 @@ from typing import Annotated
 
 import typer
 
-from mtpkit.cli.options import JsonOpt, friendly_errors
+from mtpkit.cli.options import JsonOpt, ModelOpt, QuietOpt, friendly_errors, one_source
 from mtpkit.core.choices import MAX_DEPTH, MIN_DEPTH
 
 # The options, named here to keep the command's signature short.
 OutputOpt = Annotated[
     Path | None,
-    typer.Option("--output", "-o", help="Write a copy of the model with the new head here."),
+    typer.Option(
+        "--output", "-o", metavar="DIR", help="Write a copy of the model with the new head here."
+    ),
 ]
 IntoOpt = Annotated[
     Path | None,
-    typer.Option("--into", help="Install the head into this existing conversion instead."),
+    typer.Option(
+        "--into", metavar="DIR", help="Install the head into this existing conversion instead."
+    ),
 ]
 ForceOpt = Annotated[
     bool, typer.Option("--force", help="Replace an existing OUT, or DIR's existing head.")
 ]
-StepsOpt = Annotated[int, typer.Option("--steps", min=1, help="Optimizer steps.")]
-LrOpt = Annotated[float, typer.Option("--lr", min=0.0, help="Peak learning rate (AdamW).")]
-BatchSizeOpt = Annotated[int, typer.Option("--batch-size", min=1, help="Chunks per step.")]
-SeqLenOpt = Annotated[int, typer.Option("--seq-len", min=4, help="Tokens per chunk.")]
+StepsOpt = Annotated[int, typer.Option("--steps", metavar="N", min=1, help="Optimizer steps.")]
+LrOpt = Annotated[
+    float, typer.Option("--lr", metavar="X", min=0.0, help="Peak learning rate (AdamW).")
+]
+BatchSizeOpt = Annotated[
+    int, typer.Option("--batch-size", metavar="N", min=1, help="Chunks per step.")
+]
+SeqLenOpt = Annotated[int, typer.Option("--seq-len", metavar="N", min=4, help="Tokens per chunk.")]
 WeightDecayOpt = Annotated[
-    float, typer.Option("--weight-decay", min=0.0, help="AdamW weight decay.")
+    float, typer.Option("--weight-decay", metavar="X", min=0.0, help="AdamW weight decay.")
 ]
 GradClipOpt = Annotated[
     float,
-    typer.Option("--grad-clip", min=0.0, help="Clip the gradient's global norm (0: off)."),
+    typer.Option(
+        "--grad-clip", metavar="X", min=0.0, help="Clip the gradient's global norm (0: off)."
+    ),
 ]
-SeedOpt = Annotated[int, typer.Option("--seed", help="Seed of the data, sampling and order.")]
+SeedOpt = Annotated[
+    int, typer.Option("--seed", metavar="N", help="Seed of the data, sampling and order.")
+]
 DepthOpt = Annotated[
     int,
     typer.Option(
-        "--depth", min=MIN_DEPTH, max=MAX_DEPTH, help="Rollout steps trained (1: NextN only)."
+        "--depth",
+        metavar="K",
+        min=MIN_DEPTH,
+        max=MAX_DEPTH,
+        help="Rollout steps trained (1: NextN only).",
     ),
 ]
 DataOpt = Annotated[
     list[Path] | None,
     typer.Option(
         "--data",
+        metavar="FILE",
         help="Train on these .txt (blank-line separated) or .jsonl (text, messages or "
         "prompt+completion) files instead of text the model generates itself.",
     ),
@@ -51,7 +68,9 @@ DataOpt = Annotated[
 PromptsOpt = Annotated[
     Path | None,
     typer.Option(
-        "--prompts", help="Prompts to self-generate from (blank-line separated, or .json)."
+        "--prompts",
+        metavar="FILE",
+        help="Prompts to self-generate from (blank-line separated, or .json).",
     ),
 ]
 SamplesOpt = Annotated[
@@ -59,6 +78,7 @@ SamplesOpt = Annotated[
     typer.Option(
         "--samples-per-prompt",
         min=1,
+        metavar="N",
         help="Generated samples per prompt, or unconditioned samples for a base model"
         " (default: enough that no chunk repeats).",
     ),
@@ -68,6 +88,7 @@ TemperatureOpt = Annotated[
     typer.Option(
         "--temperature",
         min=0.0,
+        metavar="T",
         help="Sampling temperature of generation (half the samples continue greedily).",
     ),
 ]
@@ -79,27 +100,39 @@ ChatTemplateOpt = Annotated[
     ),
 ]
 EvalEveryOpt = Annotated[
-    int, typer.Option("--eval-every", min=1, help="Steps between held-out acceptance measurements.")
+    int,
+    typer.Option(
+        "--eval-every", metavar="N", min=1, help="Steps between held-out acceptance measurements."
+    ),
 ]
 CheckpointEveryOpt = Annotated[
-    int, typer.Option("--checkpoint-every", min=1, help="Steps between checkpoints.")
+    int, typer.Option("--checkpoint-every", metavar="N", min=1, help="Steps between checkpoints.")
 ]
 CheckpointDirOpt = Annotated[
     Path | None,
     typer.Option(
         "--checkpoint-dir",
+        metavar="DIR",
         help="Where checkpoints go (default: OUT.train-state, or DIR/.mtp-train-state).",
     ),
 ]
 ResumeOpt = Annotated[
     bool, typer.Option("--resume", help="Continue from the checkpoint of an earlier run.")
 ]
-QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="No progress bar.")]
 
 
 @friendly_errors
 def train_head_command(
-    model: Annotated[str, typer.Argument(help="An MLX model directory (or Hub repo id).")],
+    ctx: typer.Context,
+    model: Annotated[
+        str | None,
+        typer.Argument(
+            metavar="MODEL",
+            help="An MLX model directory (or Hub repo id; or --model).",
+            show_default=False,
+        ),
+    ] = None,
+    model_option: ModelOpt = None,
     output: OutputOpt = None,
     into: IntoOpt = None,
     force: ForceOpt = False,
@@ -133,6 +166,7 @@ def train_head_command(
     held-out drafting acceptance) goes to stderr; checkpoints allow --resume. The result is
     used unchanged by generate, bench and check.
     """
+    model = _model_and_destination(ctx, model, model_option, output, into)
     from mtpkit.core.prompts import read_prompts
     from mtpkit.train.data import DataSpec, check_files
     from mtpkit.train.output import check_destination
@@ -178,3 +212,18 @@ def train_head_command(
         print_json(result)
     else:
         print_train(result)
+
+
+def _model_and_destination(
+    ctx: typer.Context,
+    model: str | None,
+    model_option: str | None,
+    output: Path | None,
+    into: Path | None,
+) -> str:
+    """The model (as MODEL or --model) and exactly one destination, or a usage error."""
+    if (output is None) == (into is None):
+        ctx.fail(
+            "pass -o DIR (a copy with the new head) or --into DIR (install it there), one of them"
+        )
+    return one_source(ctx, model, model_option)

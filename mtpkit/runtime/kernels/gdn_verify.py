@@ -286,30 +286,47 @@ def self_check(impl: Callable[..., Any] | None = None) -> float:
 SELF_CHECK_TOLERANCE = 1e-4
 
 
+def metal_available() -> bool:
+    """An Apple GPU is the default device (MLX's Metal build)."""
+    metal = getattr(mx, "metal", None)
+    return bool(metal is not None and metal.is_available() and mx.default_device() == mx.gpu)
+
+
 def use_fast_verify(model: nn.Module) -> list[str]:
-    """On a CUDA GPU: the one-kernel gated-delta-net verify if `model` has such layers (after
-    a self-check against the reference), and the multi-row quantized matmul for the verify
-    pass on the matrices where it was measured to win (`qmv.WIDE_WEIGHTS`: the lm_head;
-    `MTPKIT_QMV=1`: every quantized layer, `0`: none). Returns what it installed."""
-    if os.environ.get("MTPKIT_KERNELS", "1") == "0" or not cuda_available():
+    """On a GPU: the one-kernel gated-delta-net verify if `model` has such layers, the CUDA
+    kernel or its Metal twin, after a self-check against the reference (a kernel that fails
+    to build or to agree leaves the reference, with one warning line). On CUDA also the
+    multi-row quantized matmul for the verify pass on the matrices where it was measured to
+    win (`qmv.WIDE_WEIGHTS`: the lm_head; `MTPKIT_QMV=1`: every quantized layer, `0`: none).
+    Returns what it installed."""
+    if os.environ.get("MTPKIT_KERNELS", "1") == "0":
+        return []
+    cuda = cuda_available()
+    if cuda:
+        impl, backend = gdn_verify_cuda, "CUDA"
+    elif metal_available():
+        impl, backend = gdn_verify_metal, "Metal"
+    else:
         return []
     from mtpkit.core.console import log
 
     installed = []
     if tap_gated_delta_layers(model):
         try:
-            error = self_check()
+            error = self_check(impl)
         except Exception as e:  # a kernel that fails to build leaves the reference in place
             error, detail = float("inf"), f"{type(e).__name__}: {e}".splitlines()[0]
         else:
             detail = f"differs from the reference by {error:.1e}"
         if error <= SELF_CHECK_TOLERANCE:
-            set_gdn_verify_impl(gdn_verify_cuda)
+            set_gdn_verify_impl(impl)
             installed.append("gdn_verify")
         else:
-            log(f"warning: the CUDA gated-delta-net verify kernel {detail}; using the reference")
+            log(
+                f"warning: the {backend} gated-delta-net verify kernel {detail}; using the reference"
+            )
     routing = os.environ.get("MTPKIT_QMV", "wide")
-    if routing != "0" and _qmv_checked(log):
+    if cuda and routing != "0" and _qmv_checked(log):
         qmv.set_min_weights(0 if routing == "1" else qmv.WIDE_WEIGHTS)
         if qmv.tap_quantized_layers(model):
             installed.append("qmv")

@@ -1,0 +1,124 @@
+"""Ranks in lockstep: rank 0 decides, every rank follows.
+
+Under `mlx.launch` each rank runs the same decoding loop over its part of the backbone. Every
+token any rank feeds the backbone is rank 0's choice (drafts, the verdict, plain steps' tokens),
+shared lazily by an `all_sum` in which the other ranks add zeros. So every rank's caches (KV,
+gated-delta-net states, sliding windows, replayed caches) roll back to the same position every
+round, and a sampled text takes one random draw, rank 0's, even where floating-point sums differ
+between machines. On one process `Lockstep.share` is the identity.
+
+Collectives must be issued in the same order on every rank: `share` queues its result at once
+(`mx.async_eval`), and a rank's placeholder depends on that rank's own copy of the computation
+the shared value comes from, so MLX never reorders a share past the backbone's own
+send/recv/all_gather.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import mlx.core as mx
+
+
+@dataclass(frozen=True)
+class Lockstep:
+    """The ranks of one decoding; `group` None is a single process."""
+
+    group: Any = None  # mx.distributed.Group
+    # Whether rank 0 alone runs the MTP head (pipeline parallelism: the last stage holds it);
+    # under tensor parallelism every rank runs it, because the lm_head is sharded.
+    head_on_root_only: bool = False
+    sharding: str | None = None  # "pipeline" or "tensor" (`mtpkit.runtime.sharded`)
+
+    @property
+    def rank(self) -> int:
+        return self.group.rank() if self.group is not None else 0
+
+    @property
+    def size(self) -> int:
+        return self.group.size() if self.group is not None else 1
+
+    @property
+    def is_root(self) -> bool:
+        return self.rank == 0
+
+    def share(self, value: mx.array, after: Sequence[mx.array] = ()) -> mx.array:
+        """Rank 0's `value` on every rank, lazily. On the other ranks `value` is only a
+        placeholder of the right shape; `after` names what it must be computed after (by
+        default `value` itself)."""
+        if self.size == 1:
+            return value
+        mine = value
+        if not self.is_root:
+            mine = mx.depends(mx.zeros_like(value), list(after) or [value])
+        shared = mx.distributed.all_sum(mine, group=self.group)
+        mx.async_eval(shared)
+        return shared
+
+    def share_int(self, value: int) -> int:
+        """Rank 0's integer on every rank, now."""
+        if self.size == 1:
+            return value
+        return int(self.share(mx.array(value, dtype=mx.int32)).item())
+
+    def all_true(self, flag: bool) -> bool:
+        """Whether `flag` holds on every rank, now."""
+        if self.size == 1:
+            return flag
+        doubts = mx.distributed.all_sum(mx.array(int(not flag)), group=self.group)
+        return doubts.item() == 0
+
+    def share_choice(self, choice: bool | None) -> bool | None:
+        """Rank 0's True/False/None on every rank, now."""
+        codes = {False: 0, True: 1, None: 2}
+        shared = self.share_int(codes[choice])
+        return {v: k for k, v in codes.items()}[shared]
+
+    def tick(self) -> None:
+        """A decoding step or prefill chunk is done: the watchdog's beat (armed from the
+        first one on, so loading and downloads are not bounded by it)."""
+        if self.size > 1 and WATCHDOG[0] is not None:
+            WATCHDOG[0].arm()
+
+
+SINGLE = Lockstep()
+
+
+class Watchdog:
+    """Ends the process with one line when no progress is made for `timeout` seconds: a rank
+    that stopped or a network that broke leaves the others waiting inside a collective, which
+    MLX's backends wait on without a limit. Runs in a thread (MLX releases the GIL while it
+    waits)."""
+
+    def __init__(self, timeout: float, on_timeout: Callable[[float], None]) -> None:
+        self.timeout = timeout
+        self.on_timeout = on_timeout
+        self.last = time.monotonic()
+        self.armed = False
+
+    def beat(self) -> None:
+        self.last = time.monotonic()
+
+    def arm(self) -> None:
+        """Beat, and start watching if not yet started."""
+        import threading
+
+        self.beat()
+        if not self.armed:
+            self.armed = True
+            threading.Thread(target=self._watch, daemon=True, name="mtpkit-watchdog").start()
+
+    def _watch(self) -> None:
+        while True:
+            idle = time.monotonic() - self.last
+            if idle > self.timeout:
+                self.on_timeout(idle)
+                return
+            time.sleep(min(1.0, self.timeout / 4))
+
+
+# The process's watchdog while it is one rank of several (`mtpkit.cli.ranks` installs it).
+WATCHDOG: list[Watchdog | None] = [None]
