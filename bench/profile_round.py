@@ -18,10 +18,10 @@ from mlx_lm.generate import generation_stream
 
 from mtpkit.bench.shapes import random_model_dir
 from mtpkit.bench.speed import DEFAULT_PROMPT
+from mtpkit.core.prompts import encode_prompt
 from mtpkit.runtime.model import load_model, untapped
 from mtpkit.spec.accept import verdict
 from mtpkit.spec.decode import MtpDecoder, SamplingSettings
-from mtpkit.spec.generate import encode_prompt
 
 shape = sys.argv[1]
 N = int(sys.argv[2]) if len(sys.argv) > 2 else 64

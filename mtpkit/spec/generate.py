@@ -344,7 +344,6 @@ __all__ = [
     "GenerationResult",
     "PromptTooLong",
     "check_prompt",
-    "encode_prompt",
     "generate",
     "measure_acceptance",
     "stream_tokens",
