@@ -179,7 +179,7 @@ def graft_bytes(src: Path, trunk: Path, work: Path) -> tuple[int, int]:
     import pytest
 
     from mtpkit.checkpoint.report import inspect_checkpoint
-    from mtpkit.convert.pipeline import graft
+    from mtpkit.convert.grafting import graft
     from tests.hub_server import HubStandIn, point_client_at
 
     needed = inspect_checkpoint(str(src))["mtp"]["bytes_needed"]

@@ -22,7 +22,8 @@ from mlx.utils import tree_flatten
 
 from mtpkit.checkpoint.headers import HEADER_PROBE_BYTES
 from mtpkit.checkpoint.report import inspect_checkpoint
-from mtpkit.convert.pipeline import convert, graft
+from mtpkit.convert.grafting import graft
+from mtpkit.convert.pipeline import convert
 from mtpkit.core.errors import MtpkitError
 from tests import hub_server
 from tests.checkpoints import build_checkpoint

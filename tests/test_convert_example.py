@@ -15,7 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from mtpkit.convert.pipeline import convert, graft
+from mtpkit.convert.grafting import graft
+from mtpkit.convert.pipeline import convert
 from mtpkit.spec.generate import measure_acceptance
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "mtpkit" / "examples" / "tiny-qwen3_5"

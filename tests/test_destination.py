@@ -249,7 +249,7 @@ def test_check_refuses_a_report_inside_the_source_and_writes_it_atomically(check
 
 
 def test_failed_graft_leaves_the_directory_as_it_was(checkpoint, tmp_path, monkeypatch):
-    import mtpkit.convert.pipeline
+    import mtpkit.convert.grafting
 
     trunk = tmp_path / "trunk"
     shutil.copytree(checkpoint("mlx_plain", dtype="bfloat16"), trunk)
@@ -261,7 +261,7 @@ def test_failed_graft_leaves_the_directory_as_it_was(checkpoint, tmp_path, monke
     def disk_full(path, manifest):
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(mtpkit.convert.pipeline, "write_manifest", disk_full)
+    monkeypatch.setattr(mtpkit.convert.grafting, "write_manifest", disk_full)
     result = runner.invoke(
         app, ["convert", str(checkpoint("qwen3_5")), "--mtp-only", "--into", str(trunk)]
     )

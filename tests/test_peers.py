@@ -104,7 +104,7 @@ def test_inline_layout_warns_about_older_mlx_lm(tmp_path) -> None:
 
 
 def test_graft_writes_the_peer_file_too(converted: Path, tmp_path) -> None:
-    from mtpkit.convert.pipeline import graft
+    from mtpkit.convert.grafting import graft
 
     trunk = tmp_path / "trunk"
     shutil.copytree(converted, trunk)

@@ -24,13 +24,14 @@ ROOT = Path(__file__).resolve().parents[1]
 # The child: the writer announces itself and waits to be killed, then the real CLI runs.
 HELD = """
 import sys, time
+import mtpkit.convert.grafting as grafting
 import mtpkit.convert.pipeline as pipeline
 real = pipeline.write_job_files
 def held(*args, **kwargs):
     real(*args, **kwargs)
     print("held in the writer", file=sys.stderr, flush=True)
     time.sleep(120)
-pipeline.write_job_files = held
+pipeline.write_job_files = grafting.write_job_files = held
 sys.argv[0] = "mtpkit"
 from mtpkit.cli.entry import main
 main()

@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 from mlx_lm.utils import load_config, save_config
 
-from mtpkit.convert.pipeline import convert, graft
+from mtpkit.convert.grafting import graft
+from mtpkit.convert.pipeline import convert
 from mtpkit.convert.writer import read_config, write_config
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "mtpkit" / "examples" / "tiny-qwen3_5"

@@ -7,7 +7,7 @@ _EXPORTS = {
     "ConvertResult": "pipeline",
     "Settings": "pipeline",
     "convert": "pipeline",
-    "graft": "pipeline",
+    "graft": "grafting",
     "resolve_settings": "pipeline",
 }
 __getattr__ = lazy_exports(__name__, _EXPORTS)

@@ -126,7 +126,8 @@ def convert_command(
     Besides mtpkit's own record, the output carries what mlx-vlm, MTPLX, Rapid-MLX and vllm-mlx read to run the head (mtp.safetensors, config and manifest keys); --upload-repo publishes it with a model card saying how to run it in each.
     """
     from mtpkit.cli.output import print_convert, print_json
-    from mtpkit.convert.pipeline import convert, graft
+    from mtpkit.convert.grafting import graft
+    from mtpkit.convert.pipeline import convert
     from mtpkit.core.console import log
 
     source = one_source(ctx, source, hf_path)
