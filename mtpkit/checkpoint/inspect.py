@@ -78,6 +78,35 @@ class Checkpoint:
 def read_checkpoint(spec: str, *, revision: str | None = None) -> Checkpoint:
     """Open a source and read its config, index, manifest and shard headers."""
     source = open_source(spec, revision=revision)
+    config = _read_config(source)
+    drafter = drafter_base_type(config)
+    family = family_for({**config, "model_type": drafter} if drafter else config)
+    manifest = source.read_json(MANIFEST_PATH) if source.has(MANIFEST_PATH) else None
+    index = source.read_json(INDEX_PATH) if source.has(INDEX_PATH) else None
+    weight_map, shards, peer_files, sidecars = _weight_files(source, manifest, index)
+    if drafter:  # every tensor of a standalone drafter is the head's
+        shards, sidecars = [], shards + sidecars
+    ckpt = Checkpoint(source, config, family, "hf", manifest, index, shards, sidecars)
+    ckpt.peer_files = peer_files
+    for p in config_problems(config, family.mtp_field()):
+        ckpt.problem(p.code, p.message)
+    copies = _read_headers(ckpt, shards + sidecars)
+    _follow_index(ckpt, copies, weight_map)
+    _check_index(ckpt, weight_map)
+    ckpt.format = MLX_VLM_DRAFTER if drafter else _format(ckpt)
+    if not isinstance(config.get("model_type"), str):
+        ckpt.problem(
+            "missing_model_type",
+            f"config.json in {source.describe()} has no top-level model_type (mlx-lm and "
+            f'transformers pick the model class by it): add "model_type": '
+            f'"{family.name}" or convert from the original repo',
+        )
+    if not drafter:  # a drafter's head is mlx-vlm's module tree, not the family's names
+        _check_mtp(ckpt)
+    return ckpt
+
+
+def _read_config(source: Source) -> dict[str, Any]:
     if not source.has("config.json"):
         raise NotACheckpoint(
             f"{source.describe()} has no config.json: not a model checkpoint "
@@ -86,11 +115,13 @@ def read_checkpoint(spec: str, *, revision: str | None = None) -> Checkpoint:
     config = source.read_json("config.json")
     if not isinstance(config, dict):
         raise NotACheckpoint(f"config.json in {source.describe()} is not a JSON object")
-    drafter = drafter_base_type(config)
-    family = family_for({**config, "model_type": drafter} if drafter else config)
-    manifest = source.read_json(MANIFEST_PATH) if source.has(MANIFEST_PATH) else None
-    index = source.read_json(INDEX_PATH) if source.has(INDEX_PATH) else None
+    return config
 
+
+def _weight_files(
+    source: Source, manifest: Any, index: Any
+) -> tuple[dict[str, Any], list[str], list[str], list[str]]:
+    """(the index's weight map, the shards, the peers' copies of an mtpkit head, the sidecars)."""
     if index is not None:
         weight_map = index.get("weight_map") if isinstance(index, dict) else None
         if not isinstance(weight_map, dict):
@@ -111,15 +142,14 @@ def read_checkpoint(spec: str, *, revision: str | None = None) -> Checkpoint:
     ]
     if not shards and not sidecars:
         raise NotACheckpoint(f"{source.describe()} has config.json but no safetensors weights")
+    return weight_map, shards, peer_files, sidecars
 
-    if drafter:  # every tensor of a standalone drafter is the head's
-        shards, sidecars = [], shards + sidecars
-    ckpt = Checkpoint(source, config, family, "hf", manifest, index, shards, sidecars)
-    copies: dict[str, list[str]] = {}  # tensors more than one shard holds
-    ckpt.peer_files = peer_files
-    for p in config_problems(config, family.mtp_field()):
-        ckpt.problem(p.code, p.message)
-    for shard in shards + sidecars:
+
+def _read_headers(ckpt: Checkpoint, files: list[str]) -> dict[str, list[str]]:
+    """Every file's header into `ckpt`; returns the tensors more than one shard holds."""
+    source = ckpt.source
+    copies: dict[str, list[str]] = {}
+    for shard in files:
         if not is_safe_relpath(shard):
             ckpt.problem(
                 "unsafe_path", f"index names {shard!r}, outside the checkpoint; not opened"
@@ -139,40 +169,31 @@ def read_checkpoint(spec: str, *, revision: str | None = None) -> Checkpoint:
             continue
         ckpt.headers[shard] = header
         for name, info in header.tensors.items():
-            if shard in shards and name in ckpt.tensors:
+            if shard in ckpt.shards and name in ckpt.tensors:
                 copies.setdefault(name, [ckpt.tensors[name].shard]).append(shard)
             ckpt.tensors.setdefault(name, info)
-    _follow_index(ckpt, copies, weight_map)
+    return copies
 
+
+def _check_index(ckpt: Checkpoint, weight_map: dict[str, Any]) -> None:
+    """The index against the headers: every mapped tensor held, `total_size` the bytes read."""
     for name, shard in sorted(weight_map.items()):
         if shard in ckpt.headers and name not in ckpt.headers[shard].tensors:
             ckpt.problem("missing_tensor", f"index maps {name} to {shard}, which does not hold it")
-    if index is not None:
-        declared = (index.get("metadata") or {}).get("total_size")
-        all_read = all(s in ckpt.headers for s in shards)
-        if declared is not None and all_read:
-            actual = sum(
-                t.nbytes
-                for h in ckpt.headers.values()
-                if h.shard in shards
-                for t in h.tensors.values()
-            )
-            if int(declared) != actual:
-                ckpt.problem(
-                    "total_size_mismatch",
-                    f"index metadata.total_size is {declared} but the shards hold {actual} tensor bytes",
-                )
-    ckpt.format = MLX_VLM_DRAFTER if drafter else _format(ckpt)
-    if not isinstance(config.get("model_type"), str):
+    if ckpt.index is None:
+        return
+    declared = (ckpt.index.get("metadata") or {}).get("total_size")
+    shards = ckpt.shards
+    if declared is None or not all(s in ckpt.headers for s in shards):
+        return
+    actual = sum(
+        t.nbytes for h in ckpt.headers.values() if h.shard in shards for t in h.tensors.values()
+    )
+    if int(declared) != actual:
         ckpt.problem(
-            "missing_model_type",
-            f"config.json in {source.describe()} has no top-level model_type (mlx-lm and "
-            f'transformers pick the model class by it): add "model_type": '
-            f'"{family.name}" or convert from the original repo',
+            "total_size_mismatch",
+            f"index metadata.total_size is {declared} but the shards hold {actual} tensor bytes",
         )
-    if not drafter:  # a drafter's head is mlx-vlm's module tree, not the family's names
-        _check_mtp(ckpt)
-    return ckpt
 
 
 def _follow_index(ckpt: Checkpoint, copies: dict[str, list[str]], weight_map: dict) -> None:

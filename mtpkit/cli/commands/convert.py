@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
@@ -125,7 +125,6 @@ def convert_command(
 
     Besides mtpkit's own record, the output carries what mlx-vlm, MTPLX, Rapid-MLX and vllm-mlx read to run the head (mtp.safetensors, config and manifest keys); --upload-repo publishes it with a model card saying how to run it in each.
     """
-    from mtpkit.cli.output import print_convert, print_json
     from mtpkit.convert.grafting import graft
     from mtpkit.convert.pipeline import convert
     from mtpkit.core.console import log
@@ -173,6 +172,14 @@ def convert_command(
             recipe=recipe,
             **common,
         )
+    _publish_and_report(result, upload_repo, json_output)
+
+
+def _publish_and_report(result: Any, upload_repo: str | None, json_output: bool) -> None:
+    """Warnings on stderr, the upload (`--upload-repo`), then the result on stdout."""
+    from mtpkit.cli.output import print_convert, print_json
+    from mtpkit.core.console import log
+
     for warning in result.warnings:
         log(f"warning: {warning}")
     published = None
