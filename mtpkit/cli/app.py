@@ -51,11 +51,8 @@ app.command(name="train-head")(train_head.train_head_command)
 
 
 def main() -> None:
-    import sys
+    """The program (`mtpkit.cli.entry.main`, the console script, adds the signal handling and
+    the rank supervisor before these imports)."""
+    from mtpkit.cli.entry import main as entry_main
 
-    from mtpkit.cli.ranks import supervise_rank
-
-    code = supervise_rank(sys.argv[1:])  # one rank of mlx.launch: run as a supervised child
-    if code is not None:
-        sys.exit(code)
-    app()
+    entry_main()

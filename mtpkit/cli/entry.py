@@ -12,6 +12,13 @@ def main() -> None:
         from mtpkit.core import signals
 
         signals.install()
+        from mtpkit.cli.ranks import supervise_rank
+
+        # One rank of `mlx.launch`: the command runs in a supervised child, so that a rank
+        # MLX's ring backend crashes is still one `Error:` line (`mtpkit.cli.ranks`).
+        code = supervise_rank(sys.argv[1:])
+        if code is not None:
+            raise SystemExit(code)
         from mtpkit.cli.app import app
 
         # Typer builds the Click command before Click's own Ctrl-C handling starts.

@@ -62,7 +62,10 @@ class Lockstep:
         """Rank 0's integer on every rank, now."""
         if self.size == 1:
             return value
-        return int(self.share(mx.array(value, dtype=mx.int32)).item())
+        # Read at once, so no ordering against queued shares is needed (`share` orders those
+        # with `mx.depends`, whose placeholder was seen to carry garbage into this sum).
+        mine = mx.array(value if self.is_root else 0, dtype=mx.int32)
+        return int(mx.distributed.all_sum(mine, group=self.group).item())
 
     def all_true(self, flag: bool) -> bool:
         """Whether `flag` holds on every rank, now."""
