@@ -157,11 +157,10 @@ def _head_complete(ckpt: Checkpoint) -> CheckResult:
         return CheckResult("head_complete", FAIL, "no head to check")
     messages = _codes(ckpt, "incomplete_mtp", "incomplete_experts")
     if messages:
-        more = f" (+{len(messages) - 1} more)" if len(messages) > 1 else ""
         return CheckResult(
             "head_complete",
             FAIL,
-            f"{messages[0]}{more}: re-convert from the original repo, or re-graft with "
+            f"{_more(messages)}: re-convert from the original repo, or re-graft with "
             "`mtpkit convert ORIGINAL --mtp-only --into DIR`",
         )
     if (mismatch := head_shape_problem(ckpt)) is not None:
@@ -210,11 +209,10 @@ INDEX_CODES = (
 def _index(ckpt: Checkpoint) -> CheckResult:
     messages = _codes(ckpt, *INDEX_CODES)
     if messages:
-        more = f" (+{len(messages) - 1} more)" if len(messages) > 1 else ""
         return CheckResult(
             "index",
             FAIL,
-            f"{messages[0]}{more}: re-upload the missing or damaged files, or re-convert",
+            f"{_more(messages)}: re-upload the missing or damaged files, or re-convert",
         )
     if ckpt.index is None:
         return CheckResult("index", PASS, f"no index; {len(ckpt.shards)} shard(s) read")
@@ -229,11 +227,10 @@ def _quantization(ckpt: Checkpoint) -> CheckResult:
     problems, count = quantization_problems(ckpt)
     problems += manifest_quantization_problems(ckpt)
     if problems:
-        more = f" (+{len(problems) - 1} more)" if len(problems) > 1 else ""
         return CheckResult(
             "quantization",
             FAIL,
-            f"{problems[0]}{more}: the loader would build the wrong layers; record the right "
+            f"{_more(problems)}: the loader would build the wrong layers; record the right "
             "per-path params in config.json's `quantization` or re-convert with `mtpkit convert`",
         )
     if not count:
@@ -272,11 +269,10 @@ def _manifest(ckpt: Checkpoint) -> CheckResult:
         )
     problems = manifest_problems(ckpt)
     if problems:
-        more = f" (+{len(problems) - 1} more)" if len(problems) > 1 else ""
         return CheckResult(
             "manifest",
             FAIL,
-            f"{problems[0]}{more}: the runtime trusts the manifest; re-convert with `mtpkit convert`",
+            f"{_more(problems)}: the runtime trusts the manifest; re-convert with `mtpkit convert`",
         )
     if ckpt.manifest.get("format") != MANIFEST_FORMAT:
         return CheckResult(
