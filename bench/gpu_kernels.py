@@ -41,7 +41,7 @@ import mlx.nn as nn  # noqa: E402
 import numpy as np  # noqa: E402
 
 from mtpkit.runtime.kernels import gdn_verify as kernels  # noqa: E402
-from mtpkit.runtime.kernels import qmv  # noqa: E402
+from mtpkit.runtime.kernels import qmv, routing  # noqa: E402
 from mtpkit.runtime.rollback import gdn  # noqa: E402
 
 # Qwen3.5 text configs (hidden size, MLP width, layers, heads); 3 linear-attention layers
@@ -312,7 +312,7 @@ class Forwards:
         try:
             with gdn.capture_gdn_states(snapshots):
                 if rows_kernel:
-                    with qmv.multi_row_matmuls():
+                    with routing.multi_row_matmuls(self.model):
                         logits = self.model(tokens, cache=self.cache)
                 else:
                     logits = self.model(tokens, cache=self.cache)
@@ -328,7 +328,7 @@ class Forwards:
 
 def forward_costs(model: nn.Module, trials: int) -> dict[str, dict]:
     gdn.tap_gated_delta_layers(model)
-    qmv.tap_quantized_layers(model)
+    routing.route_quantized_layers(model, measure=False)  # every matrix it can take
     f = Forwards(model)
     variants = {"stock T=1": lambda: f.run(1, verify=False, kernel=False, rows_kernel=False)}
     for T in DEPTHS[1:]:  # noqa: N806

@@ -77,18 +77,18 @@ def round_stages(depth):
     kinds = {}
     with mx.stream(generation_stream):
         dec.prefill()
-        last = mx.array([prompt[-1]], dtype=mx.int32)
+        box = {"last": mx.array([prompt[-1]], dtype=mx.int32)}
         for _ in range(N):
-            box = {}
 
             def draft():
                 box["d"], _ = dec.drafter.draft(depth, dec.sampling)
                 return [box["d"]]
 
             def verify():
-                box["v"] = m.verify(mx.concatenate([last, box["d"]]), dec.cache)
+                box["v"] = m.verify(mx.concatenate([box["last"], box["d"]]), dec.cache)
                 snaps = box["v"].snapshots.states if box["v"].snapshots else []
-                return [box["v"].logits, box["v"].hidden, *[s for st in snaps for s in st]]
+                flat = [s for st in snaps for s in (st if isinstance(st, list) else [st])]
+                return [box["v"].logits, box["v"].hidden, *flat]
 
             def judge():
                 box["p"], box["f"] = verdict(box["v"].logits[0], box["d"], None, dec.sampling)
@@ -103,7 +103,7 @@ def round_stages(depth):
                 b, e, c, k = timed(fn)
                 stages[name].append((b, e, c))
                 kinds[name] = k
-            last = box["f"][-1:]
+            box["last"] = box["f"][-1:]
             dec.drafter.ready = box["o"][:, -1:]
     return stages, kinds
 
@@ -133,6 +133,11 @@ def profile_rounds(depth):
     print("\n".join(line for line in s.getvalue().splitlines() if line.strip())[-4000:])
 
 
+from mtpkit.runtime.kernels import routing  # noqa: E402
+
+kernel_routes = routing.routes_summary()
+print(shape, "qmv routes (kernel):", " ".join(k for k, v in kernel_routes.items() if v) or "none",
+      f"of {len(kernel_routes)}")
 rows, kinds = stock_stage()
 sb, se, sc = show("stock step", rows, kinds)
 for depth in sorted({1, DEPTH}):

@@ -65,14 +65,17 @@ def test_rejection_sample_keeps_the_target_distribution() -> None:
     assert stat < CHI2_999[dof]
 
 
-@pytest.mark.parametrize("depth, pipeline", [(2, False), (1, True)], ids=["depth2", "pipelined"])
+@pytest.mark.parametrize(
+    "depth, pipeline", [(2, False), (1, True), (1, "build")], ids=["depth2", "pipelined", "built"]
+)
 def test_mtp_sampling_matches_the_backbone_distribution_end_to_end(
-    depth: int, pipeline: bool
+    depth: int, pipeline: bool | str
 ) -> None:
     """The first two tokens sampled with drafting follow the backbone's exact joint
     distribution under top-k 3 (computed by enumerating the support). Pipelined (depth 1,
     three tokens wanted): the second round is queued before the first verdict is read, used
-    when the first draft is kept and discarded (its draws thrown away) when it is not."""
+    when the first draft is kept and discarded (its draws thrown away) when it is not; built:
+    likewise, but launched only once the first verdict keeps the draft."""
     m = load_model(EXAMPLE)  # the raw checkpoint; mlx-lm and mtpkit both read it directly
     settings = SamplingSettings(temp=1.0, top_k=3)
     prompt = m.tokenizer.encode("Return the number of")

@@ -76,16 +76,17 @@ def test_build_head_rejects_unknown_family() -> None:
         build_head({"model_type": "gpt2"})
 
 
-@pytest.mark.parametrize("pipeline", [False, True], ids=["serial", "pipelined"])
+@pytest.mark.parametrize("pipeline", [False, True, "build"], ids=["serial", "pipelined", "built"])
 @pytest.mark.parametrize(
     "layout", ["qwen3_5", "qwen3_next", "exaone_moe", "mimo_v2_flash", "step3p5", "nemotron_h"]
 )
 def test_injected_drafts_partial_acceptance_keeps_caches_exact(
-    tmp_path: Path, layout: str, pipeline: bool
+    tmp_path: Path, layout: str, pipeline: bool | str
 ) -> None:
     """Drafts right up to depth j (then wrong) for every j in 0..4: the output must stay the
     backbone's, and exactly j drafts must be accepted each round. Pipelined: every round
-    queues the next before its verdict is read, so each partial round discards a queued one
+    queues the next before its verdict is read (built: builds it, launched only after a full
+    round), so each partial round discards a queued one
     (gated-delta-net states, sliding windows (exaone, mimo_v2_flash, step3p5: window 8),
     Mamba states, KV caches all taken back across the round boundary)."""
     path = converted_dir(tmp_path, layout)
@@ -106,6 +107,8 @@ def test_injected_drafts_partial_acceptance_keeps_caches_exact(
     if pipeline:  # queued rounds were both used (after a full round) and discarded
         used = decoder.stats.pipelined - decoder.stats.discarded
         assert decoder.stats.discarded > 0 and used > 0
+        launched = decoder.stats.launched_ahead
+        assert launched == (decoder.stats.pipelined if pipeline is True else 0)
     else:
         assert decoder.stats.pipelined == 0
 

@@ -15,7 +15,7 @@ import pytest
 from mlx_lm.models.gated_delta import gated_delta_update
 
 from mtpkit.runtime.kernels import gdn_verify as kernels
-from mtpkit.runtime.kernels import qmv
+from mtpkit.runtime.kernels import qmv, routing
 from mtpkit.runtime.model import load_model
 from mtpkit.runtime.rollback import gdn
 from tests import cuda_emulator, cuda_source
@@ -243,19 +243,8 @@ def test_the_kernels_arithmetic_is_mlx_quantized_matmul(
 
 
 def test_rows_and_shapes_the_kernel_takes() -> None:
-    qmv.set_min_weights(0)  # as MTPKIT_QMV=1 sets it (a CUDA load before may have set it)
     assert qmv.rows_of((1, 3, 1024)) == 3 and qmv.rows_of((2, 2, 64)) == 4
     assert qmv.rows_of((1024,)) == 1
-    assert [qmv.takes_kernel(r, 1024, 1024) for r in range(1, 8)] == [False] + [True] * 4 + [
-        False
-    ] * 2
-    # The measured rule (the default on CUDA): only very wide matrices, the lm_head.
-    qmv.set_min_weights(qmv.WIDE_WEIGHTS)
-    try:
-        assert qmv.takes_kernel(3, 248320, 1024) and not qmv.takes_kernel(3, 3584, 1024)
-        assert not qmv.takes_kernel(1, 248320, 1024)
-    finally:
-        qmv.set_min_weights(0)
     assert not qmv.kernel_shape_ok(bits=8, group_size=64, mode="affine", n=64, k=1024, biased=True)
     assert not qmv.kernel_shape_ok(bits=4, group_size=32, mode="mxfp4", n=64, k=1024, biased=False)
     assert not qmv.kernel_shape_ok(bits=4, group_size=64, mode="affine", n=64, k=96, biased=True)
@@ -265,9 +254,42 @@ def test_rows_and_shapes_the_kernel_takes() -> None:
     assert qmv.launch_config(2, 1000, columns=4)["grid"] == (32, 250, 1)
 
 
+def _quantized_pair() -> nn.Module:
+    model = nn.Sequential(nn.Linear(256, 64), nn.Linear(64, 64, bias=False), nn.Linear(256, 32))
+    nn.quantize(model, group_size=64, bits=4)
+    return model
+
+
+def test_routes_follow_the_timings(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each (matrix, rows) takes the kernel where it timed at most MARGIN of MLX's; only
+    layers with a route are tapped; a failing timing keeps MLX's; each key is timed once."""
+    monkeypatch.setattr(routing, "ROUTES", {})
+    timed: list[tuple[int, int]] = []
+
+    def timer(module, rows):  # the 64x256 matrix: the kernel wins from 3 rows on
+        n, k = module["weight"].shape[0], routing.route_key(module, 1)[1]
+        timed.append((n, rows))
+        if n == 32:
+            raise RuntimeError("no kernel for this shape")
+        return 1.0, (0.85 if (k == 256 and rows >= 3) else 0.95)
+
+    model = _quantized_pair()
+    assert routing.route_quantized_layers(model, timer=timer) == 1
+    assert type(model.layers[0]) is nn.QuantizedLinear  # swapped in only inside a verify pass
+    summary = routing.routes_summary()
+    assert [summary[f"64x256@{r}"] for r in range(2, 6)] == [False, True, True, True]
+    assert not any(summary[f"64x64@{r}"] for r in range(2, 6))
+    assert not any(summary[f"32x256@{r}"] for r in range(2, 6))
+    n_timed = len(timed)
+    assert n_timed == 3 * 4 and routing.route_quantized_layers(_quantized_pair(), timer=timer) == 1
+    assert len(timed) == n_timed  # the same matrices: the first timings hold
+    assert routing.route_quantized_layers(model, measure=False) == 1  # measured keys stay
+
+
 def test_tapped_layers_route_only_the_verify_rows(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Inside `multi_row_matmuls`, 2..5 rows go to the kernel (emulated here) and give the
-    stock layer's output; one row, six rows, or outside the block: the stock path."""
+    """Inside `multi_row_matmuls(model)`, 2..5 rows go to the kernel (emulated here) and give
+    the stock layer's output; one row, six rows, or outside the block: the stock path, and
+    outside it the layers are stock mlx-lm classes again."""
     routed: list[int] = []
 
     def fake_kernel(x, w, scales, biases, *, group_size, columns=1, variant="fma"):
@@ -277,22 +299,30 @@ def test_tapped_layers_route_only_the_verify_rows(monkeypatch: pytest.MonkeyPatc
         return mx.array(out).reshape(*x.shape[:-1], w.shape[0])
 
     monkeypatch.setattr(qmv, "multi_row_qmv", fake_kernel)
-    model = nn.Sequential(nn.Linear(256, 64), nn.Linear(64, 64, bias=False))
-    nn.quantize(model, group_size=64, bits=4)
+    monkeypatch.setattr(routing, "ROUTES", {})
+    model = _quantized_pair()
+    model.layers.pop()
     stock = [type(layer) for layer in model.layers]
-    assert qmv.tap_quantized_layers(model) == 2 and qmv.tap_quantized_layers(model) == 2
-    assert all(isinstance(layer, s) for layer, s in zip(model.layers, stock, strict=True))
+    assert routing.route_quantized_layers(model, measure=False) == 2
+    assert [type(layer) for layer in model.layers] == stock
     x = mx.random.normal((1, 3, 256), key=mx.random.key(3))
     expected = model(x)
     assert routed == []
     for rows in (1, 3, 6):
-        with qmv.multi_row_matmuls():
+        with routing.multi_row_matmuls(model):
+            assert all(type(layer) is routing.RowsQuantizedLinear for layer in model.layers)
             got = model(mx.random.normal((1, rows, 256)))
         assert got.shape == (1, rows, 64)
+    assert [type(layer) for layer in model.layers] == stock
     assert routed == [3, 3]
-    with qmv.multi_row_matmuls():
-        got = model(x)
+    with routing.multi_row_matmuls(model):
+        with routing.multi_row_matmuls(model):  # nested (a replayed cache inside a verify)
+            got = model(x)
+        assert type(model.layers[0]) is routing.RowsQuantizedLinear
     np.testing.assert_allclose(np.array(got), np.array(expected), atol=1e-4, rtol=1e-4)
+    with routing.multi_row_matmuls(_quantized_pair()):  # another model: nothing of this one
+        model(x)
+    assert routed == [3, 3, 3, 3]
 
 
 # ---------------------------------------------------------------------------------------

@@ -49,6 +49,14 @@ def check_environment(env: Mapping[str, str] | None = None) -> None:
     _check_directory(env, "MTPKIT_CACHE", create=True)
 
 
+def switch(name: str, env: Mapping[str, str] | None = None) -> bool | None:
+    """A switch's value: True (1/true/yes/on), False (0/false/no/off), None (unset or empty)."""
+    value = (os.environ if env is None else env).get(name, "").strip().lower()
+    if not value:
+        return None
+    return value in {"1", "true", "yes", "on"}
+
+
 def _positive_int(value: str) -> bool:
     try:
         return int(value.strip()) > 0

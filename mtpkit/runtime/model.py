@@ -29,7 +29,7 @@ from mtpkit.families import BackboneParts, backbone_parts
 from mtpkit.mlxlm import stock_model_classes
 from mtpkit.runtime.headload import HeadWeights, MtpHead, load_head
 from mtpkit.runtime.kernels.gdn_verify import use_fast_verify
-from mtpkit.runtime.kernels.qmv import multi_row_matmuls
+from mtpkit.runtime.kernels.routing import multi_row_matmuls
 from mtpkit.runtime.ranks import SINGLE, Lockstep
 from mtpkit.runtime.rollback.gdn import (
     GdnSnapshots,
@@ -195,7 +195,7 @@ class MtpModel:
             replay = CacheReplay.before(cache, tokens, lambda t, c: self.model(t, cache=c))
             recurrent = False
         snapshots = GdnSnapshots() if recurrent else None
-        with capture_gdn_states(snapshots), multi_row_matmuls():
+        with capture_gdn_states(snapshots), multi_row_matmuls(self.model):
             logits, hidden = self.forward(tokens[None], cache)
         return VerifyPass(logits, hidden, snapshots, tokens.shape[0], replay)
 

@@ -74,9 +74,9 @@ class Lockstep:
         doubts = mx.distributed.all_sum(mx.array(int(not flag)), group=self.group)
         return doubts.item() == 0
 
-    def share_choice(self, choice: bool | None) -> bool | None:
-        """Rank 0's True/False/None on every rank, now."""
-        codes = {False: 0, True: 1, None: 2}
+    def share_choice(self, choice: bool | str | None) -> bool | str | None:
+        """Rank 0's True/False/None/"build" on every rank, now."""
+        codes = {False: 0, True: 1, None: 2, "build": 3}
         shared = self.share_int(codes[choice])
         return {v: k for k, v in codes.items()}[shared]
 

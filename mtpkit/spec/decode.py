@@ -16,11 +16,15 @@ drafts (its last verified token and the head's output at its last pair are then 
 lazy arrays), as mlx-lm's `generate_step` queues the next token before reading this one.
 When the verdict shows a rejection, the queued round is discarded (`PassUndo` takes its pass
 back from every cache, its pairs leave the head's cache) and this round rolls back as usual.
-A discarded round cost its host time, so rounds are pipelined only while the smoothed share
-of fully kept rounds is at least `PIPELINE_MIN_FULL`, and only on a GPU (on a CPU the
-discarded round's compute takes the cores that decode). Random draws of a discarded round are
-independent of everything kept, so sampling stays exact. Plain steps that are certain to be
-followed by another plain step are queued one ahead, as in mlx-lm's loop.
+A discarded round that was launched cost its host time and its kernels ahead of the real
+round, so rounds are launched ahead only while the smoothed share of fully kept rounds is at
+least `PIPELINE_MIN_FULL`; below it the next round is still *built* ahead, while the device
+computes this one, but launched only once this verdict shows every draft kept (a wrong guess
+then costs host time the host would have spent waiting). Both only on a GPU (on a CPU the
+host's build and a discarded round's compute take the cores that decode). Random draws of a
+discarded round are independent of everything kept, so sampling stays exact. Plain steps
+that are certain to be followed by another plain step are queued one ahead, as in mlx-lm's
+loop.
 """
 
 from __future__ import annotations
@@ -52,6 +56,10 @@ CATCH_UP_AFTER = 256  # plain steps after which the head catches up while drafti
 PIPELINE_MIN_FULL = 0.92
 FULL_SMOOTHING = 0.1
 
+# How a round is looked ahead (`MtpDecoder(pipeline=...)`): built and launched before this
+# verdict is read, or built only and launched once the verdict keeps every draft.
+LAUNCH_AHEAD, BUILD_AHEAD = "launch", "build"
+
 # A draft filter: (position of the round's first draft in prompt + output, the head's
 # drafts [K]) -> the drafts to verify [K] (bench's oracle drafts, tests' injected ones).
 DraftFilter = Callable[[int, mx.array], mx.array]
@@ -73,8 +81,9 @@ class Stats:
     rounds: int = 0
     last_accepted: int = 0
     plain_steps: int = 0
-    pipelined: int = 0  # rounds queued before the previous verdict was read
+    pipelined: int = 0  # rounds built before the previous verdict was read
     discarded: int = 0  # of those, thrown away after a rejection
+    launched_ahead: int = 0  # of the pipelined, those launched before that read
     # (position in prompt + output of the first draft, the drafts) for every round.
     draft_log: list[tuple[int, list[int]]] = field(default_factory=list)
 
@@ -125,12 +134,20 @@ class Round:
     followers: mx.array  # the confirmed token after each verify input
     head_out: mx.array  # the head's step over the verified pairs
     undo: PassUndo | None = None  # set when queued on the previous round's premise
+    launched: bool = True  # False: built ahead, not on the device yet
+
+    def launch(self) -> None:
+        """Start the round's kernels (its verdict and the head's step) on the device."""
+        mx.async_eval(self.packed, self.head_out)
+        self.launched = True
 
 
 class MtpDecoder:
     """One generation: prefill, then drafting rounds (draft, verify, accept, roll back) and
-    plain steps until done. `pipeline`: None decides by the share of fully kept rounds,
-    True/False forces it (tests); `draft_filter` replaces the head's drafts (bench, tests)."""
+    plain steps until done. `pipeline`: None decides on a GPU by the share of fully kept
+    rounds (launch or build the next round ahead, see the module's text), True always
+    launches ahead, BUILD_AHEAD always builds ahead, False never looks ahead (tests force
+    each); `draft_filter` replaces the head's drafts (bench, tests)."""
 
     def __init__(
         self,
@@ -141,7 +158,7 @@ class MtpDecoder:
         sampling: SamplingSettings,
         adaptive: bool,
         use_mtp: bool = True,
-        pipeline: bool | None = None,
+        pipeline: bool | str | None = None,
         draft_filter: DraftFilter | None = None,
         max_kv_size: int | None = None,
     ) -> None:
@@ -197,10 +214,13 @@ class MtpDecoder:
         self.stats.prompt_time = time.perf_counter() - start
 
     # -- the round: build and queue, read the verdict once, roll back --------------------
-    def build_round(self, last: mx.array, position: int, speculative: bool) -> Round:
+    def build_round(
+        self, last: mx.array, position: int, speculative: bool, launch: bool = True
+    ) -> Round:
         """Draft, verify `[last, drafts]`, judge and start the head's step, all queued on the
-        device; nothing is read. `speculative`: the previous round's verdict is unread, so
-        keep what takes this pass back."""
+        device (`launch` False: built only, `Round.launch` starts it); nothing is read.
+        `speculative`: the previous round's verdict is unread, so keep what takes this pass
+        back."""
         undo = PassUndo.before(self.cache, self.depth + 1) if speculative else None
         drafts, dists = self.drafter.draft(self.depth, self.sampling)
         if self.draft_filter is not None and self.m.head is not None:
@@ -214,9 +234,10 @@ class MtpDecoder:
         if self.lockstep.size > 1:  # rank 0's verdict, and the followers it implies
             packed = self.lockstep.share(packed, after=[verified.logits])
             followers = followers_of(packed, self.depth, self.sampling.greedy)
-        mx.async_eval(packed)
-        head_out = self.drafter.queue(self.depth, verified.hidden, followers)
-        return Round(position, verified, packed, followers, head_out, undo)
+        if launch:
+            mx.async_eval(packed)
+        head_out = self.drafter.queue(self.depth, verified.hidden, followers, launch=launch)
+        return Round(position, verified, packed, followers, head_out, undo, launch)
 
     def read_round_verdict(self, r: Round) -> tuple[int, int, list[int]]:
         """The round's one host read: drafts kept, the backbone's token after them, the
@@ -229,12 +250,13 @@ class MtpDecoder:
         self.drafter.drop_step0(r.head_out.shape[1])
         self.stats.discarded += 1
 
-    def _pipelining(self, may_look_ahead: bool) -> bool:
-        if not may_look_ahead or not self.adaptive.want_draft():
-            return False
+    def _look_ahead(self, may_look_ahead: bool) -> str | None:
+        """LAUNCH_AHEAD, BUILD_AHEAD or None (the next round waits for this verdict)."""
+        if not may_look_ahead or not self.adaptive.want_draft() or self.pipeline is False:
+            return None
         if self.pipeline is None:
-            return self.full_share >= PIPELINE_MIN_FULL
-        return self.pipeline
+            return LAUNCH_AHEAD if self.full_share >= PIPELINE_MIN_FULL else BUILD_AHEAD
+        return BUILD_AHEAD if self.pipeline == BUILD_AHEAD else LAUNCH_AHEAD
 
     def draft_round(self, may_look_ahead: bool = False) -> list[int]:
         """One drafting round; returns the tokens it confirms (at least one). With
@@ -245,16 +267,21 @@ class MtpDecoder:
             last = mx.array([self.last_token], dtype=mx.int32)
             r = self.build_round(last, len(self.prompt) + self.n_confirmed, False)
         queued = None
-        if self._pipelining(may_look_ahead):
+        if (ahead := self._look_ahead(may_look_ahead)) is not None:
             # Premise: r keeps all its drafts; its last pair is the next round's start.
             self.drafter.ready = r.head_out[:, -1:]
-            queued = self.build_round(r.followers[-1:], r.position + self.depth + 1, True)
+            launch = ahead == LAUNCH_AHEAD
+            position = r.position + self.depth + 1
+            queued = self.build_round(r.followers[-1:], position, True, launch=launch)
             self.stats.pipelined += 1
+            self.stats.launched_ahead += launch
         accepted, next_token, drafts = self.read_round_verdict(r)
         kept = accepted + 1  # verify inputs whose effect on the caches stays
         full = accepted == self.depth
         self.full_share += FULL_SMOOTHING * (full - self.full_share)
         if queued is not None and full:
+            if not queued.launched:
+                queued.launch()
             self._queued = queued  # the premise held: nothing to roll back
         else:
             if queued is not None:

@@ -85,13 +85,17 @@ class HeadDrafter:
             if n:
                 cache.trim(n)
 
-    def queue(self, depth: int, hidden: mx.array, followers: mx.array) -> mx.array:
+    def queue(
+        self, depth: int, hidden: mx.array, followers: mx.array, launch: bool = True
+    ) -> mx.array:
         """Start the head's step over every pair of a verify pass (hidden [1, K+1, H], the
         token after each input) before the host knows how many are confirmed (one call,
-        queued with `mx.async_eval`); `settle` keeps the confirmed ones. Returns its output."""
+        queued with `mx.async_eval` unless `launch` is False); `settle` keeps the confirmed
+        ones. Returns its output."""
         self.drop_drafts(depth)
         out = self.head(hidden, self.m.embed(followers[None]), self.cache, step=0)
-        mx.async_eval(out)
+        if launch:
+            mx.async_eval(out)
         return out
 
     def drop_step0(self, n: int) -> None:

@@ -35,7 +35,9 @@ class FollowerDrafter:
         self.pending, self.ready = 0, None
         return mx.zeros((depth,), dtype=mx.int32), None
 
-    def queue(self, depth: int, hidden: mx.array, followers: mx.array) -> mx.array:
+    def queue(
+        self, depth: int, hidden: mx.array, followers: mx.array, launch: bool = True
+    ) -> mx.array:
         """A placeholder of the head's output over the round's K+1 pairs."""
         return mx.zeros((1, depth + 1, 1))
 

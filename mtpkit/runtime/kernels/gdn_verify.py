@@ -22,14 +22,14 @@ Outputs: y [B, T, Hv, Dv] in q's dtype and the states [T, B, Hv, Dv, Dk] in the 
 from __future__ import annotations
 
 import functools
-import os
 from collections.abc import Callable
 from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
 
-from mtpkit.runtime.kernels import qmv
+from mtpkit.core.environment import switch
+from mtpkit.runtime.kernels import qmv, routing
 from mtpkit.runtime.rollback.gdn import set_gdn_verify_impl, stepwise_verify, tap_gated_delta_layers
 
 # Keyword arguments of mlx-lm's `gated_delta_update` that the kernels understand.
@@ -229,13 +229,14 @@ def _launch(kernel_of, threadgroup, q, k, v, a, b, A_log, dt_bias, state, mask, 
         output_shapes=[(B, T, Hv, Dv), (T, *state.shape)],
         output_dtypes=[q.dtype, state.dtype],
     )  # fmt: skip
-    return y, [states[t] for t in range(T)]
+    return y, states  # [T, B, Hv, Dv, Dk]: `gdn.state_after` takes a row as a view
 
 
 def gdn_verify_cuda(
     original: Callable[..., Any], q, k, v, a, b, A_log, dt_bias, state, mask, **kwargs
 ):  # noqa: N803, E501
-    """`gdn.stepwise_verify`'s results from one CUDA kernel launch over all T tokens."""
+    """`gdn.stepwise_verify`'s results from one CUDA kernel launch over all T tokens (the
+    states as one array [T, ...])."""
     if not kernel_supports(q, v, kwargs):
         return stepwise_verify(original, q, k, v, a, b, A_log, dt_bias, state, mask, **kwargs)
     return _launch(
@@ -296,10 +297,10 @@ def use_fast_verify(model: nn.Module) -> list[str]:
     """On a GPU: the one-kernel gated-delta-net verify if `model` has such layers, the CUDA
     kernel or its Metal twin, after a self-check against the reference (a kernel that fails
     to build or to agree leaves the reference, with one warning line). On CUDA also the
-    multi-row quantized matmul for the verify pass on the matrices where it was measured to
-    win (`qmv.WIDE_WEIGHTS`: the lm_head; `MTPKIT_QMV=1`: every quantized layer, `0`: none).
-    Returns what it installed."""
-    if os.environ.get("MTPKIT_KERNELS", "1") == "0":
+    multi-row quantized matmul for the verify pass on the matrices and rows where it is
+    measured at load to win (`routing`; `MTPKIT_QMV=1`: every quantized layer it can take,
+    `0`: none). Returns what it installed."""
+    if switch("MTPKIT_KERNELS") is False:
         return []
     cuda = cuda_available()
     if cuda:
@@ -325,10 +326,9 @@ def use_fast_verify(model: nn.Module) -> list[str]:
             log(
                 f"warning: the {backend} gated-delta-net verify kernel {detail}; using the reference"
             )
-    routing = os.environ.get("MTPKIT_QMV", "wide")
-    if cuda and routing != "0" and _qmv_checked(log):
-        qmv.set_min_weights(0 if routing == "1" else qmv.WIDE_WEIGHTS)
-        if qmv.tap_quantized_layers(model):
+    qmv_choice = switch("MTPKIT_QMV")  # None: measured routes
+    if cuda and qmv_choice is not False and _qmv_checked(log):
+        if routing.route_quantized_layers(model, measure=qmv_choice is None):
             installed.append("qmv")
     return installed
 

@@ -19,21 +19,17 @@ dequantizes to bfloat16 as MLX does and multiplies on the tensor cores, float32 
 the routing prefers where it applies: at 2-5 rows the FMA variant spends about as many
 instructions per weight byte as the memory bus delivers bytes, the mma one a fraction.
 
-Used only inside the verify pass: `tap_quantized_layers` makes a model's quantized layers
-take this path while `multi_row_matmuls()` is active and the input has 2..MAX_ROWS rows.
+Used only inside the verify pass, on the matrices and rows where it was measured to win
+(`mtpkit.runtime.kernels.routing`).
 """
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import functools
 import math
-from collections.abc import Iterator
 from typing import Any
 
 import mlx.core as mx
-import mlx.nn as nn
 
 MAX_ROWS = 5
 MIN_ROWS = 2
@@ -42,14 +38,6 @@ WARP_STEP = 32 * CHUNK  # weights of one row a warp covers per step
 WARPS_PER_BLOCK = 8
 # Output features per warp (1: most warps in flight; >1: the rows' x values reused).
 COLUMNS_PER_WARP = 1
-# Smallest weight matrix (out features * in features) routed to the kernel. Measured on an
-# H100 (issue 18, bench/gpu_kernels.py): on the 248,320 x 1024 lm_head MLX's kernel costs
-# 164 / 309 / 454 / 601 us for 1..4 rows and this one 86-92 us, while on a 16 x 1024
-# matrix this one costs ~2x MLX's (27 vs 12 us), and routing every layer made a verify
-# slower. So by default only very wide matrices take it (the lm_head and the like, at least
-# 64M weights); MTPKIT_QMV=1 routes every quantized layer (`set_min_weights(0)`).
-WIDE_WEIGHTS = 64 * 1024 * 1024
-MIN_WEIGHTS = 0
 
 HEADER = """
 template <typename T>
@@ -294,18 +282,6 @@ def rows_of(shape: tuple[int, ...]) -> int:
     return math.prod(shape[:-1])
 
 
-def set_min_weights(n: int) -> None:
-    """Route only matrices of at least `n` weights to the kernel (see `WIDE_WEIGHTS`)."""
-    global MIN_WEIGHTS
-    MIN_WEIGHTS = n
-
-
-def takes_kernel(rows: int, n: int, k: int) -> bool:
-    """Whether `rows` rows against an [n, k] matrix go to the kernel: only the verify's few
-    rows, and only matrices big enough that it measurably pays (`MIN_WEIGHTS`)."""
-    return MIN_ROWS <= rows <= MAX_ROWS and n * k >= MIN_WEIGHTS
-
-
 def launch_config(rows: int, n: int, columns: int = COLUMNS_PER_WARP) -> dict[str, Any]:
     """Grid and threadgroup of one launch: one warp per `columns` output features."""
     warps = -(-n // columns)
@@ -387,84 +363,6 @@ def multi_row_qmv(
         **launch_config(rows, n, columns),
     )  # fmt: skip
     return out.reshape(*x.shape[:-1], n)
-
-
-# ---------------------------------------------------------------------------------------
-# The verify pass's switch and the layers that obey it.
-
-_ACTIVE: contextvars.ContextVar[bool] = contextvars.ContextVar("mtpkit_qmv", default=False)
-
-
-@contextlib.contextmanager
-def multi_row_matmuls() -> Iterator[None]:
-    """Within the block, tapped quantized layers send 2..MAX_ROWS rows to the kernel."""
-    token = _ACTIVE.set(True)
-    try:
-        yield
-    finally:
-        _ACTIVE.reset(token)
-
-
-def _routed(module: nn.Module, x: mx.array) -> mx.array | None:
-    """The kernel's product of `x` with `module`'s weight, or None where it does not apply."""
-    if not _ACTIVE.get():
-        return None
-    w = module["weight"]
-    n, k = w.shape[0], x.shape[-1]
-    if not takes_kernel(rows_of(x.shape), n, k):
-        return None
-    ok = kernel_shape_ok(
-        bits=module.bits, group_size=module.group_size, mode=getattr(module, "mode", "affine"),
-        n=n, k=k, biased=module.get("biases") is not None,
-    )  # fmt: skip
-    if not ok:
-        return None
-    scales, biases = module["scales"], module["biases"]
-    tensor_cores = mma_shape_ok(rows=rows_of(x.shape), n=n, k=k, group_size=module.group_size,
-                                dtypes=(x.dtype, scales.dtype, biases.dtype))  # fmt: skip
-    return multi_row_qmv(x, w, scales, biases, group_size=module.group_size,
-                         variant="mma" if tensor_cores else "fma")  # fmt: skip
-
-
-class RowsQuantizedLinear(nn.QuantizedLinear):
-    """A `QuantizedLinear` that takes the multi-row kernel inside a verify pass."""
-
-    def __call__(self, x: mx.array) -> mx.array:
-        y = _routed(self, x)
-        if y is None:
-            return super().__call__(x)
-        return y + self["bias"] if "bias" in self else y
-
-
-class RowsQuantizedEmbedding(nn.QuantizedEmbedding):
-    """A `QuantizedEmbedding` whose tied output projection takes the kernel likewise."""
-
-    def as_linear(self, x: mx.array) -> mx.array:
-        y = _routed(self, x)
-        return super().as_linear(x) if y is None else y
-
-
-_TAPS = {nn.QuantizedLinear: RowsQuantizedLinear, nn.QuantizedEmbedding: RowsQuantizedEmbedding}
-
-
-def weights_of(module: nn.Module) -> int:
-    """Out features * in features of a quantized layer (its packed weight unpacked)."""
-    n, packed = module["weight"].shape
-    return n * packed * 32 // module.bits
-
-
-def tap_quantized_layers(model: nn.Module) -> int:
-    """Make the plain quantized layers of `model` that may take the kernel (at least
-    `MIN_WEIGHTS` weights) obey `multi_row_matmuls`; returns how many are tapped (tapping
-    twice changes nothing). The others are left alone: a tapped layer costs a Python call
-    on every step, which measured ~5% of a 0.8b plain step when every layer was tapped."""
-    count = 0
-    for _, module in model.named_modules():
-        tapped = _TAPS.get(type(module))
-        if tapped is not None and weights_of(module) >= MIN_WEIGHTS:
-            module.__class__ = tapped
-        count += isinstance(module, tuple(_TAPS.values()))
-    return count
 
 
 def self_check() -> float:

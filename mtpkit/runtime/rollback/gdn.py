@@ -32,14 +32,24 @@ class GdnSnapshots:
     each token."""
 
     conv_inputs: list[mx.array] = field(default_factory=list)
-    states: list[list[mx.array]] = field(default_factory=list)
+    # Per layer: a list of T states, or one array [T, ...] (a kernel's single output).
+    states: list[list[mx.array] | mx.array] = field(default_factory=list)
 
     def restore(self, caches: list[Any], kept: int) -> None:
         """Set each layer's cache to its state after the first `kept` verified tokens."""
         for cache, conv_input, states in zip(caches, self.conv_inputs, self.states, strict=True):
             n_keep = cache[0].shape[1]
             cache[0] = mx.contiguous(conv_input[:, kept : kept + n_keep, :])
-            cache[1] = states[kept - 1]
+            cache[1] = state_after(states, kept)
+
+
+def state_after(states: list[mx.array] | mx.array, n: int) -> mx.array:
+    """The recurrent state after the first `n` tokens of a verify pass, from its per-token
+    states: a list, or one array [T, ...] whose row is taken as a view (a slice, no copy:
+    taking every row apart would cost two graph nodes per token and layer)."""
+    if isinstance(states, mx.array):
+        return states[n - 1 : n].reshape(states.shape[1:])
+    return states[n - 1]
 
 
 _ACTIVE_SNAPSHOTS: contextvars.ContextVar[GdnSnapshots | None] = contextvars.ContextVar(
@@ -77,7 +87,7 @@ def stepwise_verify(
 
 
 # The function a verify pass of T > 1 tokens uses; same signature and results as
-# `stepwise_verify`. Replaced with `set_gdn_verify_impl` (e.g. by a fused T-token kernel).
+# `stepwise_verify` (its per-token states may also come as one array [T, ...]). Replaced with `set_gdn_verify_impl` (e.g. by a fused T-token kernel).
 _VERIFY_IMPL: list[Callable[..., Any]] = [stepwise_verify]
 
 
@@ -101,7 +111,7 @@ def _capturing_gated_delta_update(original: Callable[..., Any]) -> Callable[...,
             return out
         y, states = _VERIFY_IMPL[0](original, q, k, v, a, b, A_log, dt_bias, state, mask, **kwargs)
         snapshots.states.append(states)
-        return y, states[-1]
+        return y, state_after(states, q.shape[1])
 
     update._mtpkit_original = original  # type: ignore[attr-defined]
     return update

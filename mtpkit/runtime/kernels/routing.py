@@ -1,0 +1,185 @@
+"""Which quantized matmuls of a verify pass take the multi-row kernel (`qmv`), measured where
+the model runs, and the switch that routes them.
+
+MLX's CUDA quantized matmul costs about one weight stream per row at a few rows; `qmv`
+streams the weights once for all rows but has a fixed cost of its own. Which one is faster
+depends on the matrix and the rows: on an H100 the kernel took 86-92 us on the 248,320 x
+1024 lm_head at 2..5 rows against MLX's 309-746, and 27 us on a 16 x 1024 matrix against
+MLX's 12. A rule from one machine's table fits another machine's badly, so at load
+(`route_quantized_layers`, CUDA only) each distinct matrix of the model is timed both ways at
+MIN_ROWS..MAX_ROWS rows (medians of interleaved batches on its own weights) and a (matrix,
+rows) takes the kernel where it was at least `MARGIN` faster. `MTPKIT_QMV=1` routes every
+matrix the kernel can take, `0` none.
+
+Only the layers that may take the kernel are tapped, and only during a verify pass:
+`multi_row_matmuls(model)` swaps their class in and back out, so a plain step (mtpkit's, or
+stock mlx-lm's on the same model) makes no extra Python call per layer.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import statistics
+import time
+import weakref
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from mtpkit.runtime.kernels import qmv
+
+MARGIN = 0.9  # the kernel must take at most this share of MLX's time to be chosen
+BATCHES = 5  # interleaved timing batches per matrix and rows (median taken)
+LAUNCHES = 8  # products per batch
+
+# (out features, in features, rows, group size, dtype name) -> whether the kernel takes it.
+# Measured once per process; MTPKIT_QMV=1 fills it with True where asked, without timing.
+Key = tuple[int, int, int, int, str]
+ROUTES: dict[Key, bool] = {}
+
+_ACTIVE: contextvars.ContextVar[bool] = contextvars.ContextVar("mtpkit_qmv", default=False)
+# id(model) -> (a weak reference to it, its tapped layers as (module, tapped class)).
+_TAPPED: dict[int, tuple[weakref.ref, list[tuple[nn.Module, type]]]] = {}
+
+
+def route_key(module: nn.Module, rows: int) -> Key:
+    w = module["weight"]
+    return (w.shape[0], w.shape[1] * 32 // module.bits, rows, module.group_size,
+            str(module["scales"].dtype))  # fmt: skip
+
+
+def takes_kernel(module: nn.Module, x: mx.array) -> bool:
+    """Whether `x`'s rows times `module`'s matrix go to the kernel (inside a verify pass)."""
+    rows = qmv.rows_of(x.shape)
+    return qmv.MIN_ROWS <= rows <= qmv.MAX_ROWS and ROUTES.get(route_key(module, rows), False)
+
+
+@contextlib.contextmanager
+def multi_row_matmuls(model: nn.Module | None = None) -> Iterator[None]:
+    """Within the block, `model`'s tapped layers send the rows their routes name to the
+    kernel (`model` None: whatever layers are tapped already obey)."""
+    entry = _TAPPED.get(id(model)) if model is not None else None
+    layers = entry[1] if entry is not None and entry[0]() is model else []
+    before = [type(module) for module, _ in layers]
+    for module, tapped in layers:
+        module.__class__ = tapped
+    token = _ACTIVE.set(True)
+    try:
+        yield
+    finally:
+        _ACTIVE.reset(token)
+        for (module, _), cls in zip(layers, before, strict=True):
+            module.__class__ = cls
+
+
+def _routed(module: nn.Module, x: mx.array) -> mx.array | None:
+    """The kernel's product of `x` with `module`'s weight, or None where it does not apply."""
+    if not _ACTIVE.get() or not takes_kernel(module, x):
+        return None
+    w, scales, biases = module["weight"], module["scales"], module["biases"]
+    n, k = w.shape[0], x.shape[-1]
+    tensor_cores = qmv.mma_shape_ok(rows=qmv.rows_of(x.shape), n=n, k=k, group_size=module.group_size,
+                                    dtypes=(x.dtype, scales.dtype, biases.dtype))  # fmt: skip
+    return qmv.multi_row_qmv(x, w, scales, biases, group_size=module.group_size,
+                             variant="mma" if tensor_cores else "fma")  # fmt: skip
+
+
+class RowsQuantizedLinear(nn.QuantizedLinear):
+    """A `QuantizedLinear` that takes the multi-row kernel inside a verify pass."""
+
+    def __call__(self, x: mx.array) -> mx.array:
+        y = _routed(self, x)
+        if y is None:
+            return super().__call__(x)
+        return y + self["bias"] if "bias" in self else y
+
+
+class RowsQuantizedEmbedding(nn.QuantizedEmbedding):
+    """A `QuantizedEmbedding` whose tied output projection takes the kernel likewise."""
+
+    def as_linear(self, x: mx.array) -> mx.array:
+        y = _routed(self, x)
+        return super().as_linear(x) if y is None else y
+
+
+_TAPS = {nn.QuantizedLinear: RowsQuantizedLinear, nn.QuantizedEmbedding: RowsQuantizedEmbedding}
+
+
+def kernel_can_take(module: nn.Module) -> bool:
+    """A quantized layer whose matrix the kernel handles (affine 4-bit with biases, ...)."""
+    if type(module) not in _TAPS:
+        return False
+    n, k = route_key(module, 1)[:2]
+    return qmv.kernel_shape_ok(
+        bits=module.bits, group_size=module.group_size, mode=getattr(module, "mode", "affine"),
+        n=n, k=k, biased=module.get("biases") is not None,
+    )  # fmt: skip
+
+
+def route_quantized_layers(
+    model: nn.Module,
+    *,
+    measure: bool = True,
+    timer: Callable[..., tuple[float, float]] | None = None,
+) -> int:
+    """Decide the routes of `model`'s quantized matrices (timed, or with `measure` False:
+    every one the kernel can take) and tap the layers with at least one route to the kernel
+    for `multi_row_matmuls(model)`; returns how many layers are tapped."""
+    timer = timer or time_both
+    layers: list[tuple[nn.Module, type]] = []
+    for _, module in model.named_modules():
+        if not kernel_can_take(module):
+            continue
+        routes = []
+        for rows in range(qmv.MIN_ROWS, qmv.MAX_ROWS + 1):
+            key = route_key(module, rows)
+            if key not in ROUTES:
+                ROUTES[key] = _kernel_wins(timer, module, rows) if measure else True
+            routes.append(ROUTES[key])
+        if any(routes):
+            layers.append((module, _TAPS[type(module)]))
+    _TAPPED[id(model)] = (weakref.ref(model), layers)
+    weakref.finalize(model, _TAPPED.pop, id(model), None)
+    return len(layers)
+
+
+def _kernel_wins(timer: Callable[..., tuple[float, float]], module: nn.Module, rows: int) -> bool:
+    try:
+        mlx_s, kernel_s = timer(module, rows)
+    except Exception:  # a shape the kernel fails to build for stays with MLX's matmul
+        return False
+    return kernel_s <= MARGIN * mlx_s
+
+
+def time_both(module: nn.Module, rows: int) -> tuple[float, float]:
+    """Median seconds of a batch of `LAUNCHES` products of `rows` random rows with `module`'s
+    matrix: MLX's quantized matmul and the kernel, batches interleaved."""
+    w, scales, biases = module["weight"], module["scales"], module["biases"]
+    gs, k = module.group_size, route_key(module, 1)[1]
+    x = mx.random.normal((1, rows, k), key=mx.random.key(rows)).astype(scales.dtype)
+    tensor_cores = qmv.mma_shape_ok(rows=rows, n=w.shape[0], k=k, group_size=gs,
+                                    dtypes=(x.dtype, scales.dtype, biases.dtype))  # fmt: skip
+    variant = "mma" if tensor_cores else "fma"
+
+    def theirs() -> mx.array:
+        return mx.quantized_matmul(x, w, scales, biases, transpose=True, group_size=gs, bits=4)
+
+    def ours() -> mx.array:
+        return qmv.multi_row_qmv(x, w, scales, biases, group_size=gs, variant=variant)
+
+    times: list[list[float]] = [[], []]
+    for batch in range(BATCHES + 1):  # the first: warm-up (the kernel's build)
+        for i, fn in enumerate((theirs, ours)):
+            t0 = time.perf_counter()
+            mx.eval([fn() for _ in range(LAUNCHES)])
+            if batch:
+                times[i].append(time.perf_counter() - t0)
+    return statistics.median(times[0]), statistics.median(times[1])
+
+
+def routes_summary() -> dict[str, Any]:
+    """The measured routes, for reports: 'NxK@rows' -> True (kernel) / False (MLX)."""
+    return {f"{n}x{k}@{rows}": v for (n, k, rows, _, _), v in sorted(ROUTES.items())}
