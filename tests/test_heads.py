@@ -8,10 +8,12 @@ depth, which exercises every partial acceptance.
 
 from __future__ import annotations
 
+import io
 from pathlib import Path
 
 import mlx.core as mx
 import mlx_lm
+import numpy as np
 import pytest
 
 from mtpkit.convert.pipeline import convert
@@ -111,6 +113,44 @@ def test_injected_drafts_partial_acceptance_keeps_caches_exact(
         assert launched == (decoder.stats.pipelined if pipeline is True else 0)
     else:
         assert decoder.stats.pipelined == 0
+
+
+@pytest.mark.parametrize("layout", ["qwen3_5", "mimo_v2_flash"])
+def test_a_discarded_unlaunched_round_leaves_nothing_to_compute(tmp_path: Path, layout: str) -> None:
+    """A round built ahead but not launched, then discarded, leaves every cache (the
+    backbone's KV, gated-delta-net and sliding-window caches, the head's) holding the very
+    arrays it held before: no lazy write of the discarded pass stays behind to be computed
+    with the next one."""
+    m = load_model(converted_dir(tmp_path, layout))
+    decoder = MtpDecoder(m, PROMPT, depth=2, sampling=SamplingSettings(), adaptive=False)
+    decoder.prefill()
+    last = mx.array([PROMPT[-1]], dtype=mx.int32)
+    r = decoder.build_round(last, len(PROMPT), False)
+    caches = decoder.cache + decoder._head_caches()
+    mx.eval(r.packed, r.head_out, [c.state for c in caches])
+
+    def arrays() -> list[mx.array]:
+        found = []
+        for c in caches:
+            for v in vars(c).values():
+                found += [x for x in (v if isinstance(v, list) else [v]) if isinstance(x, mx.array)]
+        return found
+
+    def pending(a: mx.array) -> int:  # graph nodes not computed yet behind `a`
+        out = io.StringIO()
+        mx.export_to_dot(out, a)
+        return out.getvalue().count("shape=rectangle")
+
+    before = [np.array(a.astype(mx.float32)) for a in arrays()]
+    decoder.drafter.ready = r.head_out[:, -1:]
+    queued = decoder.build_round(r.followers[-1:], r.position + 3, True, launch=False)
+    assert not queued.launched and sum(pending(a) for a in arrays()) > 0
+    decoder.discard(queued)
+    after = arrays()
+    assert [pending(a) for a in after] == [0] * len(after)
+    assert len(after) == len(before)
+    for a, b in zip(after, before, strict=True):
+        np.testing.assert_array_equal(np.array(a.astype(mx.float32)), b)
 
 
 def test_vllm_mlx_qwen3_next_head_file_beside_the_shards(tmp_path: Path) -> None:

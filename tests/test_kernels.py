@@ -261,9 +261,14 @@ def _quantized_pair() -> nn.Module:
 
 
 def test_routes_follow_the_timings(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Each (matrix, rows) takes the kernel where it timed at most MARGIN of MLX's; only
-    layers with a route are tapped; a failing timing keeps MLX's; each key is timed once."""
+    """A (matrix, rows) is timed on its first verify pass and takes the kernel where that
+    took at most MARGIN of MLX's time; a failing timing keeps MLX's; each is timed once;
+    rows outside 2..MAX_ROWS are never timed."""
     monkeypatch.setattr(routing, "ROUTES", {})
+    monkeypatch.setattr(routing, "_POLICY", [routing.MEASURED])
+    monkeypatch.setattr(
+        qmv, "multi_row_qmv", lambda x, w, *a, **k: mx.zeros((*x.shape[:-1], w.shape[0]))
+    )
     timed: list[tuple[int, int]] = []
 
     def timer(module, rows):  # the 64x256 matrix: the kernel wins from 3 rows on
@@ -273,17 +278,27 @@ def test_routes_follow_the_timings(monkeypatch: pytest.MonkeyPatch) -> None:
             raise RuntimeError("no kernel for this shape")
         return 1.0, (0.85 if (k == 256 and rows >= 3) else 0.95)
 
+    monkeypatch.setattr(routing, "time_both", timer)
     model = _quantized_pair()
-    assert routing.route_quantized_layers(model, timer=timer) == 1
-    assert type(model.layers[0]) is nn.QuantizedLinear  # swapped in only inside a verify pass
+    first, second, third = model.layers
+    model.layers = [first, second]
+    assert routing.route_quantized_layers(model) == 2
+    assert type(first) is nn.QuantizedLinear  # swapped in only inside a verify pass
+    assert routing.ROUTES == {}
+    with routing.multi_row_matmuls(model):
+        for rows in (1, 2, 3, 4, 6):
+            model(mx.ones((1, rows, 256)))
+            third(mx.ones((1, rows, 256)))  # not tapped in this model: never routed
     summary = routing.routes_summary()
-    assert [summary[f"64x256@{r}"] for r in range(2, 6)] == [False, True, True, True]
-    assert not any(summary[f"64x64@{r}"] for r in range(2, 6))
-    assert not any(summary[f"32x256@{r}"] for r in range(2, 6))
-    n_timed = len(timed)
-    assert n_timed == 3 * 4 and routing.route_quantized_layers(_quantized_pair(), timer=timer) == 1
-    assert len(timed) == n_timed  # the same matrices: the first timings hold
-    assert routing.route_quantized_layers(model, measure=False) == 1  # measured keys stay
+    assert summary == {"64x256@2": False, "64x256@3": True, "64x256@4": True,
+                       "64x64@2": False, "64x64@3": False, "64x64@4": False}  # fmt: skip
+    assert sorted(timed) == sorted((n, r) for n in (64, 64) for r in (2, 3, 4))
+    with routing.multi_row_matmuls(model):
+        model(mx.ones((1, 3, 256)))
+    assert len(timed) == 6  # the first timings hold
+    assert routing.takes_kernel(third, mx.ones((1, 2, 256))) is False  # a failed timing
+    assert routing.route_quantized_layers(model, measure=False) == 2
+    assert routing.takes_kernel(third, mx.ones((1, 5, 256))) is True  # MTPKIT_QMV=1: untimed
 
 
 def test_tapped_layers_route_only_the_verify_rows(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -300,6 +315,7 @@ def test_tapped_layers_route_only_the_verify_rows(monkeypatch: pytest.MonkeyPatc
 
     monkeypatch.setattr(qmv, "multi_row_qmv", fake_kernel)
     monkeypatch.setattr(routing, "ROUTES", {})
+    monkeypatch.setattr(routing, "_POLICY", [routing.MEASURED])
     model = _quantized_pair()
     model.layers.pop()
     stock = [type(layer) for layer in model.layers]

@@ -32,6 +32,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import mlx.core as mx
 
@@ -221,7 +222,10 @@ class MtpDecoder:
         device (`launch` False: built only, `Round.launch` starts it); nothing is read.
         `speculative`: the previous round's verdict is unread, so keep what takes this pass
         back."""
-        undo = PassUndo.before(self.cache, self.depth + 1) if speculative else None
+        undo = None
+        if speculative:  # unlaunched: the head's cache is put back whole too (`discard`)
+            caches = self.cache + (self._head_caches() if not launch else [])
+            undo = PassUndo.before(caches, self.depth + 1, unlaunched=not launch)
         drafts, dists = self.drafter.draft(self.depth, self.sampling)
         if self.draft_filter is not None and self.m.head is not None:
             drafts = self.draft_filter(position, drafts)
@@ -244,10 +248,16 @@ class MtpDecoder:
         drafts. Everything after it depends only on these three values."""
         return read_verdict(r.packed, self.sampling.greedy)
 
+    def _head_caches(self) -> list[Any]:
+        return list(getattr(self.drafter, "cache", []))
+
     def discard(self, r: Round) -> None:
         """Take back a round queued on a premise that proved false."""
-        r.undo.undo(self.cache)
-        self.drafter.drop_step0(r.head_out.shape[1])
+        if r.launched:
+            r.undo.undo(self.cache)
+            self.drafter.drop_step0(r.head_out.shape[1])
+        else:  # nothing of it was computed, and nothing of it will be
+            r.undo.undo(self.cache + self._head_caches())
         self.stats.discarded += 1
 
     def _look_ahead(self, may_look_ahead: bool) -> str | None:
@@ -281,6 +291,7 @@ class MtpDecoder:
         self.full_share += FULL_SMOOTHING * (full - self.full_share)
         if queued is not None and full:
             if not queued.launched:
+                queued.undo = None  # its saved arrays go: KV buffers may be updated in place
                 queued.launch()
             self._queued = queued  # the premise held: nothing to roll back
         else:

@@ -5,11 +5,11 @@ MLX's CUDA quantized matmul costs about one weight stream per row at a few rows;
 streams the weights once for all rows but has a fixed cost of its own. Which one is faster
 depends on the matrix and the rows: on an H100 the kernel took 86-92 us on the 248,320 x
 1024 lm_head at 2..5 rows against MLX's 309-746, and 27 us on a 16 x 1024 matrix against
-MLX's 12. A rule from one machine's table fits another machine's badly, so at load
-(`route_quantized_layers`, CUDA only) each distinct matrix of the model is timed both ways at
-MIN_ROWS..MAX_ROWS rows (medians of interleaved batches on its own weights) and a (matrix,
-rows) takes the kernel where it was at least `MARGIN` faster. `MTPKIT_QMV=1` routes every
-matrix the kernel can take, `0` none.
+MLX's 12. A rule from one machine's table fits another machine's badly, so (CUDA only,
+`route_quantized_layers` at load) each distinct matrix of the model is timed both ways at
+the rows a verify pass gives it, the first time it does (medians of interleaved batches on
+its own weights), and takes the kernel where it was at least `MARGIN` faster.
+`MTPKIT_QMV=1` routes every matrix the kernel can take, `0` none.
 
 Only the layers that may take the kernel are tapped, and only during a verify pass:
 `multi_row_matmuls(model)` swaps their class in and back out, so a plain step (mtpkit's, or
@@ -23,7 +23,7 @@ import contextvars
 import statistics
 import time
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import mlx.core as mx
@@ -35,10 +35,12 @@ MARGIN = 0.9  # the kernel must take at most this share of MLX's time to be chos
 BATCHES = 5  # interleaved timing batches per matrix and rows (median taken)
 LAUNCHES = 8  # products per batch
 
-# (out features, in features, rows, group size, dtype name) -> whether the kernel takes it.
-# Measured once per process; MTPKIT_QMV=1 fills it with True where asked, without timing.
+# (out features, in features, rows, group size, dtype name) -> whether the kernel takes it,
+# decided once per process on first use: timed (MEASURED) or taken (ALL, MTPKIT_QMV=1).
 Key = tuple[int, int, int, int, str]
 ROUTES: dict[Key, bool] = {}
+MEASURED, ALL = "measured", "all"
+_POLICY = [MEASURED]
 
 _ACTIVE: contextvars.ContextVar[bool] = contextvars.ContextVar("mtpkit_qmv", default=False)
 # id(model) -> (a weak reference to it, its tapped layers as (module, tapped class)).
@@ -52,9 +54,15 @@ def route_key(module: nn.Module, rows: int) -> Key:
 
 
 def takes_kernel(module: nn.Module, x: mx.array) -> bool:
-    """Whether `x`'s rows times `module`'s matrix go to the kernel (inside a verify pass)."""
+    """Whether `x`'s rows times `module`'s matrix go to the kernel (inside a verify pass). A
+    (matrix, rows) seen for the first time is timed now (`MEASURED`) or taken (`ALL`)."""
     rows = qmv.rows_of(x.shape)
-    return qmv.MIN_ROWS <= rows <= qmv.MAX_ROWS and ROUTES.get(route_key(module, rows), False)
+    if not qmv.MIN_ROWS <= rows <= qmv.MAX_ROWS:
+        return False
+    key = route_key(module, rows)
+    if key not in ROUTES:
+        ROUTES[key] = _POLICY[0] == ALL or _kernel_wins(module, rows)
+    return ROUTES[key]
 
 
 @contextlib.contextmanager
@@ -119,36 +127,25 @@ def kernel_can_take(module: nn.Module) -> bool:
     )  # fmt: skip
 
 
-def route_quantized_layers(
-    model: nn.Module,
-    *,
-    measure: bool = True,
-    timer: Callable[..., tuple[float, float]] | None = None,
-) -> int:
-    """Decide the routes of `model`'s quantized matrices (timed, or with `measure` False:
-    every one the kernel can take) and tap the layers with at least one route to the kernel
-    for `multi_row_matmuls(model)`; returns how many layers are tapped."""
-    timer = timer or time_both
-    layers: list[tuple[nn.Module, type]] = []
-    for _, module in model.named_modules():
-        if not kernel_can_take(module):
-            continue
-        routes = []
-        for rows in range(qmv.MIN_ROWS, qmv.MAX_ROWS + 1):
-            key = route_key(module, rows)
-            if key not in ROUTES:
-                ROUTES[key] = _kernel_wins(timer, module, rows) if measure else True
-            routes.append(ROUTES[key])
-        if any(routes):
-            layers.append((module, _TAPS[type(module)]))
+def route_quantized_layers(model: nn.Module, *, measure: bool = True) -> int:
+    """Tap `model`'s quantized layers that the kernel can take for `multi_row_matmuls(model)`;
+    each (matrix, rows) is routed on its first verify pass, by timing (`measure`) or to the
+    kernel. Returns how many layers are tapped. Timing at load instead would build the
+    kernel for every matrix and row count, most never used (~1 s each on an H100)."""
+    _POLICY[0] = MEASURED if measure else ALL
+    layers = [
+        (module, _TAPS[type(module)])
+        for _, module in model.named_modules()
+        if kernel_can_take(module)
+    ]
     _TAPPED[id(model)] = (weakref.ref(model), layers)
     weakref.finalize(model, _TAPPED.pop, id(model), None)
     return len(layers)
 
 
-def _kernel_wins(timer: Callable[..., tuple[float, float]], module: nn.Module, rows: int) -> bool:
+def _kernel_wins(module: nn.Module, rows: int) -> bool:
     try:
-        mlx_s, kernel_s = timer(module, rows)
+        mlx_s, kernel_s = time_both(module, rows)
     except Exception:  # a shape the kernel fails to build for stays with MLX's matmul
         return False
     return kernel_s <= MARGIN * mlx_s

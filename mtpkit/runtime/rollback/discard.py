@@ -6,7 +6,9 @@ queued pass must leave no trace: `PassUndo.before` keeps, just before that pass,
 to the state of every cache that a trim cannot undo (sliding windows, gated-delta-net and
 other recurrent states; MLX arrays are immutable, so this copies nothing), and `undo` trims
 the plain KV caches and puts the others back. The previous round's own rollback
-(`VerifyPass.rollback`) then runs as if the discarded pass had never been queued.
+(`VerifyPass.rollback`) then runs as if the discarded pass had never been queued. A pass
+built but not launched (`unlaunched`) keeps every cache's arrays, KV caches' too, so that
+nothing of it is ever computed once it is discarded.
 """
 
 from __future__ import annotations
@@ -44,14 +46,21 @@ def can_discard(caches: list[Any]) -> bool:
 
 @dataclass
 class PassUndo:
-    """What takes back one pass of `length` tokens over `caches` (see the module's text)."""
+    """What takes back one pass of `length` tokens over `caches` (see the module's text).
+
+    `unlaunched`: the pass is built but not computed yet, and may never be: every cache's
+    arrays are kept and put back, since a trim would leave the pass's writes in a KV
+    buffer's lazy graph, to be computed with the next pass that reads that buffer."""
 
     length: int
     saved: list[dict[str, Any] | None]  # per cache: its state before the pass; None: trim
 
     @classmethod
-    def before(cls, caches: list[Any], length: int) -> PassUndo:
-        return cls(length, [None if _trim_undoes(c) else _saved_state(c) for c in caches])
+    def before(cls, caches: list[Any], length: int, unlaunched: bool = False) -> PassUndo:
+        return cls(
+            length,
+            [None if _trim_undoes(c) and not unlaunched else _saved_state(c) for c in caches],
+        )
 
     def undo(self, caches: list[Any]) -> None:
         for cache, saved in zip(caches, self.saved, strict=True):

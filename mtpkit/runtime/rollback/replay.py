@@ -38,10 +38,19 @@ def gdn_covers(model: Any, caches: list[Any], is_recurrent: Callable[[Any], bool
     )
 
 
+def _handle(value: Any) -> Any:
+    """A new handle on an array's current value (no copy, no graph node): mlx-lm's KV caches
+    write into their buffers with `keys[..., a:b, :] = ...`, which changes the array object
+    in place, so a plain reference would see the write."""
+    return value[...] if isinstance(value, mx.array) and value.ndim else value
+
+
 def _saved_state_of(attributes: dict[str, Any]) -> dict[str, Any]:
-    # Lists (ArraysCache's slots) are copied because layers assign into them in place; the
-    # arrays themselves are never changed in place and are only referenced.
-    return {k: list(v) if isinstance(v, list) else v for k, v in attributes.items()}
+    # Lists (ArraysCache's slots) are copied because layers assign into them in place.
+    return {
+        k: [_handle(x) for x in v] if isinstance(v, list) else _handle(v)
+        for k, v in attributes.items()
+    }
 
 
 def _saved_state(cache: Any) -> dict[str, Any]:
