@@ -135,9 +135,6 @@ def profile_rounds(depth):
 
 from mtpkit.runtime.kernels import routing  # noqa: E402
 
-kernel_routes = routing.routes_summary()
-print(shape, "qmv routes (kernel):", " ".join(k for k, v in kernel_routes.items() if v) or "none",
-      f"of {len(kernel_routes)}")
 rows, kinds = stock_stage()
 sb, se, sc = show("stock step", rows, kinds)
 for depth in sorted({1, DEPTH}):
@@ -148,5 +145,8 @@ for depth in sorted({1, DEPTH}):
             tot[i] += x
     print(f"{shape} d{depth} round total   nodes {tot[2]:6.0f} ({tot[2] / sc:.2f} stock)  build {tot[0] * 1e3:.2f} ms ({tot[0] / sb:.2f})  eval {tot[1] * 1e3:.2f} ms ({tot[1] / se:.2f})")
 profile_rounds(DEPTH)
+kernel_routes = routing.routes_summary()
+print(shape, "qmv routes (kernel):", " ".join(k for k, v in kernel_routes.items() if v) or "none",
+      f"of {len(kernel_routes)}")
 if path is not None:
     shutil.rmtree(path.parent, ignore_errors=True)
