@@ -1,0 +1,72 @@
+"""One process, interleaved: how a drafting round is looked ahead (serial, built ahead,
+launched ahead) and whether the multi-row matmul routes are used, at oracle acceptances,
+against stock mlx-lm's decode in the same trials.
+
+    python bench/ab_modes.py SHAPE [LAYERS] [TRIALS]     # on the GPU machine, as gpu_bench.sh
+"""
+
+import shutil
+import statistics
+import sys
+
+from mtpkit.bench.oracle import OracleDrafts
+from mtpkit.bench.shapes import random_model_dir
+from mtpkit.bench.speed import DEFAULT_PROMPT, _stock_run, _stock_tokens
+from mtpkit.core.prompts import encode_prompt
+from mtpkit.runtime.kernels import routing
+from mtpkit.runtime.model import load_model, untapped
+from mtpkit.spec.decode import MtpDecoder, SamplingSettings
+
+shape = sys.argv[1]
+layers = int(sys.argv[2]) if len(sys.argv) > 2 else None
+trials = int(sys.argv[3]) if len(sys.argv) > 3 else 3
+N = int(__import__("os").environ.get("AB_TOKENS", "96"))
+path = random_model_dir(shape, "bfloat16", layers=layers)
+m = load_model(path)
+m.tokenizer.eos_token_ids = []
+prompt = encode_prompt(m.tokenizer, DEFAULT_PROMPT, chat_template=True)
+with untapped(m.final_norm):
+    reference = _stock_tokens(m.model, m.tokenizer, prompt, N + 8)
+vocab = m.embedding.weight.shape[0]
+ref, tapped = routing._TAPPED.get(id(m.model), (None, []))
+
+
+def mtp(depth, acceptance, mode, qmv):
+    if ref is not None:
+        routing._TAPPED[id(m.model)] = (ref, tapped if qmv else [])
+    oracle = OracleDrafts(reference, len(prompt), acceptance, vocab)
+    dec = MtpDecoder(m, prompt, depth=depth, sampling=SamplingSettings(), adaptive=False,
+                     pipeline=mode, draft_filter=oracle)  # fmt: skip
+    dec.read_round_verdict = oracle.read_verdict(dec)
+    import time
+
+    n, t0 = 0, None
+    for _ in dec.tokens(N):
+        n += 1
+        if t0 is None:
+            t0, n = time.perf_counter(), 0
+    return n / (time.perf_counter() - t0)
+
+
+def stock():
+    with untapped(m.final_norm):
+        return _stock_run(m.model, m.tokenizer, prompt, N)
+
+
+configs = {"stock": stock}
+for depth, acc in ((1, 0.0), (1, 0.8), (3, 0.9)):
+    for mode in (False, "build"):
+        for qmv in (False, True):
+            configs[f"d{depth}@{acc} {mode!s:5} qmv={int(qmv)}"] = (
+                lambda d=depth, a=acc, mo=mode, q=qmv: mtp(d, a, mo, q))
+for fn in configs.values():  # warm-up (kernel builds, route timings)
+    fn()
+res = {k: [] for k in configs}
+for _ in range(trials):
+    base = stock()
+    for k, fn in configs.items():
+        res[k].append(fn() / base if k != "stock" else base)
+for k, v in res.items():
+    print(f"{shape} {k:<28} {statistics.median(v):6.2f}  [{min(v):.2f}-{max(v):.2f}]", flush=True)
+print(shape, "routes to the kernel:", [k for k, v in routing.routes_summary().items() if v])
+shutil.rmtree(path.parent, ignore_errors=True)
