@@ -153,6 +153,25 @@ def test_a_discarded_unlaunched_round_leaves_nothing_to_compute(tmp_path: Path, 
         np.testing.assert_array_equal(np.array(a.astype(mx.float32)), b)
 
 
+def test_rounds_look_ahead_by_the_share_of_full_rounds(tmp_path: Path) -> None:
+    """On a GPU (pipeline None) the next round is launched ahead while most rounds keep every
+    draft, built ahead down to BUILD_MIN_FULL, and waits for the verdict below; never where
+    no more tokens are wanted."""
+    from mtpkit.spec import decode
+
+    m = load_model(converted_dir(tmp_path, "qwen3_5"))
+    decoder = MtpDecoder(m, PROMPT, depth=1, sampling=SamplingSettings(), adaptive=False)
+    assert decoder.pipeline is False  # the CPU: rounds stay serial
+    decoder.pipeline = None  # as on a GPU
+    seen = {}
+    for share in (1.0, decode.PIPELINE_MIN_FULL, 0.9, decode.BUILD_MIN_FULL, 0.49, 0.0):
+        decoder.full_share = share
+        seen[share] = decoder._look_ahead(True)
+        assert decoder._look_ahead(False) is None
+    assert seen == {1.0: "launch", decode.PIPELINE_MIN_FULL: "launch", 0.9: "build",
+                    decode.BUILD_MIN_FULL: "build", 0.49: None, 0.0: None}  # fmt: skip
+
+
 def test_vllm_mlx_qwen3_next_head_file_beside_the_shards(tmp_path: Path) -> None:
     """vllm-mlx puts the Qwen3-Next head in `model-mtp.safetensors`, which stock mlx-lm's
     loader reads and rejects; the backbone still loads (strictly) and the head is found."""

@@ -301,6 +301,44 @@ def test_routes_follow_the_timings(monkeypatch: pytest.MonkeyPatch) -> None:
     assert routing.takes_kernel(third, mx.ones((1, 5, 256))) is True  # MTPKIT_QMV=1: untimed
 
 
+def test_a_pass_swaps_in_only_the_layers_routed_to_the_kernel(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Once every layer has its route for a row count, a verify pass of that many rows swaps
+    in only the layers routed to the kernel; a new route works the lists out again."""
+    monkeypatch.setattr(routing, "ROUTES", {})
+    monkeypatch.setattr(routing, "_POLICY", [routing.MEASURED])
+    monkeypatch.setattr(
+        qmv, "multi_row_qmv", lambda x, w, *a, **k: mx.zeros((*x.shape[:-1], w.shape[0]))
+    )
+    monkeypatch.setattr(
+        routing,
+        "time_both",
+        lambda module, rows: (
+            1.0,
+            0.5
+            if module["weight"].shape[0] == 64 and routing.route_key(module, 1)[1] == 256
+            else 1.0,
+        ),
+    )
+    model = _quantized_pair()
+    model.layers.pop()
+    first, second = model.layers
+
+    def swapped(rows: int) -> list[bool]:
+        with routing.multi_row_matmuls(model, rows):
+            flags = [type(layer) is routing.RowsQuantizedLinear for layer in (first, second)]
+            model(mx.ones((1, rows, 256)))
+        return flags
+
+    routing.route_quantized_layers(model)
+    assert swapped(3) == [True, True]  # undecided: both, and the pass decides them
+    assert swapped(3) == [True, False]  # the 64x64 matrix stays with MLX's matmul
+    assert swapped(2) == [True, True]
+    assert swapped(2) == [True, False] and swapped(3) == [True, False]
+    assert [type(layer) for layer in (first, second)] == [nn.QuantizedLinear] * 2
+
+
 def test_tapped_layers_route_only_the_verify_rows(monkeypatch: pytest.MonkeyPatch) -> None:
     """Inside `multi_row_matmuls(model)`, 2..5 rows go to the kernel (emulated here) and give
     the stock layer's output; one row, six rows, or outside the block: the stock path, and

@@ -195,7 +195,7 @@ class MtpModel:
             replay = CacheReplay.before(cache, tokens, lambda t, c: self.model(t, cache=c))
             recurrent = False
         snapshots = GdnSnapshots() if recurrent else None
-        with capture_gdn_states(snapshots), multi_row_matmuls(self.model):
+        with capture_gdn_states(snapshots), multi_row_matmuls(self.model, tokens.shape[0]):
             logits, hidden = self.forward(tokens[None], cache)
         return VerifyPass(logits, hidden, snapshots, tokens.shape[0], replay)
 

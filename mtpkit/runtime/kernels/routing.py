@@ -43,8 +43,10 @@ MEASURED, ALL = "measured", "all"
 _POLICY = [MEASURED]
 
 _ACTIVE: contextvars.ContextVar[bool] = contextvars.ContextVar("mtpkit_qmv", default=False)
-# id(model) -> (a weak reference to it, its tapped layers as (module, tapped class)).
-_TAPPED: dict[int, tuple[weakref.ref, list[tuple[nn.Module, type]]]] = {}
+Layer = tuple[nn.Module, type]  # a quantized layer and the class that routes it
+# id(model) -> (a weak reference to it, its tapped layers, per row count the layers whose
+# routes for it are all decided and not all MLX's: what a verify pass of that many swaps in).
+_TAPPED: dict[int, tuple[weakref.ref, list[Layer], dict[int, list[Layer]]]] = {}
 
 
 def route_key(module: nn.Module, rows: int) -> Key:
@@ -62,15 +64,35 @@ def takes_kernel(module: nn.Module, x: mx.array) -> bool:
     key = route_key(module, rows)
     if key not in ROUTES:
         ROUTES[key] = _POLICY[0] == ALL or _kernel_wins(module, rows)
+        for _, _, settled in _TAPPED.values():
+            settled.clear()  # a new route: the swap lists are worked out again
     return ROUTES[key]
 
 
-@contextlib.contextmanager
-def multi_row_matmuls(model: nn.Module | None = None) -> Iterator[None]:
-    """Within the block, `model`'s tapped layers send the rows their routes name to the
-    kernel (`model` None: whatever layers are tapped already obey)."""
+def _layers_for(model: nn.Module | None, rows: int | None) -> list[Layer]:
+    """The tapped layers of `model` a pass of `rows` rows swaps in: all of them until every
+    one has its route for `rows`, then only those routed to the kernel (a layer left to
+    MLX's matmul costs no Python call per pass)."""
     entry = _TAPPED.get(id(model)) if model is not None else None
-    layers = entry[1] if entry is not None and entry[0]() is model else []
+    if entry is None or entry[0]() is not model:
+        return []
+    _, layers, settled = entry
+    if rows is None:
+        return layers
+    if rows not in settled:
+        keys = [route_key(module, rows) for module, _ in layers]
+        if not all(key in ROUTES for key in keys):
+            return layers
+        settled[rows] = [layer for layer, key in zip(layers, keys, strict=True) if ROUTES[key]]
+    return settled[rows]
+
+
+@contextlib.contextmanager
+def multi_row_matmuls(model: nn.Module | None = None, rows: int | None = None) -> Iterator[None]:
+    """Within the block, `model`'s tapped layers send the rows their routes name to the
+    kernel (`rows`: the pass's row count, when known; `model` None: whatever layers are
+    tapped already obey)."""
+    layers = _layers_for(model, rows)
     before = [type(module) for module, _ in layers]
     for module, tapped in layers:
         module.__class__ = tapped
@@ -138,7 +160,7 @@ def route_quantized_layers(model: nn.Module, *, measure: bool = True) -> int:
         for _, module in model.named_modules()
         if kernel_can_take(module)
     ]
-    _TAPPED[id(model)] = (weakref.ref(model), layers)
+    _TAPPED[id(model)] = (weakref.ref(model), layers, {})
     weakref.finalize(model, _TAPPED.pop, id(model), None)
     return len(layers)
 
