@@ -153,11 +153,15 @@ def test_a_discarded_unlaunched_round_leaves_nothing_to_compute(tmp_path: Path, 
         np.testing.assert_array_equal(np.array(a.astype(mx.float32)), b)
 
 
-def test_rounds_look_ahead_by_the_share_of_full_rounds(tmp_path: Path) -> None:
+def test_rounds_look_ahead_by_the_share_of_full_rounds(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """On a GPU (pipeline None) the next round is launched ahead while most rounds keep every
-    draft, built ahead down to BUILD_MIN_FULL, and waits for the verdict below; never where
-    no more tokens are wanted."""
+    draft, built ahead down to BUILD_MIN_FULL (where one is set), and waits for the verdict
+    below; never where no more tokens are wanted."""
     from mtpkit.spec import decode
+
+    monkeypatch.setattr(decode, "BUILD_MIN_FULL", 0.5)
 
     m = load_model(converted_dir(tmp_path, "qwen3_5"))
     decoder = MtpDecoder(m, PROMPT, depth=1, sampling=SamplingSettings(), adaptive=False)
@@ -170,6 +174,9 @@ def test_rounds_look_ahead_by_the_share_of_full_rounds(tmp_path: Path) -> None:
         assert decoder._look_ahead(False) is None
     assert seen == {1.0: "launch", decode.PIPELINE_MIN_FULL: "launch", 0.9: "build",
                     decode.BUILD_MIN_FULL: "build", 0.49: None, 0.0: None}  # fmt: skip
+    monkeypatch.setattr(decode, "BUILD_MIN_FULL", None)  # the default: no building ahead
+    decoder.full_share = 0.9
+    assert decoder._look_ahead(True) is None
 
 
 def test_vllm_mlx_qwen3_next_head_file_beside_the_shards(tmp_path: Path) -> None:

@@ -18,9 +18,10 @@ When the verdict shows a rejection, the queued round is discarded (`PassUndo` ta
 back from every cache, its pairs leave the head's cache) and this round rolls back as usual.
 A discarded round that was launched cost its host time and its kernels ahead of the real
 round, so rounds are launched ahead only while the smoothed share of fully kept rounds is at
-least `PIPELINE_MIN_FULL`; below it, down to `BUILD_MIN_FULL`, the next round is still
-*built* ahead, while the device computes this one, but launched only once this verdict shows
-every draft kept (a wrong guess then costs host time, none of the device's). Both only on a GPU (on a CPU the
+least `PIPELINE_MIN_FULL`. A round can also be only *built* ahead, while the device computes
+this one, and launched once this verdict shows every draft kept (a wrong guess then costs host
+time, none of the device's: `pipeline=BUILD_AHEAD`, or by default down to `BUILD_MIN_FULL`
+once a measurement shows it pays). Both only on a GPU (on a CPU the
 host's build and a discarded round's compute take the cores that decode). Random draws of a
 discarded round are independent of everything kept, so sampling stays exact. Plain steps
 that are certain to be followed by another plain step are queued one ahead, as in mlx-lm's
@@ -56,11 +57,13 @@ CATCH_UP_AFTER = 256  # plain steps after which the head catches up while drafti
 # at 83% fully kept rounds pipelining made rounds 11% slower; break-even is near 91%.
 PIPELINE_MIN_FULL = 0.92
 # Build the next round ahead (launched only after a full verdict) while at least this share
-# of rounds keeps every draft. Where the host is the bottleneck a wrong guess costs a build
-# and a right one saves one, so the break-even is a half; where the device is, the build
-# happens while the host would wait anyway. On an H100 (4b, 2026-11-25) building ahead at
-# every share made rounds at acceptance 0 ~20% slower (one wasted build per round).
-BUILD_MIN_FULL = 0.5
+# of rounds keeps every draft; None: never by default (`pipeline=BUILD_AHEAD` forces it). In
+# theory a wrong guess costs a build only where the host is the bottleneck, and a right one
+# saves one. Measured on an H100 (qwen3_5-4b, 2026-11-25, built ahead below the launch
+# threshold at every share, bench/gpu_bench.sh): a depth-1 round at acceptance 0 cost 45 ms
+# against stock's 16.3 ms a token, at 0.8 37 ms, both above the serial rounds of the run
+# before; so it stays off until `bench/ab_modes.py` shows it pays.
+BUILD_MIN_FULL: float | None = None
 FULL_SMOOTHING = 0.1
 
 # How a round is looked ahead (`MtpDecoder(pipeline=...)`): built and launched before this
@@ -273,7 +276,8 @@ class MtpDecoder:
         if self.pipeline is None:
             if self.full_share >= PIPELINE_MIN_FULL:
                 return LAUNCH_AHEAD
-            return BUILD_AHEAD if self.full_share >= BUILD_MIN_FULL else None
+            building = BUILD_MIN_FULL is not None and self.full_share >= BUILD_MIN_FULL
+            return BUILD_AHEAD if building else None
         return BUILD_AHEAD if self.pipeline == BUILD_AHEAD else LAUNCH_AHEAD
 
     def draft_round(self, may_look_ahead: bool = False) -> list[int]:

@@ -8,7 +8,8 @@ depends on the matrix and the rows: on an H100 the kernel took 86-92 us on the 2
 MLX's 12. A rule from one machine's table fits another machine's badly, so (CUDA only,
 `route_quantized_layers` at load) each distinct matrix of the model is timed both ways at
 the rows a verify pass gives it, the first time it does (medians of interleaved batches on
-its own weights), and takes the kernel where it was at least `MARGIN` faster.
+its own weights), and takes the kernel where it was at least `MARGIN` faster (at 2 rows,
+only on matrices of `WIDE_WEIGHTS` or more: see `TIMED_FROM_ROWS`).
 `MTPKIT_QMV=1` routes every matrix the kernel can take, `0` none.
 
 Only the layers that may take the kernel are tapped, and only during a verify pass:
@@ -32,6 +33,13 @@ import mlx.nn as nn
 from mtpkit.runtime.kernels import qmv
 
 MARGIN = 0.9  # the kernel must take at most this share of MLX's time to be chosen
+# At 2 rows only very wide matrices (the lm_head) are timed; the others stay with MLX's. On an
+# H100 (qwen3_5-4b, 2026-11-25) the timings routed every matrix from 2560 x 2560 up at 2 rows
+# too, and the 2-token verify forward then cost 1.34 of a 1-token one, against 1.19 with the
+# lm_head alone; at 3-4 tokens it cost 1.44-1.45 (flat), where MLX's own grows with the rows
+# (qwen3_5-9b: a 4-token verify took 1.79 times a 2-token one with the lm_head alone).
+TIMED_FROM_ROWS = 3
+WIDE_WEIGHTS = 64 * 1024 * 1024
 BATCHES = 5  # interleaved timing batches per matrix and rows (median taken)
 LAUNCHES = 8  # products per batch
 
@@ -166,11 +174,19 @@ def route_quantized_layers(model: nn.Module, *, measure: bool = True) -> int:
 
 
 def _kernel_wins(module: nn.Module, rows: int) -> bool:
+    if rows < TIMED_FROM_ROWS and weights_of(module) < WIDE_WEIGHTS:
+        return False
     try:
         mlx_s, kernel_s = time_both(module, rows)
     except Exception:  # a shape the kernel fails to build for stays with MLX's matmul
         return False
     return kernel_s <= MARGIN * mlx_s
+
+
+def weights_of(module: nn.Module) -> int:
+    """Out features * in features of a quantized layer."""
+    n, k = route_key(module, 1)[:2]
+    return n * k
 
 
 def time_both(module: nn.Module, rows: int) -> tuple[float, float]:
