@@ -64,6 +64,7 @@ class Lockstep:
             return value
         # Read at once, so no ordering against queued shares is needed (`share` orders those
         # with `mx.depends`, whose placeholder was seen to carry garbage into this sum).
+        drain_streams()  # see there
         mine = mx.array(value if self.is_root else 0, dtype=mx.int32)
         return int(mx.distributed.all_sum(mine, group=self.group).item())
 
@@ -71,6 +72,7 @@ class Lockstep:
         """Whether `flag` holds on every rank, now."""
         if self.size == 1:
             return flag
+        drain_streams()  # queued shares first: the ring pairs collectives in their order
         doubts = mx.distributed.all_sum(mx.array(int(not flag)), group=self.group)
         return doubts.item() == 0
 
@@ -88,6 +90,18 @@ class Lockstep:
 
 
 SINGLE = Lockstep()
+
+
+def drain_streams() -> None:
+    """Wait for everything queued on the default stream and on mlx-lm's generation stream.
+    The ring backend pairs collectives in the order each rank runs them; an immediate
+    all_sum on the default stream while a `share` of the last decode is still queued on the
+    generation stream paired with it on one rank (a garbage sum under `mlx.launch`, ~1 run
+    in 6 of the bench test)."""
+    from mlx_lm.generate import generation_stream
+
+    mx.synchronize(generation_stream)
+    mx.synchronize()
 
 
 class Watchdog:
