@@ -62,9 +62,9 @@ class Lockstep:
         """Rank 0's integer on every rank, now."""
         if self.size == 1:
             return value
-        # Read at once, so no ordering against queued shares is needed (`share` orders those
-        # with `mx.depends`, whose placeholder was seen to carry garbage into this sum).
-        drain_streams()  # see there
+        # Read at once, after every queued share (`drain_streams`); not ordered with
+        # `mx.depends`, whose placeholder was seen to carry garbage into this sum.
+        drain_streams()
         mine = mx.array(value if self.is_root else 0, dtype=mx.int32)
         return int(mx.distributed.all_sum(mine, group=self.group).item())
 

@@ -298,7 +298,7 @@ def use_fast_verify(model: nn.Module) -> list[str]:
     kernel or its Metal twin, after a self-check against the reference (a kernel that fails
     to build or to agree leaves the reference, with one warning line). On CUDA also the
     multi-row quantized matmul for the verify pass on the matrices and rows where it is
-    measured at load to win (`routing`; `MTPKIT_QMV=1`: every quantized layer it can take,
+    measured on first use to win (`routing`; `MTPKIT_QMV=1`: every quantized layer it can take,
     `0`: none). Returns what it installed."""
     if switch("MTPKIT_KERNELS") is False:
         return []

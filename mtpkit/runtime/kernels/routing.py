@@ -35,9 +35,10 @@ from mtpkit.runtime.kernels import qmv
 MARGIN = 0.9  # the kernel must take at most this share of MLX's time to be chosen
 # At 2 rows only very wide matrices (the lm_head) are timed; the others stay with MLX's. On an
 # H100 (qwen3_5-4b, 2026-11-25) the timings routed every matrix from 2560 x 2560 up at 2 rows
-# too, and the 2-token verify forward then cost 1.34 of a 1-token one, against 1.19 with the
-# lm_head alone; at 3-4 tokens it cost 1.44-1.45 (flat), where MLX's own grows with the rows
-# (qwen3_5-9b: a 4-token verify took 1.79 times a 2-token one with the lm_head alone).
+# too, and the 2-token verify forward then cost 1.34 of a 1-token one, against 1.19 with
+# MLX's matmul everywhere (issue 18's table); at 3-4 tokens it cost 1.44-1.45 (flat), where
+# MLX's grows with the rows (qwen3_5-9b: a 4-token verify took 1.79 times a 2-token one
+# with the lm_head alone routed).
 TIMED_FROM_ROWS = 3
 WIDE_WEIGHTS = 64 * 1024 * 1024
 BATCHES = 5  # interleaved timing batches per matrix and rows (median taken)

@@ -2,10 +2,10 @@
 
 A pipelined round is built and queued before the previous round's verdict is read, on the
 premise that the previous round keeps all its drafts. When the verdict shows a rejection the
-queued pass must leave no trace: `PassUndo.before` keeps, just before that pass, a reference
-to the state of every cache that a trim cannot undo (sliding windows, gated-delta-net and
-other recurrent states; MLX arrays are immutable, so this copies nothing), and `undo` trims
-the plain KV caches and puts the others back. The previous round's own rollback
+queued pass must leave no trace: `PassUndo.before` keeps, just before that pass, the state
+of every cache that a trim cannot undo (sliding windows, gated-delta-net and other recurrent
+states; new handles on the arrays' values, so this copies nothing), and `undo` trims the
+plain KV caches and puts the others back. The previous round's own rollback
 (`VerifyPass.rollback`) then runs as if the discarded pass had never been queued. A pass
 built but not launched (`unlaunched`) keeps every cache's arrays, KV caches' too, so that
 nothing of it is ever computed once it is discarded.

@@ -87,7 +87,8 @@ def stepwise_verify(
 
 
 # The function a verify pass of T > 1 tokens uses; same signature and results as
-# `stepwise_verify` (its per-token states may also come as one array [T, ...]). Replaced with `set_gdn_verify_impl` (e.g. by a fused T-token kernel).
+# `stepwise_verify` (its per-token states may also come as one array [T, ...]). Replaced
+# with `set_gdn_verify_impl` (e.g. by a fused T-token kernel).
 _VERIFY_IMPL: list[Callable[..., Any]] = [stepwise_verify]
 
 
