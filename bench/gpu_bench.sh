@@ -11,7 +11,7 @@
 #      run(command="bash bench/gpu_bench.sh stage", carry=[".gpu/part-aa"])
 #      run(command="bash bench/gpu_bench.sh stage", carry=[".gpu/part-ab"])   # ... every part
 # 3. Still warm, the benches, a few targets per call (each call must end inside 10 minutes;
-#    every target has its own limit, BENCH_LIMIT seconds, default 280):
+#    every target has its own limit, BENCH_LIMIT seconds, default 330; 9b needs ~300 s at 5 trials):
 #      run(command="bash bench/gpu_bench.sh bench compile tiny qwen3_5-0.8b", carry=[".gpu/install.sh"])
 #      run(command="bash bench/gpu_bench.sh bench qwen3_5-4b", carry=[".gpu/install.sh"])
 #      run(command="bash bench/gpu_bench.sh bench qwen3_5-9b", carry=[".gpu/install.sh"])
@@ -22,7 +22,7 @@
 #      python bench/bench_table.py DIR/bench-*.json     # DIR: where the run tool put $OUT
 #
 # Environment: DTYPE (scales of the random models, default bfloat16, as published 4-bit
-# checkpoints carry), TRIALS (default 5), MAX_TOKENS (default 128), BENCH_LIMIT (default 280),
+# checkpoints carry), TRIALS (default 5), MAX_TOKENS (default 128), BENCH_LIMIT (default 330),
 # ACCEPTANCE (default 0,0.8,0.9: the random shapes run with oracle drafts at these
 # acceptances, `mtpkit bench --acceptance`, SYNTHETIC; empty: their random heads), DEPTH (3).
 #
@@ -31,6 +31,8 @@
 #      run(command="bash bench/gpu_bench.sh bench qwen3_5-4b", ...)   # and 9b, moe
 # then bench/bench_table.py over every bench-*.json (synthetic rows: the targets table).
 # Target `train`: bench/bench_train.py --random-shape qwen3_5-0.8b (steps/s, train-head).
+# Target `ab`: bench/ab_modes.py (serial vs built-ahead rounds, qmv routes on/off, 4b with 8
+# layers); target `profile`: bench/profile_stages.py at 0.8b and 9b (a round's stages).
 # To run a worktree's code: copy its mtpkit/ and bench/ into the main checkout's .gpuwt/
 # (git-excluded), carry it, and call `bash .gpuwt/bench/gpu_bench.sh ...` after
 # `bash .gpu/install.sh` (its install step then finds MLX already installed).
@@ -59,7 +61,7 @@ install() {
 bench() {
   install
   export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
-  local limit=${BENCH_LIMIT:-280} args=(--trials "${TRIALS:-5}" --max-tokens "${MAX_TOKENS:-128}" --depth "${DEPTH:-3}" --json)
+  local limit=${BENCH_LIMIT:-330} args=(--trials "${TRIALS:-5}" --max-tokens "${MAX_TOKENS:-128}" --depth "${DEPTH:-3}" --json)
   local oracle=()
   [ -n "${ACCEPTANCE-0,0.8,0.9}" ] && oracle=(--acceptance "${ACCEPTANCE-0,0.8,0.9}")
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
@@ -68,6 +70,16 @@ bench() {
     echo "== $target" >&2
     if [ "$target" = compile ]; then  # does mx.compile pay for the acceptance step here?
       timeout "$limit" python3 bench/compile_verdict.py | tee "$OUT/compile-verdict.txt"
+      continue
+    elif [ "$target" = ab ]; then  # serial vs built-ahead rounds, qmv routes on/off (4b, 8 layers)
+      timeout "$limit" python3 bench/ab_modes.py qwen3_5-4b 8 "${TRIALS:-5}" 2>&1 \
+        | tee "$OUT/ab-modes.txt" | tail -15 >&2
+      continue
+    elif [ "$target" = profile ]; then  # a round's stages against stock's step (0.8b, 9b)
+      for shape in qwen3_5-0.8b qwen3_5-9b; do
+        timeout "$limit" python3 bench/profile_stages.py "$shape" 3 24 2>&1 | tee -a "$OUT/profile.txt" \
+          | grep -E "stock step|round total|routes" >&2
+      done
       continue
     elif [ "$target" = train ]; then  # the train-head figure of README (steps/s)
       timeout "$limit" python3 bench/bench_train.py --random-shape qwen3_5-0.8b --dtype bfloat16 2>&1 \
