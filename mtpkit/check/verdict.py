@@ -37,7 +37,7 @@ from mtpkit.checkpoint.inspect import UNREADABLE, Checkpoint, read_checkpoint, u
 from mtpkit.checkpoint.validate import HEAD_NOT_FINITE, LAYER_COUNT_MISMATCH, nonfinite_tensors
 from mtpkit.convert.destination import local_source_dir, refuse_inside
 from mtpkit.core.config import INVALID_CONFIG
-from mtpkit.core.errors import MtpkitError, one_line
+from mtpkit.core.errors import MtpkitError, more_of, one_line
 from mtpkit.core.manifest import MANIFEST_FORMAT
 from mtpkit.core.prompts import BUILTIN_PROMPTS, RESERVE_PROMPTS, read_prompts
 from mtpkit.runtime.upcast import ExpertsTooLarge
@@ -84,7 +84,7 @@ def _codes(ckpt: Checkpoint, *codes: str) -> list[str]:
 
 
 def _more(messages: list[str]) -> str:
-    return f"{messages[0]} (+{len(messages) - 1} more)" if len(messages) > 1 else messages[0]
+    return messages[0] + more_of(messages)
 
 
 def _config(ckpt: Checkpoint) -> CheckResult:

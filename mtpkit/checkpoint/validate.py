@@ -23,7 +23,7 @@ from typing import Any
 
 from mtpkit.core.choices import BITS, GROUP_SIZES
 from mtpkit.core.config import INVALID_CONFIG, as_count
-from mtpkit.core.errors import InvalidConfig
+from mtpkit.core.errors import InvalidConfig, more_of
 
 # Stable problem codes added by this layer (documented in README.md).
 LAYER_COUNT_MISMATCH = "mtp_layer_count_mismatch"
@@ -252,7 +252,7 @@ def require_valid_config(config: dict[str, Any], mtp_field: str, where: str) -> 
     (generate, bench, check's probes), so the loader never builds from a bad value."""
     problems = config_problems(config, mtp_field)
     if problems:
-        more = f" (+{len(problems) - 1} more)" if len(problems) > 1 else ""
+        more = more_of(problems)
         message = problems[0].message.removeprefix("config.json: ")
         raise InvalidConfig(
             f"config.json in {where}: {message}{more} ({INVALID_CONFIG}): fix config.json or "

@@ -44,7 +44,7 @@ from mtpkit.convert.writer import (
     write_job_files,
 )
 from mtpkit.core.console import progress_bar
-from mtpkit.core.errors import CheckpointProblem, MtpkitError
+from mtpkit.core.errors import CheckpointProblem, MtpkitError, more_of
 from mtpkit.core.manifest import HEAD_WEIGHTS_PATH, MANIFEST_PATH, write_manifest
 from mtpkit.core.peers import (
     PEER_HEAD_FILE,
@@ -177,7 +177,7 @@ def refuse_nonfinite_head(head_file: Path, ckpt: Checkpoint, dtype: str | None =
     bad = list(nonfinite_tensors({head_file: None}))
     if not bad:
         return
-    more = f" (+{len(bad) - 1} more)" if len(bad) > 1 else ""
+    more = more_of(bad)
     if dtype == "float16" and _overflowed(head_file, bad, ckpt):
         raise CheckpointProblem(
             f"{ckpt.source.describe()} cannot be converted to float16: the MTP head's "

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sized
+
 
 class MtpkitError(Exception):
     """A problem the user can fix; the message names the problem and the fix."""
@@ -37,3 +39,9 @@ def one_line(error: BaseException) -> str:
     lines = [line.strip() for line in str(error).splitlines() if line.strip()]
     text = f"{type(error).__name__}: {lines[0]}" if lines else type(error).__name__
     return f"unexpected {text} (MTPKIT_DEBUG=1 shows where)"
+
+
+def more_of(items: Sized) -> str:
+    """The ' (+N more)' that follows the first of several problems in a one-line message
+    (empty for a single one)."""
+    return f" (+{len(items) - 1} more)" if len(items) > 1 else ""
