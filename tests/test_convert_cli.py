@@ -11,7 +11,7 @@ import pytest
 from typer.testing import CliRunner
 
 from mtpkit.cli.app import app
-from mtpkit.convert.pipeline import resolve_settings
+from mtpkit.convert.pipeline import ConvertFlags, resolve_settings
 from mtpkit.convert.recipes import all_recipes, find_recipe, load_recipe, recipe_names
 from mtpkit.core.errors import MtpkitError
 from mtpkit.families import supported
@@ -144,7 +144,7 @@ def test_every_recipe_loads():
 
 
 def test_flags_override_recipe(tmp_path):
-    settings, _ = resolve_settings("qwen3.5-27b", bits=8, mtp_bits=4)
+    settings, _ = resolve_settings("qwen3.5-27b", ConvertFlags(bits=8, mtp_bits=4))
     assert settings.bits == 8 and settings.mtp_bits == 4 and not settings.keep_mtp_bf16
     bad = tmp_path / "bad.toml"
     bad.write_text("[convert]\nbitz = 4\n")

@@ -4,6 +4,7 @@ written through `destination` (a temporary sibling renamed at the end); `pipelin
 from mtpkit.core.exports import lazy_exports
 
 _EXPORTS = {
+    "ConvertFlags": "pipeline",
     "ConvertResult": "pipeline",
     "Settings": "pipeline",
     "convert": "pipeline",

@@ -18,7 +18,7 @@ import re
 import shutil
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -119,19 +119,12 @@ def convert(
     a temporary sibling and renamed at the end, so an interrupted run leaves no `output`.
     """
     started = time.perf_counter()
-    settings, recipe_family = resolve_settings(
-        recipe,
-        quantize=quantize,
-        bits=bits,
-        group_size=group_size,
-        mode=mode,
-        quant_predicate=quant_predicate,
-        keep_mtp_bf16=keep_mtp_bf16,
-        mtp_bits=mtp_bits,
-        dtype=dtype,
-        layout=layout,
-        hidden=hidden,
-    )
+    flags = ConvertFlags(
+        quantize=quantize, bits=bits, group_size=group_size, mode=mode,
+        quant_predicate=quant_predicate, keep_mtp_bf16=keep_mtp_bf16, mtp_bits=mtp_bits,
+        dtype=dtype, layout=layout, hidden=hidden,
+    )  # fmt: skip
+    settings, recipe_family = resolve_settings(recipe, flags)
     out = Path(output).expanduser()
     claim_output(out, force=force, sources=[local_source_dir(source)])
     ckpt = read_checkpoint(source, revision=revision)
@@ -337,9 +330,29 @@ def _copy_side_files(ckpt: Checkpoint, out: Path) -> None:
 # --------------------------------------------------------------------------- settings
 
 
+@dataclass(frozen=True)
+class ConvertFlags:
+    """The settings flags of one conversion as given (None or False: not given)."""
+
+    quantize: bool = False
+    bits: int | None = None
+    group_size: int | None = None
+    mode: str | None = None
+    quant_predicate: str | None = None
+    keep_mtp_bf16: bool = False
+    mtp_bits: int | None = None
+    dtype: str | None = None
+    layout: str | None = None
+    hidden: str | None = None
+
+    def given(self) -> dict[str, Any]:
+        """The flags that were given, by `Settings` field name."""
+        values = {f.name: getattr(self, f.name) for f in fields(self)}
+        return {k: v for k, v in values.items() if v is not None and v is not False}
+
+
 def resolve_settings(
-    recipe: str | Path | None,
-    **flags: Any,
+    recipe: str | Path | None, flags: ConvertFlags = ConvertFlags()
 ) -> tuple[Settings, str | None]:
     """Defaults, then the recipe's values, then every flag that was given.
 
@@ -353,16 +366,14 @@ def resolve_settings(
         loaded = load_recipe(recipe)
         values.update(loaded.settings)
         family = loaded.family
-    if flags.get("keep_mtp_bf16") and flags.get("mtp_bits") is not None:
+    if flags.keep_mtp_bf16 and flags.mtp_bits is not None:
         raise MtpkitError("--keep-mtp-bf16 and --mtp-bits contradict each other: pass one")
     # A head flag replaces the recipe's head choice, whichever it was.
-    if flags.get("mtp_bits") is not None:
+    if flags.mtp_bits is not None:
         values.pop("keep_mtp_bf16", None)
-    if flags.get("keep_mtp_bf16"):
+    if flags.keep_mtp_bf16:
         values.pop("mtp_bits", None)
-    for key, value in flags.items():
-        if value is not None and value is not False:
-            values[key] = value
+    values.update(flags.given())
     if values.get("group_size") is None:
         values.pop("group_size", None)
     values["hidden_given"] = "hidden" in values
@@ -371,4 +382,4 @@ def resolve_settings(
     return settings, family
 
 
-__all__ = ["ConvertResult", "Settings", "convert", "resolve_settings"]
+__all__ = ["ConvertFlags", "ConvertResult", "Settings", "convert", "resolve_settings"]
