@@ -296,3 +296,38 @@ def test_check_removes_the_scratch_copies_of_killed_checks(checkpoint, tmp_path,
     assert f"removing {stale}, left by an earlier run that did not finish" in result.stderr
     assert not stale.exists() and running.exists()
     assert sorted(p.name for p in cache.iterdir()) == [running.name]  # its own copy is gone
+
+
+def test_a_signal_during_a_file_swap_waits_until_every_file_is_moved(tmp_path, monkeypatch):
+    """SIGTERM arriving between a graft's renames is delivered after the last one: the
+    directory holds all new files or none, never a mix."""
+    import signal
+
+    from mtpkit.convert.destination import FileSwap
+    from mtpkit.core import signals
+
+    root = tmp_path / "model"
+    root.mkdir()
+    targets = [root / name for name in ("a.safetensors", "manifest.json", "config.json")]
+    for target in targets:
+        target.write_text("old")
+    swap = FileSwap(root)
+    for target in targets:
+        swap.temp_for(target).write_text("new")
+    real_replace = os.replace
+    moved = []
+
+    def replace(src, dst):
+        if not moved:
+            os.kill(os.getpid(), signal.SIGTERM)  # between the first rename and the others
+        real_replace(src, dst)
+        moved.append(dst)
+
+    monkeypatch.setattr(os, "replace", replace)
+    previous = signal.signal(signal.SIGTERM, signals._raise)
+    try:
+        with pytest.raises(signals.Interrupted):
+            swap.commit()
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert len(moved) == 3 and [t.read_text() for t in targets] == ["new"] * 3

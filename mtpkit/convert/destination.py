@@ -30,6 +30,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from mtpkit.core.errors import MtpkitError
+from mtpkit.core.signals import deferred
 
 TEMP_MARK = "mtpkit-tmp"
 OLD_MARK = "mtpkit-old"
@@ -389,9 +390,12 @@ class FileSwap:
         return tmp
 
     def commit(self) -> None:
-        for tmp, target in self.pending:
-            os.replace(tmp, target)
-        self.pending = []
+        """Move every file over its target; a signal waits until all are moved, so the
+        directory never holds part of the new files (only a crash of the machine could)."""
+        with deferred():
+            for tmp, target in self.pending:
+                os.replace(tmp, target)
+            self.pending = []
 
     def abort(self) -> None:
         for tmp, _ in self.pending:

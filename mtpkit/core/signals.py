@@ -9,7 +9,10 @@ they were, check's scratch conversion deleted. The CLI turns any of them into on
 
 from __future__ import annotations
 
+import contextlib
 import signal
+import threading
+from collections.abc import Iterator
 from types import FrameType
 
 # Signals whose default is to die at once, without any cleanup. A signal the caller chose to
@@ -51,3 +54,27 @@ def exit_code(interrupt: KeyboardInterrupt) -> int:
 def message(interrupt: KeyboardInterrupt) -> str:
     """The `Error:` line's text: which signal ended the run."""
     return f"interrupted by {signal.Signals(signal_number(interrupt)).name}"
+
+
+@contextlib.contextmanager
+def deferred() -> Iterator[None]:
+    """Hold Ctrl-C, SIGTERM and SIGHUP until the block is done (a few renames that belong
+    together): one that comes meanwhile is noted, and handled as it would have been right
+    after the block. Outside the main thread (where Python runs no handler) nothing is held."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    caught: list[int] = []
+    held = (signal.SIGINT, *TERMINATING)
+    previous = {sig: signal.signal(sig, lambda signum, frame: caught.append(signum)) for sig in held}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        if caught:
+            handler = previous[caught[0]]
+            if callable(handler):
+                handler(caught[0], None)
+            elif handler == signal.SIG_DFL:
+                signal.raise_signal(caught[0])
