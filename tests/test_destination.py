@@ -324,10 +324,14 @@ def test_a_signal_during_a_file_swap_waits_until_every_file_is_moved(tmp_path, m
         moved.append(dst)
 
     monkeypatch.setattr(os, "replace", replace)
-    previous = signal.signal(signal.SIGTERM, signals._raise)
+    # `_raise` sets SIGTERM and SIGHUP to be ignored; both are put back for the later tests
+    # (an ignored signal is inherited by their subprocesses).
+    previous = {sig: signal.getsignal(sig) for sig in signals.TERMINATING}
+    signal.signal(signal.SIGTERM, signals._raise)
     try:
         with pytest.raises(signals.Interrupted):
             swap.commit()
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
     assert len(moved) == 3 and [t.read_text() for t in targets] == ["new"] * 3
