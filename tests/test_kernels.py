@@ -324,21 +324,24 @@ def test_a_pass_swaps_in_only_the_layers_routed_to_the_kernel(
         ),
     )
     model = _quantized_pair()
-    model.layers.pop()
+    unused = model.layers.pop()  # tapped, never called (as an untied model's embedding matrix)
+    model.spare = unused
     first, second = model.layers
 
     def swapped(rows: int) -> list[bool]:
         with routing.multi_row_matmuls(model, rows):
-            flags = [type(layer) is routing.RowsQuantizedLinear for layer in (first, second)]
+            flags = [
+                type(layer) is routing.RowsQuantizedLinear for layer in (first, second, unused)
+            ]
             model(mx.ones((1, rows, 256)))
         return flags
 
-    routing.route_quantized_layers(model)
-    assert swapped(3) == [True, True]  # undecided: both, and the pass decides them
-    assert swapped(3) == [True, False]  # the 64x64 matrix stays with MLX's matmul
-    assert swapped(2) == [True, True]
-    assert swapped(2) == [False, False] and swapped(3) == [True, False]  # 2 rows: MLX's
-    assert [type(layer) for layer in (first, second)] == [nn.QuantizedLinear] * 2
+    assert routing.route_quantized_layers(model) == 3
+    assert swapped(3) == [True, True, True]  # undecided: all, and the pass decides them
+    assert swapped(3) == [True, False, False]  # 64x64 stays with MLX's; the unused one too
+    assert swapped(2) == [True, True, True]
+    assert swapped(2) == [False, False, False] and swapped(3) == [True, False, False]
+    assert [type(layer) for layer in (first, second, unused)] == [nn.QuantizedLinear] * 3
 
 
 def test_tapped_layers_route_only_the_verify_rows(monkeypatch: pytest.MonkeyPatch) -> None:

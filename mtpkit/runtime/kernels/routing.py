@@ -53,8 +53,8 @@ _POLICY = [MEASURED]
 
 _ACTIVE: contextvars.ContextVar[bool] = contextvars.ContextVar("mtpkit_qmv", default=False)
 Layer = tuple[nn.Module, type]  # a quantized layer and the class that routes it
-# id(model) -> (a weak reference to it, its tapped layers, per row count the layers whose
-# routes for it are all decided and not all MLX's: what a verify pass of that many swaps in).
+# id(model) -> (a weak reference to it, its tapped layers, per row count once a pass of
+# that many rows has run, the layers routed to the kernel: what such a pass swaps in).
 _TAPPED: dict[int, tuple[weakref.ref, list[Layer], dict[int, list[Layer]]]] = {}
 
 
@@ -73,27 +73,29 @@ def takes_kernel(module: nn.Module, x: mx.array) -> bool:
     key = route_key(module, rows)
     if key not in ROUTES:
         ROUTES[key] = _POLICY[0] == ALL or _kernel_wins(module, rows)
-        for _, _, settled in _TAPPED.values():
-            settled.clear()  # a new route: the swap lists are worked out again
     return ROUTES[key]
 
 
-def _layers_for(model: nn.Module | None, rows: int | None) -> list[Layer]:
-    """The tapped layers of `model` a pass of `rows` rows swaps in: all of them until every
-    one has its route for `rows`, then only those routed to the kernel (a layer left to
-    MLX's matmul costs no Python call per pass)."""
+def _layers_for(model: nn.Module | None, rows: int | None) -> tuple[list[Layer], bool]:
+    """The tapped layers of `model` a pass of `rows` rows swaps in, and whether that list is
+    to be settled after the pass: all of them until a pass of `rows` has decided the routes
+    of the layers it used, then only those routed to the kernel (a layer left to MLX's
+    matmul, or never used with that many rows, costs no Python call per pass)."""
     entry = _TAPPED.get(id(model)) if model is not None else None
     if entry is None or entry[0]() is not model:
-        return []
+        return [], False
     _, layers, settled = entry
     if rows is None:
-        return layers
-    if rows not in settled:
-        keys = [route_key(module, rows) for module, _ in layers]
-        if not all(key in ROUTES for key in keys):
-            return layers
-        settled[rows] = [layer for layer, key in zip(layers, keys, strict=True) if ROUTES[key]]
-    return settled[rows]
+        return layers, False
+    if rows in settled:
+        return settled[rows], False
+    return layers, True
+
+
+def _settle(model: nn.Module, rows: int) -> None:
+    _, layers, settled = _TAPPED[id(model)]
+    routed = [layer for layer in layers if ROUTES.get(route_key(layer[0], rows), False)]
+    settled[rows] = routed
 
 
 @contextlib.contextmanager
@@ -101,7 +103,7 @@ def multi_row_matmuls(model: nn.Module | None = None, rows: int | None = None) -
     """Within the block, `model`'s tapped layers send the rows their routes name to the
     kernel (`rows`: the pass's row count, when known; `model` None: whatever layers are
     tapped already obey)."""
-    layers = _layers_for(model, rows)
+    layers, settle = _layers_for(model, rows)
     before = [type(module) for module, _ in layers]
     for module, tapped in layers:
         module.__class__ = tapped
@@ -112,6 +114,8 @@ def multi_row_matmuls(model: nn.Module | None = None, rows: int | None = None) -
         _ACTIVE.reset(token)
         for (module, _), cls in zip(layers, before, strict=True):
             module.__class__ = cls
+    if settle:  # a pass that completed: every layer it used has its route for `rows`
+        _settle(model, rows)
 
 
 def _routed(module: nn.Module, x: mx.array) -> mx.array | None:
