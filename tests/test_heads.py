@@ -158,15 +158,18 @@ def test_rounds_look_ahead_by_the_share_of_full_rounds(
 ) -> None:
     """On a GPU (pipeline None) the next round is launched ahead while most rounds keep every
     draft, built ahead down to BUILD_MIN_FULL (where one is set), and waits for the verdict
-    below; never where no more tokens are wanted."""
+    below; never where no more tokens are wanted, nor before three full rounds in a row."""
     from mtpkit.spec import decode
-
-    monkeypatch.setattr(decode, "BUILD_MIN_FULL", 0.5)
 
     m = load_model(converted_dir(tmp_path, "qwen3_5"))
     decoder = MtpDecoder(m, PROMPT, depth=1, sampling=SamplingSettings(), adaptive=False)
     assert decoder.pipeline is False  # the CPU: rounds stay serial
     decoder.pipeline = None  # as on a GPU
+    assert decoder._look_ahead(True) is None  # the first rounds wait for their verdicts
+    for _ in range(3):  # three full rounds in a row: launched ahead from then on
+        decoder.full_share += decode.FULL_SMOOTHING * (1 - decoder.full_share)
+    assert decoder._look_ahead(True) == "launch"
+    monkeypatch.setattr(decode, "BUILD_MIN_FULL", 0.5)
     seen = {}
     for share in (1.0, decode.PIPELINE_MIN_FULL, 0.9, decode.BUILD_MIN_FULL, 0.49, 0.0):
         decoder.full_share = share

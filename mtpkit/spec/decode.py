@@ -65,6 +65,11 @@ PIPELINE_MIN_FULL = 0.92
 # before; so it stays off until `bench/ab_modes.py` shows it pays.
 BUILD_MIN_FULL: float | None = None
 FULL_SMOOTHING = 0.1
+# The share before any round: just under the launch threshold, so that the first rounds wait
+# for their verdicts and three full rounds in a row start launching ahead. From 1.0 the first
+# round was launched ahead blind, and a useless head's first discard cost ~1.3 rounds of the
+# few it drafts before adaptive drafting stops it (its target: >= 0.97 of stock).
+FULL_SHARE_START = 0.9
 
 # How a round is looked ahead (`MtpDecoder(pipeline=...)`): built and launched before this
 # verdict is read, or built only and launched once the verdict keeps every draft.
@@ -200,7 +205,7 @@ class MtpDecoder:
         # take a queued round back (pipeline stages hold different cache kinds).
         discardable = self.lockstep.all_true(can_discard(self.cache))
         self.pipeline = self.lockstep.share_choice(pipeline) if discardable else False
-        self.full_share = 1.0  # smoothed share of rounds that kept every draft
+        self.full_share = FULL_SHARE_START  # smoothed share of rounds that kept every draft
         self.draft_filter = draft_filter
 
     def prefill(self, step_size: int = 2048) -> None:
