@@ -76,12 +76,12 @@ def takes_kernel(module: nn.Module, x: mx.array) -> bool:
     return ROUTES[key]
 
 
-def _layers_for(model: nn.Module | None, rows: int | None) -> tuple[list[Layer], bool]:
+def _layers_for(model: nn.Module, rows: int | None) -> tuple[list[Layer], bool]:
     """The tapped layers of `model` a pass of `rows` rows swaps in, and whether that list is
     to be settled after the pass: all of them until a pass of `rows` has decided the routes
     of the layers it used, then only those routed to the kernel (a layer left to MLX's
     matmul, or never used with that many rows, costs no Python call per pass)."""
-    entry = _TAPPED.get(id(model)) if model is not None else None
+    entry = _TAPPED.get(id(model))
     if entry is None or entry[0]() is not model:
         return [], False
     _, layers, settled = entry
@@ -99,10 +99,9 @@ def _settle(model: nn.Module, rows: int) -> None:
 
 
 @contextlib.contextmanager
-def multi_row_matmuls(model: nn.Module | None = None, rows: int | None = None) -> Iterator[None]:
+def multi_row_matmuls(model: nn.Module, rows: int | None = None) -> Iterator[None]:
     """Within the block, `model`'s tapped layers send the rows their routes name to the
-    kernel (`rows`: the pass's row count, when known; `model` None: whatever layers are
-    tapped already obey)."""
+    kernel (`rows`: the pass's row count, when known)."""
     layers, settle = _layers_for(model, rows)
     before = [type(module) for module, _ in layers]
     for module, tapped in layers:
@@ -122,9 +121,14 @@ def _routed(module: nn.Module, x: mx.array) -> mx.array | None:
     """The kernel's product of `x` with `module`'s weight, or None where it does not apply."""
     if not _ACTIVE.get() or not takes_kernel(module, x):
         return None
+    return kernel_product(module, x)
+
+
+def kernel_product(module: nn.Module, x: mx.array) -> mx.array:
+    """`x` times `module`'s matrix by the kernel: its tensor-core variant where it applies."""
     w, scales, biases = module["weight"], module["scales"], module["biases"]
-    n, k = w.shape[0], x.shape[-1]
-    tensor_cores = qmv.mma_shape_ok(rows=qmv.rows_of(x.shape), n=n, k=k, group_size=module.group_size,
+    tensor_cores = qmv.mma_shape_ok(rows=qmv.rows_of(x.shape), n=w.shape[0], k=x.shape[-1],
+                                    group_size=module.group_size,
                                     dtypes=(x.dtype, scales.dtype, biases.dtype))  # fmt: skip
     return qmv.multi_row_qmv(x, w, scales, biases, group_size=module.group_size,
                              variant="mma" if tensor_cores else "fma")  # fmt: skip
@@ -200,15 +204,12 @@ def time_both(module: nn.Module, rows: int) -> tuple[float, float]:
     w, scales, biases = module["weight"], module["scales"], module["biases"]
     gs, k = module.group_size, route_key(module, 1)[1]
     x = mx.random.normal((1, rows, k), key=mx.random.key(rows)).astype(scales.dtype)
-    tensor_cores = qmv.mma_shape_ok(rows=rows, n=w.shape[0], k=k, group_size=gs,
-                                    dtypes=(x.dtype, scales.dtype, biases.dtype))  # fmt: skip
-    variant = "mma" if tensor_cores else "fma"
 
     def theirs() -> mx.array:
         return mx.quantized_matmul(x, w, scales, biases, transpose=True, group_size=gs, bits=4)
 
     def ours() -> mx.array:
-        return qmv.multi_row_qmv(x, w, scales, biases, group_size=gs, variant=variant)
+        return kernel_product(module, x)
 
     times: list[list[float]] = [[], []]
     for batch in range(BATCHES + 1):  # the first: warm-up (the kernel's build)
