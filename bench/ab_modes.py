@@ -11,11 +11,10 @@ import sys
 
 from mtpkit.bench.oracle import OracleDrafts
 from mtpkit.bench.shapes import random_model_dir
-from mtpkit.bench.speed import DEFAULT_PROMPT, _stock_run, _stock_tokens
+from mtpkit.bench.speed import DEFAULT_PROMPT, _mtp_run, _stock_run, _stock_tokens
 from mtpkit.core.prompts import encode_prompt
 from mtpkit.runtime.kernels import routing
 from mtpkit.runtime.model import load_model, untapped
-from mtpkit.spec.decode import MtpDecoder, SamplingSettings
 
 shape = sys.argv[1]
 layers = int(sys.argv[2]) if len(sys.argv) > 2 else None
@@ -28,24 +27,15 @@ prompt = encode_prompt(m.tokenizer, DEFAULT_PROMPT, chat_template=True)
 with untapped(m.final_norm):
     reference = _stock_tokens(m.model, m.tokenizer, prompt, N + 8)
 vocab = m.embedding.weight.shape[0]
-ref, tapped = routing._TAPPED.get(id(m.model), (None, []))
+ref, tapped, _ = routing._TAPPED.get(id(m.model), (None, [], {}))
 
 
 def mtp(depth, acceptance, mode, qmv):
-    if ref is not None:
-        routing._TAPPED[id(m.model)] = (ref, tapped if qmv else [])
+    if ref is not None:  # routes off: no layer of this model is swapped in
+        routing._TAPPED[id(m.model)] = (ref, tapped if qmv else [], {})
     oracle = OracleDrafts(reference, len(prompt), acceptance, vocab)
-    dec = MtpDecoder(m, prompt, depth=depth, sampling=SamplingSettings(), adaptive=False,
-                     pipeline=mode, draft_filter=oracle)  # fmt: skip
-    dec.read_round_verdict = oracle.read_verdict(dec)
-    import time
-
-    n, t0 = 0, None
-    for _ in dec.tokens(N):
-        n += 1
-        if t0 is None:
-            t0, n = time.perf_counter(), 0
-    return n / (time.perf_counter() - t0)
+    tps, _, _ = _mtp_run(m, prompt, depth, N, draft_filter=oracle, pipeline=mode)
+    return tps
 
 
 def stock():

@@ -175,13 +175,14 @@ def _mtp_run(
     max_tokens: int,
     adaptive: bool = False,
     draft_filter: DraftFilter | None = None,
+    pipeline: bool | str | None = None,
 ) -> tuple[float, float, MtpDecoder]:
     """Decode tok/s over rounds 2..end (the first round's tokens arrive with the prompt's
     cost, as the first token does in mlx-lm's figure), seconds per step (round or plain) over
-    the same span, and the decoder with its stats."""
+    the same span, and the decoder with its stats. `pipeline` as `MtpDecoder` takes it."""
     decoder = MtpDecoder(
         m, prompt, depth=depth, sampling=SamplingSettings(), adaptive=adaptive,
-        draft_filter=draft_filter,
+        draft_filter=draft_filter, pipeline=pipeline,
     )  # fmt: skip
     if isinstance(draft_filter, OracleDrafts):
         decoder.read_round_verdict = draft_filter.read_verdict(decoder)
