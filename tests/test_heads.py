@@ -157,15 +157,16 @@ def test_rounds_look_ahead_by_the_share_of_full_rounds(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """On a GPU (pipeline None) the next round is launched ahead while most rounds keep every
-    draft, built ahead down to BUILD_MIN_FULL (where one is set), and waits for the verdict
-    below; never where no more tokens are wanted, nor before three full rounds in a row."""
+    draft, built ahead down to BUILD_MIN_FULL (by default at every share; None: never), and
+    waits for the verdict below; never where no more tokens are wanted; launched ahead only
+    after three full rounds in a row."""
     from mtpkit.spec import decode
 
     m = load_model(converted_dir(tmp_path, "qwen3_5"))
     decoder = MtpDecoder(m, PROMPT, depth=1, sampling=SamplingSettings(), adaptive=False)
     assert decoder.pipeline is False  # the CPU: rounds stay serial
     decoder.pipeline = None  # as on a GPU
-    assert decoder._look_ahead(True) is None  # the first rounds wait for their verdicts
+    assert decoder._look_ahead(True) == "build"  # the first rounds: launched after verdicts
     for _ in range(3):  # three full rounds in a row: launched ahead from then on
         decoder.full_share += decode.FULL_SMOOTHING * (1 - decoder.full_share)
     assert decoder._look_ahead(True) == "launch"
@@ -177,7 +178,7 @@ def test_rounds_look_ahead_by_the_share_of_full_rounds(
         assert decoder._look_ahead(False) is None
     assert seen == {1.0: "launch", decode.PIPELINE_MIN_FULL: "launch", 0.9: "build",
                     decode.BUILD_MIN_FULL: "build", 0.49: None, 0.0: None}  # fmt: skip
-    monkeypatch.setattr(decode, "BUILD_MIN_FULL", None)  # the default: no building ahead
+    monkeypatch.setattr(decode, "BUILD_MIN_FULL", None)  # no building ahead
     decoder.full_share = 0.9
     assert decoder._look_ahead(True) is None
 

@@ -20,8 +20,8 @@ A discarded round that was launched cost its host time and its kernels ahead of 
 round, so rounds are launched ahead only while the smoothed share of fully kept rounds is at
 least `PIPELINE_MIN_FULL`. A round can also be only *built* ahead, while the device computes
 this one, and launched once this verdict shows every draft kept (a wrong guess then costs host
-time, none of the device's: `pipeline=BUILD_AHEAD`, or by default down to `BUILD_MIN_FULL`
-once a measurement shows it pays). Both only on a GPU (on a CPU the
+time, none of the device's: by default below the launch threshold, down to `BUILD_MIN_FULL`,
+or always with `pipeline=BUILD_AHEAD`). Both only on a GPU (on a CPU the
 host's build and a discarded round's compute take the cores that decode). Random draws of a
 discarded round are independent of everything kept, so sampling stays exact. Plain steps
 that are certain to be followed by another plain step are queued one ahead, as in mlx-lm's
@@ -57,13 +57,12 @@ CATCH_UP_AFTER = 256  # plain steps after which the head catches up while drafti
 # at 83% fully kept rounds pipelining made rounds 11% slower; break-even is near 91%.
 PIPELINE_MIN_FULL = 0.92
 # Build the next round ahead (launched only after a full verdict) while at least this share
-# of rounds keeps every draft; None: never by default (`pipeline=BUILD_AHEAD` forces it). In
-# theory a wrong guess costs a build only where the host is the bottleneck, and a right one
-# saves one. Measured on an H100 (qwen3_5-4b, 2026-11-25, built ahead below the launch
-# threshold at every share, bench/gpu_bench.sh): a depth-1 round at acceptance 0 cost 45 ms
-# against stock's 16.3 ms a token, at 0.8 37 ms, both above the serial rounds of the run
-# before; so it stays off until `bench/ab_modes.py` shows it pays.
-BUILD_MIN_FULL: float | None = None
+# of rounds keeps every draft (None: never; `pipeline=BUILD_AHEAD` forces it). A wrong guess
+# costs host time the device was busy through anyway. Measured on an H100 (2026-11-25,
+# `bash bench/gpu_bench.sh bench ab`: qwen3_5-4b with 8 layers, 5 interleaved trials, speedup
+# over stock, serial -> built ahead, qmv routes on): depth 1 at acceptance 0 0.55 -> 0.54,
+# at 0.8 1.00 -> 1.15, depth 3 at 0.9 1.33 -> 1.48; so at every share.
+BUILD_MIN_FULL: float | None = 0.0
 FULL_SMOOTHING = 0.1
 # The share before any round: just under the launch threshold, so that the first rounds wait
 # for their verdicts and three full rounds in a row start launching ahead. From 1.0 the first
