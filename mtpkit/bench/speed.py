@@ -295,7 +295,8 @@ def _trials(
     upcast_experts([stock_model], what=str(m.path))  # as mtpkit's own load does (CPU only)
     stock_tokenizer.eos_token_ids = []  # every run decodes exactly max_tokens tokens
     _stock_run(stock_model, stock_tokenizer, tokens, 8)  # warm up
-    _mtp_run(m, tokens, 1, 8)
+    for depth in range(1, plan.max_depth + 1):  # every verify width: kernel builds, routes
+        _mtp_run(m, tokens, depth, 8)
     if draft is not None:
         draft.check_target(stock_model, stock_tokenizer)
         draft.run(stock_model, stock_tokenizer, tokens, 8)  # warm up
