@@ -54,7 +54,7 @@ def table(results: list[dict[str, Any]]) -> str:
     depths = max((len(r["runs"]) for r in results), default=0)
     columns = ["model", "device", "stock tok/s", "--no-mtp / stock", "beta", "delta"]
     columns += [f"depth {d}: acceptance / speedup / ceiling" for d in range(1, depths + 1)]
-    columns.append("adaptive, depth 1")
+    columns.append("adaptive (depth 1-3 chosen)")
     lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
     lines += [row(r, depths) for r in results]
     trials = sorted({r.get("trials") for r in results if r.get("trials")})

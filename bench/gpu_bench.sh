@@ -32,7 +32,9 @@
 # then bench/bench_table.py over every bench-*.json (synthetic rows: the targets table).
 # Target `train`: bench/bench_train.py --random-shape qwen3_5-0.8b (steps/s, train-head).
 # Target `ab`: bench/ab_modes.py (serial vs built-ahead rounds, qmv routes on/off, 4b with 8
-# layers); target `profile`: bench/profile_stages.py at 0.8b and 9b (a round's stages).
+# layers); `ab-rows2`: its 2-row routes, lm_head-wide only vs every matrix timed (9b);
+# target `profile`: bench/profile_stages.py at 0.8b and 9b (a round's stages); `profile-tiny`:
+# the same on the bundled example (after target `tiny`, which converts it).
 # To run a worktree's code: copy its mtpkit/ and bench/ into the main checkout's .gpuwt/
 # (git-excluded), carry it, and call `bash .gpuwt/bench/gpu_bench.sh ...` after
 # `bash .gpu/install.sh` (its install step then finds MLX already installed).
@@ -74,6 +76,14 @@ bench() {
     elif [ "$target" = ab ]; then  # serial vs built-ahead rounds, qmv routes on/off (4b, 8 layers)
       timeout "$limit" python3 bench/ab_modes.py qwen3_5-4b 8 "${TRIALS:-5}" 2>&1 \
         | tee "$OUT/ab-modes.txt" | tail -15 >&2
+      continue
+    elif [ "$target" = ab-rows2 ]; then  # 2-row routes: lm_head-wide only vs timed (9b)
+      timeout "$limit" python3 bench/ab_modes.py qwen3_5-9b 32 "${TRIALS:-5}" rows2 2>&1 \
+        | tee "$OUT/ab-rows2.txt" | tail -12 >&2
+      continue
+    elif [ "$target" = profile-tiny ]; then  # the bundled example's round (after `tiny`)
+      timeout "$limit" python3 bench/profile_stages.py /tmp/mtpkit-tiny 2 24 2>&1 \
+        | tee "$OUT/profile-tiny.txt" | tail -40 >&2
       continue
     elif [ "$target" = profile ]; then  # a round's stages against stock's step (0.8b, 9b)
       for shape in qwen3_5-0.8b qwen3_5-9b; do

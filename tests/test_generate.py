@@ -70,6 +70,36 @@ def test_greedy_is_token_for_token_stock_mlx_lm(model, converted: Path, depth: i
     assert total_drafted > 0
 
 
+def test_adaptive_depth_goes_deeper_with_a_good_head_and_stops_a_useless_one(
+    model, converted: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Adaptive drafting choosing the depth (generate's default): the example's head, which
+    keeps ~95% of its first two drafts, is drafted mostly deeper than 1; a head whose drafts
+    are always wrong (oracle drafts at acceptance 0) drafts FIRST_ROUNDS rounds at depth 1
+    and then plain steps. Both stay token for token stock mlx-lm's (fresh load, no EOS)."""
+    from mtpkit.bench.oracle import OracleDrafts
+    from mtpkit.bench.speed import DEFAULT_PROMPT
+    from mtpkit.spec.adaptive import FIRST_ROUNDS
+
+    prompt = encode_prompt(model.tokenizer, DEFAULT_PROMPT)
+    stock_model, tokenizer = mlx_lm.load(str(converted))
+    tokenizer.eos_token_ids = []
+    stream = mlx_lm.stream_generate(stock_model, tokenizer, mx.array(prompt), max_tokens=96)
+    reference = [r.token for r in stream]
+    monkeypatch.setattr(model.tokenizer, "eos_token_ids", [])
+    vocab = model.embedding.weight.shape[0]
+    for useless in (False, True):
+        oracle = OracleDrafts(reference, len(prompt), 0.0, vocab) if useless else None
+        decoder = MtpDecoder(model, prompt, depth=3, sampling=SamplingSettings(),
+                             adaptive=True, choose_depth=True, draft_filter=oracle)  # fmt: skip
+        assert list(decoder.tokens(96)) == reference
+        by_depth = decoder.stats.rounds_by_depth[:3]
+        if useless:
+            assert by_depth == [FIRST_ROUNDS, 0, 0] and decoder.stats.plain_steps > 80
+        else:
+            assert by_depth[1] + by_depth[2] > 2 * by_depth[0] and by_depth[0] >= 1
+
+
 def test_greedy_identity_with_adaptive_switching(model, converted: Path) -> None:
     prompt = encode_prompt(model.tokenizer, heldout_prompts(1)[0])
     result = generate(model, prompt, max_tokens=60, depth=2, adaptive=True)
@@ -193,6 +223,38 @@ def test_adaptive_drafting_decides_from_the_yield_and_never_from_one_round() -> 
     for _ in range(8):
         timed.record_round(2, 3.0)
     assert timed.cost() == 3.0 and not timed.want_draft()
+
+
+def test_adaptive_depth_follows_the_acceptance_at_each_depth() -> None:
+    """choose_depth: start at depth 1; a head that keeps its first draft is tried deeper (an
+    unseen depth borrows the one above it); a depth whose drafts are rejected is left, and
+    probed again one round in PROBE_EVERY; a head that keeps nothing is paused."""
+    from mtpkit.spec.adaptive import FIRST_ROUNDS, PROBE_EVERY, AdaptiveDrafting
+
+    a = AdaptiveDrafting(enabled=True, depth=3, choose_depth=True)
+    a.priors = {1: 1.3, 2: 1.55, 3: 1.8}  # the GPU prior, whatever runs the test
+    assert a.next_depth() == 1
+    for _ in range(FIRST_ROUNDS):
+        a.record_round(2, depth=1)  # every first draft kept
+    assert a.next_depth() == 3  # depths 2 and 3 borrow depth 1's 100%
+    for _ in range(8):  # the second draft kept, the third never: 3 tokens a round
+        a.record_round(3, depth=a.next_depth())
+    assert a.acceptance()[1:] == [1.0, 0.0] and a.next_depth() == 2
+    at_two = 0
+    while a.next_depth() == 2 and at_two <= PROBE_EVERY:
+        a.record_round(3, depth=2)
+        at_two += 1
+    assert PROBE_EVERY - 8 < at_two < PROBE_EVERY  # the probe: PROBE_EVERY rounds after 3 -> 2
+    a.record_round(3, depth=3)
+    assert a.next_depth() == 2
+    useless = AdaptiveDrafting(enabled=True, depth=3, choose_depth=True)
+    for _ in range(FIRST_ROUNDS):
+        useless.record_round(1, depth=useless.next_depth())
+    assert not useless.want_draft() and useless.plain_left == 256
+    fixed = AdaptiveDrafting(enabled=True, depth=3)  # --depth 3: every round at 3
+    for _ in range(40):
+        fixed.record_round(2, depth=fixed.next_depth())
+        assert fixed.next_depth() == 3
 
 
 def test_adaptive_decisions_are_reproducible_without_timing() -> None:

@@ -25,6 +25,8 @@ GENERATE_KEYS = {
     "accepted",
     "acceptance",
     "acceptance_by_depth",
+    "depth_chosen",
+    "rounds_by_depth",
     "decode_tps",
     "prompt_tps",
     "peak_memory_gb",
@@ -59,6 +61,22 @@ def test_generate_json_keys_and_values(converted: Path) -> None:
     assert out["drafted"] >= out["accepted"] > 0
     assert out["acceptance"] == pytest.approx(out["accepted"] / out["drafted"])
     assert len(out["acceptance_by_depth"]) == 2
+    assert out["depth_chosen"] is False and out["rounds_by_depth"][0] == 0  # every round at 2
+    assert out["rounds_by_depth"][1] > 0
+
+
+def test_generate_chooses_the_depth_without_depth(converted: Path) -> None:
+    """Without --depth adaptive drafting chooses each round's depth (1-3, reported with the
+    rounds at each); with --no-adaptive every round drafts one token."""
+    args = ("generate", "--model", str(converted), "--prompt", PROMPT, "--max-tokens", "24",
+            "--mtp", "--json")  # fmt: skip
+    out = json.loads(run(*args).stdout)
+    assert out["depth"] == 3 and out["depth_chosen"] is True
+    assert len(out["rounds_by_depth"]) == 3 and out["rounds_by_depth"][0] >= 1
+    plain = json.loads(run(*args, "--no-adaptive").stdout)
+    assert plain["depth"] == 1 and plain["depth_chosen"] is False
+    assert len(plain["rounds_by_depth"]) == 1 and plain["rounds_by_depth"][0] >= 1
+    assert plain["tokens"] == out["tokens"]  # greedy: the model's own text either way
 
 
 LINES = (
@@ -78,7 +96,8 @@ def test_generate_prints_mlx_lm_generates_lines(converted: Path) -> None:
     a, b = re.fullmatch(LINES, mtp.stdout, re.S), re.fullmatch(LINES, plain.stdout, re.S)
     assert a and b, (mtp.stdout, plain.stdout)
     assert a["text"] == b["text"] and a["text"].strip()  # greedy: the same text
-    assert re.fullmatch(r"depth 1, acceptance \d+\.\d% \(\d+/\d+\)", a["mtp"])
+    chosen = r"depth 1-3 \(rounds at each: \d+/\d+/\d+\)"  # adaptive drafting's choices
+    assert re.fullmatch(chosen + r", acceptance \d+\.\d% \(\d+/\d+\)", a["mtp"])
     assert b["mtp"] == "MTP: off (plain decoding)".removeprefix("MTP: ")
     assert mtp.stderr == plain.stderr == ""
     quiet = run(*args, "--mtp", "--verbose", "False")
@@ -162,7 +181,8 @@ def test_bench_json(converted: Path) -> None:
     assert figures | {f"{k}_range" for k in figures} | {"runs", "adaptive"} <= set(out)
     assert "moe_dtype" in out
     assert [r["depth"] for r in out["runs"]] == [1, 2]
-    assert [(r["depth"], r["adaptive"]) for r in out["adaptive"]] == [(1, True)]
+    assert [(r["depth"], r["adaptive"]) for r in out["adaptive"]] == [(3, True)]  # 1-3 chosen
+    assert len(out["adaptive"][0]["rounds_by_depth"]) == 3
     for r in out["runs"]:
         assert {"depth", "acceptance", "decode_tps", "speedup", "ceiling"} <= set(r)
         assert r["decode_tps"] > 0 and r["ceiling"] > 0

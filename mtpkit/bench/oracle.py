@@ -62,7 +62,7 @@ class OracleDrafts:
 
         def read(r: Round) -> tuple[int, int, list[int]]:
             values = r.packed.tolist()
-            k = decoder.depth
+            k = r.depth
             targets, drafts = values[: k + 1], values[k + 1 :]
             kept = self.planned(self.rounds, k)
             self.rounds += 1

@@ -78,6 +78,7 @@ class BenchRun:
     ceiling_sync: float | None = None
     rounds: list[int] = field(default_factory=list)
     plain_steps: list[int] = field(default_factory=list)
+    rounds_by_depth: list[list[int]] = field(default_factory=list)  # adaptive's choices
     oracle: float | None = None  # synthetic: drafts right with this probability
 
     @property
@@ -114,7 +115,10 @@ class BenchRun:
             else None,
             "rounds": statistics.median(self.rounds) if self.rounds else 0,
             "plain_steps": statistics.median(self.plain_steps) if self.plain_steps else 0,
-        }
+            "rounds_by_depth": [
+                statistics.median(t[j] for t in self.rounds_by_depth) for j in range(self.depth)
+            ] if self.rounds_by_depth else [],
+        }  # fmt: skip
 
 
 @dataclass
@@ -202,7 +206,7 @@ class BenchResult:
 
 
 def _name(r: BenchRun) -> str:
-    name = f"depth {r.depth}" + (", adaptive" if r.adaptive else "")
+    name = f"depth 1-{r.depth}, adaptive" if r.adaptive else f"depth {r.depth}"
     return name if r.oracle is None else f"{name} @{r.oracle:g}"
 
 

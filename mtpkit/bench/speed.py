@@ -50,6 +50,7 @@ from mtpkit.runtime.model import (
 )
 from mtpkit.runtime.sharded import PIPELINE, load_sharded, world
 from mtpkit.runtime.upcast import upcast_experts
+from mtpkit.spec.adaptive import AUTO_MAX_DEPTH
 from mtpkit.spec.decode import DraftFilter, MtpDecoder, SamplingSettings
 from mtpkit.spec.generate import check_prompt
 
@@ -182,7 +183,7 @@ def _mtp_run(
     the same span, and the decoder with its stats. `pipeline` as `MtpDecoder` takes it."""
     decoder = MtpDecoder(
         m, prompt, depth=depth, sampling=SamplingSettings(), adaptive=adaptive,
-        draft_filter=draft_filter, pipeline=pipeline,
+        draft_filter=draft_filter, pipeline=pipeline, choose_depth=adaptive,
     )  # fmt: skip
     if isinstance(draft_filter, OracleDrafts):
         decoder.read_round_verdict = draft_filter.read_verdict(decoder)
@@ -267,16 +268,18 @@ class Plan:
 
     def configs(self) -> list[Config]:
         """The MTP runs each trial makes after stock and --no-mtp: depths 1..K and adaptive
-        (depth 1), with the head's drafts or at each oracle acceptance."""
+        drafting as `generate --mtp` runs it by default (each round's depth chosen, 1 to
+        AUTO_MAX_DEPTH), with the head's drafts or at each oracle acceptance."""
         out: list[Config] = []
         for a in self.acceptances if self.acceptances is not None else [None]:
-            out += [(d, False, a) for d in range(1, self.max_depth + 1)] + [(1, True, a)]
+            out += [(d, False, a) for d in range(1, self.max_depth + 1)]
+            out.append((AUTO_MAX_DEPTH, True, a))
         return out
 
 
 def _name(config: Config) -> str:
     depth, adaptive, oracle = config
-    name = f"MTP depth {depth}" + (" adaptive" if adaptive else "")
+    name = f"MTP depth 1-{depth} adaptive" if adaptive else f"MTP depth {depth}"
     return name if oracle is None else f"{name} at oracle acceptance {oracle:g}"
 
 
@@ -295,7 +298,7 @@ def _trials(
     upcast_experts([stock_model], what=str(m.path))  # as mtpkit's own load does (CPU only)
     stock_tokenizer.eos_token_ids = []  # every run decodes exactly max_tokens tokens
     _stock_run(stock_model, stock_tokenizer, tokens, 8)  # warm up
-    for depth in range(1, plan.max_depth + 1):  # every verify width: kernel builds, routes
+    for depth in range(1, max(plan.max_depth, AUTO_MAX_DEPTH) + 1):  # kernel builds, routes
         _mtp_run(m, tokens, depth, 8)
     if draft is not None:
         draft.check_target(stock_model, stock_tokenizer)
@@ -379,3 +382,4 @@ def _record(run: BenchRun, decoder: MtpDecoder, rate: float, base: float, step: 
     run.by_depth.append(stats.acceptance_by_depth(run.depth))
     run.rounds.append(stats.rounds)
     run.plain_steps.append(stats.plain_steps)
+    run.rounds_by_depth.append(stats.rounds_by_depth[: run.depth])

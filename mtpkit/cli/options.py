@@ -258,14 +258,15 @@ TopKOpt = Annotated[
     int, typer.Option("--top-k", min=0, metavar="K", help="Sample among the top K (0: off).")
 ]
 DepthOpt = Annotated[
-    int,
+    int | None,
     typer.Option(
         "--depth",
         "--num-draft-tokens",
         min=MIN_DEPTH,
         max=MAX_DEPTH,
         metavar="K",
-        help=f"Draft tokens per step, {MIN_DEPTH}..{MAX_DEPTH} (the head chained).",
+        help=f"Draft tokens per step, {MIN_DEPTH}..{MAX_DEPTH} (the head chained). Default: "
+        "chosen each round by adaptive drafting (1-3), or 1 with --no-adaptive.",
     ),
 ]
 MaxTokensOpt = Annotated[
@@ -395,7 +396,9 @@ GenerateHiddenOpt = Annotated[
 AdaptiveOpt = Annotated[
     bool,
     typer.Option(
-        "--adaptive/--no-adaptive", help="Pause drafting while it is slower than plain decoding."
+        "--adaptive/--no-adaptive",
+        help="Pause drafting while it is slower than plain decoding, and without --depth "
+        "choose each round's depth (1-3) from the head's acceptance.",
     ),
 ]
 ChatTemplateOpt = Annotated[

@@ -158,7 +158,11 @@ def print_generate(result: Any) -> None:
     print(f"Peak memory: {result.peak_memory_gb:.3f} GB")
     if result.mtp:
         acc = "n/a" if result.acceptance is None else f"{result.acceptance:.1%}"
-        line = f"MTP: depth {result.depth}, acceptance {acc} ({result.accepted}/{result.drafted})"
+        depth = f"depth {result.depth}"
+        if result.depth_chosen:  # adaptive drafting chose each round's depth
+            rounds = "/".join(str(n) for n in result.rounds_by_depth)
+            depth = f"depth 1-{result.depth} (rounds at each: {rounds})"
+        line = f"MTP: {depth}, acceptance {acc} ({result.accepted}/{result.drafted})"
     else:
         line = "MTP: off (plain decoding)"
     if result.moe_dtype:

@@ -1,5 +1,5 @@
-"""Adaptive drafting: draft while the head's yield pays for what a round costs, and decide
-only from figures that are stable on a shared, noisy device.
+"""Adaptive drafting: draft while the head's yield pays for what a round costs, at the depth
+that pays best, and decide only from figures that are stable on a shared, noisy device.
 
 A drafting round at depth K costs `r_K` plain steps and yields `1 + accepted` tokens, so it
 pays while the head's yield (tokens per round, averaged over rounds) exceeds `r_K`. The two
@@ -17,6 +17,14 @@ No decision draws a random number. The schedule: draft from the start and judge 
 steps for a stretch (32 tokens, doubling to 1024; a head with no draft accepted at all:
 256, doubling to 4096), then `RETRY_ROUNDS` rounds judged on their own; a win resets the
 stretch. The plain steps of a stretch are queued one ahead, as stock mlx-lm's loop does.
+
+Choosing the depth (`choose_depth`, the default of `generate` without `--depth`): the head's
+acceptance at each depth j, given every earlier draft of its round kept, is counted over the
+last `OBSERVED` drafts judged at j (a depth not yet seen `MIN_OBSERVED` times borrows the
+one above it, so a head that keeps its first draft is tried deeper). A round at depth K
+then yields E_K = 1 + a_1 + a_1 a_2 + ... (K terms) tokens for r_K steps; the next rounds
+draft at the K of the largest E_K / r_K, starting at depth 1, and every `PROBE_EVERY` rounds
+below the deepest one round goes one deeper, so that a depth judged once is judged again.
 """
 
 from __future__ import annotations
@@ -30,12 +38,18 @@ RETRY_ROUNDS = 3
 WINDOW = 16
 TIMED = 32  # wall-clock samples kept of each kind (greedy refinement)
 MIN_TIMED = 8
+AUTO_MAX_DEPTH = 3  # the deepest depth adaptive drafting chooses when no depth is given
+OBSERVED = 32  # drafts per depth whose verdicts give its acceptance
+MIN_OBSERVED = 4
+PROBE_EVERY = 32
 
 # Round cost over a plain step at depth 1, and what each further depth adds. GPU (CUDA,
-# Metal): a depth-1 round cost 1.05-1.12 plain steps on an H100 (qwen3_5 0.8b-9b, 4-bit,
-# bench/profile_round.py), so 1.2 leaves a margin. CPU: a verify row costs about a full
-# pass (README, "On this CPU MTP barely pays"), the bundled example's depth-1 rounds ~1.6.
-COST_PRIORS = {"gpu": (1.2, 0.15), "cpu": (1.6, 0.6)}
+# Metal): on an H100 (2026-11-25, `mtpkit bench --random`, qwen3_5 0.8b-9b and the 35B MoE
+# at 8 layers, 4-bit, rounds built ahead) rounds at acceptance 0.9 cost 1.10-1.49 stock
+# steps at depth 1 and 0.12-0.65 more per further depth; the bundled example's rounds
+# (launch-bound) 1.85 / 2.1 / 2.7. CPU: a verify row costs about a full pass (README, "On
+# this CPU MTP barely pays"), the bundled example's depth-1 rounds ~1.6.
+COST_PRIORS = {"gpu": (1.3, 0.25), "cpu": (1.6, 0.6)}
 
 
 def prior_cost(depth: int, device: str | None = None) -> float:
@@ -44,42 +58,98 @@ def prior_cost(depth: int, device: str | None = None) -> float:
     return base + per_depth * (depth - 1)
 
 
+def resolve_depth(depth: int | None, adaptive: bool) -> tuple[int, bool]:
+    """(the deepest depth a round drafts, whether adaptive drafting chooses it) for a `depth`
+    given or not (None: chosen up to `AUTO_MAX_DEPTH` when adaptive, else 1)."""
+    if depth is not None:
+        return depth, False
+    return (AUTO_MAX_DEPTH, True) if adaptive else (1, False)
+
+
+def expected_tokens(acceptance: list[float]) -> float:
+    """Tokens a round yields at depth len(acceptance): 1 + a_1 + a_1 a_2 + ..."""
+    total, kept = 1.0, 1.0
+    for a in acceptance:
+        kept *= a
+        total += kept
+    return total
+
+
 class AdaptiveDrafting:
-    """Whether the next step drafts (see the module's text). `timed`: refine the round cost by
-    the wall clock (greedy runs only); `cost`: the prior in plain steps (default: the
-    backend's, `prior_cost`)."""
+    """Whether the next step drafts, and at which depth (see the module's text). `depth`: the
+    depth of every round, or with `choose_depth` the deepest; `timed`: refine the round cost
+    by the wall clock (greedy runs only); `cost`: the prior in plain steps at `depth`
+    (default: the backend's, `prior_cost`)."""
 
     def __init__(
-        self, enabled: bool, depth: int = 1, *, timed: bool = False, cost: float | None = None
+        self,
+        enabled: bool,
+        depth: int = 1,
+        *,
+        timed: bool = False,
+        cost: float | None = None,
+        choose_depth: bool = False,
     ) -> None:
         self.enabled = enabled
-        self.depth = depth
+        self.max_depth = depth
+        self.choose = enabled and choose_depth
+        self.depth = 1 if self.choose else depth  # of the next round
         self.timed = timed
-        self.prior = prior_cost(depth) if cost is None else cost
+        self.priors = {k: prior_cost(k) for k in range(1, depth + 1)}
+        if cost is not None:
+            self.priors[depth] = cost
         self.yields: list[int] = []  # tokens per round since drafting (re)started
         self.need = FIRST_ROUNDS
         self.plain_left = 0
         self.stretch = 32
         self.barren_stretch = 256
         self.any_accepted = False
-        self.round_times: list[float] = []
+        self.round_times: dict[int, list[float]] = {}
         self.plain_times: list[float] = []
         self.after_rounds = False  # the next plain step carries the head's catch-up
+        self.observed: dict[int, list[int]] = {k: [] for k in range(1, depth + 1)}
+        self.since_probe = 0
 
     def want_draft(self) -> bool:
         return not self.enabled or self.plain_left <= 0
+
+    def next_depth(self) -> int:
+        """The depth of the next drafting round: the chosen one, or one deeper to probe."""
+        if self.choose and self.depth < self.max_depth and self.since_probe >= PROBE_EVERY:
+            return self.depth + 1
+        return self.depth
 
     def plain_ahead(self) -> int:
         """Plain steps certain to follow the current one (read before recording it)."""
         return max(0, self.plain_left - 1) if self.enabled else 0
 
-    def cost(self) -> float:
-        """Round cost in plain steps: the prior, or (timed) the medians' ratio."""
-        if self.timed and min(len(self.round_times), len(self.plain_times)) >= MIN_TIMED:
+    def cost(self, depth: int | None = None) -> float:
+        """Round cost at `depth` in plain steps: the prior, or (timed) the medians' ratio."""
+        depth = depth or self.depth
+        rounds = self.round_times.get(depth, [])
+        if self.timed and min(len(rounds), len(self.plain_times)) >= MIN_TIMED:
             plain = statistics.median(self.plain_times)
             if plain > 0:
-                return statistics.median(self.round_times) / plain
-        return self.prior
+                return statistics.median(rounds) / plain
+        return self.priors[depth]
+
+    def acceptance(self) -> list[float]:
+        """Each depth's acceptance given the drafts before it kept, as the counts say (every
+        round judges its first draft; a deeper depth seen fewer than MIN_OBSERVED times
+        borrows the one above it)."""
+        out: list[float] = []
+        for k in range(1, self.max_depth + 1):
+            seen = self.observed[k]
+            enough = len(seen) >= (1 if k == 1 else MIN_OBSERVED)
+            out.append(sum(seen) / len(seen) if enough else (out[-1] if out else 1.0))
+        return out
+
+    def best_depth(self) -> tuple[int, float]:
+        """The depth whose rounds pay best, and their tokens per plain step's cost."""
+        a = self.acceptance()
+        values = {k: expected_tokens(a[:k]) / self.cost(k) for k in self.priors}
+        best = max(values, key=lambda k: (values[k], -k))
+        return best, values[best]
 
     def record_plain(self, seconds: float) -> None:
         if not self.enabled:
@@ -89,18 +159,31 @@ class AdaptiveDrafting:
         self.after_rounds = False
         self.plain_left -= 1
 
-    def record_round(self, emitted: int, seconds: float = 0.0) -> None:
-        """A drafting round yielded `emitted` tokens (1 + drafts accepted)."""
+    def record_round(self, emitted: int, seconds: float = 0.0, depth: int | None = None) -> None:
+        """A drafting round at `depth` (default: the current one) yielded `emitted` tokens
+        (1 + drafts accepted)."""
         if not self.enabled:
             return
+        depth = depth or self.depth
+        accepted = emitted - 1
+        for k in range(1, min(accepted + 1, depth) + 1):  # the drafts that were judged
+            self.observed[k] = (self.observed[k] + [int(k <= accepted)])[-OBSERVED:]
+        self.since_probe = 0 if depth > self.depth else self.since_probe + 1
         self.after_rounds = True
         self.any_accepted |= emitted > 1
         if self.timed:
-            self.round_times = (self.round_times + [seconds])[-TIMED:]
+            self.round_times[depth] = (self.round_times.get(depth, []) + [seconds])[-TIMED:]
         self.yields = (self.yields + [emitted])[-WINDOW:]
         if len(self.yields) < self.need:
             return
-        if sum(self.yields) / len(self.yields) >= self.cost():
+        if self.choose:
+            chosen, value = self.best_depth()
+            if chosen != self.depth:  # probes count from a change of depth
+                self.depth, self.since_probe = chosen, 0
+            pays = value >= 1.0
+        else:
+            pays = sum(self.yields) / len(self.yields) >= self.cost()
+        if pays:
             self.stretch = 32
             self.need = 1  # judged from now on at every round, on the last WINDOW
             return
@@ -111,4 +194,5 @@ class AdaptiveDrafting:
             self.plain_left = self.barren_stretch
             self.barren_stretch = min(self.barren_stretch * 2, 4096)
         self.yields = []
+        self.observed = {k: [] for k in self.observed}  # the retry is judged on its own
         self.need = RETRY_ROUNDS

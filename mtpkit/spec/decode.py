@@ -82,6 +82,8 @@ DraftFilter = Callable[[int, mx.array], mx.array]
 @dataclass
 class Stats:
     prompt_tokens: int = 0
+    depth: int = 1  # the deepest a round drafts at
+    depth_chosen: bool = False  # adaptive drafting chose each round's
     generated: list[int] = field(default_factory=list)
     drafted: int = 0
     accepted: int = 0
@@ -93,6 +95,7 @@ class Stats:
     decode_time: float = 0.0
     decode_tokens: int = 0
     rounds: int = 0
+    rounds_by_depth: list[int] = field(default_factory=lambda: [0] * MAX_DEPTH)
     last_accepted: int = 0
     plain_steps: int = 0
     pipelined: int = 0  # rounds built before the previous verdict was read
@@ -118,6 +121,7 @@ class Stats:
         self.last_accepted = accepted
         self._count(drafts, accepted, +1)
         self.rounds += 1
+        self.rounds_by_depth[len(drafts) - 1] += 1
 
     def end_round_at(self, kept: int) -> None:
         """The last round's output ended after `kept` of its tokens (at an EOS): drafts from
@@ -143,6 +147,7 @@ class Round:
     """One drafting round in flight: queued on the device, its verdict not read yet."""
 
     position: int  # prompt + output tokens before its first draft
+    depth: int  # drafts it verifies
     verified: VerifyPass
     packed: mx.array  # the verdict, read once
     followers: mx.array  # the confirmed token after each verify input
@@ -161,7 +166,8 @@ class MtpDecoder:
     plain steps until done. `pipeline`: None decides on a GPU by the share of fully kept
     rounds (launch or build the next round ahead, see the module's text), True always
     launches ahead, BUILD_AHEAD always builds ahead, False never looks ahead (tests force
-    each); `draft_filter` replaces the head's drafts (bench, tests)."""
+    each); `draft_filter` replaces the head's drafts (bench, tests). `choose_depth`: adaptive
+    drafting picks each round's depth up to `depth` (`spec/adaptive.py`)."""
 
     def __init__(
         self,
@@ -175,16 +181,22 @@ class MtpDecoder:
         pipeline: bool | str | None = None,
         draft_filter: DraftFilter | None = None,
         max_kv_size: int | None = None,
+        choose_depth: bool = False,
     ) -> None:
         if not m.has_head and use_mtp:
             raise NoMtpHead(f"{m.path} has no MTP head")
-        self.m, self.prompt, self.depth, self.sampling = m, prompt, depth, sampling
         self.use_mtp = use_mtp
         # Across ranks (`mtpkit.runtime.ranks`) every rank must take the same step: adaptive
         # drafting may decide from each machine's own clock, so there every round drafts.
         self.lockstep = m.lockstep
         adaptive = adaptive and use_mtp and self.lockstep.size == 1
-        self.adaptive = AdaptiveDrafting(adaptive, depth, timed=sampling.greedy)
+        if choose_depth and not adaptive:
+            depth, choose_depth = 1, False
+        self.m, self.prompt, self.depth, self.sampling = m, prompt, depth, sampling
+        self.adaptive = AdaptiveDrafting(
+            adaptive, depth, timed=sampling.greedy, choose_depth=choose_depth
+        )
+        self.round_depth = depth  # of the last drafting round
         self.cache = m.make_cache(max_kv_size)
         self.drafter: HeadDrafter | FollowerDrafter | None = None
         if m.head is not None:
@@ -196,7 +208,7 @@ class MtpDecoder:
         self._ahead: tuple[mx.array, mx.array] | None = None
         self._queued: Round | None = None  # the next round, queued on speculation
         self.n_confirmed = 0  # tokens confirmed after the prompt
-        self.stats = Stats(prompt_tokens=len(prompt))
+        self.stats = Stats(prompt_tokens=len(prompt), depth=depth, depth_chosen=choose_depth)
         self.sampler = sampling.sampler()
         if pipeline is None and mx.default_device() != mx.gpu:
             pipeline = False  # a CPU computes a discarded round on the cores it decodes on
@@ -234,12 +246,13 @@ class MtpDecoder:
         """Draft, verify `[last, drafts]`, judge and start the head's step, all queued on the
         device (`launch` False: built only, `Round.launch` starts it); nothing is read.
         `speculative`: the previous round's verdict is unread, so keep what takes this pass
-        back."""
+        back. Its depth: adaptive drafting's choice (else `depth`)."""
+        depth = self.adaptive.next_depth()
         undo = None
         if speculative:  # unlaunched: the head's cache is put back whole too (`discard`)
             caches = self.cache + (self._head_caches() if not launch else [])
-            undo = PassUndo.before(caches, self.depth + 1, unlaunched=not launch)
-        drafts, dists = self.drafter.draft(self.depth, self.sampling)
+            undo = PassUndo.before(caches, depth + 1, unlaunched=not launch)
+        drafts, dists = self.drafter.draft(depth, self.sampling)
         if self.draft_filter is not None and self.m.head is not None:
             drafts = self.draft_filter(position, drafts)
         drafts = self.lockstep.share(drafts)  # rank 0's drafts on every rank
@@ -247,14 +260,14 @@ class MtpDecoder:
         if self.m.head is not None:
             packed, followers = verdict(verified.logits[0], drafts, dists, self.sampling)
         else:  # a rank without the head reads rank 0's verdict
-            packed = placeholder_verdict(self.depth, self.sampling.greedy, verified.logits)
+            packed = placeholder_verdict(depth, self.sampling.greedy, verified.logits)
         if self.lockstep.size > 1:  # rank 0's verdict, and the followers it implies
             packed = self.lockstep.share(packed, after=[verified.logits])
-            followers = followers_of(packed, self.depth, self.sampling.greedy)
+            followers = followers_of(packed, depth, self.sampling.greedy)
         if launch:
             mx.async_eval(packed)
-        head_out = self.drafter.queue(self.depth, verified.hidden, followers, launch=launch)
-        return Round(position, verified, packed, followers, head_out, undo, launch)
+        head_out = self.drafter.queue(depth, verified.hidden, followers, launch=launch)
+        return Round(position, depth, verified, packed, followers, head_out, undo, launch)
 
     def read_round_verdict(self, r: Round) -> tuple[int, int, list[int]]:
         """The round's one host read: drafts kept, the backbone's token after them, the
@@ -297,13 +310,13 @@ class MtpDecoder:
             # Premise: r keeps all its drafts; its last pair is the next round's start.
             self.drafter.ready = r.head_out[:, -1:]
             launch = ahead == LAUNCH_AHEAD
-            position = r.position + self.depth + 1
+            position = r.position + r.depth + 1
             queued = self.build_round(r.followers[-1:], position, True, launch=launch)
             self.stats.pipelined += 1
             self.stats.launched_ahead += launch
         accepted, next_token, drafts = self.read_round_verdict(r)
         kept = accepted + 1  # verify inputs whose effect on the caches stays
-        full = accepted == self.depth
+        full = accepted == r.depth
         self.full_share += FULL_SMOOTHING * (full - self.full_share)
         if queued is not None and full:
             if not queued.launched:
@@ -317,6 +330,7 @@ class MtpDecoder:
             r.verified.rollback(self.cache, kept)
         confirmed = drafts[:accepted] + [next_token]
         self.stats.record_round(r.position, drafts, accepted)
+        self.round_depth = r.depth
         self.n_confirmed += len(confirmed)
         self.last_token = next_token
         return confirmed
@@ -363,7 +377,7 @@ class MtpDecoder:
         drafting = can_draft and self.adaptive.want_draft() and self._ahead is None
         if self._queued is not None or (drafting and self.drafter.can_draft()):
             new = self.draft_round(may_look_ahead)
-            self.adaptive.record_round(len(new), time.perf_counter() - t0)
+            self.adaptive.record_round(len(new), time.perf_counter() - t0, self.round_depth)
             return new
         ahead = not can_draft or self.adaptive.plain_ahead() > 0
         new = self.plain_step(ahead=ahead and may_look_ahead)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +22,7 @@ from mtpkit.core.prompts import encode_prompt
 from mtpkit.families import Family, family_for
 from mtpkit.runtime.model import GenerateError, MtpModel, NoMtpHead, load_model, untapped
 from mtpkit.runtime.sharded import load_sharded, world
+from mtpkit.spec.adaptive import resolve_depth
 from mtpkit.spec.decode import MtpDecoder, SamplingSettings, Stats
 
 GREEDY = SamplingSettings()
@@ -44,8 +45,11 @@ class GenerationResult:
     prompt_tps: float
     peak_memory_gb: float
     mtp: bool
-    depth: int
+    depth: int  # the deepest depth a round could draft at (0: no MTP)
     moe_dtype: str | None = None
+    # Drafting rounds at depth 1, 2, ... (adaptive drafting chooses it without --depth).
+    rounds_by_depth: list[int] = field(default_factory=list)
+    depth_chosen: bool = False
 
     @property
     def acceptance(self) -> float | None:
@@ -66,6 +70,8 @@ class GenerationResult:
             "peak_memory_gb": self.peak_memory_gb,
             "mtp": self.mtp,
             "depth": self.depth,
+            "depth_chosen": self.depth_chosen,
+            "rounds_by_depth": self.rounds_by_depth,
             "moe_dtype": self.moe_dtype,
         }
 
@@ -86,14 +92,16 @@ def stream_tokens(
     *,
     max_tokens: int = 256,
     mtp: bool = True,
-    depth: int = 1,
+    depth: int | None = None,
     sampling: SamplingSettings = GREEDY,
     adaptive: bool = True,
     seed: int | None = None,
     max_kv_size: int | None = None,
 ) -> tuple[Iterator[int], Callable[[], Stats]]:
     """Token ids as they are confirmed, and a function giving the run's statistics.
-    `max_kv_size` bounds the attention caches as mlx-lm's does (rotating caches)."""
+    `depth` None: adaptive drafting chooses each round's (1..AUTO_MAX_DEPTH; without
+    `adaptive`, 1). `max_kv_size` bounds the attention caches as mlx-lm's does."""
+    depth, choose = resolve_depth(depth, adaptive)
     require_depth(depth)
     check_prompt(m, prompt)
     if seed is not None:
@@ -105,20 +113,25 @@ def stream_tokens(
             m, prompt, max_tokens=max_tokens, sampling=sampling, max_kv_size=max_kv_size
         )
     decoder = MtpDecoder(
-        m, prompt, depth=depth, sampling=sampling, adaptive=adaptive, max_kv_size=max_kv_size
-    )
+        m, prompt, depth=depth, sampling=sampling, adaptive=adaptive, max_kv_size=max_kv_size,
+        choose_depth=choose,
+    )  # fmt: skip
     return decoder.tokens(max_tokens), lambda: decoder.stats
 
 
-def warm_up(m: MtpModel, prompt: list[int], *, mtp: bool, depth: int = 1) -> None:
+def warm_up(m: MtpModel, prompt: list[int], *, mtp: bool, depth: int | None = None) -> None:
     """A short untimed greedy run down the same path, so that the reported rates leave out
     MLX's first-call costs (its CPU backend compiles kernels on first use), as the warm-up
     of mlx-lm's own benchmark does. Nothing of it is kept (fresh caches, no sampling)."""
-    if not MIN_DEPTH <= depth <= MAX_DEPTH:
+    deepest = resolve_depth(depth, True)[0]
+    if not MIN_DEPTH <= deepest <= MAX_DEPTH:
         return  # stream_tokens reports it
-    it, _ = stream_tokens(m, prompt[:2], max_tokens=depth + 1, mtp=mtp, depth=depth)
-    for _ in it:
-        pass
+    for k in range(1, deepest + 1) if depth is None else [depth]:  # every depth it may draft at
+        it, _ = stream_tokens(m, prompt[:2], max_tokens=k + 1, mtp=mtp, depth=k, adaptive=False)
+        for _ in it:
+            pass
+        if not mtp:
+            break
 
 
 def _stock_tokens(
@@ -168,7 +181,7 @@ def generate(
     *,
     max_tokens: int = 256,
     mtp: bool | str = True,
-    depth: int = 1,
+    depth: int | None = None,
     temp: float = 0.0,
     top_p: float = TOP_P_OFF,
     top_k: int = 0,
@@ -230,10 +243,11 @@ def generate(
         max_kv_size=max_kv_size,
     )
     text = _detokenize(m.tokenizer, it, on_token)
-    return _result(m, text, stats_fn(), use_mtp, depth)
+    return _result(m, text, stats_fn(), use_mtp)
 
 
-def _result(m: MtpModel, text: str, stats: Stats, use_mtp: bool, depth: int) -> GenerationResult:
+def _result(m: MtpModel, text: str, stats: Stats, use_mtp: bool) -> GenerationResult:
+    depth = stats.depth
     return GenerationResult(
         text=text,
         tokens=list(stats.generated),
@@ -249,6 +263,8 @@ def _result(m: MtpModel, text: str, stats: Stats, use_mtp: bool, depth: int) -> 
         mtp=use_mtp,
         depth=depth if use_mtp else 0,
         moe_dtype=m.moe_dtype,
+        rounds_by_depth=stats.rounds_by_depth[:depth] if use_mtp else [],
+        depth_chosen=stats.depth_chosen and use_mtp,
     )
 
 

@@ -49,7 +49,7 @@ def generate_command(
     prompt: PromptOpt = DEFAULT_PROMPT,
     max_tokens: MaxTokensOpt = 256,
     mtp: MtpOpt = None,
-    depth: DepthOpt = 1,
+    depth: DepthOpt = None,
     temp: TempOpt = 0.0,
     top_p: TopPOpt = 1.0,
     min_p: MinPOpt = 0.0,
@@ -133,7 +133,7 @@ def generate_command(
 
 
 def _mtp_mode(
-    ctx: typer.Context, mtp: bool | None, depth: int, hidden: Hidden | None
+    ctx: typer.Context, mtp: bool | None, depth: int | None, hidden: Hidden | None
 ) -> bool | str:
     """True, False or "auto" from --mtp/--no-mtp and the one word `--mtp auto` may add;
     anything else on the line is a usage error, as is a draft depth for plain decoding."""
@@ -143,7 +143,7 @@ def _mtp_mode(
     if extra:
         hint = " (only `--mtp auto` takes a word)" if "auto" in extra else ""
         ctx.fail(f"Got unexpected extra argument ({' '.join(extra)}){hint}")
-    if mtp is False and depth != 1:
+    if mtp is False and depth is not None:
         ctx.fail("--depth drafts with the head: it contradicts --no-mtp")
     if mtp is False and hidden is not None:
         ctx.fail("--hidden feeds the head: it contradicts --no-mtp")
