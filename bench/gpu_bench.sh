@@ -34,7 +34,8 @@
 # Target `ab`: bench/ab_modes.py (serial vs built-ahead rounds, qmv routes on/off, 4b with 8
 # layers); `ab-rows2`: its 2-row routes, lm_head-wide only vs every matrix timed (9b);
 # target `profile`: bench/profile_stages.py at 0.8b and 9b (a round's stages); `profile-tiny`:
-# the same on the bundled example (after target `tiny`, which converts it).
+# the same on the bundled example (after target `tiny`, which converts it); `sdpa`:
+# bench/sdpa_shapes.py (attention's cost at key lengths never seen, by head size and mask).
 # To run a worktree's code: copy its mtpkit/ and bench/ into the main checkout's .gpuwt/
 # (git-excluded), carry it, and call `bash .gpuwt/bench/gpu_bench.sh ...` after
 # `bash .gpu/install.sh` (its install step then finds MLX already installed).
@@ -80,6 +81,9 @@ bench() {
     elif [ "$target" = ab-rows2 ]; then  # 2-row routes: lm_head-wide only vs timed (9b)
       timeout "$limit" python3 bench/ab_modes.py qwen3_5-9b 32 "${TRIALS:-5}" rows2 2>&1 \
         | tee "$OUT/ab-rows2.txt" | tail -12 >&2
+      continue
+    elif [ "$target" = sdpa ]; then  # does attention build per new key length? (verify)
+      timeout "$limit" python3 bench/sdpa_shapes.py 2>&1 | tee "$OUT/sdpa.txt" >&2
       continue
     elif [ "$target" = profile-tiny ]; then  # the bundled example's round (after `tiny`)
       timeout "$limit" python3 bench/profile_stages.py /tmp/mtpkit-tiny 2 24 2>&1 \

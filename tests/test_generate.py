@@ -100,6 +100,29 @@ def test_adaptive_depth_goes_deeper_with_a_good_head_and_stops_a_useless_one(
             assert by_depth[1] + by_depth[2] > 2 * by_depth[0] and by_depth[0] >= 1
 
 
+@pytest.mark.parametrize("depth", [1, 3])
+def test_greedy_is_stock_with_the_verify_attention_from_ops(
+    model, converted: Path, monkeypatch: pytest.MonkeyPatch, depth: int
+) -> None:
+    """The verify pass and the head's step with attention by `attention_by_ops` (what CUDA
+    runs: `runtime/kernels/attention.py`, forced here) decode stock mlx-lm's greedy text."""
+    from mtpkit.runtime.kernels import attention
+
+    monkeypatch.setattr(attention, "_cuda", lambda: True)
+    used = []
+    by_ops = attention.attention_by_ops
+    monkeypatch.setattr(
+        attention, "attention_by_ops", lambda *a, **kw: used.append(1) or by_ops(*a, **kw)
+    )
+    for text in heldout_prompts(2):
+        prompt = encode_prompt(model.tokenizer, text)
+        reference = stock_tokens(converted, prompt, 40)
+        assert (
+            generate(model, prompt, max_tokens=40, depth=depth, adaptive=False).tokens == reference
+        )
+    assert used  # the full-attention layer's verify and the head's attention took it
+
+
 def test_greedy_identity_with_adaptive_switching(model, converted: Path) -> None:
     prompt = encode_prompt(model.tokenizer, heldout_prompts(1)[0])
     result = generate(model, prompt, max_tokens=60, depth=2, adaptive=True)

@@ -579,3 +579,73 @@ def test_the_tensor_core_qmv_is_the_bf16_product(emulated_cuda, rows, n, k, grou
     assert out.shape == (1, rows, n) and out.dtype == mx.bfloat16
     got = np.array(out.astype(mx.float32))
     np.testing.assert_allclose(got, ref, rtol=2**-8, atol=2**-8 * np.abs(ref).max())
+
+
+# -- attention of a few queries without a per-length build ---------------------------------
+def _attention_reference(q, k, v, scale, mask) -> np.ndarray:
+    """float64 numpy: softmax(q k^T * scale + mask) v, grouped-query heads repeated."""
+    q, k, v = (np.asarray(x, dtype=np.float64) for x in (q, k, v))
+    rep = q.shape[1] // k.shape[1]
+    k, v = np.repeat(k, rep, axis=1), np.repeat(v, rep, axis=1)
+    scores = q @ k.swapaxes(-1, -2) * scale
+    length, keys = q.shape[2], k.shape[2]
+    if isinstance(mask, str):
+        mask = np.arange(keys - length, keys)[:, None] >= np.arange(keys)[None]
+    if mask is not None:
+        mask = np.asarray(mask)
+        scores = np.where(mask, scores, -np.inf) if mask.dtype == bool else scores + mask
+    weights = np.exp(scores - scores.max(-1, keepdims=True))
+    return (weights / weights.sum(-1, keepdims=True)) @ v
+
+
+@pytest.mark.parametrize("hq,hk,d,dv", [(4, 2, 32, 32), (8, 8, 128, 128), (8, 2, 192, 128)])
+@pytest.mark.parametrize("length", [2, 4])
+def test_few_query_attention_is_attention(hq: int, hk: int, d: int, dv: int, length: int) -> None:
+    """`attention_by_ops` against float64 numpy, for every mask mlx-lm passes: none, causal
+    (queries at the end of the keys), boolean [L, S] (rotating caches), additive per head."""
+    from mtpkit.runtime.kernels.attention import attention_by_ops
+
+    keys = 37
+    ks = mx.random.split(mx.random.key(length), 5)
+    q = mx.random.normal((1, hq, length, d), key=ks[0])
+    k = mx.random.normal((1, hk, keys, d), key=ks[1])
+    v = mx.random.normal((1, hk, keys, dv), key=ks[2])
+    masks = [None, "causal", mx.random.uniform(shape=(length, keys), key=ks[3]) > 0.3,
+             mx.random.normal((1, hq, length, keys), key=ks[4])]  # fmt: skip
+    for mask in masks:
+        out = attention_by_ops(q, k, v, scale=d**-0.5, mask=mask)
+        ref = _attention_reference(q, k, v, d**-0.5, mask)
+        assert out.shape == (1, hq, length, dv)
+        assert np.abs(np.asarray(out) - ref).max() < 1e-4, mask
+
+
+def test_few_query_attention_takes_only_a_few_queries_and_only_inside(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Inside the block 2..MAX_QUERIES queries go to the ops (no call to MLX's), one query,
+    longer calls and attention sinks to MLX's; outside, and off CUDA unforced, MLX's."""
+    from mtpkit.runtime.kernels import attention
+
+    calls = []
+    original = mx.fast.scaled_dot_product_attention
+
+    def mlxs(q, k, v, *, scale, mask=None, **kwargs):
+        calls.append(q.shape[2])
+        return original(q, k, v, scale=scale, mask=mask, **kwargs)
+
+    monkeypatch.setattr(mx.fast, "scaled_dot_product_attention", mlxs)
+    k = v = mx.zeros((1, 2, 40, 32))
+
+    def attend(length: int, **kwargs) -> None:
+        q = mx.zeros((1, 2, length, 32))
+        mx.eval(mx.fast.scaled_dot_product_attention(q, k, v, scale=1.0, mask="causal", **kwargs))
+
+    with attention.few_query_attention(force=True):
+        for length in (1, 2, 3, attention.MAX_QUERIES, attention.MAX_QUERIES + 1):
+            attend(length)
+        attend(3, sinks=mx.zeros((2,)))
+    assert calls == [1, attention.MAX_QUERIES + 1, 3]
+    with attention.few_query_attention():  # the CPU: nothing changes
+        attend(2)
+    attend(3)
+    assert calls[3:] == [2, 3] and mx.fast.scaled_dot_product_attention is mlxs

@@ -28,6 +28,7 @@ from mtpkit.core.errors import MtpkitError
 from mtpkit.families import BackboneParts, backbone_parts
 from mtpkit.mlxlm import stock_model_classes
 from mtpkit.runtime.headload import HeadWeights, MtpHead, load_head
+from mtpkit.runtime.kernels.attention import few_query_attention
 from mtpkit.runtime.kernels.gdn_verify import use_fast_verify
 from mtpkit.runtime.kernels.routing import multi_row_matmuls
 from mtpkit.runtime.ranks import SINGLE, Lockstep
@@ -195,7 +196,8 @@ class MtpModel:
             replay = CacheReplay.before(cache, tokens, lambda t, c: self.model(t, cache=c))
             recurrent = False
         snapshots = GdnSnapshots() if recurrent else None
-        with capture_gdn_states(snapshots), multi_row_matmuls(self.model, tokens.shape[0]):
+        rows = tokens.shape[0]
+        with capture_gdn_states(snapshots), multi_row_matmuls(self.model, rows), few_query_attention():
             logits, hidden = self.forward(tokens[None], cache)
         return VerifyPass(logits, hidden, snapshots, tokens.shape[0], replay)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
+from mtpkit.runtime.kernels.attention import few_query_attention
 from mtpkit.runtime.model import POST_NORM, MtpModel
 from mtpkit.spec.accept import SamplingSettings
 
@@ -54,7 +55,8 @@ class HeadDrafter:
         if self.pending_tokens:
             hidden, tokens = self._pending()
             self.pending_hidden, self.pending_tokens = [], []
-            x = head(hidden, m.embed(mx.array(tokens)[None]), self.cache, step=0)[:, -1:]
+            with few_query_attention():  # a few pairs at a new length (CUDA: no build)
+                x = head(hidden, m.embed(mx.array(tokens)[None]), self.cache, step=0)[:, -1:]
         else:
             x = self.ready
         self.ready = None
@@ -93,7 +95,8 @@ class HeadDrafter:
         queued with `mx.async_eval` unless `launch` is False); `settle` keeps the confirmed
         ones. Returns its output."""
         self.drop_drafts(depth)
-        out = self.head(hidden, self.m.embed(followers[None]), self.cache, step=0)
+        with few_query_attention():  # K+1 pairs at a new length (CUDA: no build)
+            out = self.head(hidden, self.m.embed(followers[None]), self.cache, step=0)
         if launch:
             mx.async_eval(out)
         return out

@@ -38,7 +38,10 @@ MARGIN = 0.9  # the kernel must take at most this share of MLX's time to be chos
 # too, and the 2-token verify forward then cost 1.34 of a 1-token one, against 1.19 with
 # MLX's matmul everywhere (issue 18's table); at 3-4 tokens it cost 1.44-1.45 (flat), where
 # MLX's grows with the rows (qwen3_5-9b: a 4-token verify took 1.79 times a 2-token one
-# with the lm_head alone routed).
+# with the lm_head alone routed). Again on an H100 (qwen3_5-9b, 2026-11-26, `bash
+# bench/gpu_bench.sh bench ab-rows2`, 5 interleaved trials): the timings routed every matrix
+# from 4096 x 4096 up at 2 rows, and depth 1 then ran at 1.05x stock at acceptance 0.8 and
+# 1.08x at 0.9, against 1.14x and 1.17x with only the lm_head routed at 2 rows.
 TIMED_FROM_ROWS = 3
 WIDE_WEIGHTS = 64 * 1024 * 1024
 BATCHES = 5  # interleaved timing batches per matrix and rows (median taken)
