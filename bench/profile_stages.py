@@ -25,6 +25,7 @@ from mlx_lm.generate import generation_stream
 from mtpkit.bench.shapes import random_model_dir
 from mtpkit.bench.speed import DEFAULT_PROMPT
 from mtpkit.core.prompts import encode_prompt
+from mtpkit.runtime.kernels.attention import few_query_attention
 from mtpkit.runtime.model import load_model, untapped
 from mtpkit.spec.accept import verdict
 from mtpkit.spec.decode import MtpDecoder, SamplingSettings
@@ -94,9 +95,11 @@ def round_stages(depth):
                 box["p"], box["f"] = verdict(box["v"].logits[0], box["d"], None, dec.sampling)
                 return [box["p"], box["f"]]
 
-            def queue():
+            def queue():  # the drafter's queue step, unlaunched (few_query_attention: as it)
                 dec.drafter.drop_drafts(depth)
-                box["o"] = dec.m.head(box["v"].hidden, m.embed(box["f"][None]), dec.drafter.cache, step=0)
+                with few_query_attention():
+                    box["o"] = dec.m.head(box["v"].hidden, m.embed(box["f"][None]),
+                                          dec.drafter.cache, step=0)  # fmt: skip
                 return [box["o"]]
 
             for name, fn in (("draft", draft), ("verify", verify), ("verdict", judge), ("queue", queue)):
