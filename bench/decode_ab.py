@@ -5,8 +5,9 @@
 Loads `mtpkit/spec/decode.py` (and `mtpkit/spec/accept.py` if it has one) as of REV (default: main)
 beside the working tree's, on the same loaded model, and times per trial, interleaved:
 stock `mlx_lm.stream_generate`, then for each decoder its plain decoding (no MTP), MTP at
-depths 1..3 (no adaptive drafting) and depth 1 with adaptive drafting (`generate --mtp`'s
-default), which it also reports over its own plain decoding. Prints, per
+depths 1..3 (no adaptive drafting), depth 1 with adaptive drafting, which it also reports
+over its own plain decoding, and `generate --mtp`'s default (adaptive drafting choosing the
+depth, where the decoder has that; else depth 1 adaptive). Prints, per
 configuration, the median decode tok/s over stock's in the same trial, with its range, by
 the wall clock and by the process's CPU time (on a machine shared with other jobs the wall
 clock mostly measures them; CPU time does not see the overlap `mx.async_eval` buys).
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import inspect
 import statistics
 import subprocess
 import sys
@@ -70,6 +72,7 @@ def main() -> None:
     from mtpkit.core.prompts import encode_prompt
     from mtpkit.runtime.model import load_model
     from mtpkit.spec import decode
+    from mtpkit.spec.adaptive import AUTO_MAX_DEPTH
 
     before = load_revision(args.before, Path(tempfile.mkdtemp()))
     m = load_model(args.model)
@@ -94,16 +97,24 @@ def main() -> None:
         stream = mlx_lm.stream_generate(stock_model, stock_tok, prompt, max_tokens=n)
         return timed(r.token for r in stream)
 
-    def mtp(module: types.ModuleType, depth: int, adaptive: bool | None):
-        """adaptive None: the decoder's plain decoding (no MTP), the baseline of the others."""
+    def mtp(module: types.ModuleType, depth: int, adaptive: bool | str | None):
+        """adaptive None: the decoder's plain decoding (no MTP), the baseline of the others;
+        "default": `generate --mtp`'s default (adaptive drafting choosing the depth where the
+        decoder can, else depth 1)."""
+        extra = {}
+        if adaptive == "default":
+            params = inspect.signature(module.MtpDecoder.__init__).parameters
+            if "choose_depth" in params:
+                depth, extra = AUTO_MAX_DEPTH, {"choose_depth": True}
         d = module.MtpDecoder(
             m, prompt, depth=depth, sampling=module.SamplingSettings(),
-            adaptive=bool(adaptive), use_mtp=adaptive is not None,
+            adaptive=bool(adaptive), use_mtp=adaptive is not None, **extra,
         )  # fmt: skip
         return timed(d.tokens(n))
 
     configs = [("plain", 1, None)] + [(f"d{k}", k, False) for k in (1, 2, 3)]
     configs.append(("adaptive d1", 1, True))
+    configs.append(("default", 1, "default"))
     decoders = {"before": before, "after": decode}
     ratios: dict[tuple[str, str], list[float]] = {}
     reference = stock()[1]
