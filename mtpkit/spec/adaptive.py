@@ -18,13 +18,17 @@ steps for a stretch (32 tokens, doubling to 1024; a head with no draft accepted 
 256, doubling to 4096), then `RETRY_ROUNDS` rounds judged on their own; a win resets the
 stretch. The plain steps of a stretch are queued one ahead, as stock mlx-lm's loop does.
 
-Choosing the depth (`choose_depth`, the default of `generate` without `--depth`): the head's
-acceptance at each depth j, given every earlier draft of its round kept, is counted over the
-last `OBSERVED` drafts judged at j (a depth not yet seen `MIN_OBSERVED` times borrows the
-one above it, so a head that keeps its first draft is tried deeper). A round at depth K
-then yields E_K = 1 + a_1 + a_1 a_2 + ... (K terms) tokens for r_K steps; the next rounds
-draft at the K of the largest E_K / r_K, starting at depth 1, and every `PROBE_EVERY` rounds
-below the deepest one round goes one deeper, so that a depth judged once is judged again.
+Choosing the depth (`choose_depth`, the default of `generate` without `--depth`): a round at
+depth K yields E_K tokens for r_K plain steps, and the next rounds draft at the K of the
+largest E_K / r_K, starting at depth 1. E_K is the mean yield of the last rounds at depth K
+once there are `MEASURED_ROUNDS` of them; before, an estimate, 1 + a_1 + a_1 a_2 + ... (K
+terms), from the head's acceptance at each depth j given the drafts before it kept, counted
+in rounds no deeper than K (a depth seen fewer than `MIN_OBSERVED` times borrows the one
+above it). The estimate is optimistic, so a depth that might pay is tried, and then judged on
+its own rounds: a text's period can make a draft's acceptance depend on the round's depth
+(the bundled example keeps its second draft 98% of the time in depth-2 rounds, 62% in
+depth-3 ones). Every `PROBE_EVERY` rounds one round goes one deeper or one shallower, in
+turn, so that a depth's yield is judged again.
 """
 
 from __future__ import annotations
@@ -39,8 +43,9 @@ WINDOW = 16
 TIMED = 32  # wall-clock samples kept of each kind (greedy refinement)
 MIN_TIMED = 8
 AUTO_MAX_DEPTH = 3  # the deepest depth adaptive drafting chooses when no depth is given
-OBSERVED = 32  # drafts per depth whose verdicts give its acceptance
+OBSERVED = 32  # drafts per depth (and rounds per depth) whose verdicts count
 MIN_OBSERVED = 4
+MEASURED_ROUNDS = 4  # rounds at a depth from which their own mean yield stands for it
 PROBE_EVERY = 32
 
 # Round cost over a plain step at depth 1, and what each further depth adds. GPU (CUDA,
@@ -107,17 +112,25 @@ class AdaptiveDrafting:
         self.round_times: dict[int, list[float]] = {}
         self.plain_times: list[float] = []
         self.after_rounds = False  # the next plain step carries the head's catch-up
-        self.observed: dict[int, list[int]] = {k: [] for k in range(1, depth + 1)}
+        # By the depth of the round, then by the draft's depth: 1 kept, 0 rejected.
+        self.observed: dict[int, dict[int, list[int]]] = self._fresh()
+        self.yields_at: dict[int, list[int]] = {k: [] for k in self.priors}  # by round depth
         self.since_probe = 0
+        self.probe_deeper = True
+
+    def _fresh(self) -> dict[int, dict[int, list[int]]]:
+        return {k: {j: [] for j in range(1, k + 1)} for k in self.priors}
 
     def want_draft(self) -> bool:
         return not self.enabled or self.plain_left <= 0
 
     def next_depth(self) -> int:
-        """The depth of the next drafting round: the chosen one, or one deeper to probe."""
-        if self.choose and self.depth < self.max_depth and self.since_probe >= PROBE_EVERY:
-            return self.depth + 1
-        return self.depth
+        """The depth of the next drafting round: the chosen one, or a neighbour to probe."""
+        if not self.choose or self.since_probe < PROBE_EVERY:
+            return self.depth
+        turn = (1, -1) if self.probe_deeper else (-1, 1)
+        neighbours = [self.depth + step for step in turn if 1 <= self.depth + step <= self.max_depth]
+        return neighbours[0] if neighbours else self.depth
 
     def plain_ahead(self) -> int:
         """Plain steps certain to follow the current one (read before recording it)."""
@@ -133,21 +146,28 @@ class AdaptiveDrafting:
                 return statistics.median(rounds) / plain
         return self.priors[depth]
 
-    def acceptance(self) -> list[float]:
-        """Each depth's acceptance given the drafts before it kept, as the counts say (every
-        round judges its first draft; a deeper depth seen fewer than MIN_OBSERVED times
-        borrows the one above it)."""
+    def acceptance(self, upto: int | None = None) -> list[float]:
+        """Each depth's acceptance given the drafts before it kept, as counted in rounds no
+        deeper than `upto` (default: all; every round judges its first draft; a deeper depth
+        seen fewer than MIN_OBSERVED times borrows the one above it)."""
+        upto = upto or self.max_depth
         out: list[float] = []
-        for k in range(1, self.max_depth + 1):
-            seen = self.observed[k]
-            enough = len(seen) >= (1 if k == 1 else MIN_OBSERVED)
+        for j in range(1, upto + 1):
+            seen = [x for k in range(j, upto + 1) for x in self.observed[k][j]]
+            enough = len(seen) >= (1 if j == 1 else MIN_OBSERVED)
             out.append(sum(seen) / len(seen) if enough else (out[-1] if out else 1.0))
         return out
 
+    def expected(self, depth: int) -> float:
+        """Tokens a round at `depth` yields: its rounds' mean, or the estimate from counts."""
+        own = self.yields_at[depth]
+        if len(own) >= MEASURED_ROUNDS:
+            return sum(own) / len(own)
+        return expected_tokens(self.acceptance(depth))
+
     def best_depth(self) -> tuple[int, float]:
         """The depth whose rounds pay best, and their tokens per plain step's cost."""
-        a = self.acceptance()
-        values = {k: expected_tokens(a[:k]) / self.cost(k) for k in self.priors}
+        values = {k: self.expected(k) / self.cost(k) for k in self.priors}
         best = max(values, key=lambda k: (values[k], -k))
         return best, values[best]
 
@@ -166,9 +186,14 @@ class AdaptiveDrafting:
             return
         depth = depth or self.depth
         accepted = emitted - 1
-        for k in range(1, min(accepted + 1, depth) + 1):  # the drafts that were judged
-            self.observed[k] = (self.observed[k] + [int(k <= accepted)])[-OBSERVED:]
-        self.since_probe = 0 if depth > self.depth else self.since_probe + 1
+        seen = self.observed[depth]
+        for j in range(1, min(accepted + 1, depth) + 1):  # the drafts that were judged
+            seen[j] = (seen[j] + [int(j <= accepted)])[-OBSERVED:]
+        self.yields_at[depth] = (self.yields_at[depth] + [emitted])[-OBSERVED:]
+        if depth != self.depth:  # a probe: the next one goes the other way
+            self.since_probe, self.probe_deeper = 0, depth < self.depth
+        else:
+            self.since_probe += 1
         self.after_rounds = True
         self.any_accepted |= emitted > 1
         if self.timed:
@@ -194,5 +219,6 @@ class AdaptiveDrafting:
             self.plain_left = self.barren_stretch
             self.barren_stretch = min(self.barren_stretch * 2, 4096)
         self.yields = []
-        self.observed = {k: [] for k in self.observed}  # the retry is judged on its own
+        self.observed = self._fresh()  # the retry is judged on its own
+        self.yields_at = {k: [] for k in self.priors}
         self.need = RETRY_ROUNDS
