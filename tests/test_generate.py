@@ -248,37 +248,36 @@ def test_adaptive_drafting_decides_from_the_yield_and_never_from_one_round() -> 
     assert timed.cost() == 3.0 and not timed.want_draft()
 
 
-def test_adaptive_depth_follows_the_yield_at_each_depth() -> None:
+def test_adaptive_depth_follows_the_acceptance_of_each_depths_rounds() -> None:
     """choose_depth: start at depth 1; a head that keeps its first draft is tried deeper (an
-    unmeasured depth is estimated from the counts, optimistically); each depth tried is then
-    judged on its own rounds' yield, so a depth the counts of deeper rounds underrate is
-    still tried (the bundled example's periodic text); neighbours are probed in turn every
-    PROBE_EVERY rounds; a head that keeps nothing is paused."""
-    from mtpkit.spec.adaptive import FIRST_ROUNDS, MEASURED_ROUNDS, PROBE_EVERY, AdaptiveDrafting
+    unseen draft borrows the one before it); a depth is then judged on its own rounds'
+    counts, so a depth that deeper rounds underrate is still tried (the bundled example's
+    periodic text); neighbours are probed in turn every PROBE_EVERY rounds; a head that
+    keeps nothing is paused."""
+    from mtpkit.spec.adaptive import FIRST_ROUNDS, MIN_OBSERVED, PROBE_EVERY, AdaptiveDrafting
 
     a = AdaptiveDrafting(enabled=True, depth=3, choose_depth=True)
     a.priors = {1: 1.3, 2: 1.55, 3: 1.8}  # the GPU prior, whatever runs the test
     assert a.next_depth() == 1
     for _ in range(FIRST_ROUNDS):
         a.record_round(2, depth=1)  # every first draft kept
-    assert a.next_depth() == 3  # depths 2 and 3 borrow depth 1's 100%
-    for emitted in [4, 2] * (MEASURED_ROUNDS // 2):  # depth 3 keeps its second draft half
-        assert a.next_depth() == 3  # the time, its third always after the second: 3 tokens
+    assert a.next_depth() == 3  # drafts 2 and 3 borrow the first's 100%
+    for emitted in [4, 2] * (MIN_OBSERVED // 2):  # depth 3 keeps its second draft half
+        assert a.next_depth() == 3  # the time (the third, unseen 4 times, borrows 50%)
         a.record_round(emitted, depth=3)
-    assert a.acceptance()[1] == 0.5 and a.expected(3) == 3.0
-    # The counts of depth-3 rounds would rate depth 2 at 2.5 tokens; unmeasured, depth 2 is
-    # estimated from rounds no deeper than 2 (none: 100%), so it is tried, and kept where
-    # its own rounds yield 3 tokens (3 / 1.55 against depth 3's 3 / 1.8).
-    assert a.next_depth() == 2
-    for _ in range(MEASURED_ROUNDS):
+    assert a.acceptance(3) == [1.0, 0.5, 0.5] and a.expected(3) == 2.75  # 1.53 a step
+    # Depth 2, never drafted, is estimated from rounds no deeper (none: it borrows 100%),
+    # so it is tried, and kept where its own rounds keep the second draft (3 / 1.55).
+    assert a.acceptance(2) == [1.0, 1.0] and a.next_depth() == 2
+    for _ in range(MIN_OBSERVED):
         a.record_round(3, depth=2)
-    assert a.expected(2) == 3.0 and a.next_depth() == 2
+    assert a.expected(2) == 3.0 and a.expected(3) == 2.75 and a.next_depth() == 2
     probes = []
     for _ in range(3 * PROBE_EVERY):
         depth = a.next_depth()
         if depth != 2:
             probes.append(depth)
-        a.record_round(3 if depth >= 2 else 2, depth=depth)
+        a.record_round(min(depth + 1, 3), depth=depth)
     assert probes[:2] == [3, 1] and set(probes) == {1, 3}  # one deeper, one shallower, in turn
     assert a.next_depth() == 2
     useless = AdaptiveDrafting(enabled=True, depth=3, choose_depth=True)

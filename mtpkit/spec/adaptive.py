@@ -19,16 +19,15 @@ steps for a stretch (32 tokens, doubling to 1024; a head with no draft accepted 
 stretch. The plain steps of a stretch are queued one ahead, as stock mlx-lm's loop does.
 
 Choosing the depth (`choose_depth`, the default of `generate` without `--depth`): a round at
-depth K yields E_K tokens for r_K plain steps, and the next rounds draft at the K of the
-largest E_K / r_K, starting at depth 1. E_K is the mean yield of the last rounds at depth K
-once there are `MEASURED_ROUNDS` of them; before, an estimate, 1 + a_1 + a_1 a_2 + ... (K
-terms), from the head's acceptance at each depth j given the drafts before it kept, counted
-in rounds no deeper than K (a depth seen fewer than `MIN_OBSERVED` times borrows the one
-above it). The estimate is optimistic, so a depth that might pay is tried, and then judged on
-its own rounds: a text's period can make a draft's acceptance depend on the round's depth
-(the bundled example keeps its second draft 98% of the time in depth-2 rounds, 62% in
-depth-3 ones). Every `PROBE_EVERY` rounds one round goes one deeper or one shallower, in
-turn, so that a depth's yield is judged again.
+depth K yields E_K = 1 + a_1 + a_1 a_2 + ... (K terms) tokens for r_K plain steps, and the next
+rounds draft at the K of the largest E_K / r_K, starting at depth 1. a_j, the head's
+acceptance at its j-th draft given the drafts before it kept, is counted over the last
+`OBSERVED` drafts: the first draft's in every round; a later one's in the rounds at depth K
+once they have judged it `MIN_OBSERVED` times (a text's period can make it depend on the
+round's depth: the bundled example keeps its second draft 98% of the time in depth-2 rounds,
+62% in depth-3 ones), before that in rounds no deeper than K, and unseen it borrows the one
+before it, so a depth that might pay is tried. Every `PROBE_EVERY` rounds one round goes one
+deeper or one shallower, in turn, so that a depth's counts are renewed.
 """
 
 from __future__ import annotations
@@ -45,7 +44,6 @@ MIN_TIMED = 8
 AUTO_MAX_DEPTH = 3  # the deepest depth adaptive drafting chooses when no depth is given
 OBSERVED = 32  # drafts per depth (and rounds per depth) whose verdicts count
 MIN_OBSERVED = 4
-MEASURED_ROUNDS = 4  # rounds at a depth from which their own mean yield stands for it
 PROBE_EVERY = 32
 
 # Round cost over a plain step at depth 1, and what each further depth adds. GPU (CUDA,
@@ -114,7 +112,6 @@ class AdaptiveDrafting:
         self.after_rounds = False  # the next plain step carries the head's catch-up
         # By the depth of the round, then by the draft's depth: 1 kept, 0 rejected.
         self.observed: dict[int, dict[int, list[int]]] = self._fresh()
-        self.yields_at: dict[int, list[int]] = {k: [] for k in self.priors}  # by round depth
         self.since_probe = 0
         self.probe_deeper = True
 
@@ -146,23 +143,26 @@ class AdaptiveDrafting:
                 return statistics.median(rounds) / plain
         return self.priors[depth]
 
-    def acceptance(self, upto: int | None = None) -> list[float]:
-        """Each depth's acceptance given the drafts before it kept, as counted in rounds no
-        deeper than `upto` (default: all; every round judges its first draft; a deeper depth
-        seen fewer than MIN_OBSERVED times borrows the one above it)."""
-        upto = upto or self.max_depth
+    def acceptance(self, depth: int | None = None) -> list[float]:
+        """The acceptance of a round at `depth` (default: the deepest) at each of its drafts,
+        given the drafts before it kept: the first draft's counted in every round; a later
+        one's in rounds at `depth` once they judged it MIN_OBSERVED times, else in rounds no
+        deeper than `depth`, else borrowed from the draft before it."""
+        depth = depth or self.max_depth
         out: list[float] = []
-        for j in range(1, upto + 1):
-            seen = [x for k in range(j, upto + 1) for x in self.observed[k][j]]
+        for j in range(1, depth + 1):
+            if j == 1:
+                seen = [x for k in self.priors for x in self.observed[k][1]]
+            else:
+                seen = self.observed[depth][j]
+                if len(seen) < MIN_OBSERVED:
+                    seen = [x for k in range(j, depth + 1) for x in self.observed[k][j]]
             enough = len(seen) >= (1 if j == 1 else MIN_OBSERVED)
             out.append(sum(seen) / len(seen) if enough else (out[-1] if out else 1.0))
         return out
 
     def expected(self, depth: int) -> float:
-        """Tokens a round at `depth` yields: its rounds' mean, or the estimate from counts."""
-        own = self.yields_at[depth]
-        if len(own) >= MEASURED_ROUNDS:
-            return sum(own) / len(own)
+        """Tokens a round at `depth` yields, estimated from the counts (`acceptance`)."""
         return expected_tokens(self.acceptance(depth))
 
     def best_depth(self) -> tuple[int, float]:
@@ -189,7 +189,6 @@ class AdaptiveDrafting:
         seen = self.observed[depth]
         for j in range(1, min(accepted + 1, depth) + 1):  # the drafts that were judged
             seen[j] = (seen[j] + [int(j <= accepted)])[-OBSERVED:]
-        self.yields_at[depth] = (self.yields_at[depth] + [emitted])[-OBSERVED:]
         if depth != self.depth:  # a probe: the next one goes the other way
             self.since_probe, self.probe_deeper = 0, depth < self.depth
         else:
@@ -220,5 +219,4 @@ class AdaptiveDrafting:
             self.barren_stretch = min(self.barren_stretch * 2, 4096)
         self.yields = []
         self.observed = self._fresh()  # the retry is judged on its own
-        self.yields_at = {k: [] for k in self.priors}
         self.need = RETRY_ROUNDS
