@@ -42,7 +42,7 @@ WINDOW = 16
 TIMED = 32  # wall-clock samples kept of each kind (greedy refinement)
 MIN_TIMED = 8
 AUTO_MAX_DEPTH = 3  # the deepest depth adaptive drafting chooses when no depth is given
-OBSERVED = 32  # drafts per depth (and rounds per depth) whose verdicts count
+OBSERVED = 32  # verdicts kept per round depth and draft
 MIN_OBSERVED = 4
 PROBE_EVERY = 32
 
