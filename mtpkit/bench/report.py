@@ -18,6 +18,8 @@ from typing import Any
 
 import mlx.core as mx
 
+from mtpkit.spec.adaptive import expected_tokens
+
 MIN_TRIALS = 5
 MAX_SPREAD = 0.25  # (max - min) / median of a speedup beyond which it means little
 
@@ -49,15 +51,6 @@ class Figure:
     def __str__(self) -> str:
         low, high = self.range
         return f"{self.median:.3g} [{low:.3g}-{high:.3g}]"
-
-
-def expected_tokens(acceptance_by_depth: list[float | None]) -> float:
-    """E_K: tokens a round yields at these per-depth acceptances."""
-    expected = running = 1.0
-    for a in acceptance_by_depth:
-        running *= a or 0.0
-        expected += running
-    return expected
 
 
 def _median_or_none(values: list[float | None]) -> float | None:

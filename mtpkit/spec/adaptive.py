@@ -69,11 +69,12 @@ def resolve_depth(depth: int | None, adaptive: bool) -> tuple[int, bool]:
     return (AUTO_MAX_DEPTH, True) if adaptive else (1, False)
 
 
-def expected_tokens(acceptance: list[float]) -> float:
-    """Tokens a round yields at depth len(acceptance): 1 + a_1 + a_1 a_2 + ..."""
+def expected_tokens(acceptance: list[float | None]) -> float:
+    """E_K, the tokens a round yields at depth K = len(acceptance) given each draft's
+    acceptance (None: never judged, 0): 1 + a_1 + a_1 a_2 + ..."""
     total, kept = 1.0, 1.0
     for a in acceptance:
-        kept *= a
+        kept *= a or 0.0
         total += kept
     return total
 
