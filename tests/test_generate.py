@@ -108,7 +108,7 @@ def test_greedy_is_stock_with_the_verify_attention_from_ops(
     runs: `runtime/kernels/attention.py`, forced here) decode stock mlx-lm's greedy text."""
     from mtpkit.runtime.kernels import attention
 
-    monkeypatch.setattr(attention, "_cuda", lambda: True)
+    monkeypatch.setattr(attention, "cuda_available", lambda: True)
     used = []
     by_ops = attention.attention_by_ops
     monkeypatch.setattr(

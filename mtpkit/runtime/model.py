@@ -199,7 +199,7 @@ class MtpModel:
         rows = tokens.shape[0]
         with capture_gdn_states(snapshots), multi_row_matmuls(self.model, rows), few_query_attention():
             logits, hidden = self.forward(tokens[None], cache)
-        return VerifyPass(logits, hidden, snapshots, tokens.shape[0], replay)
+        return VerifyPass(logits, hidden, snapshots, rows, replay)
 
 
 # ---------------------------------------------------------------------------------------

@@ -26,6 +26,7 @@ from typing import Any
 import mlx.core as mx
 
 from mtpkit.core.environment import switch
+from mtpkit.runtime.kernels.gdn_verify import cuda_available
 
 MAX_QUERIES = 16  # longer calls (prefill chunks, the head's catch-up) build once per shape
 
@@ -65,16 +66,11 @@ def _grouped(mask: mx.array, hk: int, rep: int) -> mx.array:
     return mask.reshape(*mask.shape[:-3], hk, rep, *mask.shape[-2:])
 
 
-def _cuda() -> bool:
-    cuda = getattr(mx, "cuda", None)
-    return bool(cuda is not None and cuda.is_available() and mx.default_device() == mx.gpu)
-
-
 @contextlib.contextmanager
 def few_query_attention(force: bool = False) -> Iterator[None]:
     """Within the block, attention of 2..MAX_QUERIES queries is computed by
     `attention_by_ops` (on CUDA, or anywhere with `force`)."""
-    if not (force or (_cuda() and switch("MTPKIT_KERNELS") is not False)):
+    if not (force or (cuda_available() and switch("MTPKIT_KERNELS") is not False)):
         yield
         return
     fast = mx.fast
