@@ -15,7 +15,7 @@ from mtpkit.bench.oracle import OracleDrafts
 from mtpkit.bench.speed import DEFAULT_PROMPT, _mtp_run, _stock_tokens
 from mtpkit.core.prompts import encode_prompt
 from mtpkit.runtime.model import load_model, untapped
-from mtpkit.spec import adaptive
+from mtpkit.speculative import adaptive
 
 adaptive.COST_PRIORS["cpu"] = adaptive.COST_PRIORS["gpu"]
 tokens = int(sys.argv[2]) if len(sys.argv) > 2 else 128

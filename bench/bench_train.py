@@ -90,7 +90,7 @@ def docstring_corpus(path: Path, size: int) -> Path:
 
 def example(args: argparse.Namespace, work: Path) -> dict:
     from mtpkit.convert.pipeline import convert
-    from mtpkit.spec.generate import measure_acceptance
+    from mtpkit.speculative.generate import measure_acceptance
 
     shipped = work / "tiny-mlx"
     convert(str(EXAMPLE), output=shipped, force=True)

@@ -2,7 +2,7 @@
 
     python bench/compile_verdict.py
 
-Times `mtpkit.spec.accept.greedy_verdict` (log-softmax, argmax, leading matches, one packed
+Times `mtpkit.speculative.accept.greedy_verdict` (log-softmax, argmax, leading matches, one packed
 array read back) eager and under `mx.compile` on random logits of the tiny example's and
 Qwen3.5's vocabularies at depths 1 and 3; prints medians of interleaved repeats and checks
 both give the same verdict. mtpkit's decoder compiles it only if this shows a gain.
@@ -19,7 +19,7 @@ import mlx.core as mx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from mtpkit.spec.accept import greedy_verdict  # noqa: E402
+from mtpkit.speculative.accept import greedy_verdict  # noqa: E402
 
 
 def main(repeats: int = 200) -> None:

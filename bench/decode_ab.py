@@ -2,7 +2,7 @@
 
     python bench/decode_ab.py MODEL_DIR [--before REV] [--trials N] [--max-tokens N]
 
-Loads `mtpkit/spec/decode.py` (and `mtpkit/spec/accept.py` if it has one) as of REV (default: main)
+Loads `mtpkit/speculative/decode.py` (and `mtpkit/speculative/accept.py` if it has one) as of REV (default: main)
 beside the working tree's, on the same loaded model, and times per trial, interleaved:
 stock `mlx_lm.stream_generate`, then for each decoder its plain decoding (no MTP), MTP at
 depths 1..3 (no adaptive drafting), depth 1 with adaptive drafting, which it also reports
@@ -33,14 +33,17 @@ sys.path.insert(0, str(ROOT))
 
 
 def load_revision(rev: str, tmp: Path) -> types.ModuleType:
-    """`mtpkit.spec.decode` as of `rev`, importable beside the current one (as `decode_<rev>`)."""
+    """`mtpkit.speculative.decode` as of `rev`, importable beside the current one (as `decode_<rev>`)."""
     files = {}
     for name in ("accept", "decode"):
-        shown = subprocess.run(
-            ["git", "show", f"{rev}:mtpkit/spec/{name}.py"], cwd=ROOT, capture_output=True, text=True
-        )
-        if shown.returncode == 0:
-            files[name] = shown.stdout
+        for package in ("speculative", "spec"):  # the package was `spec/` before 2026-11-26
+            shown = subprocess.run(
+                ["git", "show", f"{rev}:mtpkit/{package}/{name}.py"],
+                cwd=ROOT, capture_output=True, text=True,
+            )  # fmt: skip
+            if shown.returncode == 0:
+                files[name] = shown.stdout
+                break
     if "accept" in files:  # a revision with its own accept.py: import that one beside it
         path = tmp / "accept_before.py"
         path.write_text(files["accept"])
@@ -48,7 +51,8 @@ def load_revision(rev: str, tmp: Path) -> types.ModuleType:
         accept = importlib.util.module_from_spec(spec)
         sys.modules["mtpkit_accept_before"] = accept
         spec.loader.exec_module(accept)
-        files["decode"] = files["decode"].replace("from mtpkit.spec.accept ", "from mtpkit_accept_before ")
+        for old in ("mtpkit.speculative.accept", "mtpkit.spec.accept"):
+            files["decode"] = files["decode"].replace(f"from {old} ", "from mtpkit_accept_before ")
     path = tmp / "decode_before.py"
     path.write_text(files["decode"])
     spec = importlib.util.spec_from_file_location("mtpkit_decode_before", path)
@@ -71,8 +75,8 @@ def main() -> None:
     from mtpkit.bench.speed import DEFAULT_PROMPT
     from mtpkit.core.prompts import encode_prompt
     from mtpkit.runtime.model import load_model
-    from mtpkit.spec import decode
-    from mtpkit.spec.adaptive import AUTO_MAX_DEPTH
+    from mtpkit.speculative import decode
+    from mtpkit.speculative.adaptive import AUTO_MAX_DEPTH
 
     before = load_revision(args.before, Path(tempfile.mkdtemp()))
     m = load_model(args.model)

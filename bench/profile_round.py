@@ -20,8 +20,8 @@ from mtpkit.bench.shapes import random_model_dir
 from mtpkit.bench.speed import DEFAULT_PROMPT
 from mtpkit.core.prompts import encode_prompt
 from mtpkit.runtime.model import load_model, untapped
-from mtpkit.spec.accept import verdict
-from mtpkit.spec.decode import MtpDecoder, SamplingSettings
+from mtpkit.speculative.accept import verdict
+from mtpkit.speculative.decode import MtpDecoder, SamplingSettings
 
 shape = sys.argv[1]
 N = int(sys.argv[2]) if len(sys.argv) > 2 else 64

@@ -19,8 +19,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from mtpkit.runtime.sharded import load_sharded, world  # noqa: E402
-from mtpkit.spec.accept import SamplingSettings  # noqa: E402
-from mtpkit.spec.decode import MtpDecoder  # noqa: E402
+from mtpkit.speculative.accept import SamplingSettings  # noqa: E402
+from mtpkit.speculative.decode import MtpDecoder  # noqa: E402
 from tests.injected import accepted_per_round, inject_drafts, planned_per_round  # noqa: E402
 
 PLAN = [0, 2, 1, 2, 0, 1] * 20

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from mtpkit.spec.decode import MtpDecoder
+from mtpkit.speculative.decode import MtpDecoder
 
 
 def inject_drafts(

@@ -26,7 +26,7 @@ from mtpkit.checkpoint.report import inspect_checkpoint
 from mtpkit.convert.pipeline import convert
 from mtpkit.families import family_for
 from mtpkit.runtime.rollback.replay import CacheReplay
-from mtpkit.spec.generate import MtpDecoder, SamplingSettings, generate, load_model
+from mtpkit.speculative.generate import MtpDecoder, SamplingSettings, generate, load_model
 from tests.bailing_reference import bailing_mtp_logits
 from tests.checkpoints import CheckpointFactory
 from tests.injected import accepted_per_round, inject_drafts, planned_per_round

@@ -17,7 +17,7 @@ import pytest
 
 from mtpkit.convert.grafting import graft
 from mtpkit.convert.pipeline import convert
-from mtpkit.spec.generate import measure_acceptance
+from mtpkit.speculative.generate import measure_acceptance
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "mtpkit" / "examples" / "tiny-qwen3_5"
 

@@ -19,7 +19,7 @@ from mtpkit.convert import convert
 from mtpkit.core.errors import MtpkitError
 from mtpkit.core.prompts import encode_prompt
 from mtpkit.runtime.model import load_model
-from mtpkit.spec.generate import generate
+from mtpkit.speculative.generate import generate
 from tests.checkpoints import build_checkpoint
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "mtpkit" / "examples" / "tiny-qwen3_5"

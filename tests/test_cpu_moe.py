@@ -21,7 +21,7 @@ from mtpkit.check.verdict import check_checkpoint
 from mtpkit.cli.app import app
 from mtpkit.convert.pipeline import convert
 from mtpkit.runtime import upcast
-from mtpkit.spec.generate import generate
+from mtpkit.speculative.generate import generate
 from tests.checkpoints import CheckpointFactory
 
 MOE_FAMILIES = ("qwen3_5_moe", "qwen3_next", "deepseek_v3", "glm4_moe")

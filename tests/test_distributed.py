@@ -158,7 +158,7 @@ def test_generate_cli_under_mlx_launch(models: dict[str, Path], tmp_path: Path) 
 def test_sampled_text_is_one_machines(models: dict[str, Path]) -> None:
     """At a temperature with a seed, pipeline stages give the text one process gives: rank 0
     takes every random draw, in the order one process takes them."""
-    from mtpkit.spec.generate import generate
+    from mtpkit.speculative.generate import generate
 
     path = models["deepseek_v3"]
     args = ["--temp", "1", "--seed", "3", "--depth", "2", "--max-tokens", str(N_TOKENS)]

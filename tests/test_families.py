@@ -21,7 +21,7 @@ from mtpkit.convert.pipeline import convert
 from mtpkit.convert.quant import build_model
 from mtpkit.core.errors import MtpkitError, UnsupportedFamily
 from mtpkit.families import FAMILIES, family_for, supported
-from mtpkit.spec.generate import generate, load_model
+from mtpkit.speculative.generate import generate, load_model
 from tests.checkpoints import RAW_WITH_MTP, CheckpointFactory, add_tensor, dtype_for
 
 # Every registered family that ships a head, by its own name; its fixture (tests/fixtures/)

@@ -15,8 +15,8 @@ import pytest
 
 from mtpkit.core.prompts import encode_prompt
 from mtpkit.runtime.model import load_model
-from mtpkit.spec.decode import MtpDecoder, SamplingSettings
-from mtpkit.spec.generate import generate, measure_acceptance
+from mtpkit.speculative.decode import MtpDecoder, SamplingSettings
+from mtpkit.speculative.generate import generate, measure_acceptance
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "mtpkit" / "examples" / "tiny-qwen3_5"
 
@@ -79,7 +79,7 @@ def test_adaptive_depth_goes_deeper_with_a_good_head_and_stops_a_useless_one(
     and then plain steps. Both stay token for token stock mlx-lm's (fresh load, no EOS)."""
     from mtpkit.bench.oracle import OracleDrafts
     from mtpkit.bench.speed import DEFAULT_PROMPT
-    from mtpkit.spec.adaptive import FIRST_ROUNDS
+    from mtpkit.speculative.adaptive import FIRST_ROUNDS
 
     prompt = encode_prompt(model.tokenizer, DEFAULT_PROMPT)
     stock_model, tokenizer = mlx_lm.load(str(converted))
@@ -211,7 +211,7 @@ def test_chained_drafts_are_the_head_applied_to_its_own_output(model) -> None:
 
 
 def test_adaptive_drafting_decides_from_the_yield_and_never_from_one_round() -> None:
-    from mtpkit.spec.adaptive import FIRST_ROUNDS, RETRY_ROUNDS, AdaptiveDrafting
+    from mtpkit.speculative.adaptive import FIRST_ROUNDS, RETRY_ROUNDS, AdaptiveDrafting
 
     def run(yields: list[int], cost: float = 1.6, a=None, **kw) -> AdaptiveDrafting:
         a = a or AdaptiveDrafting(enabled=True, cost=cost, **kw)
@@ -254,7 +254,7 @@ def test_adaptive_depth_follows_the_acceptance_of_each_depths_rounds() -> None:
     counts, so a depth that deeper rounds underrate is still tried (the bundled example's
     periodic text); neighbours are probed in turn every PROBE_EVERY rounds; a head that
     keeps nothing is paused."""
-    from mtpkit.spec.adaptive import FIRST_ROUNDS, MIN_OBSERVED, PROBE_EVERY, AdaptiveDrafting
+    from mtpkit.speculative.adaptive import FIRST_ROUNDS, MIN_OBSERVED, PROBE_EVERY, AdaptiveDrafting
 
     a = AdaptiveDrafting(enabled=True, depth=3, choose_depth=True)
     a.priors = {1: 1.3, 2: 1.55, 3: 1.8}  # the GPU prior, whatever runs the test
@@ -293,7 +293,7 @@ def test_adaptive_depth_follows_the_acceptance_of_each_depths_rounds() -> None:
 def test_adaptive_decisions_are_reproducible_without_timing() -> None:
     """A sampled run's decisions depend on the yields only: the same yields with any round
     times give the same decisions."""
-    from mtpkit.spec.adaptive import AdaptiveDrafting
+    from mtpkit.speculative.adaptive import AdaptiveDrafting
 
     yields = [1, 2, 1, 1, 1, 3, 1, 1, 2, 1, 1, 1] * 6
     runs = []

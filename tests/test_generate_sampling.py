@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from mtpkit.runtime.model import load_model
-from mtpkit.spec.decode import MtpDecoder, SamplingSettings, rejection_sample
+from mtpkit.speculative.decode import MtpDecoder, SamplingSettings, rejection_sample
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "mtpkit" / "examples" / "tiny-qwen3_5"
 # Chi-square critical values at p = 0.001 by degrees of freedom.
@@ -112,7 +112,7 @@ def test_mtp_sampling_matches_the_backbone_distribution_end_to_end(
 def test_seed_reproduces_a_sampled_text_with_adaptive_drafting() -> None:
     """Adaptive drafting decides from counts, never the wall clock or a random draw: the same
     seed gives the same sampled text, however long each step took."""
-    from mtpkit.spec.generate import stream_tokens
+    from mtpkit.speculative.generate import stream_tokens
 
     m = load_model(EXAMPLE)
     prompt = m.tokenizer.encode("Return the number of")

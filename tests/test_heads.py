@@ -18,7 +18,7 @@ import pytest
 
 from mtpkit.convert.pipeline import convert
 from mtpkit.runtime.headload import EMBEDDING_FIRST, HIDDEN_FIRST, build_head, supported_families
-from mtpkit.spec.generate import MtpDecoder, SamplingSettings, generate, load_model
+from mtpkit.speculative.generate import MtpDecoder, SamplingSettings, generate, load_model
 from tests.checkpoints import MLX_LAYOUTS, RAW_WITH_MTP, build_checkpoint, dtype_for
 from tests.injected import accepted_per_round, inject_drafts, planned_per_round
 
@@ -160,7 +160,7 @@ def test_rounds_look_ahead_by_the_share_of_full_rounds(
     draft, built ahead down to BUILD_MIN_FULL (by default at every share; None: never), and
     waits for the verdict below; never where no more tokens are wanted; launched ahead only
     after three full rounds in a row."""
-    from mtpkit.spec import decode
+    from mtpkit.speculative import decode
 
     m = load_model(converted_dir(tmp_path, "qwen3_5"))
     decoder = MtpDecoder(m, PROMPT, depth=1, sampling=SamplingSettings(), adaptive=False)

@@ -27,7 +27,7 @@ from mtpkit.check.verdict import check_checkpoint
 from mtpkit.checkpoint.report import inspect_checkpoint
 from mtpkit.convert.pipeline import convert
 from mtpkit.families import family_for
-from mtpkit.spec.generate import MtpDecoder, SamplingSettings, generate, load_model
+from mtpkit.speculative.generate import MtpDecoder, SamplingSettings, generate, load_model
 from tests.checkpoints import CheckpointFactory
 from tests.injected import accepted_per_round, inject_drafts, planned_per_round
 from tests.mtp_reference import load_raw, longcat_logits, nextn_logits

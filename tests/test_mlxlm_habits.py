@@ -24,9 +24,9 @@ from mtpkit.cli.app import app
 from mtpkit.convert import convert
 from mtpkit.core.prompts import encode_prompt
 from mtpkit.runtime.model import load_model
-from mtpkit.spec.accept import SamplingSettings
-from mtpkit.spec.decode import MtpDecoder
-from mtpkit.spec.generate import generate
+from mtpkit.speculative.accept import SamplingSettings
+from mtpkit.speculative.decode import MtpDecoder
+from mtpkit.speculative.generate import generate
 from tests import hub_server
 from tests.checkpoints import write_tokenizer
 from tests.injected import inject_drafts

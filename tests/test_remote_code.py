@@ -20,7 +20,7 @@ import pytest
 from mtpkit.check.verdict import check_checkpoint
 from mtpkit.checkpoint.report import inspect_checkpoint
 from mtpkit.convert.pipeline import convert
-from mtpkit.spec.generate import generate
+from mtpkit.speculative.generate import generate
 from tests.checkpoints import CheckpointFactory
 
 AUTO_MAP = {

@@ -13,7 +13,7 @@ from mlx.utils import tree_flatten
 from mtpkit.core.errors import MtpkitError
 from mtpkit.core.prompts import encode_prompt
 from mtpkit.runtime.model import load_backbone, load_model
-from mtpkit.spec.generate import generate
+from mtpkit.speculative.generate import generate
 from tests import hub_server
 from tests.hub_server import HubStandIn
 

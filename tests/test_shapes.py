@@ -16,7 +16,7 @@ import pytest
 
 from mtpkit.bench.shapes import SHAPES, build_random_model
 from mtpkit.runtime.model import load_model
-from mtpkit.spec.decode import MtpDecoder, SamplingSettings
+from mtpkit.speculative.decode import MtpDecoder, SamplingSettings
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "mtpkit" / "examples" / "tiny-qwen3_5"
 

@@ -24,7 +24,7 @@ from typer.testing import CliRunner
 
 from mtpkit.cli.app import app
 from mtpkit.core.errors import MtpkitError
-from mtpkit.spec.generate import generate, load_model, measure_acceptance
+from mtpkit.speculative.generate import generate, load_model, measure_acceptance
 from mtpkit.train.data import ChunkStream, DataSpec, file_documents
 from mtpkit.train.loop import TrainSettings, train_head
 from tests.checkpoints import build_dense_model

@@ -21,7 +21,7 @@ from mlx_lm.generate import generate_step
 
 from mtpkit.check.verdict import check_checkpoint
 from mtpkit.families import FAMILIES, family_for
-from mtpkit.spec.generate import generate, load_model
+from mtpkit.speculative.generate import generate, load_model
 from mtpkit.train.data import DataSpec
 from mtpkit.train.loop import TrainSettings, train_head
 from mtpkit.train.output import write_trained_head

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 import mlx.core as mx
 
 if TYPE_CHECKING:
-    from mtpkit.spec.decode import MtpDecoder, Round
+    from mtpkit.speculative.decode import MtpDecoder, Round
 
 
 GOLDEN = (5**0.5 - 1) / 2  # the Weyl sequence's step: the most evenly spread

@@ -18,7 +18,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from mtpkit.spec.adaptive import expected_tokens
+from mtpkit.speculative.adaptive import expected_tokens
 
 MIN_TRIALS = 5
 MAX_SPREAD = 0.25  # (max - min) / median of a speedup beyond which it means little

@@ -50,9 +50,9 @@ from mtpkit.runtime.model import (
 )
 from mtpkit.runtime.sharded import PIPELINE, load_sharded, world
 from mtpkit.runtime.upcast import upcast_experts
-from mtpkit.spec.adaptive import AUTO_MAX_DEPTH
-from mtpkit.spec.decode import DraftFilter, MtpDecoder, SamplingSettings
-from mtpkit.spec.generate import check_prompt
+from mtpkit.speculative.adaptive import AUTO_MAX_DEPTH
+from mtpkit.speculative.decode import DraftFilter, MtpDecoder, SamplingSettings
+from mtpkit.speculative.generate import check_prompt
 
 if TYPE_CHECKING:
     from mtpkit.bench.draft import DraftModelBench
@@ -230,7 +230,7 @@ def bench(
     oracle drafts right with each of these probabilities (`mtpkit.bench.oracle`; synthetic).
     `draft`: also stock mlx-lm with a separate draft model (`mtpkit.bench.draft`).
     Under `mlx.launch` every rank measures its part in lockstep (`pipeline` as in
-    `mtpkit.spec.generate.generate`) against mlx-lm's own `sharded_load`, and every rank
+    `mtpkit.speculative.generate.generate`) against mlx-lm's own `sharded_load`, and every rank
     returns the same runs (the timings are each rank's own: rank 0's are the ones to print)."""
     if trials < 1 or max_tokens < 1:
         raise MtpkitError(f"trials and max_tokens must be at least 1, not {trials}, {max_tokens}")

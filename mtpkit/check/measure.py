@@ -37,7 +37,7 @@ def model_moe_dtype(model_dir: Path) -> str | None:
 def default_measure() -> MeasureFn:
     """The runtime's acceptance measurement (greedy generation with the head)."""
     try:
-        from mtpkit.spec.generate import measure_acceptance
+        from mtpkit.speculative.generate import measure_acceptance
     except ImportError as e:  # pragma: no cover - the runtime ships with mtpkit
         raise MtpkitError(f"the MTP runtime is not available ({e}); run with --no-probe") from None
     return measure_acceptance

@@ -9,13 +9,13 @@ q_k for the token after next is pulled towards the backbone's own p_{k+1}:
 
 so the head learns exactly what greedy or sampled verification will accept. Hidden states
 exist only for the batch at hand. With `depth` > 1 the head also rolls out: step j feeds
-step j-1's output back in (as the runtime's drafting does, `mtpkit.spec.decode.HeadDrafter`)
+step j-1's output back in (as the runtime's drafting does, `mtpkit.speculative.decode.HeadDrafter`)
 with the embedding of t_{k+1+j}, against p_{k+1+j}. A rollout step attends over its own
 step's outputs, where the runtime attends over step-0 entries: an approximation that only
 the rollout steps make.
 
 Every `eval_every` steps held-out depth-1 acceptance is measured: greedy drafting with the
-head over held-out prompts, the loop `generate --mtp` runs (`mtpkit.spec.decode.MtpDecoder`). A checkpoint
+head over held-out prompts, the loop `generate --mtp` runs (`mtpkit.speculative.decode.MtpDecoder`). A checkpoint
 (head, optimizer, data position) is written atomically every `checkpoint_every` steps, and
 `resume` continues from it with the same batches an uninterrupted run would see.
 """
@@ -41,7 +41,7 @@ from mtpkit.core.prompts import BUILTIN_PROMPTS
 from mtpkit.families import family_for
 from mtpkit.families.head import MtpHead
 from mtpkit.runtime.model import MtpModel, load_model
-from mtpkit.spec.decode import MtpDecoder, SamplingSettings
+from mtpkit.speculative.decode import MtpDecoder, SamplingSettings
 from mtpkit.train.checkpoint import load_checkpoint, save_checkpoint
 from mtpkit.train.data import ChunkStream, DataSpec, end_token, generate_pool, greedy_sequences
 from mtpkit.train.init_head import initial_head
@@ -191,7 +191,7 @@ def heldout_acceptance(
     head: MtpHead, m: MtpModel, sequences: list[tuple[list[int], int]]
 ) -> float | None:
     """Greedy depth-1 acceptance of drafting with `head` over the held-out prompts: the
-    drafting loop `generate --mtp` runs (`mtpkit.spec.decode.MtpDecoder`), for as many tokens as the
+    drafting loop `generate --mtp` runs (`mtpkit.speculative.decode.MtpDecoder`), for as many tokens as the
     backbone's greedy continuation of each prompt holds."""
     drafting = replace(m, head=head)
     drafted = accepted = 0

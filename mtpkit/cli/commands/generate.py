@@ -83,7 +83,7 @@ def generate_command(
     verbose_output = verbose == "True" and not json_output
 
     from mtpkit.cli.output import FRAME, print_generate, print_json
-    from mtpkit.spec.generate import generate
+    from mtpkit.speculative.generate import generate
 
     framed = []  # mlx-lm's opening frame, printed with the first text (not before an error)
 

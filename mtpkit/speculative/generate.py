@@ -1,7 +1,7 @@
 """`mtpkit generate`: prompt in, text out, with or without the checkpoint's MTP head.
 
 The stages live beside this module: `mtpkit.runtime.model` loads stock mlx-lm's backbone and the
-head and taps the backbone, `mtpkit.spec.decode` runs the draft/verify/accept rounds. Plain
+head and taps the backbone, `mtpkit.speculative.decode` runs the draft/verify/accept rounds. Plain
 decoding (`--no-mtp`) is stock mlx-lm's `stream_generate`, unchanged.
 """
 
@@ -22,8 +22,8 @@ from mtpkit.core.prompts import encode_prompt
 from mtpkit.families import Family, family_for
 from mtpkit.runtime.model import GenerateError, MtpModel, NoMtpHead, load_model, untapped
 from mtpkit.runtime.sharded import load_sharded, world
-from mtpkit.spec.adaptive import resolve_depth
-from mtpkit.spec.decode import MtpDecoder, SamplingSettings, Stats
+from mtpkit.speculative.adaptive import resolve_depth
+from mtpkit.speculative.decode import MtpDecoder, SamplingSettings, Stats
 
 GREEDY = SamplingSettings()
 

@@ -6,7 +6,7 @@ backbone agrees with is kept, plus the backbone's own next token. Greedy decodin
 draft iff it equals the backbone's argmax, so the output is the backbone's greedy output;
 at a temperature, exact rejection sampling keeps the output distribution the backbone's.
 After a partial acceptance the caches roll back to the kept prefix (`VerifyPass`).
-When drafting loses to plain decoding, `AdaptiveDrafting` pauses it (`spec/adaptive.py`).
+When drafting loses to plain decoding, `AdaptiveDrafting` pauses it (`speculative/adaptive.py`).
 
 Pipelined rounds. A round is built and queued (`build_round`: draft, verify, verdict, the
 head's step over the verified pairs, all lazy and `mx.async_eval`ed) and its verdict is read
@@ -41,12 +41,12 @@ from mtpkit.core.choices import MAX_DEPTH
 from mtpkit.runtime.model import MtpModel, NoMtpHead
 from mtpkit.runtime.rollback.discard import PassUndo, can_discard
 from mtpkit.runtime.rollback.verify_pass import VerifyPass
-from mtpkit.spec.accept import SamplingSettings, read_verdict, rejection_sample, verdict
-from mtpkit.spec.adaptive import AdaptiveDrafting
-from mtpkit.spec.drafter import HeadDrafter
-from mtpkit.spec.follower import FollowerDrafter, followers_of, placeholder_verdict
+from mtpkit.speculative.accept import SamplingSettings, read_verdict, rejection_sample, verdict
+from mtpkit.speculative.adaptive import AdaptiveDrafting
+from mtpkit.speculative.drafter import HeadDrafter
+from mtpkit.speculative.follower import FollowerDrafter, followers_of, placeholder_verdict
 
-# SamplingSettings and rejection_sample live in mtpkit.spec.accept; importable from here too.
+# SamplingSettings and rejection_sample live in mtpkit.speculative.accept; importable from here too.
 __all__ = ["AdaptiveDrafting", "MtpDecoder", "SamplingSettings", "Stats", "rejection_sample"]
 
 CATCH_UP_AFTER = 256  # plain steps after which the head catches up while drafting is off
@@ -167,7 +167,7 @@ class MtpDecoder:
     rounds (launch or build the next round ahead, see the module's text), True always
     launches ahead, BUILD_AHEAD always builds ahead, False never looks ahead (tests force
     each); `draft_filter` replaces the head's drafts (bench, tests). `choose_depth`: adaptive
-    drafting picks each round's depth up to `depth` (`spec/adaptive.py`)."""
+    drafting picks each round's depth up to `depth` (`speculative/adaptive.py`)."""
 
     def __init__(
         self,

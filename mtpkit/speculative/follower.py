@@ -49,7 +49,7 @@ class FollowerDrafter:
 
 
 def placeholder_verdict(depth: int, greedy: bool, logits: mx.array) -> mx.array:
-    """The shape `mtpkit.spec.accept.verdict` packs, computed after `logits` (a rank that
+    """The shape `mtpkit.speculative.accept.verdict` packs, computed after `logits` (a rank that
     reads rank 0's verdict)."""
     size = 2 * depth + 1 if greedy else depth + 2
     return mx.depends(mx.zeros((size,), dtype=mx.int32), [logits])
@@ -57,7 +57,7 @@ def placeholder_verdict(depth: int, greedy: bool, logits: mx.array) -> mx.array:
 
 def followers_of(packed: mx.array, depth: int, greedy: bool) -> mx.array:
     """The confirmed token after each verify input [K+1], from a packed verdict
-    (`mtpkit.spec.accept`): what every rank computes from rank 0's shared verdict."""
+    (`mtpkit.speculative.accept`): what every rank computes from rank 0's shared verdict."""
     if greedy:  # [the K+1 argmaxes, the drafts]
         return packed[: depth + 1]
     kept, token, drafts = packed[0], packed[1], packed[2:]

@@ -7,7 +7,7 @@ import mlx.core as mx
 
 from mtpkit.runtime.kernels.attention import few_query_attention
 from mtpkit.runtime.model import POST_NORM, MtpModel
-from mtpkit.spec.accept import SamplingSettings
+from mtpkit.speculative.accept import SamplingSettings
 
 HEAD_CHUNK = 2048  # pairs per head forward when it catches up with confirmed tokens
 
