@@ -232,6 +232,7 @@ class MtpDecoder:
         self._ahead: tuple[mx.array, mx.array] | None = None
         self._queued: Round | None = None  # the next round, queued on speculation
         self.n_confirmed = 0  # tokens confirmed after the prompt
+        self.confirmed: list[int] = []  # they, an EOS and tokens past max_tokens included
         self.stats = Stats(
             prompt_tokens=len(prompt), depth=depth, depth_chosen=choose_depth,
             proposer=proposer.name if proposer is not None else "none", cached_tokens=cached,
@@ -247,6 +248,7 @@ class MtpDecoder:
         self.pipeline = self.lockstep.share_choice(pipeline) if discardable else False
         self.full_share = FULL_SHARE_START  # smoothed share of rounds that kept every draft
         self.draft_filter = draft_filter
+        self.after_prefill: Callable[[], None] | None = None  # a session keeps the state
 
     @property
     def drafting(self) -> bool:
@@ -375,6 +377,7 @@ class MtpDecoder:
         self.stats.record_round(r.position, v.drafts, v.accepted)
         self.round_depth = r.depth
         self.n_confirmed += len(v.confirmed)
+        self.confirmed.extend(v.confirmed)
         self.last_token = v.token
         return v.confirmed
 
@@ -403,6 +406,7 @@ class MtpDecoder:
         token = int(y.item())
         self.last_token = token
         self.n_confirmed += 1
+        self.confirmed.append(token)
         if self.proposer is not None:
             self.proposer.observe(hidden, [token])
         self.stats.plain_steps += 1
@@ -434,6 +438,18 @@ class MtpDecoder:
         return new
 
     def tokens(self, max_tokens: int) -> Iterator[int]:
+        """The confirmed tokens, up to `max_tokens`, until an EOS (not yielded)."""
+        return (token for token, _ in self.events(max_tokens))
+
+    @property
+    def clean(self) -> bool:
+        """Whether the caches hold exactly the confirmed tokens but the last (nothing queued
+        ahead): the state a prompt cache may keep."""
+        return self._queued is None and self._ahead is None
+
+    def events(self, max_tokens: int) -> Iterator[tuple[int, bool]]:
+        """(token, whether it was a kept draft) as tokens are confirmed, up to `max_tokens`,
+        until an EOS (not yielded). Prefills first."""
         from mlx_lm.generate import generation_stream, wired_limit
 
         eos = set(getattr(self.m.tokenizer, "eos_token_ids", None) or [])
@@ -441,6 +457,8 @@ class MtpDecoder:
         produced, first_done, first_count = 0, None, 0
         with wired_limit(self.m.model, [generation_stream]):
             self.prefill()
+            if self.after_prefill is not None:
+                self.after_prefill()
             try:
                 with mx.stream(generation_stream):
                     while produced < max_tokens:
@@ -448,6 +466,7 @@ class MtpDecoder:
                         # A queued round pays only if tokens past this round's are wanted.
                         left = max_tokens - produced
                         new = self.step(may_look_ahead=left > self.depth + 1)
+                        drafted = self.stats.last_accepted if self.stats.rounds > rounds else 0
                         if first_done is None:
                             first_done, first_count = time.perf_counter(), len(new)
                             self.stats.prompt_time = first_done - start
@@ -458,7 +477,7 @@ class MtpDecoder:
                                 return
                             self.stats.generated.append(t)
                             produced += 1
-                            yield t
+                            yield t, i < drafted
                             if produced >= max_tokens:
                                 break
             finally:

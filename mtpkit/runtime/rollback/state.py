@@ -35,3 +35,26 @@ def saved_state(cache: Any) -> dict[str, Any]:
 def restore_state(cache: Any, saved: dict[str, Any]) -> None:
     """Put `saved` (from `saved_state`) back into `cache`; `saved` stays usable again."""
     vars(cache).update(saved_state_of(saved))
+
+
+def is_cache(value: Any) -> bool:
+    """An mlx-lm cache object (every kind has `is_trimmable`)."""
+    return hasattr(value, "is_trimmable") and hasattr(value, "state")
+
+
+def fork_cache(cache: Any) -> Any:
+    """A cache object of the same kind holding the same state, that changes on its own from
+    now on (a prompt cache's entry, the session that continues from it)."""
+    import copy
+
+    forked = copy.copy(cache)
+    restore_state(forked, saved_state(cache))
+    return forked
+
+
+def can_fork(caches: list[Any]) -> bool:
+    """Whether `fork_cache` forks each (a cache whose state is other caches, mlx-lm's
+    CacheList, is changed in place: not)."""
+    from mtpkit.runtime.rollback.discard import can_discard
+
+    return can_discard(caches)

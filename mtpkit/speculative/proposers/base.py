@@ -109,6 +109,11 @@ class Proposer(Protocol):
         the backend's prior for the MTP head)."""
         ...
 
+    def fork(self) -> Proposer:
+        """A proposer in this one's state that changes on its own from now on (a session's
+        prompt cache keeps one per cached prefix)."""
+        ...
+
 
 class ProposerBase:
     """Defaults for the optional parts of `Proposer`."""
@@ -147,6 +152,19 @@ class ProposerBase:
 
     def cost_prior(self, depth: int) -> float | None:
         return None
+
+    def fork(self) -> Proposer:
+        """A shallow copy whose lists are its own and whose caches are forked
+        (`mtpkit.runtime.rollback.state.fork_cache`); arrays are values and are shared."""
+        import copy
+
+        from mtpkit.runtime.rollback.state import fork_cache, is_cache
+
+        forked = copy.copy(self)
+        for name, value in vars(self).items():
+            if isinstance(value, list):
+                setattr(forked, name, [fork_cache(v) if is_cache(v) else v for v in value])
+        return forked
 
 
 def one_hot(drafts: list[int], vocab: int) -> mx.array:
