@@ -80,3 +80,11 @@ def model_remapping() -> dict[str, str]:
     from mlx_lm.utils import MODEL_REMAPPING
 
     return dict(MODEL_REMAPPING)
+
+
+def chat_as_text(messages: list[dict[str, Any]]) -> str:
+    """A conversation as one text, the way mlx_lm.server renders it for a tokenizer without
+    a chat template (its `convert_chat` and default role mapping)."""
+    from mlx_lm.server import convert_chat
+
+    return convert_chat(messages)

@@ -105,6 +105,26 @@ def has_chat_template(tokenizer: Any) -> bool:
     return bool(getattr(tokenizer, "chat_template", None))
 
 
+def encode_messages(
+    tokenizer: Any, messages: list[dict[str, Any]], *, add_generation_prompt: bool = True,
+    template_args: dict[str, Any] | None = None,
+) -> list[int]:  # fmt: skip
+    """A conversation's token ids through the tokenizer's chat template (`chat`, the
+    server's chat completions); `template_args` go to the template (mlx_lm.server's
+    --chat-template-args, e.g. enable_thinking). Without a template, the messages as one
+    text, as mlx_lm.server renders them."""
+    if not has_chat_template(tokenizer):
+        from mtpkit.mlxlm import chat_as_text
+
+        return list(tokenizer.encode(chat_as_text(messages)))
+    return list(
+        tokenizer.apply_chat_template(
+            messages, add_generation_prompt=add_generation_prompt, tokenize=True,
+            **(template_args or {}),
+        )
+    )  # fmt: skip
+
+
 def encode_prompt(
     tokenizer: Any,
     prompt: str,
