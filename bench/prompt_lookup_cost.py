@@ -1,12 +1,14 @@
 """What prompt lookup costs where it finds nothing, and gains where text repeats (CPU or GPU).
 
-    .venv/bin/python bench/prompt_lookup_cost.py [MODEL_DIR] [TRIALS]
+    .venv/bin/python bench/prompt_lookup_cost.py [EXAMPLE_MLX_DIR] [TRIALS]
 
-Interleaved trials on one loaded model: plain decoding (`generate --no-mtp`'s decoder path)
-against `--prompt-lookup` (adaptive drafting, generate's default), on a prompt of random
-token ids (nothing to look up unless the output repeats itself), on a repetitive prompt, and
-with n-grams too long to ever match (each step searches and finds nothing: the lookup's cost).
-Prints medians of decode tok/s and their ratio per prompt, and the rounds lookup drafted.
+Interleaved trials, plain decoding (`generate --no-mtp`'s decoder path) against
+`--prompt-lookup` (adaptive drafting, generate's default), on two models: a random-weight
+tiny qwen3_5 (written by the tests' fixture builder) given random token ids, whose output
+does not repeat, so lookup finds (almost) nothing and the ratio is what the search costs;
+and the bundled example converted (default `tiny-mlx`, the README's first command) given a
+repetitive prompt, which it continues repetitively. Prints medians of decode tok/s, the
+median per-trial ratio, and the rounds lookup drafted.
 """
 
 from __future__ import annotations
@@ -39,25 +41,34 @@ def rate(m, prompt: list[int], proposer) -> tuple[float, int]:
     return (n - 1) / (time.perf_counter() - t0), decoder.stats.rounds
 
 
+def random_model(tmp: Path) -> Path:
+    from mtpkit.convert.pipeline import convert
+    from tests.checkpoints import build_checkpoint
+
+    src = build_checkpoint("qwen3_5", tmp / "src", dtype="float32", seed=7)
+    convert(str(src), output=tmp / "mlx")
+    return tmp / "mlx"
+
+
 def main() -> None:
-    model = sys.argv[1] if len(sys.argv) > 1 else str(ROOT / "tiny-mlx")
+    import tempfile
+
+    example = sys.argv[1] if len(sys.argv) > 1 else str(ROOT / "tiny-mlx")
     trials = int(sys.argv[2]) if len(sys.argv) > 2 else 7
-    m = load_model(model, with_head=False)
-    m.tokenizer.eos_token_ids = []  # every run decodes TOKENS tokens
-    lookup = ProposerFactory(m, DrafterChoice(prompt_lookup=True))
-    # n-grams of 64 tokens never recur here: every step searches and finds nothing.
-    never = ProposerFactory(m, DrafterChoice(prompt_lookup=True, prompt_lookup_min=64,
-                                             prompt_lookup_max=64))  # fmt: skip
-    vocab = m.embedding.weight.shape[0]
-    rng = random.Random(0)
-    prompts = {
-        "random ids": [rng.randrange(3, vocab) for _ in range(256)],
-        "repetitive": m.tokenizer.encode("1, 2, 3, 1, 2, 3, 1, 2, 3, 1, 2,"),
-    }
-    print(f"{model}: {TOKENS} tokens per run, {trials} interleaved trials, medians")
-    cases = [(name, prompt, lookup) for name, prompt in prompts.items()]
-    cases.append(("no match", prompts["random ids"], never))
-    for name, prompt, factory in cases:
+    tmp = Path(tempfile.mkdtemp())
+    cases = []
+    for name, path in (("random model, random ids", random_model(tmp)),
+                       ("example, repetitive", Path(example))):  # fmt: skip
+        m = load_model(path, with_head=False)
+        m.tokenizer.eos_token_ids = []  # every run decodes TOKENS tokens
+        if name.startswith("random"):
+            rng = random.Random(0)
+            prompt = [rng.randrange(3, m.embedding.weight.shape[0]) for _ in range(256)]
+        else:
+            prompt = m.tokenizer.encode("1, 2, 3, 1, 2, 3, 1, 2, 3, 1, 2,")
+        cases.append((name, m, prompt, ProposerFactory(m, DrafterChoice(prompt_lookup=True))))
+    print(f"{TOKENS} tokens per run, {trials} interleaved trials, medians")
+    for name, m, prompt, factory in cases:
         rate(m, prompt, None), rate(m, prompt, factory())  # warm up
         plain, looked, rounds = [], [], []
         for _ in range(trials):
@@ -67,7 +78,7 @@ def main() -> None:
             rounds.append(n)
         ratio = statistics.median(b / a for a, b in zip(plain, looked, strict=True))
         print(
-            f"{name:11} plain {statistics.median(plain):7.1f} tok/s  prompt lookup "
+            f"{name:26} plain {statistics.median(plain):7.1f} tok/s  prompt lookup "
             f"{statistics.median(looked):7.1f} tok/s  ratio {ratio:.3f} (per-trial median)  "
             f"rounds {statistics.median(rounds):.0f}"
         )

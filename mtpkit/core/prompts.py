@@ -132,6 +132,7 @@ def encode_prompt(
     chat_template: bool = True,
     system_prompt: str | None = None,
     prefill_response: str | None = None,
+    template_args: dict[str, Any] | None = None,
 ) -> list[int]:
     """A generation prompt's token ids: where the tokenizer has a chat template (and
     `chat_template`), the messages as mlx_lm.generate builds them (an optional system prompt,
@@ -150,6 +151,7 @@ def encode_prompt(
                 add_generation_prompt=not prefill,
                 continue_final_message=prefill,
                 tokenize=True,
+                **(template_args or {}),
             )
         )
     bos = getattr(tokenizer, "bos_token", None)
