@@ -144,3 +144,20 @@ def test_a_head_that_never_drafts_right_is_named(converted: Path, tmp_path: Path
     assert out.returncode == 0, out.stderr
     warnings = [line for line in out.stderr.splitlines() if "none was accepted" in line]
     assert len(warnings) == 1 and "mtpkit check" in warnings[0]
+
+
+def test_generate_decodes_once_with_no_warm_up(
+    converted: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`generate` prefills the prompt once: no untimed warm-up decodes first (they made it
+    start ~0.5 s after mlx_lm.generate on a tiny model)."""
+    from mtpkit.speculative.decode import MtpDecoder
+    from mtpkit.speculative.generate import generate
+
+    prefills = []
+    original = MtpDecoder.prefill
+    monkeypatch.setattr(
+        MtpDecoder, "prefill", lambda self, *a: prefills.append(1) or original(self, *a)
+    )
+    generate(converted, PROMPT, max_tokens=8, chat_template=False)
+    assert len(prefills) == 1
