@@ -175,10 +175,15 @@ def test_sampled_text_is_one_machines(models: dict[str, Path]) -> None:
 
 
 def start_ranks(
-    n: int, tmp_path: Path, *args: str, per_rank: dict[int, dict[str, str]] | None = None
+    n: int,
+    tmp_path: Path,
+    *args: str,
+    per_rank: dict[int, dict[str, str]] | None = None,
+    per_rank_args: dict[int, list[str]] | None = None,
 ) -> list[subprocess.Popen[str]]:
     """The ranks of a ring, started by hand as mlx.launch starts them (MLX_RANK and a
-    hostfile), so that a test can stop or kill one of them or give each its own environment."""
+    hostfile), so that a test can stop or kill one of them or give each its own environment
+    (`per_rank`) or its own command line (`per_rank_args`, in place of `args`)."""
     base = free_port_base(n)
     hostfile = tmp_path / "hosts.json"
     hostfile.write_text(json.dumps([[f"127.0.0.1:{base + r}"] for r in range(n)]))
@@ -188,7 +193,7 @@ def start_ranks(
         env |= (per_rank or {}).get(r, {})
         procs.append(
             subprocess.Popen(
-                [mtpkit_cli(), *args],
+                [mtpkit_cli(), *(per_rank_args or {}).get(r, args)],
                 env=env,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,
@@ -217,20 +222,19 @@ def test_a_failing_rank_ends_every_rank_with_one_line(
     models: dict[str, Path], tmp_path: Path, failure: str
 ) -> None:
     """Rank 1 killed (its sockets close) or stopped (a network that silently broke): rank 0
-    ends, exit 1, with one `Error: rank 0: ...` line and no traceback, within --timeout."""
+    ends, exit 1, with one `Error: rank 0: ...` line and no traceback (a stopped rank: by
+    the watchdog, whose --timeout leaves room for a busy machine's slower rank start)."""
     # Rank 1 runs unsupervised, so that the signal reaches the rank itself.
     procs = start_ranks(
         2, tmp_path, "generate", "--model", str(models["deepseek_v3"]), "-p", PROMPT_TEXT,
-        "--no-chat-template", "--max-tokens", "100000", "--mtp", "--timeout", "4",
+        "--no-chat-template", "--max-tokens", "100000", "--mtp", "--timeout", "20",
         per_rank={1: {"MTPKIT_RANK_CHILD": "1"}},
     )  # fmt: skip
     root, other = procs
     try:
         wait_for_output(root, LAUNCH_LIMIT)
         other.send_signal(signal.SIGKILL if failure == "killed" else signal.SIGSTOP)
-        started = time.monotonic()
-        root.wait(timeout=60)
-        took = time.monotonic() - started
+        root.wait(timeout=LAUNCH_LIMIT)
     finally:
         for p in procs:
             if p.poll() is None:
@@ -242,7 +246,7 @@ def test_a_failing_rank_ends_every_rank_with_one_line(
     assert len(errors) == 1 and errors[0].startswith("Error: rank 0: "), lines
     assert not [line for line in lines if "Traceback" in line or line.startswith("[ring]")]
     if failure == "stopped":
-        assert "no progress for" in errors[0] and took < 30
+        assert "no progress for" in errors[0]
     else:  # MLX's ring backend raises, or at times crashes (reported by the supervisor)
         assert "lost the connection to another rank" in errors[0] or "crashed" in errors[0]
 
