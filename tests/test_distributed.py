@@ -15,7 +15,9 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import mlx.core as mx
@@ -278,12 +280,31 @@ def test_bench_under_mlx_launch(models: dict[str, Path]) -> None:
     assert result["plain_tps"] > 0 and result["runs"][0]["decode_tps"] > 0
 
 
+@pytest.fixture
+def stalled_listings(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[str]]:
+    """The stand-in Hub's file listings (`/tree`, which `snapshot_download` calls without a
+    timeout) never answer while the test runs; the paths asked for are recorded."""
+    release = threading.Event()
+    asked: list[str] = []
+    tree = hub_server._Handler._tree
+
+    def stalled_tree(self, repo, commit, path, query):  # noqa: ANN001, ANN202
+        asked.append(path)
+        release.wait()
+        return tree(self, repo, commit, path, query)
+
+    monkeypatch.setattr(hub_server._Handler, "_tree", stalled_tree)
+    yield asked
+    release.set()
+
+
 def test_from_the_hub_each_rank_downloads_its_part(
-    hub: HubStandIn, models: dict[str, Path], tmp_path: Path
+    hub: HubStandIn, models: dict[str, Path], tmp_path: Path, stalled_listings: list[str]
 ) -> None:
     """Pipeline stages from a Hub repo, each rank with its own cache: rank 0 (the last stage,
     which runs the head) downloads the head's sidecar, rank 1 does not; the output is stock
-    mlx-lm's."""
+    mlx-lm's. No rank lists the repo's files (a stalled listing used to hang every rank): the
+    files come from the repo's info and one bounded request each, as for one process."""
     ref = json.loads(reference(models["deepseek_v3"], tmp_path).read_text())["tokens"]
     hub.add_repo("org/tiny-deepseek", models["deepseek_v3"])
     caches = {r: tmp_path / f"hf{r}" for r in range(2)}
@@ -300,6 +321,7 @@ def test_from_the_hub_each_rank_downloads_its_part(
             if p.poll() is None:
                 p.kill()
     assert [p.returncode for p in procs] == [0, 0], outs
+    assert stalled_listings == []
     assert json.loads(outs[0][0])["tokens"] == ref[:N_TOKENS]
     assert outs[1][0] == ""  # rank 1 prints nothing
     fetched = [{f.name for f in c.rglob("*.safetensors")} for c in caches.values()]

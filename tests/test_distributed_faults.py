@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -233,7 +234,9 @@ def test_a_rank_stopped_while_loading_ends_the_others(
 
     procs = start_ranks(
         2, tmp_path, *command(str(converted)),
-        per_rank={1: {"HF_HOME": str(tmp_path / "hf"), "HF_HUB_DOWNLOAD_TIMEOUT": "3600"}},
+        # Rank 1 runs unsupervised (MTPKIT_RANK_CHILD), so that SIGSTOP reaches the rank itself.
+        per_rank={1: {"HF_HOME": str(tmp_path / "hf"), "HF_HUB_DOWNLOAD_TIMEOUT": "3600",
+                      "MTPKIT_RANK_CHILD": "1"}},
         per_rank_args={1: command("org/tiny")},
     )  # fmt: skip
     root, other = procs
@@ -258,3 +261,28 @@ def test_a_rank_stopped_while_loading_ends_the_others(
         r"limit\)",
         line,
     ), err
+
+
+def test_a_taken_ring_port_is_named(converted: Path, tmp_path: Path) -> None:
+    """Rank 1's port of the ring held by another program: rank 1 says which rank and which
+    port (it used to be "unexpected RuntimeError: [ring] Couldn't bind socket"); rank 0,
+    left waiting for it, ends after --timeout."""
+    base = free_port_base(2)
+    hostfile = tmp_path / "ring.json"
+    hostfile.write_text(json.dumps([[f"127.0.0.1:{base}"], [f"127.0.0.1:{base + 1}"]]))
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", base + 1))
+        taken.listen()
+        args = ["generate", "--model", str(converted), "-p", PROMPT, "--timeout", "10"]
+        procs = start_ranks(
+            2, tmp_path, *args, per_rank={r: {"MLX_HOSTFILE": str(hostfile)} for r in (0, 1)}
+        )
+        (_, err0), (_, err1) = finish(procs)
+    assert [p.returncode for p in procs] == [1, 1]
+    assert errors(err1) == [
+        f"Error: rank 1: cannot listen on 127.0.0.1:{base + 1}: the port is taken (by another "
+        "program, or a run still ending): choose free ports (mlx.launch --starting-port, or "
+        "the hostfile)"
+    ], err1
+    [line] = errors(err0)
+    assert line.startswith("Error: rank 0: no progress for "), err0
