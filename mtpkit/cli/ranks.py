@@ -30,7 +30,7 @@ import sys
 import threading
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from mtpkit.core.errors import MtpkitError, one_line
 
@@ -75,7 +75,7 @@ def _drop_ring_noise() -> None:
     threading.Thread(target=forward, daemon=True, name="mtpkit-stderr").start()
 
 
-def _exit_with(line: str) -> None:
+def _exit_with(line: str) -> NoReturn:
     """One line on stderr, what stdout holds flushed, and exit 1 at once."""
     with contextlib.suppress(Exception):
         sys.stdout.flush()
@@ -97,7 +97,7 @@ def rank_number() -> int | None:
     return None
 
 
-def refuse_on_ranks(message: str) -> None:
+def refuse_on_ranks(message: str) -> NoReturn:
     """End every rank with exit 1, rank 0 with the line `Error: message` (each rank would
     say the same)."""
     if rank_number() == 0:
@@ -159,7 +159,7 @@ def on_ranks(
         return
     if not timeout > 0:
         raise MtpkitError(f"--timeout must be a positive number of seconds, not {timeout}")
-    from mtpkit.runtime.ranks import WATCHDOG, RanksDisagree, Watchdog, agree, meet
+    from mtpkit.runtime.ranks import WATCHDOG, Watchdog, agree, meet
 
     _drop_ring_noise()
 
@@ -174,30 +174,41 @@ def on_ranks(
     watchdog.arm()
     try:
         group = _join(rank)
-        if group is None:  # one process after all
-            watchdog.stop()
-            WATCHDOG[0] = None
-            yield Ranks()
-            return
+    except Exception as e:
+        _fail(rank, e)
+    if group is None:  # one process after all
+        watchdog.stop()
+        WATCHDOG[0] = None
+        yield Ranks()
+        return
+    try:
         if facts is not None:
             agree(group, "command", facts)
         yield Ranks(group.rank(), group.size())
         meet(group)
     except Exception as e:
-        if os.environ.get("MTPKIT_DEBUG") == "1":
-            raise
-        if isinstance(e, RanksDisagree) and rank != 0:
-            os._exit(1)  # rank 0 names the difference; every rank found the same
-        if _lost_peer(e):
-            message = (
-                "lost the connection to another rank (it failed, or the network between the "
-                "machines broke)"
-            )
-        else:
-            message = one_line(e)
-        # Ends here: an interpreter teardown races MLX's backend threads, whose sockets are
-        # broken, and has crashed a rank after its error line.
-        _exit_with(f"Error: rank {rank}: {message}")
+        _fail(rank, e)
+
+
+def _fail(rank: int, error: Exception) -> NoReturn:
+    """End this rank for `error` with one `Error: rank N: ...` line (none where rank 0 says
+    it for every rank), exit 1."""
+    from mtpkit.runtime.ranks import RanksDisagree
+
+    if os.environ.get("MTPKIT_DEBUG") == "1":
+        raise error
+    if isinstance(error, RanksDisagree) and rank != 0:
+        os._exit(1)  # rank 0 names the difference; every rank found the same
+    if _lost_peer(error):
+        message = (
+            "lost the connection to another rank (it failed, or the network between the "
+            "machines broke)"
+        )
+    else:
+        message = one_line(error)
+    # Ends here: an interpreter teardown races MLX's backend threads, whose sockets are
+    # broken, and has crashed a rank after its error line.
+    _exit_with(f"Error: rank {rank}: {message}")
 
 
 CHILD_MARK = "MTPKIT_RANK_CHILD"
