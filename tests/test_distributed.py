@@ -9,6 +9,7 @@ products in another order, which in bfloat16 can flip a greedy near-tie against 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -197,6 +198,7 @@ def start_ranks(
             subprocess.Popen(
                 [mtpkit_cli(), *(per_rank_args or {}).get(r, args)],
                 env=env,
+                start_new_session=True,  # `end_rank` ends its supervised child too
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,
                 text=True,
@@ -204,6 +206,14 @@ def start_ranks(
             )  # fmt: skip
         )
     return procs
+
+
+def end_rank(proc: subprocess.Popen[str]) -> None:
+    """Kill a hand-started rank and its supervised child (its process group), then reap it:
+    a child left alive would hold the pipes open, and the test would wait on them forever."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.communicate()
 
 
 def wait_for_output(proc: subprocess.Popen[str], limit: float) -> None:
@@ -240,8 +250,7 @@ def test_a_failing_rank_ends_every_rank_with_one_line(
     finally:
         for p in procs:
             if p.poll() is None:
-                p.kill()
-            p.wait()
+                end_rank(p)
     lines = [line for line in root.stderr.read().splitlines() if line.strip()]
     errors = [line for line in lines if line.startswith("Error: ")]
     assert root.returncode == 1, lines
@@ -319,7 +328,7 @@ def test_from_the_hub_each_rank_downloads_its_part(
     finally:
         for p in procs:
             if p.poll() is None:
-                p.kill()
+                end_rank(p)
     assert [p.returncode for p in procs] == [0, 0], outs
     assert stalled_listings == []
     assert json.loads(outs[0][0])["tokens"] == ref[:N_TOKENS]

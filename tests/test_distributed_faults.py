@@ -31,6 +31,7 @@ from tests.hub_server import HubStandIn
 from tests.test_distributed import (
     LAUNCH_LIMIT,
     ROOT,
+    end_rank,
     free_port_base,
     mtpkit_cli,
     rank_env,
@@ -49,14 +50,21 @@ def stock_tokens(path: Path, n: int) -> list[int]:
 
 
 def launch_cli(n: int, *args: str) -> subprocess.CompletedProcess[str]:
-    """`mlx.launch -n N --backend ring -- mtpkit ARGS`, its stdin empty (as in CI)."""
+    """`mlx.launch -n N --backend ring -- mtpkit ARGS`, its stdin empty (as in CI). A run past
+    LAUNCH_LIMIT fails, its ranks killed with mlx.launch (its process group)."""
     launcher = Path(sys.executable).parent / "mlx.launch"
     command = [str(launcher), "-n", str(n), "--backend", "ring"]
     command += ["--starting-port", str(free_port_base(n)), "--", mtpkit_cli(), *args]
-    return subprocess.run(
-        command, capture_output=True, text=True, timeout=LAUNCH_LIMIT, env=rank_env(), cwd=ROOT,
-        stdin=subprocess.DEVNULL,
+    proc = subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=rank_env(),
+        cwd=ROOT, stdin=subprocess.DEVNULL, start_new_session=True,
     )  # fmt: skip
+    try:
+        out, err = proc.communicate(timeout=LAUNCH_LIMIT)
+    finally:
+        if proc.poll() is None:
+            end_rank(proc)
+    return subprocess.CompletedProcess(command, proc.returncode, out, err)
 
 
 def errors(stderr: str) -> list[str]:
@@ -70,8 +78,7 @@ def finish(procs: list[subprocess.Popen[str]]) -> list[tuple[str, str]]:
     finally:
         for p in procs:
             if p.poll() is None:
-                p.kill()
-                p.communicate()
+                end_rank(p)
 
 
 def test_pipeline_stages_without_mtp_decode_every_token(converted: Path) -> None:
@@ -251,8 +258,7 @@ def test_a_rank_stopped_while_loading_ends_the_others(
     finally:
         for p in procs:
             if p.poll() is None:
-                p.kill()
-            p.communicate()
+                end_rank(p)
     assert root.returncode == 1, err
     [line] = errors(err)
     assert re.fullmatch(

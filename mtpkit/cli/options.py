@@ -454,7 +454,9 @@ BenchMaxTokensOpt = Annotated[
 ]
 BenchDepthOpt = Annotated[
     int,
-    typer.Option("--depth", min=MIN_DEPTH, max=MAX_DEPTH, metavar="K", help="Measure depths 1..K."),
+    typer.Option(
+        "--depth", min=MIN_DEPTH, max=MAX_DEPTH, metavar="K", help="Measure depths 1..K."
+    ),
 ]
 TrialsOpt = Annotated[
     int,

@@ -18,6 +18,7 @@ def print_json(obj: Any) -> None:
     sys.stdout.flush()
 
 
+
 def human_bytes(n: int) -> str:
     value = float(n)
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
@@ -177,9 +178,7 @@ def print_train(result: dict[str, Any]) -> None:
 
     trained = result["steps"] - result["resumed_from"]
     resumed = f" (resumed at {result['resumed_from']})" if result["resumed_from"] else ""
-    print(
-        f"wrote {result['output']}: {result['family']} MTP head, {result['steps']} steps{resumed}"
-    )
+    print(f"wrote {result['output']}: {result['family']} MTP head, {result['steps']} steps{resumed}")
     print(
         f"held-out acceptance: {acc(result['heldout_acceptance_start'])} at start, "
         f"{acc(result['heldout_acceptance'])} at the end; loss {result['loss_first']:.4f} -> "

@@ -197,11 +197,7 @@ class MtpModel:
             recurrent = False
         snapshots = GdnSnapshots() if recurrent else None
         rows = tokens.shape[0]
-        with (
-            capture_gdn_states(snapshots),
-            multi_row_matmuls(self.model, rows),
-            few_query_attention(),
-        ):
+        with capture_gdn_states(snapshots), multi_row_matmuls(self.model, rows), few_query_attention():
             logits, hidden = self.forward(tokens[None], cache)
         return VerifyPass(logits, hidden, snapshots, rows, replay)
 
@@ -417,7 +413,9 @@ def assemble(
         manifest = head_weights.manifest if head_weights is not None else None
         hidden = (manifest or {}).get("hidden") or DEFAULT_HIDDEN
     if hidden not in HIDDEN_VARIANTS:
-        raise GenerateError(f"--hidden must be one of {', '.join(HIDDEN_VARIANTS)}, not {hidden!r}")
+        raise GenerateError(
+            f"--hidden must be one of {', '.join(HIDDEN_VARIANTS)}, not {hidden!r}"
+        )
     parts = backbone_parts(model, config)
     capture = tap_final_norm(parts.final_norm)
     tap_gated_delta_layers(model)
