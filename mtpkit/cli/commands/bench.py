@@ -22,7 +22,7 @@ from mtpkit.cli.options import (
     friendly_errors,
     value,
 )
-from mtpkit.cli.ranks import DEFAULT_TIMEOUT, on_ranks
+from mtpkit.cli.ranks import DEFAULT_TIMEOUT, command_facts, on_ranks
 
 DraftModelOpt = Annotated[
     str | None,
@@ -115,7 +115,8 @@ def bench_command(
             else None
         )
     try:
-        with on_ranks(timeout) as ranks:  # under mlx.launch: rank 0 prints
+        facts = command_facts(ctx, per_rank=("model", "json_output", "timeout"))
+        with on_ranks(timeout, facts) as ranks:  # under mlx.launch: rank 0 prints
             result = bench(
                 str(built) if built else model,
                 prompt=prompt or DEFAULT_PROMPT,

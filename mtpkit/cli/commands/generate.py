@@ -52,7 +52,13 @@ from mtpkit.cli.options import (
     read_stdin_prompt,
     value,
 )
-from mtpkit.cli.ranks import DEFAULT_TIMEOUT, on_ranks
+from mtpkit.cli.ranks import (
+    DEFAULT_TIMEOUT,
+    command_facts,
+    on_ranks,
+    rank_number,
+    refuse_on_ranks,
+)
 
 if TYPE_CHECKING:
     from mtpkit.speculative.proposers.choose import DrafterChoice
@@ -122,6 +128,11 @@ def generate_command(
     if trust_remote_code:
         typer.echo(REMOTE_CODE_NOTE, err=True)
     text = prompt.replace("\\n", "\n").replace("\\t", "\t")  # as mlx_lm.generate reads it
+    if text == "-" and rank_number() is not None:
+        refuse_on_ranks(
+            "--prompt - reads standard input, which mlx.launch hands every rank without ever "
+            'closing it: pass the prompt as text (-p "$(cat FILE)")'
+        )
     text = read_stdin_prompt() if text == "-" else text
     verbose_output = verbose == "True" and not json_output
 
@@ -140,7 +151,9 @@ def generate_command(
     def warn(message: str) -> None:
         typer.echo(f"Warning: {message}", err=True)
 
-    with on_ranks(timeout) as ranks:  # under mlx.launch: rank 0 prints, the others are silent
+    # Under mlx.launch: rank 0 prints, the others are silent; all must run the same command.
+    facts = command_facts(ctx, per_rank=("model", "json_output", "verbose", "timeout"))
+    with on_ranks(timeout, facts) as ranks:
         result = generate(
             model,
             text,
