@@ -232,8 +232,7 @@ def test_check_refuses_a_report_inside_the_source_and_writes_it_atomically(check
         result = runner.invoke(app, ["check", str(model), "--no-probe", "--junit", str(report)])
         assert result.exit_code == 1
         assert result.stderr.splitlines() == [
-            f"Error: --junit {report} lies inside the source {model}: write it outside the "
-            "source"
+            f"Error: --junit {report} lies inside the source {model}: write it outside the source"
         ]
     assert tree_hashes(model) == before
     elsewhere = tmp_path / "reports" / "check.xml"
@@ -246,6 +245,62 @@ def test_check_refuses_a_report_inside_the_source_and_writes_it_atomically(check
     assert victim.read_text() == "not a report\n"
     assert not elsewhere.is_symlink() and elsewhere.read_text().startswith("<?xml")
     assert sorted(p.name for p in elsewhere.parent.iterdir()) == ["check.xml"]
+
+
+def test_junit_streams_into_a_fifo_and_never_replaces_it(checkpoint, tmp_path):
+    """A FIFO given to --junit receives the report and stays a FIFO (issue 33 item 2); one
+    that nobody reads from is one line, never a hang."""
+    model = checkpoint("mimo")
+    fifo = tmp_path / "report.fifo"
+    os.mkfifo(fifo)
+    reader = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)  # the report fits the pipe's buffer
+    try:
+        result = runner.invoke(app, ["check", str(model), "--no-probe", "--junit", str(fifo)])
+        assert result.exit_code in (0, 3), result.output
+        os.set_blocking(reader, True)
+        received = os.read(reader, 1 << 16).decode()
+    finally:
+        os.close(reader)
+    assert received.startswith("<?xml") and received.rstrip().endswith("</testsuites>")
+    assert fifo.is_fifo() and sorted(p.name for p in tmp_path.iterdir()) == ["report.fifo"]
+    result = runner.invoke(app, ["check", str(model), "--no-probe", "--junit", str(fifo)])
+    assert result.exit_code == 1
+    assert result.stderr.splitlines()[-1] == (
+        f"Error: cannot write --junit {fifo}: it is a FIFO or socket nobody reads from"
+    )
+    assert fifo.is_fifo()
+
+
+def test_junit_through_a_link_to_stdout_reaches_stdout(checkpoint, tmp_path):
+    """`--junit /dev/stdout` (a link to /proc/self/fd/1) writes the report where stdout goes
+    and leaves the link alone; a link of the test's own stands in for /dev/stdout."""
+    model = checkpoint("mimo")
+    link = tmp_path / "stdout"
+    link.symlink_to("/proc/self/fd/1")
+    captured = tmp_path / "captured.txt"
+    with captured.open("w") as stdout:
+        proc = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "mtpkit",
+                "check",
+                str(model),
+                "--no-probe",
+                "--junit",
+                str(link),
+            ],
+            stdout=stdout,
+            stderr=subprocess.PIPE,
+            text=True,
+            timeout=600,
+        )
+    assert proc.returncode in (0, 3), proc.stderr
+    text = captured.read_text()
+    # Written through the descriptor itself: neither the report nor the table overwrites
+    # the other.
+    assert text.count("<?xml") == 1 and "</testsuites>\n" in text and "verdict: " in text
+    assert link.is_symlink() and os.readlink(link) == "/proc/self/fd/1"
 
 
 def test_failed_graft_leaves_the_directory_as_it_was(checkpoint, tmp_path, monkeypatch):

@@ -30,6 +30,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from mtpkit.core.errors import MtpkitError
+from mtpkit.core.files import own_descriptor, write_text_file
 from mtpkit.core.signals import deferred
 
 TEMP_MARK = "mtpkit-tmp"
@@ -315,30 +316,13 @@ def new_directory(out: Path, *, log: Log | None = None) -> Iterator[Path]:
 
 
 def write_file(path: Path, text: str, *, option: str, sources: Iterable[Path | None] = ()) -> None:
-    """Write one file (a report) atomically: into a temporary sibling, then renamed; never
-    inside a source, never through a link (a link at `path` is replaced, not followed)."""
+    """Write one file (a report), never inside a source: a regular file is replaced
+    atomically, a link to one is replaced rather than followed, and a FIFO, a device or
+    `/dev/stdout` receives the text as a stream (`mtpkit.core.files`)."""
     path = Path(path).expanduser()
-    refuse_inside(path, sources, option=option)
-    if path.is_dir():
-        raise DestinationError(f"{option} {path} is a directory: name a file")
-    tmp = temp_sibling(path)
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp.write_text(text, encoding="utf-8")
-        os.replace(tmp, path)
-    except OSError as e:
-        _discard(tmp)
-        raise MtpkitError(f"cannot write {option} {path}: {_reason(e)}") from None
-    except BaseException:
-        _discard(tmp)
-        raise
-
-
-def _discard(tmp: Path) -> None:
-    try:
-        tmp.unlink(missing_ok=True)
-    except OSError:  # its parent is not a directory: there is nothing to remove
-        pass
+    if own_descriptor(path) is None:
+        refuse_inside(path, sources, option=option)
+    write_text_file(path, text, option=option)
 
 
 def _reason(e: OSError) -> str:
