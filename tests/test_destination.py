@@ -390,3 +390,62 @@ def test_a_signal_during_a_file_swap_waits_until_every_file_is_moved(tmp_path, m
         for sig, handler in previous.items():
             signal.signal(sig, handler)
     assert len(moved) == 3 and [t.read_text() for t in targets] == ["new"] * 3
+
+
+def test_an_output_made_while_converting_is_never_replaced_without_force(
+    checkpoint, tmp_path, monkeypatch
+):
+    """The "already exists" rule is judged again at the final rename (issue 33 item 4): a
+    folder that appeared at -o while the run wrote (a retry in another terminal) is kept."""
+    from mtpkit.convert import pipeline
+
+    src, out = checkpoint("mimo"), tmp_path / "out"
+    real_write = pipeline._write_output
+
+    def another_terminal_writes_out(*args, **kwargs):
+        real_write(*args, **kwargs)
+        out.mkdir()
+        (out / "mine.txt").write_text("kept\n")
+
+    monkeypatch.setattr(pipeline, "_write_output", another_terminal_writes_out)
+    result = runner.invoke(app, ["convert", str(src), "-o", str(out), "--quiet"])
+    assert result.exit_code == 1
+    assert result.stderr.splitlines() == [
+        f"Error: {out} appeared while this run was writing it (another run or program made "
+        "it): nothing was replaced; pass --force to replace it, or choose another -o"
+    ]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+    assert sorted(p.name for p in out.iterdir()) == ["mine.txt"]
+
+
+def test_two_converts_to_one_output_are_exclusive(checkpoint, tmp_path, monkeypatch):
+    """A second convert to an output another run is writing (a real second process, started
+    while the first writes) is refused at once, naming the first; the first completes."""
+    from mtpkit.convert import pipeline
+
+    src, out = checkpoint("mimo"), tmp_path / "out"
+    real_write = pipeline._write_output
+    second: list[subprocess.CompletedProcess] = []
+
+    def second_run_meanwhile(*args, **kwargs):
+        second.append(
+            subprocess.run(
+                [sys.executable, "-m", "mtpkit", "convert", str(src), "-o", str(out), "--quiet"],
+                capture_output=True,
+                text=True,
+                timeout=600,
+            )
+        )
+        real_write(*args, **kwargs)
+
+    monkeypatch.setattr(pipeline, "_write_output", second_run_meanwhile)
+    result = runner.invoke(app, ["convert", str(src), "-o", str(out), "--quiet"])
+    assert result.exit_code == 0, result.output
+    assert result.stdout.startswith(f"wrote {out}: ")
+    assert second[0].returncode == 1 and second[0].stdout == ""
+    assert second[0].stderr.splitlines() == [
+        f"Error: {out} is being written by another mtpkit run (process {os.getpid()}): wait "
+        "for it to finish, or choose another -o"
+    ]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]  # no lock file left
+    assert (out / "mtp" / "manifest.json").is_file()

@@ -35,6 +35,7 @@ from mtpkit.core.signals import deferred
 
 TEMP_MARK = "mtpkit-tmp"
 OLD_MARK = "mtpkit-old"
+LOCK_MARK = "mtpkit-lock"
 # `.NAME.mtpkit-tmp-PID` (work in progress) or `.NAME.mtpkit-old-PID` (a replaced output).
 SIBLING = re.compile(rf"^\.(?P<name>.+)\.(?P<mark>{TEMP_MARK}|{OLD_MARK})-(?P<pid>\d+)$")
 # What makes a directory recognisably a model directory (with config.json).
@@ -283,11 +284,25 @@ def fresh_temp_dir(out: Path) -> Path:
     return tmp
 
 
-def replace_with(out: Path, tmp: Path) -> None:
-    """Move the finished `tmp` to `out`, removing what was there only once it is moved."""
+def replace_with(out: Path, tmp: Path, *, force: bool = True, option: str = "-o") -> None:
+    """Move the finished `tmp` to `out`, removing what was there only once it is moved.
+
+    What is at `out` now is judged again (`--force` and what it may replace): another run,
+    or a user in another terminal, may have made it since the run began."""
     if not out.exists() and not out.is_symlink():
         tmp.rename(out)
         return
+    if not force:
+        raise DestinationError(
+            f"{out} appeared while this run was writing it (another run or program made it): "
+            f"nothing was replaced; pass --force to replace it, or choose another {option}"
+        )
+    why = why_not_replaceable(out)
+    if why is not None:
+        raise DestinationError(
+            f"{option} {out} --force: {why} (it changed while this run was writing); nothing "
+            "was replaced"
+        )
     old = temp_sibling(out, OLD_MARK)
     out.rename(old)
     try:
@@ -299,20 +314,88 @@ def replace_with(out: Path, tmp: Path) -> None:
 
 
 @contextmanager
-def new_directory(out: Path, *, log: Log | None = None) -> Iterator[Path]:
+def new_directory(
+    out: Path, *, force: bool = True, option: str = "-o", log: Log | None = None
+) -> Iterator[Path]:
     """A temporary sibling of `out` to write into; renamed over `out` when the block ends
-    without an error, removed on any error or interrupt (then `out` is as it was)."""
-    remove_stale([out], log)  # a killed run's work; its replaced output is already back
-    tmp = fresh_temp_dir(out)
+    without an error (if `out` may still be replaced: `replace_with`), removed on any error
+    or interrupt (then `out` is as it was). The output is locked meanwhile."""
+    with exclusive_output(out, option=option):
+        remove_stale([out], log)  # a killed run's work; its replaced output is already back
+        tmp = fresh_temp_dir(out)
+        try:
+            yield tmp
+            replace_with(out, tmp, force=force, option=option)
+        except OSError as e:
+            _remove(tmp)
+            raise MtpkitError(f"writing {out} failed, nothing was written: {_reason(e)}") from None
+        except BaseException:
+            _remove(tmp)
+            raise
+
+
+# Locks this process holds, by output path: taking one again (convert locks its output at
+# the start, then writes it through `new_directory`) is a no-op.
+_HELD: dict[Path, int] = {}
+
+
+def lock_path(out: Path) -> Path:
+    """The lock file beside `out` (`.NAME.mtpkit-lock`)."""
+    return out.parent / f".{out.name}.{LOCK_MARK}"
+
+
+@contextmanager
+def exclusive_output(out: Path, *, option: str = "-o") -> Iterator[None]:
+    """Hold the lock beside `out` for the block, so two runs never write one output: a
+    second run is refused at once with the first one's process id. The kernel drops the
+    lock of a killed run; the file it leaves is reused."""
+    key = _resolved(out)
+    if key in _HELD:
+        yield
+        return
+    path = lock_path(out)
     try:
-        yield tmp
-        replace_with(out, tmp)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd = _acquire(path, out, option)
     except OSError as e:
-        _remove(tmp)
-        raise MtpkitError(f"writing {out} failed, nothing was written: {_reason(e)}") from None
-    except BaseException:
-        _remove(tmp)
-        raise
+        raise MtpkitError(f"cannot write {out}: {_reason(e)}") from None
+    _HELD[key] = fd
+    try:
+        yield
+    finally:
+        del _HELD[key]
+        try:
+            path.unlink(missing_ok=True)  # while still held: no other run holds this file
+        except OSError:
+            pass
+        os.close(fd)
+
+
+def _acquire(path: Path, out: Path, option: str) -> int:
+    """An open descriptor of the lock file `path`, locked; the file is checked to be the one
+    at `path` still (a run that just finished unlinks its own)."""
+    import fcntl
+
+    while True:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.read(fd, 32).decode(errors="replace").strip() or "unknown"
+            os.close(fd)
+            raise DestinationError(
+                f"{out} is being written by another mtpkit run (process {holder}): wait for "
+                f"it to finish, or choose another {option}"
+            ) from None
+        try:
+            same = os.fstat(fd).st_ino == os.stat(path).st_ino
+        except FileNotFoundError:
+            same = False
+        if same:
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+            return fd
+        os.close(fd)
 
 
 def write_file(path: Path, text: str, *, option: str, sources: Iterable[Path | None] = ()) -> None:
@@ -394,6 +477,8 @@ class FileSwap:
 
 __all__ = [
     "DestinationError",
+    "exclusive_output",
+    "lock_path",
     "FileSwap",
     "claim_output",
     "fresh_temp_dir",

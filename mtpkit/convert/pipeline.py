@@ -28,6 +28,7 @@ from mtpkit.checkpoint.inspect import Checkpoint, read_checkpoint
 from mtpkit.checkpoint.validate import nonfinite_tensors
 from mtpkit.convert.destination import (
     claim_output,
+    exclusive_output,
     local_source_dir,
     new_directory,
     refuse_overlap,
@@ -126,12 +127,30 @@ def convert(
     )  # fmt: skip
     settings, recipe_family = resolve_settings(recipe, flags)
     out = Path(output).expanduser()
-    claim_output(out, force=force, sources=[local_source_dir(source)])
-    ckpt = read_checkpoint(source, revision=revision)
-    if ckpt.source.kind == "local":  # also a Hub repo's cached snapshot, used offline
-        refuse_overlap(out, ckpt.source.snapshot_dir())
-    _check_convertible(ckpt, settings, out, recipe, recipe_family)
+    # Locked from the first check to the final rename: a second run writing the same output
+    # is refused at once, and the rename judges `out` again (`new_directory`).
+    with exclusive_output(out):
+        claim_output(out, force=force, sources=[local_source_dir(source)])
+        ckpt = read_checkpoint(source, revision=revision)
+        if ckpt.source.kind == "local":  # also a Hub repo's cached snapshot, used offline
+            refuse_overlap(out, ckpt.source.snapshot_dir())
+        _check_convertible(ckpt, settings, out, recipe, recipe_family)
+        plan, manifest, layers = _convert_into(out, ckpt, settings, force=force, quiet=quiet)
+    return ConvertResult(
+        out,
+        ckpt.family.name,
+        manifest,
+        len(plan.backbone),
+        len(plan.head),
+        time.perf_counter() - started,
+        repaired(ckpt, layers) + layout_warnings(settings),
+    )
 
+
+def _convert_into(
+    out: Path, ckpt: Checkpoint, settings: Settings, *, force: bool, quiet: bool
+) -> tuple[Plan, dict[str, Any], int]:
+    """Plan and write the conversion of `ckpt` to `out`: (plan, manifest, head layers)."""
     converter = Converter(ckpt, settings)
     # MLX keeps freed buffers for reuse (much faster than fresh pages); a bound keeps tensors
     # of ever-new sizes from piling up there.
@@ -143,22 +162,13 @@ def convert(
         backbone_quant = settings.backbone_record() or source_quantization(ckpt)
         manifest = build_manifest(ckpt, plan, settings, layers, backbone_quant=backbone_quant)
         declare_head(ckpt, plan, config, manifest)
-        with new_directory(out) as tmp:
+        with new_directory(out, force=force) as tmp:
             _write_output(tmp, ckpt, converter, plan, config, manifest, quiet=quiet)
             refuse_nonfinite_head(tmp / HEAD_WEIGHTS_PATH, ckpt, settings.dtype)
     finally:
         mx.set_cache_limit(cache_limit)
         converter.close()
-    seconds = time.perf_counter() - started
-    return ConvertResult(
-        out,
-        ckpt.family.name,
-        manifest,
-        len(plan.backbone),
-        len(plan.head),
-        seconds,
-        repaired(ckpt, layers) + layout_warnings(settings),
-    )
+    return plan, manifest, layers
 
 
 def refuse_nonfinite_head(head_file: Path, ckpt: Checkpoint, dtype: str | None = None) -> None:
