@@ -449,3 +449,52 @@ def test_two_converts_to_one_output_are_exclusive(checkpoint, tmp_path, monkeypa
     ]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]  # no lock file left
     assert (out / "mtp" / "manifest.json").is_file()
+
+
+@pytest.mark.parametrize("side", ["vocab.txt", "tokenizer.json"])
+def test_side_files_linking_out_of_the_source_are_never_copied(checkpoint, tmp_path, side):
+    """A side file that links out of the source (a token file, /etc/shadow) is refused before
+    anything is written (issue 33 item 5); links inside the source are followed."""
+    model = Path(shutil.copytree(checkpoint("mimo"), tmp_path / "model"))
+    secret = tmp_path / "token"
+    secret.write_text("hf_secret_token\n")
+    (model / side).unlink(missing_ok=True)
+    (model / side).symlink_to(secret)
+    out = tmp_path / "out"
+    result = runner.invoke(app, ["convert", str(model), "-o", str(out), "--quiet"])
+    assert result.exit_code == 1
+    assert result.stderr.splitlines() == [
+        f"Error: {model / side} is a link to {secret}, outside the source {model}: mtpkit "
+        "copies and publishes no file from outside it; replace the link with the file itself"
+    ]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model", "token"]
+
+
+def test_side_files_are_what_they_claim_and_links_inside_are_followed(checkpoint, tmp_path):
+    model = Path(shutil.copytree(checkpoint("mimo"), tmp_path / "model"))
+    (model / "tokenizer.json").rename(model / "real-tokenizer.json")
+    (model / "tokenizer.json").symlink_to("real-tokenizer.json")
+    out = tmp_path / "out"
+    result = runner.invoke(app, ["convert", str(model), "-o", str(out), "--quiet"])
+    assert result.exit_code == 0, result.output
+    copied = out / "tokenizer.json"
+    assert not copied.is_symlink()
+    assert copied.read_bytes() == (model / "real-tokenizer.json").read_bytes()
+    (model / "tokenizer.json").unlink()
+    (model / "tokenizer.json").write_text("root:x:0:0:root:/root:/bin/bash\n")
+    result = runner.invoke(app, ["convert", str(model), "-o", str(tmp_path / "o2"), "--quiet"])
+    assert result.exit_code == 1
+    assert result.stderr.splitlines() == [
+        f"Error: {model / 'tokenizer.json'} is not JSON as its name says (JSONDecodeError): "
+        "mtpkit copies no side file that is not what it claims to be; restore it from the "
+        "original"
+    ]
+    assert not (tmp_path / "o2").exists()
+
+
+def test_a_cache_snapshot_converts_through_its_links_into_blobs(hf_cache, tmp_path):
+    snapshot = hf_cache / "snapshots" / "0123abcd"
+    out = tmp_path / "out"
+    result = runner.invoke(app, ["convert", str(snapshot), "-o", str(out), "--quiet"])
+    assert result.exit_code == 0, result.output
+    assert (out / "tokenizer.json").read_bytes() == (snapshot / "tokenizer.json").read_bytes()

@@ -25,6 +25,7 @@ from typing import Any
 import mlx.core as mx
 
 from mtpkit.checkpoint.inspect import Checkpoint, read_checkpoint
+from mtpkit.checkpoint.links import checked_side_file
 from mtpkit.checkpoint.validate import nonfinite_tensors
 from mtpkit.convert.destination import (
     claim_output,
@@ -279,6 +280,7 @@ def _check_convertible(
             f"checkpoint{hint} instead"
         )
     check_conv1d(ckpt)
+    side_files(ckpt)
 
 
 def source_quantization(ckpt: Checkpoint) -> dict[str, Any] | None:
@@ -331,10 +333,21 @@ def _write_output(
 
 
 def _copy_side_files(ckpt: Checkpoint, out: Path) -> None:
+    """The tokenizer and the other side files, each checked first (`checkpoint.links`): no
+    link out of the source is followed, and a file is what its name says."""
+    for name, path in side_files(ckpt):
+        shutil.copyfile(path, out / name)
+
+
+def side_files(ckpt: Checkpoint) -> list[tuple[str, Path]]:
+    """(name, checked path) of each side file to copy; `convert` checks them before any
+    weight is written, then again as it copies them."""
+    found = []
     for name in sorted(ckpt.source.files):
-        if "/" in name or not COPIED_FILES.match(name):
-            continue
-        shutil.copyfile(ckpt.source.local_file(name), out / name)
+        if "/" not in name and COPIED_FILES.match(name):
+            path = ckpt.source.local_file(name)
+            found.append((name, checked_side_file(path.parent, path.name)))
+    return found
 
 
 # --------------------------------------------------------------------------- settings
