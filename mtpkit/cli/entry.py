@@ -22,7 +22,12 @@ def main() -> None:
         from mtpkit.cli.app import app
 
         # Typer builds the Click command before Click's own Ctrl-C handling starts.
-        app()
+        try:
+            app()
+        except SystemExit as e:
+            if isinstance(e.code, int) and e.code >= 128:  # a signal ended the command
+                signals.exit_now_if_workers_hang(e.code)
+            raise
     except KeyboardInterrupt as e:
         from mtpkit.core import signals
 

@@ -10,14 +10,18 @@ they were, check's scratch conversion deleted. The CLI turns any of them into on
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
+import sys
 import threading
 from collections.abc import Iterator
 from types import FrameType
 
 # Signals whose default is to die at once, without any cleanup. A signal the caller chose to
 # ignore (`nohup` ignores SIGHUP) stays ignored.
-TERMINATING = tuple(getattr(signal, name) for name in ("SIGTERM", "SIGHUP") if hasattr(signal, name))
+TERMINATING = tuple(
+    getattr(signal, name) for name in ("SIGTERM", "SIGHUP") if hasattr(signal, name)
+)
 
 
 class Interrupted(KeyboardInterrupt):
@@ -66,7 +70,9 @@ def deferred() -> Iterator[None]:
         return
     caught: list[int] = []
     held = (signal.SIGINT, *TERMINATING)
-    previous = {sig: signal.signal(sig, lambda signum, frame: caught.append(signum)) for sig in held}
+    previous = {
+        sig: signal.signal(sig, lambda signum, frame: caught.append(signum)) for sig in held
+    }
     try:
         yield
     finally:
@@ -78,3 +84,20 @@ def deferred() -> Iterator[None]:
                 handler(caught[0], None)
             elif handler == signal.SIG_DFL:
                 signal.raise_signal(caught[0])
+
+
+def exit_now_if_workers_hang(code: int) -> None:
+    """After a signal's cleanup, end the process with `code` at once if other threads are
+    still running: Python waits for them at exit (`concurrent.futures` joins a thread pool's
+    workers, daemon or not, stuck in a Hub request that never answers), so a SIGTERM would
+    not end the run."""
+    main = threading.main_thread()
+    busy = [t for t in threading.enumerate() if t is not main and t.is_alive()]
+    if not busy:
+        return
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(code)

@@ -73,6 +73,14 @@ ForceOpt = Annotated[
         "output that is, holds or lies inside the source.",
     ),
 ]
+ReplaceRepoOpt = Annotated[
+    bool,
+    typer.Option(
+        "--replace-repo",
+        help="With --upload-repo: replace the files the repo already holds (a model or an "
+        "earlier mtpkit upload only; its history stays on the Hub).",
+    ),
+]
 MtpOnlyOpt = Annotated[
     bool, typer.Option("--mtp-only", help="Graft only the MTP head (with --into).")
 ]
@@ -86,7 +94,9 @@ UploadRepoOpt = Annotated[
         "--upload-repo",
         metavar="ORG/NAME",
         help="Then publish the output as this Hub repo (org/name), in one commit with a model "
-        "card, after `mtpkit check` passes on it (as mlx_lm.convert --upload-repo).",
+        "card, after `mtpkit check` passes on it (as mlx_lm.convert --upload-repo). The token "
+        "and the repo are checked before converting; a repo that holds files is refused "
+        "without --replace-repo.",
     ),
 ]
 
@@ -113,6 +123,7 @@ def convert_command(
     mtp_only: MtpOnlyOpt = False,
     into: IntoOpt = None,
     upload_repo: UploadRepoOpt = None,
+    replace_repo: ReplaceRepoOpt = False,
     quiet: QuietOpt = False,
     trust_remote_code: TrustRemoteCodeOpt = False,
     json_output: JsonOpt = False,
@@ -147,6 +158,15 @@ def convert_command(
     }
     if upload_repo is not None and not HUB_REPO.match(upload_repo):
         raise typer.BadParameter(f"{upload_repo!r} is not a Hub repo id (org/name)")
+    if replace_repo and upload_repo is None:
+        ctx.fail("--replace-repo applies to --upload-repo ORG/NAME: pass both")
+    repo_state = None
+    if upload_repo is not None:  # the token and the repo, before the conversion's minutes
+        from mtpkit.publish.upload import preflight
+
+        repo_state = preflight(
+            upload_repo, source=source, replace=replace_repo, quiet=quiet or json_output
+        )
     if mtp_only:
         if into is None or output is not None or quantizing or layout or recipe:
             ctx.fail(
@@ -172,29 +192,37 @@ def convert_command(
             recipe=recipe,
             **common,
         )
-    _publish_and_report(result, upload_repo, json_output)
+    _publish_and_report(result, repo_state, replace_repo, quiet or json_output, json_output)
 
 
-def _publish_and_report(result: Any, upload_repo: str | None, json_output: bool) -> None:
+def _publish_and_report(
+    result: Any, repo_state: Any, replace: bool, quiet: bool, json_output: bool
+) -> None:
     """Warnings on stderr, the upload (`--upload-repo`), then the result on stdout."""
+    from mtpkit.cli.commands.upload import published_line
     from mtpkit.cli.output import print_convert, print_json
     from mtpkit.core.console import log
 
     for warning in result.warnings:
         log(f"warning: {warning}")
     published = None
-    if upload_repo is not None:
+    if repo_state is not None:
         from mtpkit.publish.upload import upload
 
-        published = upload(result.output, upload_repo, log=lambda line: log(f"... {line}"))
+        published = upload(
+            result.output,
+            repo_state.repo_id,
+            replace=replace,
+            state=repo_state,
+            quiet=quiet,
+            log=lambda line: log(f"... {line}"),
+        )
     if json_output:
         print_json(result.to_json() | ({"upload": published} if published else {}))
         return
     print_convert(result)
     if published is not None:
-        acceptance = (published["check"] or {}).get("acceptance")
-        checked = f", check pass, acceptance {acceptance:.1%}" if acceptance is not None else ""
-        print(f"published {published['repo']} at {published['commit'][:12]}{checked}", flush=True)
+        print(published_line(published), flush=True)
 
 
 def _check_quantization(
