@@ -241,3 +241,40 @@ def test_the_package_data_ships_the_recipes():
         relative = recipe.relative_to(package).as_posix()
         assert any(fnmatch.fnmatch(relative, p) for p in patterns), relative
     assert (root / "recipes").resolve() == package / "recipes"  # the checkout's recipes/
+
+
+@pytest.mark.parametrize("flags", [[], ["-q"], ["--q-bits", "3", "--q-group-size", "32"]])
+def test_convert_reports_size_and_mlx_lms_bits_per_weight(mimo, tmp_path, flags):
+    """Issue 32 item 21: the line names the output's size and the bits per weight that
+    mlx-lm's own `compute_bits_per_weight` finds on the loaded model."""
+    import re
+
+    import mlx_lm
+    from mlx_lm.utils import compute_bits_per_weight
+
+    from mtpkit.cli.output import human_bytes
+
+    out = tmp_path / "out"
+    result = runner.invoke(app, ["convert", str(mimo), "-o", str(out), *flags, "--quiet"])
+    assert result.exit_code == 0, result.output
+    model, _ = mlx_lm.load(str(out))
+    size = sum(p.stat().st_size for p in out.rglob("*") if p.is_file())
+    expected = f"{compute_bits_per_weight(model):.3f} bits per weight"
+    line = result.stdout.strip()
+    assert re.fullmatch(
+        rf"wrote {re.escape(str(out))}: mimo, \d+ backbone and \d+ MTP tensors, "
+        rf"{re.escape(human_bytes(size))}, {re.escape(expected)}, in [\d.]+s",
+        line,
+    ), (line, expected)
+
+
+def test_graft_reports_the_head_it_added_not_a_backbone(mimo, tmp_path):
+    trunk = tmp_path / "trunk"
+    assert runner.invoke(app, ["convert", str(mimo), "-o", str(trunk), "--quiet"]).exit_code == 0
+    graft = ["convert", str(mimo), "--mtp-only", "--into", str(trunk), "--force", "--quiet"]
+    result = runner.invoke(app, graft)
+    assert result.exit_code == 0, result.output
+    assert result.stdout.startswith("grafted ") and f" MTP tensors into {trunk}: mimo, " in (
+        result.stdout
+    )
+    assert "backbone" not in result.stdout

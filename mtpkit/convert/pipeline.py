@@ -79,6 +79,11 @@ class ConvertResult:
     seconds: float
     # What was repaired on the way (e.g. the declared MTP layer count), for stderr.
     warnings: list[str] = field(default_factory=list)
+    # The bytes of the files written (a graft: the head's files), and the backbone's bits per
+    # weight as mlx-lm's `compute_bits_per_weight` counts them (None for a graft).
+    written_bytes: int = 0
+    bits_per_weight: float | None = None
+    grafted: bool = False
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -86,6 +91,8 @@ class ConvertResult:
             "family": self.family,
             "backbone_tensors": self.backbone_tensors,
             "head_tensors": self.head_tensors,
+            "bytes": self.written_bytes,
+            "bits_per_weight": self.bits_per_weight,
             "seconds": round(self.seconds, 3),
             "manifest": self.manifest,
         }
@@ -145,7 +152,24 @@ def convert(
         len(plan.head),
         time.perf_counter() - started,
         repaired(ckpt, layers) + layout_warnings(settings),
+        written_bytes=directory_bytes(out),
+        bits_per_weight=bits_per_weight(plan),
     )
+
+
+def directory_bytes(directory: Path) -> int:
+    """The size of every file under `directory` (links not followed)."""
+    return sum(p.lstat().st_size for p in directory.rglob("*") if p.is_file())
+
+
+def bits_per_weight(plan: Plan) -> float | None:
+    """The backbone's bits per weight as `mlx_lm.utils.compute_bits_per_weight` counts them
+    on the loaded model: every stored byte over the parameters of its leaf modules, packed
+    weights counted unpacked (`quant.count_parameters`)."""
+    if not plan.total_parameters:
+        return None
+    stored = sum(job.nbytes for job in plan.backbone_jobs)
+    return stored * 8 / plan.total_parameters
 
 
 def _convert_into(
