@@ -269,6 +269,26 @@ def hub_progress(*, quiet: bool = False) -> Iterator[None]:
         enable_progress_bars()
 
 
+# A repo's folder in the Hugging Face cache (`models--ORG--NAME`).
+CACHE_REPO = re.compile(r"^models--(?P<org>[^-][^/]*?)--(?P<name>.+)$")
+
+
+def source_repo(spec: str | None) -> str | None:
+    """The Hub repo (`org/name`) a source spec names: the id itself (with or without
+    `@REV`), or a Hugging Face cache folder of it; None for any other directory."""
+    if not spec:
+        return None
+    path = Path(spec).expanduser()
+    if not path.exists():
+        repo = spec.split("@", 1)[0]
+        return repo if "/" in repo and REPO_ID.match(repo) else None
+    for part in path.absolute().parts:
+        match = CACHE_REPO.match(part)
+        if match:
+            return f"{match['org']}/{match['name']}"
+    return None
+
+
 def open_source(spec: str, *, revision: str | None = None) -> Source:
     """A local directory when `spec` names one, else a Hub repo id."""
     path = Path(spec).expanduser()

@@ -35,6 +35,7 @@ from mtpkit.convert.destination import (
     refuse_overlap,
 )
 from mtpkit.convert.plan import Converter, Plan, Settings, check_conv1d, refuse_problems
+from mtpkit.convert.recipes import load_recipe, recipe_note
 from mtpkit.convert.records import build_manifest, output_config
 from mtpkit.convert.rules import job_computer
 from mtpkit.convert.writer import (
@@ -134,6 +135,7 @@ def convert(
         dtype=dtype, layout=layout, hidden=hidden,
     )  # fmt: skip
     settings, recipe_family = resolve_settings(recipe, flags)
+    notes = [] if recipe is None else [recipe_note(load_recipe(recipe), source)]
     out = Path(output).expanduser()
     # Locked from the first check to the final rename: a second run writing the same output
     # is refused at once, and the rename judges `out` again (`new_directory`).
@@ -151,7 +153,7 @@ def convert(
         len(plan.backbone),
         len(plan.head),
         time.perf_counter() - started,
-        repaired(ckpt, layers) + layout_warnings(settings),
+        [n for n in notes if n] + repaired(ckpt, layers) + layout_warnings(settings),
         written_bytes=directory_bytes(out),
         bits_per_weight=bits_per_weight(plan),
     )
@@ -405,8 +407,6 @@ def resolve_settings(
 
     Returns the settings and the family the recipe is meant for (None without a recipe).
     """
-    from mtpkit.convert.recipes import load_recipe
-
     values: dict[str, Any] = {}
     family = None
     if recipe is not None:

@@ -28,16 +28,16 @@ from typing import Any
 
 from mtpkit import __version__
 from mtpkit.checkpoint.links import contained_file
+from mtpkit.checkpoint.source import source_repo
 from mtpkit.core.errors import MtpkitError
 from mtpkit.core.manifest import MANIFEST_PATH
-from mtpkit.publish.card import hub_source, model_card
+from mtpkit.publish.card import model_card
 from mtpkit.publish.hub import on_the_hub
 
 CARD = "README.md"
 # What a repo the Hub just created holds: such a repo counts as empty.
 EMPTY_REPO_FILES = frozenset({".gitattributes"})
 WEIGHT_FILE = re.compile(r"^[^/]*\.(safetensors|gguf|bin|npz)$")
-CACHE_REPO = re.compile(r"^models--(?P<org>[^-][^/]*?)--(?P<name>.+)$")
 Log = Callable[[str], None]
 
 
@@ -76,20 +76,6 @@ def refuse_source(repo_id: str, source: str | None) -> None:
             f"--upload-repo {repo_id} is the source {source} itself: publishing there would "
             "replace the original checkpoint; choose another --upload-repo"
         )
-
-
-def source_repo(source: str | None) -> str | None:
-    """The Hub repo a source spec names: `org/name`, or a cache snapshot of it."""
-    if not source:
-        return None
-    repo = hub_source(source.split("@", 1)[0])
-    if repo is not None:
-        return repo
-    for part in Path(source).expanduser().absolute().parts:
-        match = CACHE_REPO.match(part)
-        if match:
-            return f"{match['org']}/{match['name']}"
-    return None
 
 
 def _repo_state(repo_id: str, replace: bool) -> RepoState:

@@ -62,7 +62,8 @@ RecipeOpt = Annotated[
         "--recipe",
         metavar="RECIPE",
         help="A recipe: a .toml path or a name (" + ", ".join(recipe_names()) + "; a "
-        "model's published name works too); flags override it.",
+        "model's published name works too); flags override it. Without SOURCE, the model "
+        "the recipe is written for is converted.",
     ),
 ]
 ForceOpt = Annotated[
@@ -140,6 +141,8 @@ def convert_command(
     from mtpkit.convert.pipeline import convert
     from mtpkit.core.console import log
 
+    if source is None and hf_path is None and recipe is not None and not mtp_only:
+        source = _recipe_source(ctx, recipe)
     source = one_source(ctx, source, hf_path)
     quantizing = quantize or bits is not None or q_mode is not None or quant_predicate is not None
     _check_quantization(ctx, bits, group_size, q_mode, quant_predicate, keep_mtp_bf16, mtp_bits)
@@ -223,6 +226,18 @@ def _publish_and_report(
     print_convert(result)
     if published is not None:
         print(published_line(published), flush=True)
+
+
+def _recipe_source(ctx: typer.Context, recipe: str) -> str:
+    """The model a recipe is written for, when no SOURCE is given (`--recipe NAME -o OUT`)."""
+    from mtpkit.convert.recipes import load_recipe
+    from mtpkit.core.console import log
+
+    repo = load_recipe(recipe).repo
+    if not repo:
+        ctx.fail(f"recipe {recipe} names no model ([model] repo): pass SOURCE")
+    log(f"converting {repo}, the model recipe {recipe} is written for")
+    return repo
 
 
 def _check_quantization(
