@@ -498,3 +498,17 @@ def test_a_cache_snapshot_converts_through_its_links_into_blobs(hf_cache, tmp_pa
     result = runner.invoke(app, ["convert", str(snapshot), "-o", str(out), "--quiet"])
     assert result.exit_code == 0, result.output
     assert (out / "tokenizer.json").read_bytes() == (snapshot / "tokenizer.json").read_bytes()
+
+
+def test_a_refused_convert_leaves_no_directory_for_its_lock(checkpoint, tmp_path):
+    """The lock beside the output needs its parent; a run refused before writing removes
+    the parents it made for it."""
+    src = checkpoint("mimo")
+    out = tmp_path / "new" / "deeper" / "out"
+    result = runner.invoke(
+        app, ["convert", str(src), "-o", str(out), "--q-mode", "nvfp4", "--q-group-size", "7"]
+    )
+    assert result.exit_code == 2
+    result = runner.invoke(app, ["convert", str(src), "-o", str(out), "--layout", "inline"])
+    assert result.exit_code == 1, result.output
+    assert sorted(p.name for p in tmp_path.iterdir()) == []

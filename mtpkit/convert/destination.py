@@ -354,6 +354,7 @@ def exclusive_output(out: Path, *, option: str = "-o") -> Iterator[None]:
         yield
         return
     path = lock_path(out)
+    missing = [p for p in [out.parent, *out.parent.parents] if not p.exists()]
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         fd = _acquire(path, out, option)
@@ -369,6 +370,11 @@ def exclusive_output(out: Path, *, option: str = "-o") -> Iterator[None]:
         except OSError:
             pass
         os.close(fd)
+        for directory in missing:  # made for the lock, of a run that wrote nothing
+            try:
+                directory.rmdir()
+            except OSError:  # not empty (the output is there) or gone
+                break
 
 
 def _acquire(path: Path, out: Path, option: str) -> int:
