@@ -356,3 +356,32 @@ def test_no_upload_progress_bars_when_stderr_is_not_a_terminal(
     assert "LFS files" not in proc.stderr and "\r" not in proc.stderr and "it/s" not in proc.stderr
     [line] = proc.stderr.splitlines()
     assert line.startswith("... uploading ") and line.endswith(" files to org/bars")
+
+
+def test_upload_of_a_directory_refuses_its_source_repo_and_links_out(
+    hub: HubStandIn, source: str, conversion: Path, tmp_path: Path
+) -> None:
+    """`mtpkit upload DIR`: the manifest's source repo is never the target (issue 33 item 3),
+    and a file linking out of DIR is never published (item 5); both before any request."""
+    manifest_path = conversion / "mtp" / "manifest.json"
+    manifest = json.loads(manifest_path.read_text())
+    manifest["source"]["spec"] = "org/tiny"
+    manifest_path.write_text(json.dumps(manifest))
+    hub.reset_counters()
+    result = runner.invoke(app, ["upload", str(conversion), "--upload-repo", "ORG/Tiny"])
+    assert result.exit_code == 1
+    assert result.stderr.splitlines() == [
+        "Error: --upload-repo ORG/Tiny is the source org/tiny itself: publishing there would "
+        "replace the original checkpoint; choose another --upload-repo"
+    ]
+    secret = tmp_path / "token"
+    secret.write_text("hf_secret\n")
+    (conversion / "vocab.txt").symlink_to(secret)
+    result = runner.invoke(app, ["upload", "--path", str(conversion), "--repo", "org/leak"])
+    assert result.exit_code == 1
+    assert result.stderr.splitlines() == [
+        f"Error: {conversion / 'vocab.txt'} is a link to {secret}, outside the output "
+        f"{conversion}: mtpkit copies and publishes no file from outside it; replace the link "
+        "with the file itself"
+    ]
+    assert hub.requests == [] and "org/leak" not in hub._repos
