@@ -14,6 +14,7 @@ import os
 import signal
 import sys
 import threading
+import weakref
 from collections.abc import Iterator
 from types import FrameType
 
@@ -86,13 +87,27 @@ def deferred() -> Iterator[None]:
                 signal.raise_signal(caught[0])
 
 
+# Daemon threads whose own workers Python joins at exit (a thread pool created inside them).
+_POOL_OWNERS: weakref.WeakSet[threading.Thread] = weakref.WeakSet()
+
+
+def owns_a_pool(thread: threading.Thread) -> None:
+    """Mark a daemon thread whose work may start a thread pool (huggingface_hub's uploads):
+    while it runs, a signal ends the process past it (`exit_now_if_workers_hang`)."""
+    _POOL_OWNERS.add(thread)
+
+
 def exit_now_if_workers_hang(code: int) -> None:
-    """After a signal's cleanup, end the process with `code` at once if other threads are
-    still running: Python waits for them at exit (`concurrent.futures` joins a thread pool's
-    workers, daemon or not, stuck in a Hub request that never answers), so a SIGTERM would
-    not end the run."""
+    """After a signal's cleanup, end the process with `code` at once if threads Python would
+    wait for at exit are still running: non-daemon ones, and the workers of a thread pool
+    (`concurrent.futures` joins them, daemon or not) stuck in a Hub request that never
+    answers; otherwise a SIGTERM would not end the run."""
     main = threading.main_thread()
-    busy = [t for t in threading.enumerate() if t is not main and t.is_alive()]
+    busy = [
+        t
+        for t in threading.enumerate()
+        if t is not main and t.is_alive() and (not t.daemon or t in _POOL_OWNERS)
+    ]
     if not busy:
         return
     for stream in (sys.stdout, sys.stderr):

@@ -19,6 +19,8 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any, TypeVar
 
+from mtpkit.core.signals import owns_a_pool
+
 TIMEOUT_VARIABLE = "MTPKIT_HUB_TIMEOUT"
 DEFAULT_TIMEOUT = 120.0
 T = TypeVar("T")
@@ -58,17 +60,23 @@ def on_the_hub(work: Callable[[], T], *, quiet: bool = False) -> T:
     from mtpkit.checkpoint.source import hub_progress
 
     outcome: dict[str, Any] = {}
+    finished = threading.Event()
 
     def run() -> None:
         try:
             outcome["value"] = work()
         except BaseException as e:  # noqa: BLE001 - handed to the main thread as it is
             outcome["error"] = e
+        finally:
+            finished.set()
 
     with bounded_requests(request_timeout()), hub_progress(quiet=quiet):
         thread = threading.Thread(target=run, name="mtpkit-hub", daemon=True)
+        owns_a_pool(thread)
         thread.start()
-        thread.join()  # a signal's handler runs here, and its exception ends the wait
+        # A signal's handler runs here and its exception ends the wait (not `join`: a join
+        # a signal interrupts can leave the thread marked as stopped while it still runs).
+        finished.wait()
     if "error" in outcome:
         raise outcome["error"]
     return outcome["value"]
