@@ -18,6 +18,10 @@ directory), a graft and `train-head --into` (files swapped into an existing one)
   runs whose process is gone, and says so. A run killed between its two final renames leaves
   the previous output as `.NAME.mtpkit-old-PID`: the next run puts it back before anything
   else, so an old output is kept until a new one is in place.
+- The final rename judges the output again (`--force` and what it may replace), and a lock
+  beside the output (`mtpkit.core.lock`) keeps a second run from writing it meanwhile.
+- A report file (`check --junit`) replaces only a regular file; a FIFO, a device or
+  `/dev/stdout` gets the text as a stream (`mtpkit.core.files`).
 """
 
 from __future__ import annotations
@@ -31,11 +35,11 @@ from pathlib import Path
 
 from mtpkit.core.errors import MtpkitError
 from mtpkit.core.files import own_descriptor, write_text_file
+from mtpkit.core.lock import exclusive_output
 from mtpkit.core.signals import deferred
 
 TEMP_MARK = "mtpkit-tmp"
 OLD_MARK = "mtpkit-old"
-LOCK_MARK = "mtpkit-lock"
 # `.NAME.mtpkit-tmp-PID` (work in progress) or `.NAME.mtpkit-old-PID` (a replaced output).
 SIBLING = re.compile(rf"^\.(?P<name>.+)\.(?P<mark>{TEMP_MARK}|{OLD_MARK})-(?P<pid>\d+)$")
 # What makes a directory recognisably a model directory (with config.json).
@@ -334,76 +338,6 @@ def new_directory(
             raise
 
 
-# Locks this process holds, by output path: taking one again (convert locks its output at
-# the start, then writes it through `new_directory`) is a no-op.
-_HELD: dict[Path, int] = {}
-
-
-def lock_path(out: Path) -> Path:
-    """The lock file beside `out` (`.NAME.mtpkit-lock`)."""
-    return out.parent / f".{out.name}.{LOCK_MARK}"
-
-
-@contextmanager
-def exclusive_output(out: Path, *, option: str = "-o") -> Iterator[None]:
-    """Hold the lock beside `out` for the block, so two runs never write one output: a
-    second run is refused at once with the first one's process id. The kernel drops the
-    lock of a killed run; the file it leaves is reused."""
-    key = _resolved(out)
-    if key in _HELD:
-        yield
-        return
-    path = lock_path(out)
-    missing = [p for p in [out.parent, *out.parent.parents] if not p.exists()]
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd = _acquire(path, out, option)
-    except OSError as e:
-        raise MtpkitError(f"cannot write {out}: {_reason(e)}") from None
-    _HELD[key] = fd
-    try:
-        yield
-    finally:
-        del _HELD[key]
-        try:
-            path.unlink(missing_ok=True)  # while still held: no other run holds this file
-        except OSError:
-            pass
-        os.close(fd)
-        for directory in missing:  # made for the lock, of a run that wrote nothing
-            try:
-                directory.rmdir()
-            except OSError:  # not empty (the output is there) or gone
-                break
-
-
-def _acquire(path: Path, out: Path, option: str) -> int:
-    """An open descriptor of the lock file `path`, locked; the file is checked to be the one
-    at `path` still (a run that just finished unlinks its own)."""
-    import fcntl
-
-    while True:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = os.read(fd, 32).decode(errors="replace").strip() or "unknown"
-            os.close(fd)
-            raise DestinationError(
-                f"{out} is being written by another mtpkit run (process {holder}): wait for "
-                f"it to finish, or choose another {option}"
-            ) from None
-        try:
-            same = os.fstat(fd).st_ino == os.stat(path).st_ino
-        except FileNotFoundError:
-            same = False
-        if same:
-            os.ftruncate(fd, 0)
-            os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
-            return fd
-        os.close(fd)
-
-
 def write_file(path: Path, text: str, *, option: str, sources: Iterable[Path | None] = ()) -> None:
     """Write one file (a report), never inside a source: a regular file is replaced
     atomically, a link to one is replaced rather than followed, and a FIFO, a device or
@@ -484,7 +418,6 @@ class FileSwap:
 __all__ = [
     "DestinationError",
     "exclusive_output",
-    "lock_path",
     "FileSwap",
     "claim_output",
     "fresh_temp_dir",
