@@ -385,3 +385,15 @@ def test_upload_of_a_directory_refuses_its_source_repo_and_links_out(
         "with the file itself"
     ]
     assert hub.requests == [] and "org/leak" not in hub._repos
+
+
+def test_usage_errors_come_before_any_request(hub: HubStandIn, source: str) -> None:
+    hub.reset_counters()
+    for args in (
+        ["convert", source, "--upload-repo", "org/x"],  # no -o
+        ["convert", source, "--mtp-only", "-o", "o", "--upload-repo", "org/x"],
+        ["convert", source, "-o", "o", "--replace-repo"],  # no --upload-repo
+    ):
+        result = runner.invoke(app, args)
+        assert result.exit_code == 2, (args, result.output)
+    assert hub.requests == []

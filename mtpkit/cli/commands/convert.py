@@ -163,6 +163,14 @@ def convert_command(
         raise typer.BadParameter(f"{upload_repo!r} is not a Hub repo id (org/name)")
     if replace_repo and upload_repo is None:
         ctx.fail("--replace-repo applies to --upload-repo ORG/NAME: pass both")
+    if mtp_only:
+        if into is None or output is not None or quantizing or layout or recipe:
+            ctx.fail(
+                "--mtp-only takes --into DIR and only the head flags (--keep-mtp-bf16, "
+                "--mtp-bits, --q-group-size, --dtype, --hidden, --force)"
+            )
+    else:
+        _check_flags(ctx, output, into, quantizing or recipe is not None, group_size, mtp_bits)
     repo_state = None
     if upload_repo is not None:  # the token and the repo, before the conversion's minutes
         from mtpkit.publish.upload import preflight
@@ -171,14 +179,8 @@ def convert_command(
             upload_repo, source=source, replace=replace_repo, quiet=quiet or json_output
         )
     if mtp_only:
-        if into is None or output is not None or quantizing or layout or recipe:
-            ctx.fail(
-                "--mtp-only takes --into DIR and only the head flags (--keep-mtp-bf16, "
-                "--mtp-bits, --q-group-size, --dtype, --hidden, --force)"
-            )
         result = graft(source, into=into, **common)
     else:
-        _check_flags(ctx, output, into, quantizing or recipe is not None, group_size, mtp_bits)
         if keep_mtp_bf16 and not quantizing and recipe is None:
             log(
                 "warning: nothing is quantized without -q: --keep-mtp-bf16 only keeps the head "
