@@ -397,3 +397,20 @@ def test_usage_errors_come_before_any_request(hub: HubStandIn, source: str) -> N
         result = runner.invoke(app, args)
         assert result.exit_code == 2, (args, result.output)
     assert hub.requests == []
+
+
+def test_upload_names_a_missing_or_damaged_directory(tmp_path: Path) -> None:
+    bad = tmp_path / "bad"
+    (bad / "mtp").mkdir(parents=True)
+    (bad / "mtp" / "manifest.json").write_text("{")
+    cases = [
+        (tmp_path / "missing", f"no such directory {tmp_path / 'missing'}: pass the directory "
+         "`mtpkit convert` wrote"),
+        (bad, f"{bad / 'mtp' / 'manifest.json'} is not valid JSON (JSONDecodeError): convert "
+         "again"),
+        (tmp_path, f"{tmp_path} has no mtp/manifest.json: only an mtpkit conversion is uploaded"),
+    ]  # fmt: skip
+    for directory, message in cases:
+        result = runner.invoke(app, ["upload", str(directory), "--upload-repo", "org/x"])
+        assert result.exit_code == 1
+        assert result.stderr.splitlines() == [f"Error: {message}"]

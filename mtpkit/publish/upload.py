@@ -170,11 +170,9 @@ def upload(
     """
     say = log or (lambda message: None)
     output = Path(output)
-    manifest_path = output / MANIFEST_PATH
-    if not manifest_path.is_file():
-        raise UploadError(f"{output} has no {MANIFEST_PATH}: only an mtpkit conversion is uploaded")
-    manifest = json.loads(manifest_path.read_text())
-    source = (manifest.get("source") or {}).get("spec")
+    manifest = _manifest(output)
+    record = manifest.get("source")
+    source = record.get("spec") if isinstance(record, dict) else None
     refuse_source(repo_id, source)
     published_files(output)  # before the check's minutes: a link out of `output` is refused
     if state is None:
@@ -191,6 +189,22 @@ def upload(
         lambda: _publish(output, files, state, private, replace, message, retry), quiet=quiet
     )
     return {"repo": repo_id, "commit": info.oid, "url": info.commit_url, "check": result}
+
+
+def _manifest(output: Path) -> dict[str, Any]:
+    """The conversion's manifest: only an mtpkit conversion is uploaded."""
+    if not output.is_dir():
+        raise UploadError(f"no such directory {output}: pass the directory `mtpkit convert` wrote")
+    path = output / MANIFEST_PATH
+    if not path.is_file():
+        raise UploadError(f"{output} has no {MANIFEST_PATH}: only an mtpkit conversion is uploaded")
+    try:
+        manifest = json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, ValueError) as e:
+        raise UploadError(f"{path} is not valid JSON ({type(e).__name__}): convert again") from None
+    if not isinstance(manifest, dict):
+        raise UploadError(f"{path} is not a manifest (not a JSON object): convert again")
+    return manifest
 
 
 def published_files(output: Path) -> list[str]:
