@@ -334,6 +334,7 @@ def test_sigterm_during_a_stalled_lfs_upload_ends_the_run(
     assert proc.returncode == 128 + signal.SIGTERM, stderr
     assert stderr.splitlines()[-1] == "Error: interrupted by SIGTERM"
     assert stdout == ""
+    assert "org/stuck" not in hub._repos  # the repo the run created is deleted again
 
 
 def test_no_upload_progress_bars_when_stderr_is_not_a_terminal(

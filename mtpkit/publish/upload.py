@@ -12,8 +12,9 @@ conversion published in one commit, never at the cost of what the repo held.
   deleted. Files the repo held are deleted only when replacing it. The Hub applies a commit
   whole or not at all (huggingface_hub's `upload_folder` may split a large folder into
   several commits when hf_xet is installed, which is why it is not used here).
-- A failed upload publishes nothing, an empty repo this run created is deleted again, and
-  the message names the command that retries (`mtpkit upload DIR --upload-repo R`).
+- A failed upload publishes nothing, an empty repo this run created is deleted again (also
+  when a signal ends the run), and the message names the command that retries
+  (`mtpkit upload DIR --upload-repo R`).
 - Every request is bounded in time and a signal ends the run at once (`hub.py`).
 """
 
@@ -32,12 +33,14 @@ from mtpkit.checkpoint.source import source_repo
 from mtpkit.core.errors import MtpkitError
 from mtpkit.core.manifest import MANIFEST_PATH
 from mtpkit.publish.card import model_card
-from mtpkit.publish.hub import on_the_hub
+from mtpkit.publish.hub import bounded_requests, on_the_hub
 
 CARD = "README.md"
 # What a repo the Hub just created holds: such a repo counts as empty.
 EMPTY_REPO_FILES = frozenset({".gitattributes"})
 WEIGHT_FILE = re.compile(r"^[^/]*\.(safetensors|gguf|bin|npz)$")
+# Seconds the deletion of a repo an interrupted upload created may take (the run is ending).
+CLEANUP_TIMEOUT = 10.0
 Log = Callable[[str], None]
 
 
@@ -185,9 +188,19 @@ def upload(
         " --replace-repo" if replace else ""
     )
     message = f"mtpkit {__version__}: {source} converted with its MTP head"
-    info = on_the_hub(
-        lambda: _publish(output, files, state, private, replace, message, retry), quiet=quiet
-    )
+    created: list[str] = []  # the repo, once this run has created it
+    try:
+        info = on_the_hub(
+            lambda: _publish(output, files, state, private, replace, message, retry, created),
+            quiet=quiet,
+        )
+    except KeyboardInterrupt:  # a signal: an interrupted upload leaves no repo it created
+        if created:
+            from huggingface_hub import HfApi
+
+            with bounded_requests(CLEANUP_TIMEOUT):
+                _deleted(HfApi(), repo_id)
+        raise
     return {"repo": repo_id, "commit": info.oid, "url": info.commit_url, "check": result}
 
 
@@ -228,6 +241,7 @@ def _publish(
     replace: bool,
     message: str,
     retry: str,
+    created_repo: list[str],
 ) -> Any:
     """The one commit (and the repo, when new); on failure, a repo this run created is
     deleted again and the error says how to retry."""
@@ -240,6 +254,7 @@ def _publish(
         if not state.exists:
             api.create_repo(repo_id, private=private)
             created = True
+            created_repo.append(repo_id)
         stale = [p for p in state.files if p not in files and p not in EMPTY_REPO_FILES]
         operations: list[Any] = [CommitOperationDelete(p) for p in stale] if replace else []
         operations += [CommitOperationAdd(p, str(output / p)) for p in files]
