@@ -25,10 +25,15 @@ def main() -> None:
 
         # Typer builds the Click command before Click's own Ctrl-C handling starts. A rank's
         # child runs as `python -m mtpkit`, which its usage lines would otherwise say.
-        if os.environ.get(CHILD_MARK):
-            app(prog_name="mtpkit")
-        else:
-            app()
+        try:
+            if os.environ.get(CHILD_MARK):
+                app(prog_name="mtpkit")
+            else:
+                app()
+        except SystemExit as e:
+            if isinstance(e.code, int) and e.code >= 128:  # a signal ended the command
+                signals.exit_now_if_workers_hang(e.code)
+            raise
     except KeyboardInterrupt as e:
         from mtpkit.core import signals
 
