@@ -76,8 +76,13 @@ def create_app(settings: ServeSettings, worker: Worker) -> FastAPI:
 
     @app.get("/health")
     async def health() -> dict[str, Any]:
-        busy = worker.current is not None
-        return {"status": "ok", "decoding": busy, "queued": worker.jobs.qsize()}
+        return {
+            "status": "ok",
+            "decoding": worker.current is not None,
+            "queued": worker.jobs.qsize(),
+            "finished": worker.finished,
+            "cancelled": worker.cancelled,
+        }
 
     @app.get("/v1/models", dependencies=auth)
     async def models() -> dict[str, Any]:

@@ -43,7 +43,7 @@ def encode_messages(
         )
     except Exception as e:  # a template's raise_exception (e.g. roles out of order)
         raise BadPrompt(f"the chat template refused the messages: {e}") from None
-    if isinstance(ids, dict):  # a BatchEncoding
+    if hasattr(ids, "keys"):  # a BatchEncoding (transformers 5 returns one)
         ids = ids["input_ids"]
     return list(ids)
 

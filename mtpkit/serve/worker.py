@@ -78,6 +78,8 @@ class Worker:
         self.load = load  # loads another model by path; None: refused before queuing
         self.jobs: queue.Queue[Job | None] = queue.Queue(maxsize=capacity)
         self.current: Job | None = None
+        self.finished = 0  # jobs answered (/health reports them)
+        self.cancelled = 0  # decodes stopped because their client left or the server stops
         self.stopping = threading.Event()
         self.thread = threading.Thread(target=self._run, name="mtpkit-decode", daemon=True)
 
@@ -117,7 +119,8 @@ class Worker:
             if self.stopping.is_set():
                 job.put(Failed(503, "the server is shutting down", "shutting_down"))
                 continue
-            if job.cancelled.is_set():
+            if job.cancelled.is_set():  # its client left while it waited
+                self.cancelled += 1
                 continue
             self.current = job
             try:
@@ -155,11 +158,13 @@ class Worker:
             if event.text:
                 job.put(event)
         if session.finish_reason == CANCELLED:
+            self.cancelled += 1
             if self.stopping.is_set():
                 job.put(Failed(503, "the server is shutting down", "shutting_down"))
             else:
                 job.put(Failed(503, "the request was cancelled", "cancelled"))
             return
+        self.finished += 1
         job.put(outcome(engine, session, tokens))
 
 
