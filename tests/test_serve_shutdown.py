@@ -1,9 +1,11 @@
-"""`mtpkit serve` under pressure and stopping: a full queue answers 503 with Retry-After, and
-SIGTERM cancels the decode in flight (its stream ends with an error event and `[DONE]`),
-answers the waiting request 503 and exits with status 0. A server process of its own."""
+"""`mtpkit serve` with `--allow-model-paths`, under pressure and stopping: a request may load
+another model directory by path; a full queue answers 503 with Retry-After; SIGTERM cancels
+the decode in flight (its stream ends with an error event and `[DONE]`), answers the waiting
+request 503 and exits with status 0. A server process of its own."""
 
 from __future__ import annotations
 
+import shutil
 import threading
 from pathlib import Path
 
@@ -19,9 +21,28 @@ LONG = {"prompt": "def main(argv):", "max_tokens": 3500}
 @pytest.fixture(scope="module")
 def server(converted: Path, tmp_path_factory: pytest.TempPathFactory):
     log = tmp_path_factory.mktemp("serve") / "server.log"
-    proc = ServerProcess(converted, log, "--queue-size", "1")
+    proc = ServerProcess(converted, log, "--queue-size", "1", "--allow-model-paths")
     yield proc
     proc.stop()
+
+
+def test_a_request_may_load_another_model_by_path(
+    server: ServerProcess, converted: Path, tmp_path: Path
+) -> None:
+    url = server.url + "/v1/completions"
+    body = {"prompt": "def main(argv):", "max_tokens": 12}
+    served = httpx.post(url, json=body, timeout=TIMEOUT).json()
+    other = tmp_path / "other-model"
+    shutil.copytree(converted, other)
+    loaded = httpx.post(url, json={**body, "model": str(other)}, timeout=TIMEOUT)
+    assert loaded.status_code == 200, loaded.text
+    assert loaded.json()["choices"][0]["text"] == served["choices"][0]["text"]
+    assert loaded.json()["model"] == str(other)
+    missing = httpx.post(url, json={**body, "model": str(tmp_path / "nothing")}, timeout=TIMEOUT)
+    assert missing.status_code == 404
+    assert missing.json()["error"]["code"] == "model_not_found"
+    again = httpx.post(url, json=body, timeout=TIMEOUT).json()  # the served model again
+    assert again["choices"][0]["text"] == served["choices"][0]["text"]
 
 
 def test_full_queue_then_sigterm(server: ServerProcess) -> None:

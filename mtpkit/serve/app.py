@@ -14,6 +14,7 @@ import json
 import secrets
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -108,6 +109,9 @@ class Served:
         path = Path(settings.model).expanduser()
         self.served_path = path.resolve() if path.is_dir() else None
         self.names = {settings.model, "default_model", path.name}
+        # Prompts are encoded on one thread of their own, beside the decoding thread: a
+        # tokenizer is not promised to be safe under many threads at once.
+        self.encoder = ThreadPoolExecutor(1, thread_name_prefix="mtpkit-encode")
 
     def resolve_model(self, name: str | None) -> str | None:
         """None for the served model; another model's directory only with
@@ -133,7 +137,8 @@ class Served:
         if model is None:  # encoded and checked now, before it takes a slot
             engine = self.worker.served_engine
             try:
-                built = await asyncio.to_thread(build_request, engine, body, self.settings)
+                encode = partial(build_request, engine, body, self.settings)
+                built = await loop.run_in_executor(self.encoder, encode)
             except MtpkitError as e:
                 raise ApiError(400, str(e), _code(e)) from None
             job = Job(lambda _engine: built, None, loop)

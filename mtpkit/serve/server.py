@@ -78,25 +78,27 @@ def serve(settings: ServeSettings) -> None:
     logging.basicConfig(level=settings.log_level, format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("mtpkit.serve").setLevel(settings.log_level)
     sock = bind(settings.host, settings.port)
-    engine = load_engine(settings)
-    load = (lambda path: load_other(settings, path)) if settings.allow_model_paths else None
-    worker = Worker(engine, capacity=settings.queue_size, load=load)
-    config = uvicorn.Config(
-        create_app(settings, worker), log_level=settings.log_level.lower(), lifespan="off",
-        timeout_graceful_shutdown=GRACEFUL_SHUTDOWN,
-    )  # fmt: skip
-    server = _Server(config, worker)
-    host, port = sock.getsockname()[:2]
-    log.info(
-        "serving %s on http://%s:%d (drafter: %s)", settings.model, host, port,
-        engine.drafter_name,
-    )  # fmt: skip
-    worker.start()
     try:
-        with _signals_end_serving():
-            server.run(sockets=[sock])
+        engine = load_engine(settings)
+        load = (lambda path: load_other(settings, path)) if settings.allow_model_paths else None
+        worker = Worker(engine, capacity=settings.queue_size, load=load)
+        config = uvicorn.Config(
+            create_app(settings, worker), log_level=settings.log_level.lower(), lifespan="off",
+            timeout_graceful_shutdown=GRACEFUL_SHUTDOWN,
+        )  # fmt: skip
+        server = _Server(config, worker)
+        host, port = sock.getsockname()[:2]
+        log.info(
+            "serving %s on http://%s:%d (drafter: %s)", settings.model, host, port,
+            engine.drafter_name,
+        )  # fmt: skip
+        worker.start()
+        try:
+            with _signals_end_serving():
+                server.run(sockets=[sock])
+        finally:
+            worker.stop()
     finally:
-        worker.stop()
         sock.close()
     log.info("stopped")
 
