@@ -338,3 +338,19 @@ def test_client_that_disconnects_cancels_its_decode(server, stream: bool) -> Non
             httpx.post(server.url + "/v1/completions", json=body, headers=headers, timeout=3)
     state = server.wait_idle()
     assert state["cancelled"] == before + 1
+
+
+def test_a_waiting_client_that_disconnects_frees_its_slot(server) -> None:
+    before = server.wait_idle()["cancelled"]
+    body = {"prompt": "def main(argv):", "max_tokens": 3500}
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    url = server.url + "/v1/completions"
+    with httpx.stream(
+        "POST", url, json={**body, "stream": True}, headers=headers, timeout=TIMEOUT
+    ) as r:
+        assert next(line for line in r.iter_lines() if line.startswith("data: "))
+        with pytest.raises(httpx.ReadTimeout):  # waits behind the stream, then gives up
+            httpx.post(url, json=body, headers=headers, timeout=3)
+        assert server.health()["queued"] == 1 or server.health()["cancelled"] > before
+    state = server.wait_idle()
+    assert state["cancelled"] == before + 2  # the one waiting, then the stream

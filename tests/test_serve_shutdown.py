@@ -26,6 +26,31 @@ def server(converted: Path, tmp_path_factory: pytest.TempPathFactory):
     proc.stop()
 
 
+def test_chat_without_a_template_is_mlx_lm_servers_prompt(
+    server: ServerProcess, converted: Path
+) -> None:
+    """The example's tokenizer has no chat template: the messages become mlx_lm.server's
+    plain prompt (its own `convert_chat`), decoded as stock mlx-lm decodes it."""
+    import mlx.core as mx
+    import mlx_lm
+    from mlx_lm.server import convert_chat
+
+    messages = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "def main(argv):"},
+    ]
+    model, tokenizer = mlx_lm.load(str(converted))
+    ids = tokenizer.encode(convert_chat(messages))
+    text = "".join(
+        r.text for r in mlx_lm.stream_generate(model, tokenizer, mx.array(ids), max_tokens=12)
+        if r.finish_reason != "stop"
+    )  # fmt: skip
+    body = {"messages": messages, "max_tokens": 12}
+    r = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=TIMEOUT).json()
+    assert r["choices"][0]["message"]["content"] == text
+    assert r["usage"]["prompt_tokens"] == len(ids)
+
+
 def test_a_request_may_load_another_model_by_path(
     server: ServerProcess, converted: Path, tmp_path: Path
 ) -> None:

@@ -61,10 +61,6 @@ class ApiError(Exception):
         return JSONResponse(body, status_code=self.status, headers=self.headers)
 
 
-class ClientGone(Exception):
-    """The client closed its connection while its request waited or decoded."""
-
-
 def create_app(settings: ServeSettings, worker: Worker) -> FastAPI:
     app = FastAPI(title="mtpkit serve", docs_url=None, redoc_url=None, openapi_url=None)
     app.add_middleware(
@@ -154,35 +150,30 @@ class Served:
         except ShuttingDown as e:
             raise ApiError(503, str(e), "shutting_down", kind="server_error") from None
         ids = ResponseIds(chat, body.model or self.settings.model)
+        watcher = asyncio.create_task(_cancel_when_gone(job, request))
         try:
-            first = await _next_event(job, request)
+            first = await job.events.get()
             if isinstance(first, Failed):
                 raise _failure(first)
-            if body.stream:
+            if body.stream:  # from here on the response notices a client gone itself
                 events = _sse(job, ids, first, body.include_usage, chat)
                 return StreamingResponse(events, media_type="text/event-stream")
             item = first
             while not isinstance(item, Outcome):
-                item = await _next_event(job, request)
+                item = await job.events.get()
                 if isinstance(item, Failed):
                     raise _failure(item)
             return JSONResponse(ids.complete(item))
-        except ClientGone:
-            return Response(status_code=499)
         finally:
-            if not body.stream:
-                job.cancel()  # a no-op once finished; frees the slot of a client gone
+            watcher.cancel()
 
 
-async def _next_event(job: Job, request: HttpRequest) -> TokenEvent | Outcome | Failed:
-    """The job's next event; raises ClientGone (and cancels the job) if the client left."""
-    while True:
-        try:
-            return await asyncio.wait_for(job.events.get(), DISCONNECT_POLL)
-        except asyncio.TimeoutError:
-            if await request.is_disconnected():
-                job.cancel()
-                raise ClientGone() from None
+async def _cancel_when_gone(job: Job, request: HttpRequest) -> None:
+    """Cancel the job (waiting or decoding) once its client has closed the connection; the
+    worker then ends it, and the answer goes nowhere."""
+    while not await request.is_disconnected():
+        await asyncio.sleep(DISCONNECT_POLL)
+    job.cancel()
 
 
 async def _sse(

@@ -16,6 +16,7 @@ import queue
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from mtpkit.core.errors import MtpkitError, one_line
 from mtpkit.serve.schemas import Mtp, Outcome, PromptTokensDetails, Usage
@@ -121,6 +122,7 @@ class Worker:
                 continue
             if job.cancelled.is_set():  # its client left while it waited
                 self.cancelled += 1
+                job.put(Failed(503, "the request was cancelled", "cancelled"))
                 continue
             self.current = job
             try:
@@ -142,7 +144,7 @@ class Worker:
             return self.engine
         if self.load is None:
             raise MtpkitError("loading models by path is off (start with --allow-model-paths)")
-        if str(self.engine.m.path) != job.model:
+        if str(Path(self.engine.m.path).resolve()) != job.model:
             log.info("loading %s", job.model)
             self.engine = self.load(job.model)
         return self.engine
