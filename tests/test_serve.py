@@ -270,6 +270,11 @@ BAD_REQUESTS = [
     ("/v1/completions", {"prompt": ["a", "b"]}, 400, "prompt"),
     ("/v1/completions", {"prompt": "x", "echo": True}, 400, "echo"),
     ("/v1/completions", {}, 400, "prompt"),
+    ("/v1/completions", {"prompt": ""}, 400, None),
+    ("/v1/completions", {"prompt": "x", "max_tokens": 1.5}, 400, "max_tokens"),
+    ("/v1/completions", {"prompt": "x", "temperature": "hot"}, 400, "temperature"),
+    ("/v1/completions", {"prompt": "x", "seed": "abc"}, 400, "seed"),
+    ("/v1/completions", {"prompt": "x", "stream_options": {"include_usage": "maybe"}}, 400, "stream_options.include_usage"),
 ]  # fmt: skip
 
 
