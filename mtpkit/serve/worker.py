@@ -136,8 +136,8 @@ class Worker:
                 self.current = None
 
     def _engine_for(self, job: Job) -> Engine:
-        """The engine of the job's model: the served one, or another loaded by path (one
-        model at a time, as mlx_lm.server keeps one)."""
+        """The engine of the job's model: the served one, or another loaded by path (the
+        served model stays loaded; one other at most beside it, replaced by the next)."""
         if job.model is None:
             if self.engine is not self.served_engine:
                 self.engine = self.served_engine
