@@ -359,3 +359,17 @@ def test_a_waiting_client_that_disconnects_frees_its_slot(server) -> None:
         assert server.health()["queued"] == 1 or server.health()["cancelled"] > before
     state = server.wait_idle()
     assert state["cancelled"] == before + 2  # the one waiting, then the stream
+
+
+def test_text_content_parts_are_the_same_prompt(client) -> None:
+    text = heldout(1, skip=11)[0]
+    half = len(text) // 2
+    parts = [{"type": "text", "text": text[:half]}, {"type": "text", "text": text[half:]}]
+    as_parts = client.chat.completions.create(
+        model="default_model", messages=[{"role": "user", "content": parts}], max_tokens=8
+    )
+    as_text = client.chat.completions.create(
+        model="default_model", messages=messages_of(text), max_tokens=8
+    )
+    assert as_parts.choices[0].message.content == as_text.choices[0].message.content
+    assert as_parts.usage.prompt_tokens == as_text.usage.prompt_tokens
