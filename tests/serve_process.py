@@ -22,7 +22,8 @@ class ServerProcess:
         self.log_path = log
         self.log = open(log, "w")  # noqa: SIM115 (closed in stop)
         command = [sys.executable, "-m", "mtpkit", "serve", "--model", str(model), "--port", "0"]
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        # A crash (an abort in native code included) leaves its stacks in the log.
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONFAULTHANDLER": "1"}
         self.proc = subprocess.Popen(
             [*command, *args], stdout=self.log, stderr=subprocess.STDOUT, env=env
         )

@@ -98,7 +98,8 @@ def test_full_queue_then_sigterm(server: ServerProcess) -> None:
     assert full.headers["Retry-After"] == "1"
     assert full.json()["error"]["code"] == "queue_full"
 
-    assert server.terminate() == 0
+    code = server.terminate()
+    assert code == 0, server.log_path.read_text()[-4000:]
     decoding.join(TIMEOUT)
     queued.join(TIMEOUT)
     assert streamed[-1] == "data: [DONE]"

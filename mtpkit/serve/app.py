@@ -156,8 +156,7 @@ class Served:
             if isinstance(first, Failed):
                 raise _failure(first)
             if body.stream:  # from here on the response notices a client gone itself
-                events = _sse(job, ids, first, body.include_usage, chat)
-                return StreamingResponse(events, media_type="text/event-stream")
+                return JobStream(job, _sse(job, ids, first, body.include_usage, chat))
             item = first
             while not isinstance(item, Outcome):
                 item = await job.events.get()
@@ -166,6 +165,21 @@ class Served:
             return JSONResponse(ids.complete(item))
         finally:
             watcher.cancel()
+
+
+class JobStream(StreamingResponse):
+    """A job's server-sent events; however the response ends (done, the client gone before
+    or during the stream, the server stopping), the job is cancelled (a no-op once done)."""
+
+    def __init__(self, job: Job, events: AsyncIterator[str]) -> None:
+        super().__init__(events, media_type="text/event-stream")
+        self.job = job
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.job.cancel()
 
 
 async def _cancel_when_gone(job: Job, request: HttpRequest) -> None:
@@ -202,7 +216,7 @@ async def _sse(
             item = await job.events.get()
         yield "data: [DONE]\n\n"
     finally:
-        job.cancel()  # the client left mid-stream: stop decoding, free the slot
+        job.cancel()  # the client left mid-stream: stop decoding, free the slot (also JobStream)
 
 
 def _event(payload: dict[str, Any]) -> str:
