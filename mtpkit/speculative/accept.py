@@ -136,7 +136,11 @@ class Verdict:
 
 def read_verdict(packed: mx.array, greedy: bool) -> Verdict:
     """The round's one host read of `packed` (the only reader of its layout)."""
-    values = packed.tolist()
+    return verdict_of(packed.tolist(), greedy)
+
+
+def verdict_of(values: list[int], greedy: bool) -> Verdict:
+    """The `Verdict` of a packed verdict read to the host (a batch reads all rows at once)."""
     if not greedy:
         kept, token, *drafts = values
         return Verdict(kept, token, drafts)

@@ -1,0 +1,252 @@
+"""Batched MTP decoding: several requests in one round, each row accepting and rolling back
+on its own.
+
+A row joins (`BatchDecoder.add`) by being prefilled alone, exactly as one stream is (its
+prompt, then its last token alone, whose logits give its first token, as mlx-lm's
+`generate_step` takes it), and by the head's pass over its prompt's pairs; its caches are then
+merged into the batch's (mlx-lm's `merge`/`extend`: KV caches left-padded to a common write
+index, each row with its own offset). A round (`BatchDecoder.step`): the head drafts K tokens
+for every row, the backbone verifies `[B, K+1]` in one pass, each row gets its own verdict
+(greedy, or exact rejection sampling with its own settings), and each row rolls back to its
+own accepted prefix (`mtpkit.speculative.batch.rollback`). A row that is done (an EOS, its
+`max_tokens`, or `remove`) leaves the batch (`filter`) while the others go on.
+
+Nothing of one row reaches another: rows share matrix products only, the mask hides every
+other row's padding and rejected entries, and each row's verdict reads its own logits.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import mlx.core as mx
+
+from mtpkit.runtime.model import MtpModel, NoMtpHead
+from mtpkit.speculative.accept import (
+    SamplingSettings,
+    Verdict,
+    sampled_verdict,
+    verdict_of,
+)
+from mtpkit.speculative.batch.head import BatchHead, head_over_prompt
+from mtpkit.speculative.batch.rollback import batch_caches, verify_rows
+
+GREEDY = SamplingSettings()
+STOP, LENGTH, CANCELLED = "stop", "length", "cancelled"
+PREFILL_STEP = 2048
+
+# A draft filter: (the row, the position of its round's first draft in prompt + output, the
+# head's drafts for it [K]) -> the drafts to verify [K] (tests' injected drafts).
+RowDraftFilter = Callable[["Row", int, mx.array], mx.array]
+
+
+@dataclass
+class Row:
+    """One request in the batch: its prompt, what it has confirmed, and why it ended."""
+
+    uid: int
+    prompt: list[int]
+    max_tokens: int
+    sampling: SamplingSettings = GREEDY
+    tokens: list[int] = field(default_factory=list)  # confirmed output, EOS excluded
+    finish: str | None = None  # STOP, LENGTH or CANCELLED once done
+    last: int = 0  # the last confirmed token; the backbone has not consumed it yet
+    drafted: int = 0
+    accepted: int = 0
+    rounds: int = 0
+    # (position in prompt + output of the first draft, the drafts) for every round.
+    draft_log: list[tuple[int, list[int]]] = field(default_factory=list)
+
+    @property
+    def position(self) -> int:
+        """Prompt and output tokens before the next draft (the last confirmed included)."""
+        return len(self.prompt) + len(self.tokens)
+
+    @property
+    def done(self) -> bool:
+        return self.finish is not None
+
+
+class BatchDecoder:
+    """Rows decoding together with the model's MTP head drafting `depth` tokens a round
+    (see the module's text). `draft_filter` replaces each row's drafts (tests)."""
+
+    def __init__(
+        self, m: MtpModel, *, depth: int, draft_filter: RowDraftFilter | None = None
+    ) -> None:
+        if m.head is None:
+            raise NoMtpHead(f"{m.path} has no MTP head")
+        self.m, self.depth, self.draft_filter = m, depth, draft_filter
+        self.eos = set(getattr(m.tokenizer, "eos_token_ids", None) or [])
+        self.rows: list[Row] = []  # in the batch's row order
+        self.cache: list[Any] | None = None
+        self.head: BatchHead | None = None
+        self._uids = itertools.count()
+
+    # -- joining --------------------------------------------------------------------------
+    def add(
+        self, prompt: list[int], *, max_tokens: int, sampling: SamplingSettings = GREEDY
+    ) -> Row:
+        """Prefill `prompt` alone, confirm its first token, and merge it into the batch
+        (unless that token already ends it). Returns the row; its `tokens` grow as it
+        decodes."""
+        if not prompt:
+            raise ValueError("the prompt is empty")
+        row = Row(next(self._uids), list(prompt), max_tokens, sampling)
+        cache = self.m.make_cache()
+        hidden = []
+        with mx.stream(_generation_stream()):
+            for i in range(0, len(prompt) - 1, PREFILL_STEP):
+                chunk = prompt[i : min(i + PREFILL_STEP, len(prompt) - 1)]
+                _, h = self.m.forward(mx.array(chunk)[None], cache)
+                mx.eval(h, [c.state for c in cache])
+                hidden.append(h)
+            logits, h = self.m.forward(mx.array(prompt[-1:])[None], cache)
+            hidden.append(h)
+            first = _sample(logits[:, -1, :], sampling)
+            if not self._confirm(row, [first]):
+                return row
+            pairs = prompt[1:] + [first]
+            head_cache, ready = head_over_prompt(self.m, mx.concatenate(hidden, axis=1), pairs)
+            mx.eval([c.state for c in cache])
+        self._join(row, batch_caches([cache]), BatchHead(self.m, batch_caches([head_cache]), ready))
+        return row
+
+    def _join(self, row: Row, cache: list[Any], head: BatchHead) -> None:
+        if self.cache is None:
+            self.cache, self.head = cache, head
+        else:
+            for layer, more in zip(self.cache, cache, strict=True):
+                layer.extend(more)
+            self.head.extend(head)
+        self.rows.append(row)
+
+    # -- leaving --------------------------------------------------------------------------
+    def remove(self, row: Row) -> None:
+        """Take `row` out of the batch (cancelled, unless it has finished already)."""
+        if row.finish is None:
+            row.finish = CANCELLED
+        self._leave()
+
+    def _leave(self) -> None:
+        """Drop every finished row from the batch's caches."""
+        keep = [i for i, row in enumerate(self.rows) if not row.done]
+        if len(keep) == len(self.rows):
+            return
+        self.rows = [self.rows[i] for i in keep]
+        if not keep:
+            self.cache = self.head = None
+            return
+        index = mx.array(keep, dtype=mx.int32)
+        for layer in self.cache:
+            layer.filter(index)
+        self.head.filter(keep)
+
+    # -- the round ------------------------------------------------------------------------
+    def step(self) -> dict[int, list[int]]:
+        """One drafting round over every row; returns each row's new tokens by uid (an EOS
+        and tokens past `max_tokens` left out). Finished rows leave the batch."""
+        if not self.rows:
+            return {}
+        rows, depth = self.rows, self.depth
+        samplings = [row.sampling for row in rows]
+        with mx.stream(_generation_stream()):
+            drafts, dists = self.head.propose(depth, samplings)
+            if self.draft_filter is not None:
+                drafts = mx.stack(
+                    [self.draft_filter(row, row.position, drafts[r]) for r, row in enumerate(rows)]
+                )
+            last = mx.array([[row.last] for row in rows], dtype=mx.int32)
+            verified = verify_rows(self.m, mx.concatenate([last, drafts], axis=1), self.cache)
+            packs, followers = _verdicts(verified.logits, drafts, dists, samplings)
+            out = self.head.after_verify(depth, verified.hidden, followers)
+            mx.async_eval(out)
+            mx.eval(packs)
+            verdicts = [
+                verdict_of(p.tolist(), s.greedy) for p, s in zip(packs, samplings, strict=True)
+            ]
+            kept = [v.accepted + 1 for v in verdicts]
+            verified.rollback(self.cache, kept)
+            self.head.settle(out, kept)
+        new = {row.uid: self._record(row, v) for row, v in zip(rows, verdicts, strict=True)}
+        self._leave()
+        return new
+
+    def _record(self, row: Row, v: Verdict) -> list[int]:
+        row.draft_log.append((row.position, v.drafts))
+        row.rounds += 1
+        row.drafted += len(v.drafts)
+        row.accepted += v.accepted
+        before = len(row.tokens)
+        self._confirm(row, v.confirmed)
+        return row.tokens[before:]
+
+    def _confirm(self, row: Row, tokens: list[int]) -> bool:
+        """Add confirmed tokens to `row` up to an EOS or its `max_tokens`; False once done."""
+        for token in tokens:
+            if token in self.eos:
+                row.finish = STOP
+                return False
+            row.tokens.append(token)
+            row.last = token
+            if len(row.tokens) >= row.max_tokens:
+                row.finish = LENGTH
+                return False
+        return True
+
+    # -- the loop -------------------------------------------------------------------------
+    def generate(
+        self, prompts: list[list[int]], *, max_tokens: int, sampling: SamplingSettings = GREEDY
+    ) -> list[Row]:
+        """Every prompt decoded in one batch until each is done; the rows in prompt order."""
+        rows = [self.add(p, max_tokens=max_tokens, sampling=sampling) for p in prompts]
+        while self.rows:
+            self.step()
+        return rows
+
+
+def _verdicts(
+    logits: mx.array,
+    drafts: mx.array,
+    dists: list[mx.array | None],
+    samplings: list[SamplingSettings],
+) -> tuple[list[mx.array], mx.array]:
+    """Each row's packed verdict (lazy; `verdict_of` reads it) and the confirmed token after
+    each of its verify inputs [B, K+1]. Greedy rows share one argmax over the batch."""
+    packs: list[mx.array] = []
+    followers: list[mx.array] = []
+    greedy = None
+    for r, s in enumerate(samplings):
+        if s.greedy:
+            if greedy is None:
+                greedy = greedy_verdict_rows(logits, drafts)
+            packs.append(greedy[0][r])
+            followers.append(greedy[1][r])
+        else:
+            packed, follow = sampled_verdict(s.probs(logits[r]), dists[r], drafts[r])
+            packs.append(packed)
+            followers.append(follow)
+    return packs, mx.stack(followers)
+
+
+def greedy_verdict_rows(logits: mx.array, drafts: mx.array) -> tuple[mx.array, mx.array]:
+    """`accept.greedy_verdict` of every row at once: logits [B, K+1, V], drafts [B, K]."""
+    logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    targets = mx.argmax(logprobs, axis=-1).astype(mx.int32)
+    return mx.concatenate([targets, drafts], axis=1), targets
+
+
+def _sample(logits: mx.array, sampling: SamplingSettings) -> int:
+    """A row's first token from the logits of its last prompt token [1, V], as mlx-lm's
+    sampler draws it from the log-probabilities."""
+    logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    return int(sampling.sampler()(logprobs).item())
+
+
+def _generation_stream() -> Any:
+    from mlx_lm.generate import generation_stream
+
+    return generation_stream

@@ -1,0 +1,110 @@
+"""The MTP head drafting for every row of a batch at once, its KV cache rolled back per row.
+
+As for one stream (`mtpkit.speculative.proposers.mtp_head`), the head's step-0 layer sees every
+confirmed pair (h_k, t_{k+1}); a round's pairs are run in one step over all K+1 verify
+positions of every row, and each row then keeps its confirmed ones (`drop_per_row`). The
+entries the chained drafts (steps 1..K-1) wrote are the same number in every row, a plain
+trim. `ready` [B, 1, H] is the head's output at each row's last confirmed pair.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import mlx.core as mx
+
+from mtpkit.runtime.model import POST_NORM, MtpModel
+from mtpkit.speculative.accept import SamplingSettings
+from mtpkit.speculative.batch.rollback import drop_per_row
+
+HEAD_CHUNK = 2048  # pairs per head forward over a prompt
+
+
+def head_over_prompt(
+    m: MtpModel, hidden: mx.array, tokens: list[int]
+) -> tuple[list[Any], mx.array]:
+    """One row's head cache over its confirmed pairs (hidden [1, N, H], the token after each)
+    and its output at the last pair [1, 1, H]."""
+    cache = m.head.make_cache()
+    x = None
+    for i in range(0, len(tokens), HEAD_CHUNK):
+        j = min(i + HEAD_CHUNK, len(tokens))
+        x = m.head(hidden[:, i:j], m.embed(mx.array(tokens[i:j])[None]), cache)
+        mx.eval(x, [c.state for c in cache])
+    return cache, x[:, -1:]
+
+
+class BatchHead:
+    """The head's batched cache and each row's output at its last confirmed pair."""
+
+    def __init__(self, m: MtpModel, cache: list[Any], ready: mx.array) -> None:
+        self.m, self.head = m, m.head
+        self.cache = cache
+        self.ready = ready
+
+    def propose(
+        self, depth: int, sampling: list[SamplingSettings]
+    ) -> tuple[mx.array, list[mx.array | None]]:
+        """`depth` drafts per row [B, K] (lazy) and, for each sampled row, the distributions
+        [K, V] its drafts were drawn from (None for a greedy row)."""
+        head, m = self.head, self.m
+        x = self.ready
+        drafts: list[mx.array] = []
+        dists: list[list[mx.array]] = [[] for _ in sampling]
+        normed = None
+        for k in range(depth):
+            if k > 0:
+                prev = normed if m.hidden == POST_NORM else x
+                x = head(prev, m.embed(drafts[-1][:, None]), self.cache, step=k)
+            normed = head.final_norm(head.layer_for_step(k))(x)
+            logits = m.lm_head(normed)[:, -1]  # [B, V]
+            drafts.append(self._draw(logits, sampling, dists))
+        rows = [mx.stack(d) if d else None for d in dists]
+        return mx.stack(drafts, axis=1), rows
+
+    @staticmethod
+    def _draw(
+        logits: mx.array, sampling: list[SamplingSettings], dists: list[list[mx.array]]
+    ) -> mx.array:
+        """Each row's draft [B] int32: the argmax for a greedy row, else a draw from its
+        settings' distribution (kept in `dists` for rejection sampling)."""
+        tokens = mx.argmax(logits, axis=-1).astype(mx.int32)
+        if all(s.greedy for s in sampling):
+            return tokens
+        picks = []
+        for r, s in enumerate(sampling):
+            if s.greedy:
+                picks.append(tokens[r])
+                continue
+            q = s.probs(logits[r])
+            dists[r].append(q)
+            picks.append(mx.random.categorical(mx.log(q)).astype(mx.int32))
+        return mx.stack(picks)
+
+    def after_verify(self, depth: int, hidden: mx.array, followers: mx.array) -> mx.array:
+        """The head's step over every verified pair of every row (hidden [B, K+1, H],
+        `followers` [B, K+1]: the confirmed token after each input); the drafts' own entries
+        leave the chained layers first. Returns its output [B, K+1, H]."""
+        per_layer = [0] * len(self.cache)
+        for step in range(1, depth):
+            per_layer[self.head.layer_for_step(step)] += 1
+        for cache, n in zip(self.cache, per_layer, strict=True):
+            if n:
+                cache.trim(n)
+        return self.head(hidden, self.m.embed(followers), self.cache, step=0)
+
+    def settle(self, out: mx.array, kept: list[int]) -> None:
+        """Row r keeps its first `kept[r]` pairs of the round; it drafts next from the last."""
+        drop_per_row(self.cache[self.head.layer_for_step(0)], [out.shape[1] - k for k in kept])
+        index = mx.array([k - 1 for k in kept], dtype=mx.int32)
+        self.ready = mx.take_along_axis(out, index[:, None, None], axis=1)
+
+    def filter(self, keep: list[int]) -> None:
+        for cache in self.cache:
+            cache.filter(keep)
+        self.ready = self.ready[mx.array(keep, dtype=mx.int32)]
+
+    def extend(self, other: BatchHead) -> None:
+        for cache, more in zip(self.cache, other.cache, strict=True):
+            cache.extend(more)
+        self.ready = mx.concatenate([self.ready, other.ready])
