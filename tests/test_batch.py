@@ -24,6 +24,11 @@ from tests.checkpoints import build_checkpoint, dtype_for
 
 # mimo: attention only; qwen3_5: gated-delta-net and full-attention layers.
 LAYOUTS = ["mimo", "qwen3_5"]
+# Every cache kind: MLA (deepseek_v3, glm4_moe_lite), gated delta nets (qwen3_next), sliding
+# windows (exaone_moe, mimo_v2_flash, step3p5: window 8), Mamba (nemotron_h), lightning and
+# Kimi delta attention (bailing_hybrid, bailing_moe_v3: replayed), cache lists (deepseek_v32).
+FAMILIES = [*LAYOUTS, "deepseek_v3", "glm4_moe_lite", "qwen3_next", "exaone_moe", "mimo_v2_flash",
+            "step3p5", "nemotron_h", "bailing_hybrid", "bailing_moe_v3", "deepseek_v32"]  # fmt: skip
 EQUAL = [list(range(5, 21)), list(range(30, 46)), list(range(40, 24, -1))]
 UNEQUAL = [list(range(5, 21)), [300, 301, 302], list(range(60, 90)), [7]]
 
@@ -101,6 +106,7 @@ def test_rows_of_equal_length_are_each_stock(m, stock, depth: int) -> None:
     assert sum(row.drafted for row in rows) > 0
 
 
+@pytest.mark.parametrize("model_dir", FAMILIES, indirect=True)
 def test_rows_of_different_lengths_with_partial_acceptance_per_row(m, stock) -> None:
     """Drafts right up to a different depth in each row and round (0..4 at depth 4): each row
     keeps exactly its plan and stays its single stream."""

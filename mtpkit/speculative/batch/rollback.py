@@ -9,14 +9,24 @@ window and its left padding grows by as much, as mlx-lm's own `BatchKVCache.fina
 right-padded prompt into a left-padded one. Its `offset` (the RoPE position) drops by the
 same count, so its next tokens get the positions a single stream would give them.
 
+A sliding window (`BatchRotatingKVCache`) is rolled back the same way: a pass of several
+tokens leaves it in temporal order, its `trim` moves the write index back and its next pass
+of several tokens (every round's) slices the buffer there; after a row's roll, that pass
+trims from the row's front the same real entries as the row's own stream would.
+
 Gated-delta-net layers keep a conv state and a recurrent state per row; the verify pass
 records both after every position (`mtpkit.runtime.rollback.gdn`), and each row takes the
-state after its own kept count. Other cache kinds (sliding windows, replayed recurrent
-layers, cache lists) are refused with a one-line error: they are not batched yet.
+state after its own kept count. Recurrent layers the verify pass does not snapshot (Mamba,
+Kimi delta attention, lightning attention) are replayed, as for one stream
+(`mtpkit.runtime.rollback.replay`), over each row's kept prefix in one right-padded pass:
+mlx-lm's `prepare(lengths=..., right_padding=...)` makes those layers stop at each row's
+length and `finalize` rolls each KV row right by its padding. A cache list rolls back each
+of its caches. Other cache kinds are refused with a one-line error.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,7 +35,8 @@ import mlx.core as mx
 from mtpkit.core.errors import MtpkitError
 from mtpkit.runtime.model import MtpModel
 from mtpkit.runtime.rollback.gdn import GdnSnapshots, capture_gdn_states, is_recurrent_cache
-from mtpkit.runtime.rollback.replay import gdn_covers
+from mtpkit.runtime.rollback.replay import gdn_covers, is_trimmable
+from mtpkit.runtime.rollback.state import restore_state, saved_state
 
 
 class BatchUnsupported(MtpkitError):
@@ -35,21 +46,33 @@ class BatchUnsupported(MtpkitError):
 def batch_caches(single: list[list[Any]]) -> list[Any]:
     """mlx-lm's batched caches (`merge`: KV caches left-padded to the longest row) of rows
     prefilled one at a time; `single[r]` is row r's cache list."""
-    from mlx_lm.models.cache import ArraysCache, KVCache
-
     for cache in single[0]:
-        if type(cache) not in (KVCache, ArraysCache):
-            raise BatchUnsupported(
-                f"batched decoding rolls back KV caches and gated-delta-net states only, not a "
-                f"{type(cache).__name__}: decode these requests one at a time"
-            )
+        _require_batchable(cache)
     return [type(layer[0]).merge(list(layer)) for layer in zip(*single, strict=True)]
 
 
-def drop_per_row(cache: Any, drop: list[int]) -> None:
-    """Drop the last `drop[r]` entries of row r of a `BatchKVCache` (see the module's text)."""
-    from mlx_lm.models.cache import dynamic_roll
+def _require_batchable(cache: Any) -> None:
+    from mlx_lm.models.cache import ArraysCache, CacheList, KVCache, RotatingKVCache
 
+    if type(cache) is CacheList:
+        for part in cache.caches:
+            _require_batchable(part)
+    elif type(cache) not in (KVCache, RotatingKVCache, ArraysCache):
+        raise BatchUnsupported(
+            f"batched decoding cannot roll back a {type(cache).__name__} per row: decode "
+            "these requests one at a time"
+        )
+
+
+def drop_per_row(cache: Any, drop: list[int]) -> None:
+    """Drop the last `drop[r]` entries of row r of a `BatchKVCache` or a
+    `BatchRotatingKVCache` (see the module's text)."""
+    from mlx_lm.models.cache import CacheList, dynamic_roll
+
+    if isinstance(cache, CacheList):
+        for part in cache.caches:
+            drop_per_row(part, drop)
+        return
     common = min(drop)
     if common:
         cache.trim(common)
@@ -79,6 +102,37 @@ def restore_per_row(snapshots: GdnSnapshots, caches: list[Any], kept: mx.array) 
 
 
 @dataclass
+class BatchReplay:
+    """The caches' state before a verify pass over `tokens` [B, T] (None for a trimmable
+    cache), and the forward that replays each row's kept prefix."""
+
+    tokens: mx.array
+    saved: list[Any]
+    forward: Callable[[mx.array, list[Any]], Any]
+
+    @classmethod
+    def before(
+        cls, caches: list[Any], tokens: mx.array, forward: Callable[..., Any]
+    ) -> BatchReplay:
+        return cls(tokens, [None if is_trimmable(c) else saved_state(c) for c in caches], forward)
+
+    def rollback(self, caches: list[Any], kept: list[int]) -> None:
+        length, longest = self.tokens.shape[1], max(kept)
+        for cache, saved in zip(caches, self.saved, strict=True):
+            if saved is None:
+                cache.trim(length)
+            else:
+                restore_state(cache, saved)
+        padding = [longest - k for k in kept]
+        for cache in caches:
+            cache.prepare(lengths=kept, right_padding=padding)
+        out = self.forward(self.tokens[:, :longest], caches)
+        for cache in caches:
+            cache.finalize()
+        mx.eval(out, [c.state for c in caches])
+
+
+@dataclass
 class BatchVerifyPass:
     """One backbone pass over `[B, T]` tokens, with what rolling each row back needs."""
 
@@ -86,11 +140,15 @@ class BatchVerifyPass:
     hidden: mx.array  # [B, T, H]
     snapshots: GdnSnapshots | None
     length: int
+    replay: BatchReplay | None = None
 
     def rollback(self, caches: list[Any], kept: list[int]) -> None:
         """Keep row r's state after its first `kept[r]` verified tokens only."""
         drop = [self.length - k for k in kept]
         if not any(drop):
+            return
+        if self.replay is not None:
+            self.replay.rollback(caches, kept)
             return
         recurrent = []
         for cache in caches:
@@ -106,12 +164,11 @@ def verify_rows(m: MtpModel, tokens: mx.array, caches: list[Any]) -> BatchVerify
     """The backbone over `tokens` [B, T] with every gated-delta-net layer's per-position
     states kept, so that each row can roll back to its own prefix."""
     recurrent = any(is_recurrent_cache(c) for c in caches)
+    replay = None
     if recurrent and not gdn_covers(m.model, caches, is_recurrent_cache):
-        raise BatchUnsupported(
-            f"{m.path.name} keeps recurrent states other than gated delta nets', which batched "
-            "decoding cannot roll back per row yet: decode these requests one at a time"
-        )
+        replay = BatchReplay.before(caches, tokens, lambda t, c: m.model(t, cache=c))
+        recurrent = False
     snapshots = GdnSnapshots() if recurrent else None
     with capture_gdn_states(snapshots):
         logits, hidden = m.forward(tokens, caches)
-    return BatchVerifyPass(logits, hidden, snapshots, tokens.shape[1])
+    return BatchVerifyPass(logits, hidden, snapshots, tokens.shape[1], replay)
