@@ -41,6 +41,9 @@ PREFILL_STEP = 2048
 # A draft filter: (the row, the position of its round's first draft in prompt + output, the
 # head's drafts for it [K]) -> the drafts to verify [K] (tests' injected drafts).
 RowDraftFilter = Callable[["Row", int, mx.array], mx.array]
+# A verdict filter: (the row, its verdict) -> the verdict it keeps (bench's oracle holds a
+# random-weight model to its plan, as `OracleProposer.judged` does for one stream).
+RowJudge = Callable[["Row", Verdict], Verdict]
 
 
 @dataclass
@@ -51,6 +54,8 @@ class Row:
     prompt: list[int]
     max_tokens: int
     sampling: SamplingSettings = GREEDY
+    # The row's own PRNG key (from its seed): its draws, alone or in any batch, are the same.
+    key: mx.array | None = None
     tokens: list[int] = field(default_factory=list)  # confirmed output, EOS excluded
     finish: str | None = None  # STOP, LENGTH or CANCELLED once done
     last: int = 0  # the last confirmed token; the backbone has not consumed it yet
@@ -69,17 +74,31 @@ class Row:
     def done(self) -> bool:
         return self.finish is not None
 
+    def next_keys(self, n: int) -> list[mx.array | None]:
+        """Keys for the row's next `n` draws (None each without a seed)."""
+        if self.key is None:
+            return [None] * n
+        keys = mx.random.split(self.key, n + 1)
+        self.key = keys[0]
+        return [keys[i] for i in range(1, n + 1)]
+
 
 class BatchDecoder:
     """Rows decoding together with the model's MTP head drafting `depth` tokens a round
-    (see the module's text). `draft_filter` replaces each row's drafts (tests)."""
+    (see the module's text). `draft_filter` replaces each row's drafts (tests, bench's
+    oracle), `judge` each row's verdict (bench's oracle)."""
 
     def __init__(
-        self, m: MtpModel, *, depth: int, draft_filter: RowDraftFilter | None = None
+        self,
+        m: MtpModel,
+        *,
+        depth: int,
+        draft_filter: RowDraftFilter | None = None,
+        judge: RowJudge | None = None,
     ) -> None:
         if m.head is None:
             raise NoMtpHead(f"{m.path} has no MTP head")
-        self.m, self.depth, self.draft_filter = m, depth, draft_filter
+        self.m, self.depth, self.draft_filter, self.judge = m, depth, draft_filter, judge
         self.eos = set(getattr(m.tokenizer, "eos_token_ids", None) or [])
         self.rows: list[Row] = []  # in the batch's row order
         self.cache: list[Any] | None = None
@@ -88,14 +107,20 @@ class BatchDecoder:
 
     # -- joining --------------------------------------------------------------------------
     def add(
-        self, prompt: list[int], *, max_tokens: int, sampling: SamplingSettings = GREEDY
+        self,
+        prompt: list[int],
+        *,
+        max_tokens: int,
+        sampling: SamplingSettings = GREEDY,
+        seed: int | None = None,
     ) -> Row:
         """Prefill `prompt` alone, confirm its first token, and merge it into the batch
         (unless that token already ends it). Returns the row; its `tokens` grow as it
-        decodes."""
+        decodes. `seed`: the row samples from its own PRNG key (else MLX's global state)."""
         if not prompt:
             raise ValueError("the prompt is empty")
-        row = Row(next(self._uids), list(prompt), max_tokens, sampling)
+        key = mx.random.key(seed) if seed is not None else None
+        row = Row(next(self._uids), list(prompt), max_tokens, sampling, key)
         cache = self.m.make_cache()
         hidden = []
         with mx.stream(_generation_stream()):
@@ -106,7 +131,7 @@ class BatchDecoder:
                 hidden.append(h)
             logits, h = self.m.forward(mx.array(prompt[-1:])[None], cache)
             hidden.append(h)
-            first = _sample(logits[:, -1, :], sampling)
+            first = _sample(logits[:, -1, :], sampling, row.next_keys(1)[0])
             if not self._confirm(row, [first]):
                 return row
             pairs = prompt[1:] + [first]
@@ -154,20 +179,26 @@ class BatchDecoder:
         rows, depth = self.rows, self.depth
         samplings = [row.sampling for row in rows]
         with mx.stream(_generation_stream()):
-            drafts, dists = self.head.propose(depth, samplings)
+            keys = [row.next_keys(depth + 1) if not row.sampling.greedy else [None] * (depth + 1)
+                    for row in rows]  # fmt: skip
+            drafts, dists = self.head.propose(depth, samplings, [k[:depth] for k in keys])
             if self.draft_filter is not None:
                 drafts = mx.stack(
                     [self.draft_filter(row, row.position, drafts[r]) for r, row in enumerate(rows)]
                 )
             last = mx.array([[row.last] for row in rows], dtype=mx.int32)
             verified = verify_rows(self.m, mx.concatenate([last, drafts], axis=1), self.cache)
-            packs, followers = _verdicts(verified.logits, drafts, dists, samplings)
+            packs, followers = _verdicts(
+                verified.logits, drafts, dists, samplings, [k[depth] for k in keys]
+            )
             out = self.head.after_verify(depth, verified.hidden, followers)
             mx.async_eval(out)
             mx.eval(packs)
             verdicts = [
                 verdict_of(p.tolist(), s.greedy) for p, s in zip(packs, samplings, strict=True)
             ]
+            if self.judge is not None:
+                verdicts = [self.judge(row, v) for row, v in zip(rows, verdicts, strict=True)]
             kept = [v.accepted + 1 for v in verdicts]
             verified.rollback(self.cache, kept)
             self.head.settle(out, kept)
@@ -199,10 +230,21 @@ class BatchDecoder:
 
     # -- the loop -------------------------------------------------------------------------
     def generate(
-        self, prompts: list[list[int]], *, max_tokens: int, sampling: SamplingSettings = GREEDY
+        self,
+        prompts: list[list[int]],
+        *,
+        max_tokens: int,
+        sampling: SamplingSettings | list[SamplingSettings] = GREEDY,
+        seeds: list[int | None] | None = None,
     ) -> list[Row]:
-        """Every prompt decoded in one batch until each is done; the rows in prompt order."""
-        rows = [self.add(p, max_tokens=max_tokens, sampling=sampling) for p in prompts]
+        """Every prompt decoded in one batch until each is done (each with its own settings
+        and seed when given lists); the rows in prompt order."""
+        settings = sampling if isinstance(sampling, list) else [sampling] * len(prompts)
+        seeds = seeds if seeds is not None else [None] * len(prompts)
+        rows = [
+            self.add(p, max_tokens=max_tokens, sampling=s, seed=seed)
+            for p, s, seed in zip(prompts, settings, seeds, strict=True)
+        ]
         while self.rows:
             self.step()
         return rows
@@ -213,6 +255,7 @@ def _verdicts(
     drafts: mx.array,
     dists: list[mx.array | None],
     samplings: list[SamplingSettings],
+    keys: list[mx.array | None],
 ) -> tuple[list[mx.array], mx.array]:
     """Each row's packed verdict (lazy; `verdict_of` reads it) and the confirmed token after
     each of its verify inputs [B, K+1]. Greedy rows share one argmax over the batch."""
@@ -226,7 +269,7 @@ def _verdicts(
             packs.append(greedy[0][r])
             followers.append(greedy[1][r])
         else:
-            packed, follow = sampled_verdict(s.probs(logits[r]), dists[r], drafts[r])
+            packed, follow = sampled_verdict(s.probs(logits[r]), dists[r], drafts[r], keys[r])
             packs.append(packed)
             followers.append(follow)
     return packs, mx.stack(followers)
@@ -239,11 +282,14 @@ def greedy_verdict_rows(logits: mx.array, drafts: mx.array) -> tuple[mx.array, m
     return mx.concatenate([targets, drafts], axis=1), targets
 
 
-def _sample(logits: mx.array, sampling: SamplingSettings) -> int:
+def _sample(logits: mx.array, sampling: SamplingSettings, key: mx.array | None) -> int:
     """A row's first token from the logits of its last prompt token [1, V], as mlx-lm's
-    sampler draws it from the log-probabilities."""
+    sampler draws it from the log-probabilities (with a key: from the same distribution,
+    `SamplingSettings.probs`, by the row's own key)."""
     logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-    return int(sampling.sampler()(logprobs).item())
+    if key is None or sampling.greedy:
+        return int(sampling.sampler()(logprobs).item())
+    return int(mx.random.categorical(mx.log(sampling.probs(logits[0])), key=key).item())
 
 
 def _generation_stream() -> Any:

@@ -43,10 +43,11 @@ class BatchHead:
         self.ready = ready
 
     def propose(
-        self, depth: int, sampling: list[SamplingSettings]
+        self, depth: int, sampling: list[SamplingSettings], keys: list[list[mx.array | None]]
     ) -> tuple[mx.array, list[mx.array | None]]:
         """`depth` drafts per row [B, K] (lazy) and, for each sampled row, the distributions
-        [K, V] its drafts were drawn from (None for a greedy row)."""
+        [K, V] its drafts were drawn from (None for a greedy row). `keys[r][k]`: the PRNG
+        key of row r's k-th draw (None: MLX's global state)."""
         head, m = self.head, self.m
         x = self.ready
         drafts: list[mx.array] = []
@@ -58,13 +59,16 @@ class BatchHead:
                 x = head(prev, m.embed(drafts[-1][:, None]), self.cache, step=k)
             normed = head.final_norm(head.layer_for_step(k))(x)
             logits = m.lm_head(normed)[:, -1]  # [B, V]
-            drafts.append(self._draw(logits, sampling, dists))
+            drafts.append(self._draw(logits, sampling, [row[k] for row in keys], dists))
         rows = [mx.stack(d) if d else None for d in dists]
         return mx.stack(drafts, axis=1), rows
 
     @staticmethod
     def _draw(
-        logits: mx.array, sampling: list[SamplingSettings], dists: list[list[mx.array]]
+        logits: mx.array,
+        sampling: list[SamplingSettings],
+        keys: list[mx.array | None],
+        dists: list[list[mx.array]],
     ) -> mx.array:
         """Each row's draft [B] int32: the argmax for a greedy row, else a draw from its
         settings' distribution (kept in `dists` for rejection sampling)."""
@@ -78,7 +82,7 @@ class BatchHead:
                 continue
             q = s.probs(logits[r])
             dists[r].append(q)
-            picks.append(mx.random.categorical(mx.log(q)).astype(mx.int32))
+            picks.append(mx.random.categorical(mx.log(q), key=keys[r]).astype(mx.int32))
         return mx.stack(picks)
 
     def after_verify(self, depth: int, hidden: mx.array, followers: mx.array) -> mx.array:
