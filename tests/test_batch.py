@@ -75,10 +75,10 @@ def inject_per_row(decoder: BatchDecoder, references: dict[int, list[int]],
     """Row uid's k-th round drafts `references[uid]`'s next tokens, wrong from
     `plans[uid][k]` on. Returns each row's planned rights, round by round."""
     rights: dict[int, list[int]] = {uid: [] for uid in plans}
-    depth = decoder.depth
 
     def injected(row: Row, position: int, head_drafts: mx.array) -> mx.array:
-        right = plans[row.uid][len(rights[row.uid])]
+        depth = head_drafts.shape[0]  # the round's: its deepest row's
+        right = min(plans[row.uid][len(rights[row.uid])], row.depth)
         rights[row.uid].append(right)
         start = position - len(row.prompt)
         truth = (references[row.uid] + [0] * 8)[start : start + depth]
@@ -157,9 +157,78 @@ def test_rows_join_late_and_leave_early(m, stock) -> None:
     assert len(cancelled.tokens) > 1
 
 
+def test_rows_at_different_depths_share_a_round(m, stock) -> None:
+    """Rows drafting 0 (drafting off), 1, 4 and 2 tokens a round, with injected partial
+    acceptances: each keeps at most its own depth and stays its single stream; when the
+    deepest row leaves, the rounds go on at the deepest left."""
+    decoder = BatchDecoder(m, depth=4)
+    decoder.eos = set()
+    depths = [0, 1, 4, 2]
+    budgets = [30, 30, 12, 30]
+    references = {uid: stock(p, 30, eos=False) for uid, p in enumerate(UNEQUAL)}
+    plans = {uid: [4, 0, 3, 1, 2, 4] * 20 for uid in references}
+    rights = inject_per_row(decoder, references, plans, m.embedding.weight.shape[0])
+    rows = [decoder.add(p, max_tokens=n, depth=d)
+            for p, n, d in zip(UNEQUAL, budgets, depths, strict=True)]  # fmt: skip
+    while decoder.rows:
+        decoder.step()
+    for row, n in zip(rows, budgets, strict=True):
+        assert row.tokens == references[row.uid][:n]
+        accepted = accepted_per_round(row)
+        assert accepted == rights[row.uid][: len(accepted)]
+        assert max(accepted) == row.depth
+    assert rows[0].drafted == 0 and rows[0].rounds == 29  # a plain step a round
+    assert rows[3].rounds > rows[2].rounds
+
+
 def test_a_row_alone_and_in_a_batch_decodes_alike(m) -> None:
     """The same prompt gives the same tokens alone and beside other rows, at every depth
     (nothing of a batchmate reaches it)."""
     alone = BatchDecoder(m, depth=2).generate([UNEQUAL[0]], max_tokens=20)[0].tokens
     rows = BatchDecoder(m, depth=2).generate([UNEQUAL[2], UNEQUAL[0], UNEQUAL[1]], max_tokens=20)
     assert rows[1].tokens == alone
+
+
+class Schedule:
+    """A drafting policy that follows a fixed pattern of drafting (True) and plain steps."""
+
+    def __init__(self, pattern: list[bool]) -> None:
+        self.pattern, self.calls = pattern, 0
+
+    def want_draft(self, width: int) -> bool:
+        self.calls += 1
+        return self.pattern[(self.calls - 1) % len(self.pattern)]
+
+    def record(self, width: int, drafted: bool, seconds: float, tokens: int) -> None:
+        return None
+
+
+def test_plain_batched_steps_between_rounds(m, stock) -> None:
+    """Plain batched steps (what adaptive drafting takes at a width where rounds do not pay)
+    between drafting rounds, rows joining and leaving during a stretch of plain steps: the
+    head catches up with their pairs, and every row stays its single stream."""
+    schedule = Schedule([True, False, False, True, True, False, False, False])
+    decoder = BatchDecoder(m, depth=3, policy=schedule)
+    decoder.eos = set()
+    references = {uid: stock(p, 30, eos=False) for uid, p in enumerate(UNEQUAL)}
+    plans = {uid: [3, 1, 0, 2] * 20 for uid in references}
+    inject_per_row(decoder, references, plans, m.embedding.weight.shape[0])
+    rows = [decoder.add(UNEQUAL[0], max_tokens=30), decoder.add(UNEQUAL[1], max_tokens=9)]
+    for _ in range(2):
+        decoder.step()  # a round, then a plain step: the next join finds pairs pending
+    rows += [decoder.add(p, max_tokens=30) for p in UNEQUAL[2:]]
+    while decoder.rows:
+        decoder.step()
+    for row in rows:
+        assert row.tokens == references[row.uid][: row.max_tokens]
+    assert decoder.plain_steps > 5 and all(row.rounds > 0 for row in rows)
+
+
+def test_adaptive_drafting_per_width_stays_stock(m, stock) -> None:
+    """Adaptive drafting (timed, per batch width) decides nothing that changes greedy text."""
+    decoder = BatchDecoder(m, depth=2, adaptive=True)
+    rows = decoder.generate(EQUAL, max_tokens=40)
+    for row, prompt in zip(rows, EQUAL, strict=True):
+        assert row.tokens == stock(prompt, 40)
+    # Its first rounds at a width draft, then it probes plain steps there (by counts).
+    assert decoder.plain_steps > 0 and all(row.rounds > 0 for row in rows)

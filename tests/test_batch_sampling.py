@@ -48,21 +48,26 @@ def test_each_sampled_row_keeps_its_distribution(m) -> None:
     greedy_prompt = m.tokenizer.encode("Open the file")
     exact = [exact_pairs(m, p, s) for p, s in zip(prompts, SETTINGS, strict=True)]
     greedy_alone = BatchDecoder(m, depth=2).generate([greedy_prompt], max_tokens=2)[0].tokens
-    counts: list[Counter] = [Counter(), Counter()]
+    counts: list[Counter] = [Counter(), Counter(), Counter()]
     drafted = accepted = 0
     n = 300
     for seed in range(n):
         mx.random.seed(seed)
-        rows = BatchDecoder(m, depth=2).generate(
-            [*prompts, greedy_prompt], max_tokens=2, sampling=[*SETTINGS, SamplingSettings()]
-        )
-        for i in range(2):
+        decoder = BatchDecoder(m, depth=2)
+        # The third row samples as the first, with drafting off (a plain step a round).
+        rows = [decoder.add(p, max_tokens=2, sampling=s, depth=d) for p, s, d in
+                zip([*prompts, prompts[0], greedy_prompt],
+                    [*SETTINGS, SETTINGS[0], SamplingSettings()], [2, 2, 0, 2], strict=True)]  # fmt: skip
+        while decoder.rows:
+            decoder.step()
+        for i in range(3):
             counts[i][tuple(rows[i].tokens)] += 1
-            drafted += rows[i].drafted
-            accepted += rows[i].accepted
-        assert rows[2].tokens == greedy_alone
+        drafted += rows[0].drafted + rows[1].drafted
+        accepted += rows[0].accepted + rows[1].accepted
+        assert rows[3].tokens == greedy_alone and rows[2].drafted == 0
     assert 0 < accepted < drafted  # both the accept and the resample paths ran
-    for i in range(2):
+    exact.append(exact[0])
+    for i in range(3):
         index = {k: j for j, k in enumerate(sorted(exact[i]))}
         observed = Counter({index.get(k, -1): v for k, v in counts[i].items()})
         stat, dof = chi_square(observed, {index[k]: v for k, v in exact[i].items()}, n)
@@ -71,18 +76,20 @@ def test_each_sampled_row_keeps_its_distribution(m) -> None:
 
 def test_a_seeded_row_samples_alike_alone_and_in_any_batch(m) -> None:
     """A row with a seed draws from its own key: the same text alone and beside other
-    sampled rows (whose draws and acceptances differ), whatever the global seed."""
+    sampled rows (whose draws, depths and acceptances differ), whatever the global seed."""
     prompt = m.tokenizer.encode(TEXTS[0])
     others = [m.tokenizer.encode(t) for t in ("Create a new", "Open the file", "Read")]
     mx.random.seed(1)
     alone = BatchDecoder(m, depth=2).generate([prompt], max_tokens=24, sampling=SETTINGS[0],
                                               seeds=[7])[0]  # fmt: skip
     mx.random.seed(2)
-    rows = BatchDecoder(m, depth=2).generate(
-        [others[0], prompt, others[1], others[2]], max_tokens=24,
-        sampling=[SETTINGS[1], SETTINGS[0], SETTINGS[0], SamplingSettings()],
-        seeds=[3, 7, None, None],
-    )  # fmt: skip
+    decoder = BatchDecoder(m, depth=3)  # batchmates at depths 3, 0 and 1 beside it at 2
+    sampling = [SETTINGS[1], SETTINGS[0], SETTINGS[0], SamplingSettings()]
+    rows = [decoder.add(p, max_tokens=24, sampling=s, seed=seed, depth=d)
+            for p, s, seed, d in zip([others[0], prompt, others[1], others[2]], sampling,
+                                     [3, 7, None, None], [3, 2, 0, 1], strict=True)]  # fmt: skip
+    while decoder.rows:
+        decoder.step()
     assert rows[1].tokens == alone.tokens and len(alone.tokens) > 4
     assert alone.accepted > 0
     mx.random.seed(1)

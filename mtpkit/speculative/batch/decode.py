@@ -8,7 +8,10 @@ merged into the batch's (mlx-lm's `merge`/`extend`: KV caches left-padded to a c
 index, each row with its own offset). A round (`BatchDecoder.step`): the head drafts K tokens
 for every row, the backbone verifies `[B, K+1]` in one pass, each row gets its own verdict
 (greedy, or exact rejection sampling with its own settings), and each row rolls back to its
-own accepted prefix (`mtpkit.speculative.batch.rollback`). A row that is done (an EOS, its
+own accepted prefix (`mtpkit.speculative.batch.rollback`). With `adaptive`, a width whose
+rounds cost more per token than plain batched steps takes plain steps (`batch.adaptive`). Rows at different depths share
+a round: the head drafts the deepest row's count for all, and each row's verdict reads only
+its own first drafts (a row at depth 0, drafting off, takes a plain step in the round). A row that is done (an EOS, its
 `max_tokens`, or `remove`) leaves the batch (`filter`) while the others go on.
 
 Nothing of one row reaches another: rows share matrix products only, the mask hides every
@@ -18,6 +21,7 @@ other row's padding and rejected entries, and each row's verdict reads its own l
 from __future__ import annotations
 
 import itertools
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -31,6 +35,7 @@ from mtpkit.speculative.accept import (
     sampled_verdict,
     verdict_of,
 )
+from mtpkit.speculative.batch.adaptive import WidthDrafting
 from mtpkit.speculative.batch.head import BatchHead, head_over_prompt
 from mtpkit.speculative.batch.rollback import batch_caches, verify_rows
 
@@ -54,6 +59,7 @@ class Row:
     prompt: list[int]
     max_tokens: int
     sampling: SamplingSettings = GREEDY
+    depth: int = 1  # drafts it verifies a round (0: drafting off, a plain step each round)
     # The row's own PRNG key (from its seed): its draws, alone or in any batch, are the same.
     key: mx.array | None = None
     tokens: list[int] = field(default_factory=list)  # confirmed output, EOS excluded
@@ -86,7 +92,8 @@ class Row:
 class BatchDecoder:
     """Rows decoding together with the model's MTP head drafting `depth` tokens a round
     (see the module's text). `draft_filter` replaces each row's drafts (tests, bench's
-    oracle), `judge` each row's verdict (bench's oracle)."""
+    oracle), `judge` each row's verdict (bench's oracle); `policy` decides per width whether
+    a step drafts (`adaptive`: `WidthDrafting`; default: every step drafts)."""
 
     def __init__(
         self,
@@ -95,6 +102,8 @@ class BatchDecoder:
         depth: int,
         draft_filter: RowDraftFilter | None = None,
         judge: RowJudge | None = None,
+        adaptive: bool = False,
+        policy: WidthDrafting | None = None,
     ) -> None:
         if m.head is None:
             raise NoMtpHead(f"{m.path} has no MTP head")
@@ -104,6 +113,8 @@ class BatchDecoder:
         self.cache: list[Any] | None = None
         self.head: BatchHead | None = None
         self._uids = itertools.count()
+        self.policy = policy if policy is not None else WidthDrafting() if adaptive else None
+        self.plain_steps = 0
 
     # -- joining --------------------------------------------------------------------------
     def add(
@@ -113,14 +124,19 @@ class BatchDecoder:
         max_tokens: int,
         sampling: SamplingSettings = GREEDY,
         seed: int | None = None,
+        depth: int | None = None,
     ) -> Row:
         """Prefill `prompt` alone, confirm its first token, and merge it into the batch
         (unless that token already ends it). Returns the row; its `tokens` grow as it
-        decodes. `seed`: the row samples from its own PRNG key (else MLX's global state)."""
+        decodes. `seed`: the row samples from its own PRNG key (else MLX's global state);
+        `depth`: its drafts a round (default: the decoder's)."""
         if not prompt:
             raise ValueError("the prompt is empty")
+        depth = self.depth if depth is None else depth
+        if not 0 <= depth <= self.depth:
+            raise ValueError(f"a row's depth must be in [0, {self.depth}], not {depth}")
         key = mx.random.key(seed) if seed is not None else None
-        row = Row(next(self._uids), list(prompt), max_tokens, sampling, key)
+        row = Row(next(self._uids), list(prompt), max_tokens, sampling, depth, key)
         cache = self.m.make_cache()
         hidden = []
         with mx.stream(_generation_stream()):
@@ -170,17 +186,47 @@ class BatchDecoder:
             layer.filter(index)
         self.head.filter(keep)
 
-    # -- the round ------------------------------------------------------------------------
+    # -- a step: a drafting round or a plain batched step -------------------------------
     def step(self) -> dict[int, list[int]]:
-        """One drafting round over every row; returns each row's new tokens by uid (an EOS
-        and tokens past `max_tokens` left out). Finished rows leave the batch."""
+        """One drafting round over every row (or, as `policy` decides, a plain batched
+        step); returns each row's new tokens by uid (an EOS and tokens past `max_tokens`
+        left out). Finished rows leave the batch."""
         if not self.rows:
             return {}
-        rows, depth = self.rows, self.depth
+        width = len(self.rows)
+        drafting = self.policy is None or self.policy.want_draft(width)
+        start = time.perf_counter()
+        new = self._round() if drafting else self._plain_step()
+        if self.policy is not None:
+            seconds = time.perf_counter() - start
+            self.policy.record(width, drafting, seconds, sum(len(t) for t in new.values()))
+        self._leave()
+        return new
+
+    def _plain_step(self) -> dict[int, list[int]]:
+        """One backbone step over every row's last token, as mlx-lm's batched step; the
+        head sees the pairs when it next drafts."""
+        rows = self.rows
+        with mx.stream(_generation_stream()):
+            last = mx.array([[row.last] for row in rows], dtype=mx.int32)
+            logits, hidden = self.m.forward(last, self.cache)
+            tokens = _draw_rows(logits[:, -1, :], rows)
+            self.head.observe(hidden, tokens[:, None])
+            values = tokens.tolist()
+        self.plain_steps += 1
+        new = {}
+        for row, token in zip(rows, values, strict=True):
+            before = len(row.tokens)
+            self._confirm(row, [token])
+            new[row.uid] = row.tokens[before:]
+        return new
+
+    def _round(self) -> dict[int, list[int]]:
+        rows = self.rows
+        depth = max(row.depth for row in rows)
         samplings = [row.sampling for row in rows]
         with mx.stream(_generation_stream()):
-            keys = [row.next_keys(depth + 1) if not row.sampling.greedy else [None] * (depth + 1)
-                    for row in rows]  # fmt: skip
+            keys = [_round_keys(row, depth) for row in rows]
             drafts, dists = self.head.propose(depth, samplings, [k[:depth] for k in keys])
             if self.draft_filter is not None:
                 drafts = mx.stack(
@@ -189,7 +235,7 @@ class BatchDecoder:
             last = mx.array([[row.last] for row in rows], dtype=mx.int32)
             verified = verify_rows(self.m, mx.concatenate([last, drafts], axis=1), self.cache)
             packs, followers = _verdicts(
-                verified.logits, drafts, dists, samplings, [k[depth] for k in keys]
+                verified.logits, drafts, dists, rows, [k[-1] for k in keys]
             )
             out = self.head.after_verify(depth, verified.hidden, followers)
             mx.async_eval(out)
@@ -202,9 +248,7 @@ class BatchDecoder:
             kept = [v.accepted + 1 for v in verdicts]
             verified.rollback(self.cache, kept)
             self.head.settle(out, kept)
-        new = {row.uid: self._record(row, v) for row, v in zip(rows, verdicts, strict=True)}
-        self._leave()
-        return new
+        return {row.uid: self._record(row, v) for row, v in zip(rows, verdicts, strict=True)}
 
     def _record(self, row: Row, v: Verdict) -> list[int]:
         row.draft_log.append((row.position, v.drafts))
@@ -250,36 +294,75 @@ class BatchDecoder:
         return rows
 
 
+def _round_keys(row: Row, depth: int) -> list[mx.array | None]:
+    """A round's keys for `row`: one per draft of the round's `depth`, then its verdict's.
+    Split by the row's own depth, so that its draws do not depend on its batchmates'; the
+    drafts past its depth, which it never verifies, draw from the global state."""
+    if row.sampling.greedy:
+        return [None] * (depth + 1)
+    keys = row.next_keys(row.depth + 1)
+    return keys[: row.depth] + [None] * (depth - row.depth) + keys[-1:]
+
+
 def _verdicts(
     logits: mx.array,
     drafts: mx.array,
     dists: list[mx.array | None],
-    samplings: list[SamplingSettings],
+    rows: list[Row],
     keys: list[mx.array | None],
 ) -> tuple[list[mx.array], mx.array]:
-    """Each row's packed verdict (lazy; `verdict_of` reads it) and the confirmed token after
-    each of its verify inputs [B, K+1]. Greedy rows share one argmax over the batch."""
+    """Each row's packed verdict over its own first `row.depth` drafts (lazy; `verdict_of`
+    reads it) and the confirmed token after each verify input [B, K+1] (valid up to the
+    count kept). Greedy rows share one argmax over the batch."""
     packs: list[mx.array] = []
     followers: list[mx.array] = []
-    greedy = None
-    for r, s in enumerate(samplings):
+    width = drafts.shape[1] + 1
+    targets = None
+    for r, row in enumerate(rows):
+        d, s = row.depth, row.sampling
         if s.greedy:
-            if greedy is None:
-                greedy = greedy_verdict_rows(logits, drafts)
-            packs.append(greedy[0][r])
-            followers.append(greedy[1][r])
+            if targets is None:
+                targets = greedy_targets(logits)
+            packs.append(mx.concatenate([targets[r, : d + 1], drafts[r, :d]]))
+            followers.append(targets[r])
+            continue
+        if d == 0:  # drafting off: the token drawn as a plain step draws it
+            token = mx.random.categorical(mx.log(s.probs(logits[r, 0])), key=keys[r])
+            packed = mx.concatenate([mx.zeros((1,), mx.int32), token.astype(mx.int32)[None]])
+            follow = packed[1:]
         else:
-            packed, follow = sampled_verdict(s.probs(logits[r]), dists[r], drafts[r], keys[r])
-            packs.append(packed)
-            followers.append(follow)
+            packed, follow = sampled_verdict(
+                s.probs(logits[r, : d + 1]), dists[r][:d], drafts[r, :d], keys[r]
+            )
+        packs.append(packed)
+        followers.append(mx.concatenate([follow, mx.repeat(follow[-1:], width - d - 1)]))
     return packs, mx.stack(followers)
 
 
-def greedy_verdict_rows(logits: mx.array, drafts: mx.array) -> tuple[mx.array, mx.array]:
-    """`accept.greedy_verdict` of every row at once: logits [B, K+1, V], drafts [B, K]."""
+def greedy_targets(logits: mx.array) -> mx.array:
+    """The backbone's argmax after every verify input of every row [B, K+1] (of its
+    log-probabilities, as `accept.greedy_verdict` and mlx-lm's greedy sampler take it)."""
     logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-    targets = mx.argmax(logprobs, axis=-1).astype(mx.int32)
-    return mx.concatenate([targets, drafts], axis=1), targets
+    return mx.argmax(logprobs, axis=-1).astype(mx.int32)
+
+
+def _draw_rows(logits: mx.array, rows: list[Row]) -> mx.array:
+    """Each row's token [B] from its logits [B, V]: the argmax for a greedy row, else a draw
+    as `_sample` takes it (by the row's own key when it has a seed)."""
+    logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    greedy = mx.argmax(logprobs, axis=-1).astype(mx.int32)
+    picks = []
+    for r, row in enumerate(rows):
+        if row.sampling.greedy:
+            picks.append(greedy[r])
+            continue
+        key = row.next_keys(1)[0]
+        if key is None:
+            picks.append(row.sampling.sampler()(logprobs[r : r + 1])[0].astype(mx.int32))
+        else:
+            q = row.sampling.probs(logits[r])
+            picks.append(mx.random.categorical(mx.log(q), key=key).astype(mx.int32))
+    return mx.stack(picks)
 
 
 def _sample(logits: mx.array, sampling: SamplingSettings, key: mx.array | None) -> int:

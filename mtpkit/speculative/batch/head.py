@@ -4,7 +4,9 @@ As for one stream (`mtpkit.speculative.proposers.mtp_head`), the head's step-0 l
 confirmed pair (h_k, t_{k+1}); a round's pairs are run in one step over all K+1 verify
 positions of every row, and each row then keeps its confirmed ones (`drop_per_row`). The
 entries the chained drafts (steps 1..K-1) wrote are the same number in every row, a plain
-trim. `ready` [B, 1, H] is the head's output at each row's last confirmed pair.
+trim. `ready` [B, 1, H] is the head's output at each row's last confirmed pair. Plain
+batched steps confirm one pair per row each; they wait (`observe`) until the next draft, a
+join or a leave runs the head over them in one step (`catch_up`).
 """
 
 from __future__ import annotations
@@ -41,6 +43,20 @@ class BatchHead:
         self.m, self.head = m, m.head
         self.cache = cache
         self.ready = ready
+        self.pending: list[tuple[mx.array, mx.array]] = []  # (hidden [B, 1, H], tokens [B, 1])
+
+    def observe(self, hidden: mx.array, tokens: mx.array) -> None:
+        """A plain step's pairs: each row's hidden state [B, 1, H] and the token after it."""
+        self.pending.append((hidden, tokens))
+
+    def catch_up(self) -> None:
+        """Run the head over the plain steps' pairs (the same count in every row)."""
+        if not self.pending:
+            return
+        hidden = mx.concatenate([h for h, _ in self.pending], axis=1)
+        tokens = mx.concatenate([t for _, t in self.pending], axis=1)
+        self.pending = []
+        self.ready = self.head(hidden, self.m.embed(tokens), self.cache, step=0)[:, -1:]
 
     def propose(
         self, depth: int, sampling: list[SamplingSettings], keys: list[list[mx.array | None]]
@@ -49,6 +65,9 @@ class BatchHead:
         [K, V] its drafts were drawn from (None for a greedy row). `keys[r][k]`: the PRNG
         key of row r's k-th draw (None: MLX's global state)."""
         head, m = self.head, self.m
+        self.catch_up()
+        if depth == 0:  # every row's drafting is off: a plain step for all
+            return mx.zeros((self.ready.shape[0], 0), dtype=mx.int32), [None] * len(sampling)
         x = self.ready
         drafts: list[mx.array] = []
         dists: list[list[mx.array]] = [[] for _ in sampling]
@@ -104,11 +123,14 @@ class BatchHead:
         self.ready = mx.take_along_axis(out, index[:, None, None], axis=1)
 
     def filter(self, keep: list[int]) -> None:
+        index = mx.array(keep, dtype=mx.int32)
+        self.pending = [(h[index], t[index]) for h, t in self.pending]
         for cache in self.cache:
             cache.filter(keep)
-        self.ready = self.ready[mx.array(keep, dtype=mx.int32)]
+        self.ready = self.ready[index]
 
     def extend(self, other: BatchHead) -> None:
+        self.catch_up()  # the joining row has no pending pairs
         for cache, more in zip(self.cache, other.cache, strict=True):
             cache.extend(more)
         self.ready = mx.concatenate([self.ready, other.ready])
