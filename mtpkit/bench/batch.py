@@ -2,8 +2,10 @@
 decoding (`mlx_lm.batch_generate`, its `BatchGenerator`) at the same width.
 
 Each trial runs, at every width B, stock's `batch_generate` over B copies of the prompt on an
-untouched load of the directory, then mtpkit's `BatchDecoder` over the same B rows at depth 1
-(and at each `--acceptance`, with oracle drafts per row, `mtpkit.bench.oracle`), so a
+untouched load of the directory, then mtpkit's `BatchDecoder` over the same B rows at depth 1,
+drafting every round and with adaptive drafting (decided per width, `speculative/batch/
+adaptive.py`), each with the head's drafts or at each `--acceptance` (oracle drafts per row,
+`mtpkit.bench.oracle`), so a
 disturbance of the machine hits both alike. The figures are aggregate decode tok/s (tokens
 after each row's first over the decoding time, as stock's `generation_tps` counts them), per
 request (aggregate / B), and MTP's ratio to stock at the same width in the same trial.
@@ -28,17 +30,20 @@ from mtpkit.runtime.upcast import upcast_experts
 from mtpkit.speculative.accept import Verdict
 from mtpkit.speculative.batch import BatchDecoder, Row
 
+# (oracle acceptance or None for the head's drafts, adaptive drafting): one MTP run a trial.
+Config = tuple[float | None, bool]
+
 
 @dataclass
 class WidthRun:
-    """One width's figures over the trials: stock and MTP at each acceptance (None: the
-    head's own drafts)."""
+    """One width's figures over the trials: stock and MTP in each configuration."""
 
     width: int
     stock_tps: Figure = field(default_factory=Figure)
-    mtp_tps: dict[float | None, Figure] = field(default_factory=dict)
-    speedup: dict[float | None, Figure] = field(default_factory=dict)
-    acceptance: dict[float | None, list[float]] = field(default_factory=dict)
+    mtp_tps: dict[Config, Figure] = field(default_factory=dict)
+    speedup: dict[Config, Figure] = field(default_factory=dict)
+    acceptance: dict[Config, list[float]] = field(default_factory=dict)
+    plain_share: dict[Config, list[float]] = field(default_factory=dict)  # of the steps
 
 
 @dataclass
@@ -50,6 +55,10 @@ class BatchBenchResult:
     depth: int
     acceptances: list[float | None]
     runs: list[WidthRun]
+
+    @property
+    def configs(self) -> list[Config]:
+        return [(a, adaptive) for a in self.acceptances for adaptive in (False, True)]
 
     def to_json(self) -> dict[str, Any]:
         def fig(f: Figure) -> dict[str, Any]:
@@ -70,14 +79,18 @@ class BatchBenchResult:
                     "batch": r.width,
                     "stock_tps": fig(r.stock_tps),
                     "stock_tps_per_request": r.stock_tps.median / r.width,
-                    "mtp": {
-                        key(a): {
-                            "tps": fig(r.mtp_tps[a]),
-                            "tps_per_request": r.mtp_tps[a].median / r.width,
-                            "speedup": fig(r.speedup[a]),
-                            "acceptance": _mean(r.acceptance[a]),
+                    **{
+                        "mtp_adaptive" if adaptive else "mtp": {
+                            key(a): {
+                                "tps": fig(r.mtp_tps[a, adaptive]),
+                                "tps_per_request": r.mtp_tps[a, adaptive].median / r.width,
+                                "speedup": fig(r.speedup[a, adaptive]),
+                                "acceptance": _mean(r.acceptance[a, adaptive]),
+                                "plain_share": _mean(r.plain_share[a, adaptive]),
+                            }
+                            for a in self.acceptances
                         }
-                        for a in self.acceptances
+                        for adaptive in (False, True)
                     },
                 }
                 for r in self.runs
@@ -103,9 +116,11 @@ def mtp_batch_run(
     depth: int,
     max_tokens: int,
     oracles: list[OracleDrafts] | None = None,
-) -> tuple[float, float | None]:
+    adaptive: bool = False,
+) -> tuple[float, float | None, float]:
     """Aggregate decode tok/s of `BatchDecoder` over `prompts` (every row joined before the
-    first round; each row's first token, from its prefill, not counted) and its acceptance."""
+    first round; each row's first token, from its prefill, not counted), its acceptance and
+    the share of its steps that were plain."""
     draft_filter = judge = None
     if oracles is not None:
 
@@ -115,7 +130,9 @@ def mtp_batch_run(
         def judge(row: Row, verdict: Verdict) -> Verdict:
             return oracles[row.uid].judge(verdict)
 
-    decoder = BatchDecoder(m, depth=depth, draft_filter=draft_filter, judge=judge)
+    decoder = BatchDecoder(
+        m, depth=depth, draft_filter=draft_filter, judge=judge, adaptive=adaptive
+    )
     rows = [decoder.add(p, max_tokens=max_tokens) for p in prompts]
     start = time.perf_counter()
     while decoder.rows:
@@ -124,7 +141,9 @@ def mtp_batch_run(
     tokens = sum(max(0, len(r.tokens) - 1) for r in rows)
     drafted = sum(r.drafted for r in rows)
     acceptance = sum(r.accepted for r in rows) / drafted if drafted else None
-    return (tokens / elapsed if elapsed > 0 else 0.0), acceptance
+    steps = decoder.plain_steps + max(r.rounds for r in rows)
+    plain = decoder.plain_steps / steps if steps else 0.0
+    return (tokens / elapsed if elapsed > 0 else 0.0), acceptance, plain
 
 
 def bench_batch(
@@ -170,6 +189,7 @@ def bench_batch(
         for run in runs:  # warm up every width: kernel builds fall outside the trials
             stock_batch_tps(stock_model, stock_tokenizer, [tokens] * run.width, 8)
             mtp_batch_run(m, [tokens] * run.width, depth, 8)
+        result = BatchBenchResult(str(model), len(tokens), max_tokens, trials, depth, kinds, runs)
         for trial in range(trials):
             at = f"trial {trial + 1}/{trials}:"
             for run in runs:
@@ -177,24 +197,34 @@ def bench_batch(
                 base = stock_batch_tps(stock_model, stock_tokenizer, prompts, max_tokens)
                 run.stock_tps.values.append(base)
                 say(f"{at} batch {run.width} stock mlx-lm {base:.1f} tok/s")
-                for a in kinds:
+                for config in result.configs:
+                    a, adaptive = config
                     oracles = None
                     if a is not None:
                         oracles = [
                             OracleDrafts(reference, len(tokens), a, vocab, seed + i)
                             for i in range(run.width)
                         ]
-                    rate, accepted = mtp_batch_run(m, prompts, depth, max_tokens, oracles)
-                    run.mtp_tps.setdefault(a, Figure()).values.append(rate)
-                    run.speedup.setdefault(a, Figure()).values.append(rate / base if base else 0.0)
+                    rate, accepted, plain = mtp_batch_run(
+                        m, prompts, depth, max_tokens, oracles, adaptive
+                    )
+                    run.mtp_tps.setdefault(config, Figure()).values.append(rate)
+                    ratio = rate / base if base else 0.0
+                    run.speedup.setdefault(config, Figure()).values.append(ratio)
+                    run.acceptance.setdefault(config, [])
                     if accepted is not None:
-                        run.acceptance.setdefault(a, []).append(accepted)
-                    run.acceptance.setdefault(a, [])
-                    name = "head" if a is None else f"oracle {a:g}"
-                    say(f"{at} batch {run.width} MTP ({name}) {rate:.1f} tok/s")
-        return BatchBenchResult(str(model), len(tokens), max_tokens, trials, depth, kinds, runs)
+                        run.acceptance[config].append(accepted)
+                    run.plain_share.setdefault(config, []).append(plain)
+                    say(f"{at} batch {run.width} {_name(config)} {rate:.1f} tok/s")
+        return result
     finally:
         m.tokenizer.eos_token_ids = eos
+
+
+def _name(config: Config) -> str:
+    a, adaptive = config
+    name = "MTP (head)" if a is None else f"MTP at oracle {a:g}"
+    return f"{name}, adaptive" if adaptive else name
 
 
 def print_batch_bench(result: BatchBenchResult) -> None:
@@ -212,20 +242,22 @@ def print_batch_bench(result: BatchBenchResult) -> None:
     if any(a is not None for a in result.acceptances):
         stdout.print("SYNTHETIC: oracle drafts per row, right with the probability shown")
     table = Table(title_justify="left")
-    for col in ("batch", "decoding", "tok/s", "per request", "vs stock", "acceptance"):
+    columns = ("batch", "decoding", "tok/s", "per request", "vs stock", "acceptance", "plain")
+    for col in columns:
         table.add_column(col, justify="left" if col == "decoding" else "right")
     for r in result.runs:
         base = r.stock_tps
         table.add_row(str(r.width), "stock mlx-lm", str(base), f"{base.median / r.width:.3g}",
-                      "1", "")  # fmt: skip
-        for a in result.acceptances:
-            accepted = _mean(r.acceptance[a])
+                      "1", "", "")  # fmt: skip
+        for config in result.configs:
+            accepted = _mean(r.acceptance[config])
             table.add_row(
                 "",
-                "MTP (head)" if a is None else f"MTP at oracle {a:g}",
-                str(r.mtp_tps[a]),
-                f"{r.mtp_tps[a].median / r.width:.3g}",
-                str(r.speedup[a]),
+                _name(config),
+                str(r.mtp_tps[config]),
+                f"{r.mtp_tps[config].median / r.width:.3g}",
+                str(r.speedup[config]),
                 "-" if accepted is None else f"{accepted:.1%}",
+                f"{_mean(r.plain_share[config]):.0%}",
             )
     stdout.print(table)
