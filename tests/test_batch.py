@@ -128,6 +128,11 @@ def test_rows_of_different_lengths_with_partial_acceptance_per_row(m, stock) -> 
     assert len({tuple(a) for a in first}) == len(rows)
 
 
+@pytest.mark.parametrize(
+    "model_dir",
+    [*LAYOUTS, "exaone_moe", "nemotron_h", "bailing_moe_v3", "deepseek_v32"],
+    indirect=True,
+)
 def test_rows_join_late_and_leave_early(m, stock) -> None:
     """Continuous batching: rows join between rounds (at other cache offsets, mid-way through
     the others' partial acceptances), one ends at its max_tokens and one is removed while the
