@@ -237,3 +237,22 @@ def test_adaptive_drafting_per_width_stays_stock(m, stock) -> None:
         assert row.tokens == stock(prompt, 40)
     # Its first rounds at a width draft, then it probes plain steps there (by counts).
     assert decoder.plain_steps > 0 and all(row.rounds > 0 for row in rows)
+
+
+def test_bad_requests_are_one_line_errors(m) -> None:
+    from mtpkit.core.errors import MtpkitError
+    from mtpkit.runtime.model import NoMtpHead
+
+    decoder = BatchDecoder(m, depth=2)
+    with pytest.raises(MtpkitError, match="the prompt is empty"):
+        decoder.add([], max_tokens=4)
+    with pytest.raises(MtpkitError, match=r"a row's depth must be in \[0, 2\], not 3"):
+        decoder.add([5, 6], max_tokens=4, depth=3)
+    with pytest.raises(MtpkitError, match="max_tokens must be at least 1"):
+        decoder.add([5, 6], max_tokens=0)
+    assert decoder.rows == []
+    with pytest.raises(MtpkitError, match="depth must be in"):
+        BatchDecoder(m, depth=99)
+    headless = load_model(m.path, with_head=False)
+    with pytest.raises(NoMtpHead, match="has no MTP head"):
+        BatchDecoder(headless, depth=1)

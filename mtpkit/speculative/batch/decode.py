@@ -8,11 +8,12 @@ merged into the batch's (mlx-lm's `merge`/`extend`: KV caches left-padded to a c
 index, each row with its own offset). A round (`BatchDecoder.step`): the head drafts K tokens
 for every row, the backbone verifies `[B, K+1]` in one pass, each row gets its own verdict
 (greedy, or exact rejection sampling with its own settings), and each row rolls back to its
-own accepted prefix (`mtpkit.speculative.batch.rollback`). With `adaptive`, a width whose
-rounds cost more per token than plain batched steps takes plain steps (`batch.adaptive`). Rows at different depths share
-a round: the head drafts the deepest row's count for all, and each row's verdict reads only
-its own first drafts (a row at depth 0, drafting off, takes a plain step in the round). A row that is done (an EOS, its
-`max_tokens`, or `remove`) leaves the batch (`filter`) while the others go on.
+own accepted prefix (`mtpkit.speculative.batch.rollback`). Rows at different depths share a
+round: the head drafts the deepest row's count for all, and each row's verdict reads only its
+own first drafts (a row at depth 0, drafting off, takes a plain step in the round). With
+`adaptive`, a width whose rounds cost more per token than plain batched steps takes plain
+steps (`speculative/batch/adaptive.py`). A row that is done (an EOS, its `max_tokens`, or
+`remove`) leaves the batch (`filter`) while the others go on.
 
 Nothing of one row reaches another: rows share matrix products only, the mask hides every
 other row's padding and rejected entries, and each row's verdict reads its own logits.
@@ -28,7 +29,8 @@ from typing import Any
 
 import mlx.core as mx
 
-from mtpkit.runtime.model import MtpModel, NoMtpHead
+from mtpkit.core.choices import MAX_DEPTH
+from mtpkit.runtime.model import GenerateError, MtpModel, NoMtpHead
 from mtpkit.speculative.accept import (
     SamplingSettings,
     Verdict,
@@ -107,6 +109,8 @@ class BatchDecoder:
     ) -> None:
         if m.head is None:
             raise NoMtpHead(f"{m.path} has no MTP head")
+        if not 0 <= depth <= MAX_DEPTH:
+            raise GenerateError(f"depth must be in [0, {MAX_DEPTH}], not {depth}")
         self.m, self.depth, self.draft_filter, self.judge = m, depth, draft_filter, judge
         self.eos = set(getattr(m.tokenizer, "eos_token_ids", None) or [])
         self.rows: list[Row] = []  # in the batch's row order
@@ -130,11 +134,14 @@ class BatchDecoder:
         (unless that token already ends it). Returns the row; its `tokens` grow as it
         decodes. `seed`: the row samples from its own PRNG key (else MLX's global state);
         `depth`: its drafts a round (default: the decoder's)."""
-        if not prompt:
-            raise ValueError("the prompt is empty")
+        from mtpkit.speculative.session import check_prompt
+
+        check_prompt(self.m, prompt)
         depth = self.depth if depth is None else depth
         if not 0 <= depth <= self.depth:
-            raise ValueError(f"a row's depth must be in [0, {self.depth}], not {depth}")
+            raise GenerateError(f"a row's depth must be in [0, {self.depth}], not {depth}")
+        if max_tokens < 1:
+            raise GenerateError(f"max_tokens must be at least 1, not {max_tokens}")
         key = mx.random.key(seed) if seed is not None else None
         row = Row(next(self._uids), list(prompt), max_tokens, sampling, depth, key)
         cache = self.m.make_cache()
