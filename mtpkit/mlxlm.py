@@ -80,3 +80,32 @@ def model_remapping() -> dict[str, str]:
     from mlx_lm.utils import MODEL_REMAPPING
 
     return dict(MODEL_REMAPPING)
+
+
+def chat_as_text(messages: list[dict[str, Any]]) -> str:
+    """A conversation as one text, the way mlx_lm.server renders it for a tokenizer without
+    a chat template (its `convert_chat` and default role mapping)."""
+    from mlx_lm.server import convert_chat
+
+    return convert_chat(messages)
+
+
+def apply_adapters(model: Any, adapter_path: Any) -> None:
+    """mlx-lm's LoRA (or DoRA) adapters from `adapter_path` applied to `model` in place, as
+    `mlx_lm.load(..., adapter_path=...)` applies them; a bad directory is one error line."""
+    from pathlib import Path
+
+    from mlx_lm.tuner.utils import load_adapters
+
+    from mtpkit.core.errors import MtpkitError
+
+    if not (Path(adapter_path) / "adapter_config.json").is_file():
+        raise MtpkitError(
+            f"--adapter-path {adapter_path} has no adapter_config.json: pass the directory "
+            "mlx_lm.lora wrote"
+        )
+    try:
+        load_adapters(model, str(adapter_path))
+    except (ValueError, KeyError, FileNotFoundError) as e:
+        raise MtpkitError(f"mlx-lm cannot apply the adapters in {adapter_path}: {e}") from None
+    model.eval()

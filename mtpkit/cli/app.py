@@ -7,7 +7,7 @@ from typing import Annotated
 import typer
 
 from mtpkit import __version__
-from mtpkit.cli.commands import bench, check, convert, generate, inspect, train_head
+from mtpkit.cli.commands import bench, chat, check, convert, generate, inspect, train_head
 
 app = typer.Typer(
     name="mtpkit",
@@ -48,6 +48,7 @@ app.command(name="convert")(convert.convert_command)
 app.command(name="generate", context_settings=generate.CONTEXT)(generate.generate_command)
 app.command(name="bench")(bench.bench_command)
 app.command(name="train-head")(train_head.train_head_command)
+app.command(name="chat")(chat.chat_command)
 
 
 def main() -> None:

@@ -30,6 +30,7 @@ class SamplingSettings:
     top_p: float = TOP_P_OFF
     top_k: int = 0
     min_p: float = 0.0
+    min_tokens_to_keep: int = 1  # of min-p's filter (mlx_lm.generate --min-tokens-to-keep)
 
     @property
     def greedy(self) -> bool:
@@ -38,7 +39,10 @@ class SamplingSettings:
     def sampler(self) -> Callable[[mx.array], mx.array]:
         from mlx_lm.sample_utils import make_sampler
 
-        return make_sampler(temp=self.temp, top_p=self.top_p, min_p=self.min_p, top_k=self.top_k)
+        return make_sampler(
+            temp=self.temp, top_p=self.top_p, min_p=self.min_p, top_k=self.top_k,
+            min_tokens_to_keep=self.min_tokens_to_keep,
+        )  # fmt: skip
 
     def probs(self, logits: mx.array) -> mx.array:
         """The distribution mlx-lm's sampler draws from, for each row of `logits` (its
@@ -49,7 +53,7 @@ class SamplingSettings:
         if 0 < self.top_p < 1.0:
             logprobs = apply_top_p(logprobs, self.top_p)
         if self.min_p != 0.0:
-            logprobs = apply_min_p(logprobs, self.min_p)
+            logprobs = apply_min_p(logprobs, self.min_p, self.min_tokens_to_keep)
         if self.top_k > 0:
             logprobs = apply_top_k(logprobs, self.top_k)
         return mx.softmax(logprobs.astype(mx.float32) * (1 / self.temp), axis=-1)

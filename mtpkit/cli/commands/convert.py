@@ -33,6 +33,7 @@ from mtpkit.cli.options import (
     value,
 )
 from mtpkit.convert.recipes import recipe_names
+from mtpkit.core.errors import MtpkitError
 from mtpkit.publish.card import HUB_REPO
 
 OutputOpt = Annotated[
@@ -116,6 +117,13 @@ def convert_command(
     quiet: QuietOpt = False,
     trust_remote_code: TrustRemoteCodeOpt = False,
     json_output: JsonOpt = False,
+    dequantize: Annotated[
+        bool,
+        typer.Option(
+            "--dequantize", "-d",
+            help="mlx_lm.convert's: not supported (mtpkit converts original checkpoints).",
+        ),
+    ] = False,
 ) -> None:
     """Convert a checkpoint to an MLX directory that stock mlx-lm loads, keeping its MTP head.
 
@@ -129,6 +137,13 @@ def convert_command(
     from mtpkit.convert.pipeline import convert
     from mtpkit.core.console import log
 
+    if dequantize:
+        raise MtpkitError(
+            "convert --dequantize is not supported: mtpkit converts original checkpoints, whose "
+            "weights are not quantized; convert the original repo, or dequantize an MLX "
+            "directory with `mlx_lm.convert --dequantize` and graft its head with "
+            "`mtpkit convert ORIGINAL --mtp-only --into DIR`"
+        )
     source = one_source(ctx, source, hf_path)
     quantizing = quantize or bits is not None or q_mode is not None or quant_predicate is not None
     _check_quantization(ctx, bits, group_size, q_mode, quant_predicate, keep_mtp_bf16, mtp_bits)
