@@ -208,10 +208,16 @@ class Schedule:
         return None
 
 
+@pytest.mark.parametrize(
+    "model_dir",
+    [*LAYOUTS, "exaone_moe", "mimo_v2_flash", "nemotron_h", "deepseek_v32"],
+    indirect=True,
+)
 def test_plain_batched_steps_between_rounds(m, stock) -> None:
     """Plain batched steps (what adaptive drafting takes at a width where rounds do not pay)
     between drafting rounds, rows joining and leaving during a stretch of plain steps: the
-    head catches up with their pairs, and every row stays its single stream."""
+    head catches up with their pairs, and every row stays its single stream (sliding windows
+    through one-token steps, which rotate mlx-lm's batched window, and back)."""
     schedule = Schedule([True, False, False, True, True, False, False, False])
     decoder = BatchDecoder(m, depth=3, policy=schedule)
     decoder.eos = set()

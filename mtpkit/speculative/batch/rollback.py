@@ -10,9 +10,12 @@ right-padded prompt into a left-padded one. Its `offset` (the RoPE position) dro
 same count, so its next tokens get the positions a single stream would give them.
 
 A sliding window (`BatchRotatingKVCache`) is rolled back the same way: a pass of several
-tokens leaves it in temporal order, its `trim` moves the write index back and its next pass
-of several tokens (every round's) slices the buffer there; after a row's roll, that pass
-trims from the row's front the same real entries as the row's own stream would.
+tokens leaves it in temporal order, so its common tail is cut off the buffer (mlx-lm's `trim`
+only moves the write index, and a one-token step, a plain batched step, keeps the buffer's
+last `window` entries, rejected ones included: as `mtpkit.runtime.rollback.window` cuts one
+stream's), then rows are rolled. Before each verify pass a window that plain one-token steps
+rotated is put back in temporal order (`mtpkit.mlxlm.window_in_temporal_order`); the pass
+trims from each row's front the same real entries as the row's own stream would.
 
 Gated-delta-net layers keep a conv state and a recurrent state per row; the verify pass
 records both after every position (`mtpkit.runtime.rollback.gdn`), and each row takes the
@@ -33,6 +36,7 @@ from typing import Any
 import mlx.core as mx
 
 from mtpkit.core.errors import MtpkitError
+from mtpkit.mlxlm import cut_window, window_in_temporal_order
 from mtpkit.runtime.model import MtpModel
 from mtpkit.runtime.rollback.gdn import GdnSnapshots, capture_gdn_states, is_recurrent_cache
 from mtpkit.runtime.rollback.replay import gdn_covers, is_trimmable
@@ -67,7 +71,7 @@ def _require_batchable(cache: Any) -> None:
 def drop_per_row(cache: Any, drop: list[int]) -> None:
     """Drop the last `drop[r]` entries of row r of a `BatchKVCache` or a
     `BatchRotatingKVCache` (see the module's text)."""
-    from mlx_lm.models.cache import CacheList, dynamic_roll
+    from mlx_lm.models.cache import BatchRotatingKVCache, CacheList, dynamic_roll
 
     if isinstance(cache, CacheList):
         for part in cache.caches:
@@ -76,6 +80,8 @@ def drop_per_row(cache: Any, drop: list[int]) -> None:
     common = min(drop)
     if common:
         cache.trim(common)
+        if isinstance(cache, BatchRotatingKVCache):
+            cut_window(cache)
     extra = [d - common for d in drop]
     if not any(extra):
         return
@@ -160,15 +166,30 @@ class BatchVerifyPass:
             restore_per_row(self.snapshots, recurrent, mx.array(kept, dtype=mx.int32))
 
 
+def _leaves(caches: list[Any]) -> list[Any]:
+    """The caches, a cache list's parts in its place."""
+    from mlx_lm.models.cache import CacheList
+
+    out = []
+    for cache in caches:
+        out += _leaves(list(cache.caches)) if isinstance(cache, CacheList) else [cache]
+    return out
+
+
 def verify_rows(m: MtpModel, tokens: mx.array, caches: list[Any]) -> BatchVerifyPass:
     """The backbone over `tokens` [B, T] with every gated-delta-net layer's per-position
     states kept, so that each row can roll back to its own prefix."""
+    from mlx_lm.models.cache import BatchRotatingKVCache
+
     recurrent = any(is_recurrent_cache(c) for c in caches)
     replay = None
     if recurrent and not gdn_covers(m.model, caches, is_recurrent_cache):
         replay = BatchReplay.before(caches, tokens, lambda t, c: m.model(t, cache=c))
         recurrent = False
     snapshots = GdnSnapshots() if recurrent else None
+    for cache in _leaves(caches):
+        if isinstance(cache, BatchRotatingKVCache):
+            window_in_temporal_order(cache)
     with capture_gdn_states(snapshots):
         logits, hidden = m.forward(tokens, caches)
     return BatchVerifyPass(logits, hidden, snapshots, tokens.shape[1], replay)
