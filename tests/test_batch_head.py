@@ -37,7 +37,14 @@ def head_predictions(m, row: Row) -> list[int]:
     return mx.argmax(m.lm_head(m.head.final_norm(0)(x)), axis=-1)[0].tolist()
 
 
-def test_each_rows_drafts_are_the_heads_predictions(m) -> None:
+@pytest.mark.parametrize("catch_up_after", [256, 2], ids=["at-draft", "every-2-steps"])
+def test_each_rows_drafts_are_the_heads_predictions(
+    m, monkeypatch: pytest.MonkeyPatch, catch_up_after: int
+) -> None:
+    """Also with the head catching up inside a stretch of plain steps (every 2 pairs)."""
+    from mtpkit.speculative.batch import head
+
+    monkeypatch.setattr(head, "CATCH_UP_AFTER", catch_up_after)
     decoder = BatchDecoder(m, depth=1, policy=Schedule([True, True, False, False, True]))
     decoder.eos = set()
     prompts = [m.tokenizer.encode(t) for t in TEXTS]

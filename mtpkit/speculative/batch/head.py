@@ -20,6 +20,7 @@ from mtpkit.speculative.accept import SamplingSettings
 from mtpkit.speculative.batch.rollback import drop_per_row
 
 HEAD_CHUNK = 2048  # pairs per head forward over a prompt
+CATCH_UP_AFTER = 256  # plain steps' pairs left pending before the head catches up
 
 
 def head_over_prompt(
@@ -48,6 +49,9 @@ class BatchHead:
     def observe(self, hidden: mx.array, tokens: mx.array) -> None:
         """A plain step's pairs: each row's hidden state [B, 1, H] and the token after it."""
         self.pending.append((hidden, tokens))
+        if len(self.pending) >= CATCH_UP_AFTER:  # a long plain stretch: keep the head near
+            self.catch_up()
+            mx.eval(self.ready, [c.state for c in self.cache])
 
     def catch_up(self) -> None:
         """Run the head over the plain steps' pairs (the same count in every row)."""
