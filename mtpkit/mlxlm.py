@@ -109,3 +109,23 @@ def apply_adapters(model: Any, adapter_path: Any) -> None:
     except (ValueError, KeyError, FileNotFoundError) as e:
         raise MtpkitError(f"mlx-lm cannot apply the adapters in {adapter_path}: {e}") from None
     model.eval()
+
+
+def window_in_temporal_order(cache: Any) -> None:
+    """Put a `BatchRotatingKVCache` that one-token steps rotated back in temporal order
+    before a pass of several tokens: its `make_mask` reads the write index before its update
+    reorders the buffer, and with rows of different padding it would mask from the rotated
+    index (mlx-lm's batch generation never follows a one-token step with a longer pass)."""
+    if cache.rotated:
+        cache._temporal_order()
+
+
+def cut_window(cache: Any) -> None:
+    """Cut a trimmed `BatchRotatingKVCache`'s buffer at its write index: its `trim` only
+    moves the index, and a one-token step keeps the buffer's last `window` entries, the
+    trimmed ones included. The cache must be in temporal order (after a pass of several
+    tokens)."""
+    if cache.rotated:
+        raise ValueError("a sliding-window cache was not left in temporal order")
+    cache.keys = cache.keys[..., : cache._idx, :]
+    cache.values = cache.values[..., : cache._idx, :]
