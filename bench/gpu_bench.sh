@@ -24,7 +24,9 @@
 # Environment: DTYPE (scales of the random models, default bfloat16, as published 4-bit
 # checkpoints carry), TRIALS (default 5), MAX_TOKENS (default 128), BENCH_LIMIT (default 330),
 # ACCEPTANCE (default 0,0.8,0.9: the random shapes run with oracle drafts at these
-# acceptances, `mtpkit bench --acceptance`, SYNTHETIC; empty: their random heads), DEPTH (3).
+# acceptances, `mtpkit bench --acceptance`, SYNTHETIC; empty: their random heads), DEPTH (3),
+# PROMPT_TOKENS (unset: the default prompt; N: `--prompt-tokens N`, a context of N tokens,
+# random ids for the random shapes; the files are then bench-<target>-p<N>.json).
 #
 # The README "Performance" table (the targets of issue 18) is, per call while warm:
 #      run(command="bash bench/gpu_bench.sh bench tiny qwen3_5-0.8b train", ...)
@@ -65,7 +67,8 @@ bench() {
   install
   export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
   local limit=${BENCH_LIMIT:-330} args=(--trials "${TRIALS:-5}" --max-tokens "${MAX_TOKENS:-128}" --depth "${DEPTH:-3}" --json)
-  local oracle=()
+  local oracle=() tag=""
+  [ -n "${PROMPT_TOKENS:-}" ] && args+=(--prompt-tokens "$PROMPT_TOKENS") && tag="-p$PROMPT_TOKENS"
   [ -n "${ACCEPTANCE-0,0.8,0.9}" ] && oracle=(--acceptance "${ACCEPTANCE-0,0.8,0.9}")
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
   git rev-parse HEAD 2>/dev/null >> "$OUT/gpu.txt"
@@ -102,13 +105,13 @@ bench() {
     elif [ "$target" = tiny ]; then
       python3 -m mtpkit convert mtpkit/examples/tiny-qwen3_5 -o /tmp/mtpkit-tiny --force >&2
       timeout "$limit" python3 -m mtpkit bench --model /tmp/mtpkit-tiny "${args[@]}" \
-        > "$OUT/bench-$target.json" 2> "$OUT/bench-$target.log"
+        > "$OUT/bench-$target$tag.json" 2> "$OUT/bench-$target$tag.log"
     else
       timeout "$limit" python3 -m mtpkit bench --random "$target" --dtype "${DTYPE:-bfloat16}" \
-        "${args[@]}" "${oracle[@]}" > "$OUT/bench-$target.json" 2> "$OUT/bench-$target.log"
+        "${args[@]}" "${oracle[@]}" > "$OUT/bench-$target$tag.json" 2> "$OUT/bench-$target$tag.log"
     fi
-    echo "rc $? for $target" >&2
-    tail -3 "$OUT/bench-$target.log" >&2
+    echo "rc $? for $target$tag" >&2
+    tail -3 "$OUT/bench-$target$tag.log" >&2
   done
   ls "$OUT"/bench-*.json >/dev/null 2>&1 &&
     python3 bench/bench_table.py "$OUT"/bench-*.json | tee "$OUT/bench-table.md"
