@@ -68,6 +68,9 @@ bench() {
   export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
   local limit=${BENCH_LIMIT:-330} args=(--trials "${TRIALS:-5}" --max-tokens "${MAX_TOKENS:-128}" --depth "${DEPTH:-3}" --json)
   local oracle=() tag=""
+  # A target past its limit gets SIGABRT first: faulthandler writes where every thread is to
+  # its log (qwen3_5-0.8b and the MoE once sat in "forward and head costs" past any limit).
+  local stuck="timeout -s ABRT -k 15 $limit"
   [ -n "${PROMPT_TOKENS:-}" ] && args+=(--prompt-tokens "$PROMPT_TOKENS") && tag="-p$PROMPT_TOKENS"
   [ -n "${ACCEPTANCE-0,0.8,0.9}" ] && oracle=(--acceptance "${ACCEPTANCE-0,0.8,0.9}")
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
@@ -104,10 +107,10 @@ bench() {
       continue
     elif [ "$target" = tiny ]; then
       python3 -m mtpkit convert mtpkit/examples/tiny-qwen3_5 -o /tmp/mtpkit-tiny --force >&2
-      timeout "$limit" python3 -m mtpkit bench --model /tmp/mtpkit-tiny "${args[@]}" \
+      $stuck python3 -X faulthandler -m mtpkit bench --model /tmp/mtpkit-tiny "${args[@]}" \
         > "$OUT/bench-$target$tag.json" 2> "$OUT/bench-$target$tag.log"
     else
-      timeout "$limit" python3 -m mtpkit bench --random "$target" --dtype "${DTYPE:-bfloat16}" \
+      $stuck python3 -X faulthandler -m mtpkit bench --random "$target" --dtype "${DTYPE:-bfloat16}" \
         "${args[@]}" "${oracle[@]}" > "$OUT/bench-$target$tag.json" 2> "$OUT/bench-$target$tag.log"
     fi
     echo "rc $? for $target$tag" >&2
