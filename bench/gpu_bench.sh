@@ -35,6 +35,8 @@
 # Target `train`: bench/bench_train.py --random-shape qwen3_5-0.8b (steps/s, train-head).
 # Target `ab`: bench/ab_modes.py (serial vs built-ahead rounds, qmv routes on/off, 4b with 8
 # layers); `ab-rows2`: its 2-row routes, lm_head-wide only vs every matrix timed (9b);
+# target `plain-steps`: bench/plain_steps.py at 9b and 4b (stock, --no-mtp and the decoder's
+# plain modes, per-token times; issue 31);
 # target `profile`: bench/profile_stages.py at 0.8b and 9b (a round's stages); `profile-tiny`:
 # the same on the bundled example (after target `tiny`, which converts it); `sdpa`:
 # bench/sdpa_shapes.py (attention's cost at key lengths never seen, by head size and mask).
@@ -87,6 +89,12 @@ bench() {
     elif [ "$target" = ab-rows2 ]; then  # 2-row routes: lm_head-wide only vs timed (9b)
       timeout "$limit" python3 bench/ab_modes.py qwen3_5-9b 32 "${TRIALS:-5}" rows2 2>&1 \
         | tee "$OUT/ab-rows2.txt" | tail -12 >&2
+      continue
+    elif [ "$target" = plain-steps ]; then  # per-token times of the plain modes (9b, 4b)
+      for shape in qwen3_5-9b qwen3_5-4b; do
+        timeout "$limit" python3 bench/plain_steps.py "$shape" "${TRIALS:-5}" 2>&1 \
+          | tee -a "$OUT/plain-steps.txt" | grep -A8 "^medians" >&2
+      done
       continue
     elif [ "$target" = sdpa ]; then  # does attention build per new key length? (verify)
       timeout "$limit" python3 bench/sdpa_shapes.py 2>&1 | tee "$OUT/sdpa.txt" >&2
