@@ -40,6 +40,16 @@ NumDraftTokensOpt = Annotated[
         "--num-draft-tokens", min=1, metavar="N", help="With --draft-model: drafts per step."
     ),
 ]
+PromptTokensOpt = Annotated[
+    int | None,
+    typer.Option(
+        "--prompt-tokens",
+        min=1,
+        metavar="N",
+        help="Decode after a context of N tokens: the prompt repeated to N tokens (with "
+        "--random: N random token ids).",
+    ),
+]
 AcceptanceOpt = Annotated[
     str | None,
     typer.Option(
@@ -70,6 +80,7 @@ def bench_command(
     random_layers: RandomLayersOpt = None,
     dtype: ScaleDtypeOpt = None,
     prompt: BenchPromptOpt = None,
+    prompt_tokens: PromptTokensOpt = None,
     max_tokens: BenchMaxTokensOpt = 128,
     max_depth: BenchDepthOpt = 3,
     trials: TrialsOpt = 5,
@@ -144,6 +155,8 @@ def bench_command(
             result = bench(
                 str(built) if built else model,
                 prompt=prompt or DEFAULT_PROMPT,
+                prompt_tokens=prompt_tokens,
+                synthetic=shape is not None,
                 max_tokens=max_tokens,
                 max_depth=max_depth,
                 trials=trials,
