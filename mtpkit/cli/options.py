@@ -29,7 +29,7 @@ from mtpkit.core.choices import (
     QUANT_PREDICATES,
 )
 from mtpkit.core.choices import require_depth as require_depth  # the commands' depth check
-from mtpkit.core.console import quiet_libraries
+from mtpkit.core.console import closed_pipe_exit_code, quiet_libraries
 from mtpkit.core.environment import check_environment
 from mtpkit.core.errors import MtpkitError, one_line
 
@@ -125,7 +125,8 @@ def one_source(ctx: typer.Context, source: str | None, model: str | None) -> str
 def friendly_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
     """Any error becomes one `Error: ...` line on stderr and exit 1 (MTPKIT_DEBUG=1: the
     traceback): a user-fixable one with its message, anything else with its type and first
-    line; with --json, stdout gets `{"error": ..., "exit_code": ...}` as well, so a script
+    line, either way one printable line (`one_line`); a closed stdout ends quietly with the
+    code of a SIGPIPE'd Unix tool (141); with --json, stdout gets `{"error": ..., "exit_code": ...}` as well, so a script
     reading stdout sees why. Typer's own exits and usage errors (exit 2) pass through."""
 
     @functools.wraps(fn)
@@ -136,6 +137,8 @@ def friendly_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
             return fn(*args, **kwargs)
         except (typer.Exit, typer.Abort, typer.TyperException):
             raise
+        except BrokenPipeError:  # the reader of stdout went away: end quietly, as Unix tools do
+            raise typer.Exit(closed_pipe_exit_code()) from None
         except KeyboardInterrupt as e:  # Ctrl-C, SIGTERM, SIGHUP: cleanup has run on the way
             if os.environ.get("MTPKIT_DEBUG") == "1":
                 raise
@@ -454,9 +457,7 @@ BenchMaxTokensOpt = Annotated[
 ]
 BenchDepthOpt = Annotated[
     int,
-    typer.Option(
-        "--depth", min=MIN_DEPTH, max=MAX_DEPTH, metavar="K", help="Measure depths 1..K."
-    ),
+    typer.Option("--depth", min=MIN_DEPTH, max=MAX_DEPTH, metavar="K", help="Measure depths 1..K."),
 ]
 TrialsOpt = Annotated[
     int,

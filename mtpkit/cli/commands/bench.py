@@ -90,7 +90,7 @@ def bench_command(
     from mtpkit.bench.shapes import random_model_dir
     from mtpkit.bench.speed import DEFAULT_PROMPT, bench, print_bench
     from mtpkit.cli.output import print_json
-    from mtpkit.core.console import log
+    from mtpkit.core.console import log, warn
     from mtpkit.runtime.model import library_io
 
     def progress(line: str) -> None:
@@ -131,7 +131,7 @@ def bench_command(
         result.dtype = scales
     notes = result.reliability()
     if notes:
-        log(f"warning: these figures mean little: {'; '.join(notes)}")
+        warn(f"these figures mean little: {'; '.join(notes)}")
     if json_output:
         print_json(result.to_json())
         return

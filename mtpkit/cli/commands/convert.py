@@ -127,7 +127,7 @@ def convert_command(
     """
     from mtpkit.convert.grafting import graft
     from mtpkit.convert.pipeline import convert
-    from mtpkit.core.console import log
+    from mtpkit.core.console import log, warn
 
     source = one_source(ctx, source, hf_path)
     quantizing = quantize or bits is not None or q_mode is not None or quant_predicate is not None
@@ -157,8 +157,8 @@ def convert_command(
     else:
         _check_flags(ctx, output, into, quantizing or recipe is not None, group_size, mtp_bits)
         if keep_mtp_bf16 and not quantizing and recipe is None:
-            log(
-                "warning: nothing is quantized without -q: --keep-mtp-bf16 only keeps the head "
+            warn(
+                "nothing is quantized without -q: --keep-mtp-bf16 only keeps the head "
                 "in bfloat16 (float16 with --dtype float16)"
             )
         result = convert(
@@ -178,10 +178,10 @@ def convert_command(
 def _publish_and_report(result: Any, upload_repo: str | None, json_output: bool) -> None:
     """Warnings on stderr, the upload (`--upload-repo`), then the result on stdout."""
     from mtpkit.cli.output import print_convert, print_json
-    from mtpkit.core.console import log
+    from mtpkit.core.console import log, warn
 
     for warning in result.warnings:
-        log(f"warning: {warning}")
+        warn(warning)
     published = None
     if upload_repo is not None:
         from mtpkit.publish.upload import upload

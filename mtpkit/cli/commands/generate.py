@@ -83,6 +83,7 @@ def generate_command(
     verbose_output = verbose == "True" and not json_output
 
     from mtpkit.cli.output import FRAME, print_generate, print_json
+    from mtpkit.core.console import warn
     from mtpkit.speculative.generate import generate
 
     framed = []  # mlx-lm's opening frame, printed with the first text (not before an error)
@@ -93,9 +94,6 @@ def generate_command(
             framed.append(True)
         sys.stdout.write(segment)
         sys.stdout.flush()
-
-    def warn(message: str) -> None:
-        typer.echo(f"Warning: {message}", err=True)
 
     with on_ranks(timeout) as ranks:  # under mlx.launch: rank 0 prints, the others are silent
         result = generate(
