@@ -22,6 +22,7 @@ from mtpkit.cli.options import (
     value,
 )
 from mtpkit.cli.ranks import DEFAULT_TIMEOUT, on_ranks
+from mtpkit.cli.values import ranged
 
 DraftModelOpt = Annotated[
     str | None,
@@ -35,7 +36,10 @@ DraftModelOpt = Annotated[
 NumDraftTokensOpt = Annotated[
     int,
     typer.Option(
-        "--num-draft-tokens", min=1, metavar="N", help="With --draft-model: drafts per step."
+        "--num-draft-tokens",
+        **ranged(int, min=1),
+        metavar="N",
+        help="With --draft-model: drafts per step.",
     ),
 ]
 AcceptanceOpt = Annotated[

@@ -32,6 +32,7 @@ from mtpkit.cli.options import (
     one_source,
     value,
 )
+from mtpkit.cli.values import among
 from mtpkit.convert.recipes import recipe_names
 from mtpkit.publish.card import HUB_REPO
 
@@ -52,6 +53,7 @@ HiddenOpt = Annotated[
     Hidden | None,
     typer.Option(
         "--hidden",
+        **among(Hidden),
         help="Hidden state the head expects, recorded in the manifest: post_norm "
         "(default) or pre_norm.",
     ),
