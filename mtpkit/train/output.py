@@ -32,7 +32,7 @@ from mtpkit.convert.destination import (
     remove_stale,
 )
 from mtpkit.convert.writer import read_config, write_config
-from mtpkit.core.errors import MtpkitError
+from mtpkit.core.errors import MtpkitError, more_of
 from mtpkit.core.manifest import HEAD_WEIGHTS_PATH, MANIFEST_PATH, head_manifest, write_manifest
 from mtpkit.core.peers import (
     PEER_HEAD_FILE,
@@ -225,6 +225,13 @@ def write_trained_head(
         )
     declared, dropped = _declared_config(into if into is not None else model, family, hidden)
     tensors = head_tensors(head, family, dtype)
+    unusable = [k for k, v in tensors.items() if not mx.isfinite(v).all().item()]
+    if unusable:  # the last guard: a head that never drafts right replaces nothing
+        raise OutputError(
+            f"the trained head holds NaN or Inf in {dtype} ({unusable[0]}{more_of(unusable)}): "
+            f"nothing was written{' and ' + str(into) + ' keeps its head' if into else ''}; "
+            "train again with a lower --lr"
+        )
     manifest = training_manifest(
         family, config, tensors, dtype=dtype, hidden=hidden, training=training
     )
