@@ -124,13 +124,10 @@ def encode_prompt(
         prefill = prefill_response is not None
         if prefill:
             messages.append({"role": "assistant", "content": prefill_response})
-        return list(
-            tokenizer.apply_chat_template(
-                messages,
-                add_generation_prompt=not prefill,
-                continue_final_message=prefill,
-                tokenize=True,
-            )
+        from mtpkit.core.templates import apply_chat_template
+
+        return apply_chat_template(
+            tokenizer, messages, add_generation_prompt=not prefill, continue_final_message=prefill
         )
     bos = getattr(tokenizer, "bos_token", None)
     add_special = bos is None or not prompt.startswith(bos)
