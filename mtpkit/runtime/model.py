@@ -22,6 +22,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
+from mtpkit.checkpoint.headers import require_valid_headers
 from mtpkit.checkpoint.source import HubSource, open_source
 from mtpkit.core.choices import DEFAULT_HIDDEN, HIDDEN_VARIANTS, POST_NORM
 from mtpkit.core.errors import MtpkitError
@@ -217,6 +218,7 @@ def resolve_model_path(spec: str, revision: str | None = None) -> Path:
     if not (path / "config.json").exists():
         raise MtpkitError(f"{spec} has no config.json: pass a model directory")
     _validate_config(path, spec)
+    require_valid_headers(path, spec)
     weights = any(path.glob("*.safetensors"))  # without any, the loader's own error says so
     if weights and not any(any(path.glob(pattern)) for pattern in TOKENIZER_FILES):
         raise MtpkitError(

@@ -1,0 +1,88 @@
+"""What generate, bench and train-head read before MLX does: every safetensors header
+validated as inspect validates it (issue 33, 17), a tokenizer that fits the model's vocabulary
+(issue 33, 8), a Hub repo that holds a model (issue 32, 6)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import struct
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from mtpkit.cli.app import app
+
+runner = CliRunner()
+
+
+def one_error(result) -> str:
+    assert result.exit_code == 1, result.output
+    assert "Traceback" not in result.output
+    [line] = result.stderr.splitlines()
+    assert line.startswith("Error: "), line
+    return line
+
+
+def last_shard(model: Path) -> Path:
+    index = json.loads((model / "model.safetensors.index.json").read_text())
+    return model / sorted(set(index["weight_map"].values()))[-1]
+
+
+def rewrite_header(shard: Path, edit) -> None:
+    data = shard.read_bytes()
+    (length,) = struct.unpack("<Q", data[:8])
+    header = json.loads(data[8 : 8 + length])
+    edit(header)
+    body = (
+        json.dumps(header, separators=(",", ":")).encode().ljust(length)
+    )  # same length: the data stays in place
+    assert len(body) == length
+    shard.write_bytes(data[:8] + body + data[8 + length :])
+
+
+def overlap(header: dict) -> None:
+    """Two tensors of one size made to share one byte range."""
+    by_size: dict[int, list[str]] = {}
+    for name, entry in header.items():
+        if name != "__metadata__":
+            by_size.setdefault(entry["data_offsets"][1] - entry["data_offsets"][0], []).append(name)
+    first, second = next(names for names in by_size.values() if len(names) > 1)[:2]
+    header[second]["data_offsets"] = list(header[first]["data_offsets"])
+
+
+def dtype_mismatch(header: dict) -> None:
+    name = next(n for n in header if n != "__metadata__")
+    header[name]["dtype"] = "F32" if header[name]["dtype"] != "F32" else "F16"
+
+
+def damage(shard: Path, how: str) -> None:
+    if how == "overlap":
+        rewrite_header(shard, overlap)
+    elif how == "dtype":
+        rewrite_header(shard, dtype_mismatch)
+    elif how == "truncated":
+        shard.write_bytes(shard.read_bytes()[:-100])
+    elif how == "huge length":
+        shard.write_bytes(struct.pack("<Q", 2**62) + shard.read_bytes()[8:])
+    elif how == "link":
+        shard.unlink()
+        shard.symlink_to("/etc/passwd")
+
+
+@pytest.mark.parametrize("how", ["overlap", "dtype", "truncated", "huge length", "link"])
+@pytest.mark.parametrize("command", ["generate", "bench"])
+def test_a_damaged_raw_shard_is_named_before_loading(checkpoint, tmp_path, how, command):
+    """Before: overlapping ranges decoded with exit 0; the others ended in `unexpected
+    RuntimeError: [load_safetensors]`. Now: inspect's `corrupt_header`, one line."""
+    model = Path(shutil.copytree(checkpoint("qwen3_5"), tmp_path / "raw"))
+    shard = last_shard(model)
+    damage(shard, how)
+    args = {
+        "generate": ["generate", "--model", str(model), "-m", "2"],
+        "bench": ["bench", "--model", str(model), "-m", "2", "--trials", "1"],
+    }[command]
+    line = one_error(runner.invoke(app, args))
+    assert line.startswith(f"Error: {model} cannot be loaded (corrupt_header): {shard.name}: ")
+    assert line.endswith(f"; `mtpkit inspect {model}` lists every problem")
