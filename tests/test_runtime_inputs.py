@@ -86,3 +86,35 @@ def test_a_damaged_raw_shard_is_named_before_loading(checkpoint, tmp_path, how, 
     line = one_error(runner.invoke(app, args))
     assert line.startswith(f"Error: {model} cannot be loaded (corrupt_header): {shard.name}: ")
     assert line.endswith(f"; `mtpkit inspect {model}` lists every problem")
+
+
+@pytest.fixture(scope="module")
+def small_vocab(tmp_path_factory) -> Path:
+    """A raw Qwen3.5 checkpoint of vocab_size 300 beside a 512-token tokenizer."""
+    from tests.checkpoints import build_checkpoint, write_tokenizer
+
+    model = build_checkpoint("qwen3_5", tmp_path_factory.mktemp("v") / "small", vocab_size=300)
+    write_tokenizer(model, 512)
+    return model
+
+
+def test_a_tokenizer_past_the_vocabulary_is_a_problem_everywhere(small_vocab, tmp_path):
+    """inspect reports `tokenizer_exceeds_vocab`, convert refuses, generate refuses before
+    decoding (before: all passed, and ids past 300 read past the embedding table)."""
+    from tests.checkpoints import _tokenizer_json
+
+    top = max(json.loads(_tokenizer_json(512))["model"]["vocab"].values())
+    message = (
+        f"tokenizer.json in {small_vocab} has ids up to {top} but config.json's "
+        "text_config.vocab_size is 300: ids past 299 index past the embedding table; use the "
+        "model's own tokenizer files"
+    )
+    inspected = runner.invoke(app, ["inspect", str(small_vocab), "--json"])
+    problems = json.loads(inspected.stdout)["problems"]
+    assert {"code": "tokenizer_exceeds_vocab", "message": message} in problems
+    out = tmp_path / "out"
+    converted = runner.invoke(app, ["convert", str(small_vocab), "-o", str(out)])
+    assert "tokenizer_exceeds_vocab" in one_error(converted)
+    assert not out.exists()
+    generated = runner.invoke(app, ["generate", "--model", str(small_vocab), "-m", "2"])
+    assert one_error(generated) == f"Error: {message} (tokenizer_exceeds_vocab)"

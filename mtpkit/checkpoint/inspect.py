@@ -16,6 +16,7 @@ from mtpkit.checkpoint.validate import (
     layer_count_problem,
     mtp_field_valid,
     present_layers,
+    tokenizer_problem,
 )
 from mtpkit.core.errors import NotACheckpoint
 from mtpkit.core.manifest import MANIFEST_PATH, SIDECAR_WEIGHTS, norm_convention
@@ -38,6 +39,7 @@ PROBLEM_CODES = {
     "missing_model_type": "config.json has no top-level model_type (loaders need it)",
     "invalid_config": "a config.json value has the wrong type or is out of range",
     "mtp_layer_count_mismatch": "the declared MTP layer count differs from the layers present",
+    "tokenizer_exceeds_vocab": "the tokenizer has ids past the model's vocab_size",
 }
 # Problems that mean the head cannot be used as it is (`--require-mtp` exits 3 on these).
 HEAD_UNUSABLE = {"mtp_declared_not_present", "incomplete_experts", "incomplete_mtp"}
@@ -90,6 +92,9 @@ def read_checkpoint(spec: str, *, revision: str | None = None) -> Checkpoint:
     ckpt.peer_files = peer_files
     for p in config_problems(config, family.mtp_field()):
         ckpt.problem(p.code, p.message)
+    mismatch = tokenizer_problem(config, _local_tokenizer(source), source.describe())
+    if mismatch is not None:
+        ckpt.problem(mismatch.code, mismatch.message)
     copies = _read_headers(ckpt, shards + sidecars)
     _follow_index(ckpt, copies, weight_map)
     _check_index(ckpt, weight_map)
@@ -104,6 +109,17 @@ def read_checkpoint(spec: str, *, revision: str | None = None) -> Checkpoint:
     if not drafter:  # a drafter's head is mlx-vlm's module tree, not the family's names
         _check_mtp(ckpt)
     return ckpt
+
+
+def _local_tokenizer(source: Source) -> Any:
+    """A local source's tokenizer.json (a Hub repo's is checked where generate downloads it,
+    rather than fetched here for a header-only inspect); None when absent or unreadable."""
+    if source.kind != "local" or not source.has("tokenizer.json"):
+        return None
+    try:
+        return source.read_json("tokenizer.json")
+    except NotACheckpoint:  # not JSON: the tokenizer's own loader names that
+        return None
 
 
 def _read_config(source: Source) -> dict[str, Any]:
@@ -262,7 +278,7 @@ def _check_mtp(ckpt: Checkpoint) -> None:
         return  # a damaged or missing shard: its problem says so; the head is unknown
     names = [family.head_relative(t.name) or "" for t in mtp if family.duplicate_of(t.name) is None]
     present = family.config_mtp_layers(present_layers(names))
-    if (mismatch := layer_count_problem(family.mtp_field(), declared, present)):
+    if mismatch := layer_count_problem(family.mtp_field(), declared, present):
         ckpt.problem(mismatch.code, mismatch.message)
     if declared and not mtp:
         ckpt.problem(

@@ -233,7 +233,7 @@ def _validate_config(path: Path, spec: str) -> None:
     builds a model from them (a word for a size, a string for `quantization`)."""
     import json
 
-    from mtpkit.checkpoint.validate import require_valid_config
+    from mtpkit.checkpoint.validate import require_tokenizer_fits, require_valid_config
     from mtpkit.core.errors import UnsupportedFamily
     from mtpkit.families import family_for
 
@@ -248,6 +248,7 @@ def _validate_config(path: Path, spec: str) -> None:
     except UnsupportedFamily:  # a model mtpkit has no family for: mlx-lm decides
         field = "num_nextn_predict_layers"
     require_valid_config(config, field, spec)
+    require_tokenizer_fits(config, path, spec)
 
 
 def head_tensor_filter(config: dict[str, Any]) -> Callable[[str], bool]:
