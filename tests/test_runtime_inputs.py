@@ -13,8 +13,10 @@ import pytest
 from typer.testing import CliRunner
 
 from mtpkit.cli.app import app
+from tests import hub_server
 
 runner = CliRunner()
+hub = hub_server.hub
 
 
 def one_error(result) -> str:
@@ -118,3 +120,77 @@ def test_a_tokenizer_past_the_vocabulary_is_a_problem_everywhere(small_vocab, tm
     assert not out.exists()
     generated = runner.invoke(app, ["generate", "--model", str(small_vocab), "-m", "2"])
     assert one_error(generated) == f"Error: {message} (tokenizer_exceeds_vocab)"
+
+
+@pytest.mark.parametrize("command", ["inspect", "check", "generate", "bench", "train-head"])
+def test_a_hub_repo_without_a_model_is_one_clear_line(hub, tmp_path, command):
+    """A repo of a README and a script: every command says what inspect says (before:
+    generate, bench and train-head ended in `unexpected IndexError`; issue 32, 6)."""
+    folder = tmp_path / "repo"
+    folder.mkdir()
+    (folder / "README.md").write_text("# not a model\n")
+    (folder / "run.sh").write_text("echo hi\n")
+    hub.add_repo("org/not-a-model", folder)
+    args = {
+        "inspect": ["inspect", "org/not-a-model"],
+        "check": ["check", "org/not-a-model"],
+        "generate": ["generate", "--model", "org/not-a-model", "-m", "2"],
+        "bench": ["bench", "--model", "org/not-a-model", "-m", "2"],
+        "train-head": ["train-head", "org/not-a-model", "-o", str(tmp_path / "o")],
+    }[command]
+    assert one_error(runner.invoke(app, args)) == (
+        "Error: org/not-a-model has no config.json: not a model checkpoint (pass the folder "
+        "that holds config.json and the safetensors files)"
+    )
+
+
+def nested(config: dict) -> None:
+    config["x"] = "NESTED"
+
+
+def listed(config: dict) -> None:
+    config["text_config"] = [config["text_config"]]
+
+
+COMMANDS = {
+    "inspect": lambda m, o: ["inspect", str(m)],
+    "convert": lambda m, o: ["convert", str(m), "-o", str(o)],
+    "check": lambda m, o: ["check", str(m)],
+    "generate": lambda m, o: ["generate", "--model", str(m), "-m", "2"],
+    "bench": lambda m, o: ["bench", "--model", str(m), "-m", "2"],
+    "train-head": lambda m, o: ["train-head", str(m), "-o", str(o)],
+}
+
+
+@pytest.mark.parametrize("command", sorted(COMMANDS))
+@pytest.mark.parametrize("edit", [nested, listed])
+def test_a_config_of_the_wrong_shape_is_one_clear_line(converted, tmp_path, command, edit):
+    """A config nested 100,000 deep (before: `unexpected RecursionError`) and a text_config
+    given as a list (before: `unexpected AttributeError` in inspect, convert, check,
+    train-head), the same line in every command (issue 33, 18)."""
+    model = Path(shutil.copytree(converted, tmp_path / "m"))
+    config = json.loads((model / "config.json").read_text())
+    edit(config)
+    text = json.dumps(config).replace('"NESTED"', '{"a":' * 100_000 + "1" + "}" * 100_000)
+    (model / "config.json").write_text(text)
+    line = one_error(runner.invoke(app, COMMANDS[command](model, tmp_path / "o")))
+    assert (
+        line
+        == {
+            nested: f"Error: config.json in {model} is nested too deeply to read (past Python's "
+            "recursion limit): replace it with the original checkpoint's",
+            listed: f"Error: config.json in {model}: text_config is a list, not an object "
+            "(invalid_config): fix config.json or convert from the original checkpoint",
+        }[edit]
+    )
+    assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize("command", ["inspect", "generate"])
+def test_hf_endpoint_not_a_url_is_named(command, monkeypatch):
+    monkeypatch.setenv("HF_ENDPOINT", "not-a-url")
+    line = one_error(runner.invoke(app, COMMANDS[command]("org/repo", Path("o"))))
+    assert line == (
+        "Error: HF_ENDPOINT='not-a-url' is not an http:// or https:// URL: set it to e.g. "
+        "https://huggingface.co, or unset it"
+    )

@@ -93,7 +93,7 @@ def parse_header(shard: str, file_size: int, read: Callable[[int, int], bytes]) 
         raise HeaderError(f"{shard}: truncated header ({len(raw)} of {length} bytes)")
     try:
         header = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
         raise HeaderError(f"{shard}: header is not JSON ({e.__class__.__name__})") from None
     if not isinstance(header, dict):
         raise HeaderError(f"{shard}: header is not a JSON object")

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from mtpkit.checkpoint.headers import HeaderError, ShardHeader, TensorInfo, parse_header
-from mtpkit.checkpoint.source import Source, is_safe_relpath, open_source
+from mtpkit.checkpoint.source import Source, is_safe_relpath, no_config, open_source
 from mtpkit.checkpoint.validate import (
     config_problems,
     layer_count_problem,
@@ -18,6 +18,7 @@ from mtpkit.checkpoint.validate import (
     present_layers,
     tokenizer_problem,
 )
+from mtpkit.core.config import require_config_object
 from mtpkit.core.errors import NotACheckpoint
 from mtpkit.core.manifest import MANIFEST_PATH, SIDECAR_WEIGHTS, norm_convention
 from mtpkit.families import Family, family_for
@@ -124,14 +125,11 @@ def _local_tokenizer(source: Source) -> Any:
 
 def _read_config(source: Source) -> dict[str, Any]:
     if not source.has("config.json"):
-        raise NotACheckpoint(
-            f"{source.describe()} has no config.json: not a model checkpoint "
-            "(pass the folder that holds config.json and the safetensors files)"
-        )
+        raise no_config(source)
     config = source.read_json("config.json")
     if not isinstance(config, dict):
         raise NotACheckpoint(f"config.json in {source.describe()} is not a JSON object")
-    return config
+    return require_config_object(config, source.describe())
 
 
 def _weight_files(

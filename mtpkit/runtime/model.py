@@ -234,15 +234,17 @@ def _validate_config(path: Path, spec: str) -> None:
     import json
 
     from mtpkit.checkpoint.validate import require_tokenizer_fits, require_valid_config
+    from mtpkit.core.config import load_json, require_config_object
     from mtpkit.core.errors import UnsupportedFamily
     from mtpkit.families import family_for
 
     try:
-        config = json.loads((path / "config.json").read_text(encoding="utf-8"))
+        config = load_json((path / "config.json").read_text(encoding="utf-8"), f"config.json in {spec}")
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise MtpkitError(f"config.json in {spec} is not valid JSON ({type(e).__name__})") from None
     if not isinstance(config, dict):
         raise MtpkitError(f"config.json in {spec} is not a JSON object")
+    require_config_object(config, spec)
     try:
         field = family_for(config).mtp_field()
     except UnsupportedFamily:  # a model mtpkit has no family for: mlx-lm decides

@@ -75,7 +75,7 @@ def read_state(directory: Path) -> dict[str, Any]:
         raise CheckpointError(f"--resume: no checkpoint in {directory} (no {STATE_FILE})")
     try:
         state = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
         raise CheckpointError(
             f"--resume: {path} is damaged ({type(e).__name__}): delete {directory} and train "
             "from the start"
