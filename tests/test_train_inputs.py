@@ -7,6 +7,8 @@ from __future__ import annotations
 import hashlib
 import json
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import mlx.core as mx
@@ -19,6 +21,7 @@ from mtpkit.train.loop import TrainSettings, train_head
 from tests.checkpoints import build_dense_model
 
 runner = CliRunner()
+ROOT = Path(__file__).resolve().parents[1]
 TEXT = "\n\n".join(f"def f{i}(x):\n    return x * {i} + {i * 7} - len(str(x))" for i in range(40))
 
 
@@ -164,4 +167,54 @@ def test_a_resume_from_a_nan_checkpoint_is_refused(llama, corpus, checkpoint_dir
         f"Error: --resume: the checkpoint in {directory} holds NaN or Inf ({name}): delete "
         f"{directory} and train from the start"
     )
+    assert not out.exists()
+
+
+def test_a_checkpoint_dir_that_is_a_file_is_refused_before_training(llama, corpus, tmp_path):
+    """Before: `unexpected` error after the whole training ran (issue 33, 18)."""
+    blocker = tmp_path / "afile"
+    blocker.write_text("mine\n")
+    args = ["train-head", str(llama), "-o", str(tmp_path / "o"), "--checkpoint-dir", str(blocker)]
+    line = one_error(runner.invoke(app, [*args, *quick(corpus)]))
+    assert line == (
+        f"Error: --checkpoint-dir {blocker}: {blocker} is a file, not a directory: choose "
+        "another place"
+    )
+    assert blocker.read_text() == "mine\n" and not (tmp_path / "o").exists()
+
+
+def test_an_output_that_cannot_be_written_is_refused_before_training(llama, corpus, tmp_path):
+    """`-o` where nothing can be created (here under a file; a read-only directory is
+    probed the same way, by creating a file) fails before the data generation and training."""
+    blocker = tmp_path / "afile"
+    blocker.write_text("mine\n")
+    out = blocker / "out"
+    line = one_error(runner.invoke(app, ["train-head", str(llama), "-o", str(out), *quick(corpus)]))
+    assert line == f"Error: -o {out}: {blocker} is a file, not a directory: choose another place"
+
+
+def test_a_full_disk_leaves_no_temporary_checkpoint_file(llama, corpus, tmp_path):
+    """`ulimit -f` makes every write past 16 KiB fail, as a full disk does: one line, and no
+    `.head-N.tmp.safetensors` left behind (before: left, with an `unexpected` error)."""
+    checkpoints = tmp_path / "ck"
+    out = tmp_path / "out"
+    command = " ".join(
+        f'"{a}"'
+        for a in [sys.executable, "-m", "mtpkit", "train-head", llama, "-o", out,
+                  "--checkpoint-dir", checkpoints, *quick(corpus, steps=2)]
+    )  # fmt: skip
+    proc = subprocess.run(
+        ["sh", "-c", f"ulimit -f 16; exec {command}"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert proc.returncode == 1, proc.stderr
+    [line] = proc.stderr.splitlines()
+    assert line.startswith(f"Error: writing the checkpoint of step 2 into {checkpoints} failed (")
+    assert line.endswith(
+        "the previous checkpoint is kept: free some space, or pass another --checkpoint-dir"
+    )
+    assert list(checkpoints.iterdir()) == []
     assert not out.exists()

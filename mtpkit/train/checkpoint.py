@@ -54,13 +54,25 @@ def save_checkpoint(
     """Head, optimizer and run `state` (with its `step`) into `directory`, as one unit."""
     directory.mkdir(parents=True, exist_ok=True)
     step = int(state["step"])
-    for part, tree in (("head", head.parameters()), ("optimizer", opt.state)):
-        final = part_file(directory, part, step)
-        tmp = directory / f".{part}-{step}.tmp.safetensors"  # mlx adds a missing suffix
-        mx.save_safetensors(str(tmp), dict(tree_flatten(tree)), {"step": str(step)})
-        os.replace(tmp, final)
     tmp = directory / f".{STATE_FILE}.tmp"
-    tmp.write_text(json.dumps(state, indent=1) + "\n")
+    try:
+        for part, tree in (("head", head.parameters()), ("optimizer", opt.state)):
+            final = part_file(directory, part, step)
+            tmp = directory / f".{part}-{step}.tmp.safetensors"  # mlx adds a missing suffix
+            mx.save_safetensors(str(tmp), dict(tree_flatten(tree)), {"step": str(step)})
+            os.replace(tmp, final)
+        tmp = directory / f".{STATE_FILE}.tmp"
+        tmp.write_text(json.dumps(state, indent=1) + "\n")
+    except (OSError, RuntimeError) as e:  # a full disk: MLX's writer raises RuntimeError
+        # This step's files are not a checkpoint until state.json names them: remove them.
+        tmp.unlink(missing_ok=True)
+        for part in PARTS:
+            part_file(directory, part, step).unlink(missing_ok=True)
+        reason = e.strerror if isinstance(e, OSError) and e.strerror else str(e).splitlines()[0]
+        raise CheckpointError(
+            f"writing the checkpoint of step {step} into {directory} failed ({reason}); the "
+            "previous checkpoint is kept: free some space, or pass another --checkpoint-dir"
+        ) from None
     os.replace(tmp, directory / STATE_FILE)  # the new checkpoint exists from here on
     for entry in directory.iterdir():  # earlier steps', and what a killed save left
         match = PART_FILE.match(entry.name)

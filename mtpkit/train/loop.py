@@ -426,12 +426,13 @@ def train_and_write(
     """What `mtpkit train-head` does: train, write the head (`mtpkit.train.output`), drop
     the checkpoints; returns the `--json` summary."""
     from mtpkit.core.console import log
-    from mtpkit.train.output import check_destination, write_trained_head
+    from mtpkit.train.output import check_destination, require_writable, write_trained_head
     from mtpkit.train.progress import TrainProgress
 
     check_destination(output, into, force, model)
     settings.check()
     checkpoints = checkpoint_dir or default_checkpoint_dir(output, into)
+    require_writable(checkpoints, f"--checkpoint-dir {checkpoints}")
     progress = TrainProgress(settings.steps, quiet=quiet, log=log)
     try:
         result = train_head(

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -66,6 +67,7 @@ def check_destination(
     source = local_source_dir(model) if model is not None else None
     if output is not None:
         claim_output(output, force=force, sources=[source])
+        require_writable(output.absolute().parent, f"-o {output}")
     if source is not None:
         refuse_inline_head(source, "MODEL")
     if into is not None:
@@ -77,6 +79,23 @@ def check_destination(
         if has_head(into) and not force:
             raise OutputError(f"--into {into} already has an MTP head: pass --force to replace it")
         refuse_inline_head(into, "--into")
+
+
+def require_writable(directory: Path, what: str) -> None:
+    """Fail before training, not after it, where the run will write (`-o`'s parent, the
+    checkpoint directory): a file in the way, or a directory that takes no new file (read-only,
+    not permitted; probed by creating one, which also catches a read-only filesystem as root)."""
+    existing = next(p for p in (directory, *directory.parents) if p.exists() or p == p.parent)
+    if not existing.is_dir():
+        raise OutputError(f"{what}: {existing} is a file, not a directory: choose another place")
+    try:
+        with tempfile.TemporaryFile(dir=existing):
+            pass
+    except OSError as e:
+        raise OutputError(
+            f"{what}: nothing can be written in {existing} ({e.strerror}): choose a "
+            "directory you can write"
+        ) from None
 
 
 def has_head(model_dir: Path) -> bool:
