@@ -194,3 +194,72 @@ def test_hf_endpoint_not_a_url_is_named(command, monkeypatch):
         "Error: HF_ENDPOINT='not-a-url' is not an http:// or https:// URL: set it to e.g. "
         "https://huggingface.co, or unset it"
     )
+
+
+def narrow_llama(path: Path) -> Path:
+    """A tiny Llama of hidden size 48 (a multiple of nvfp4's group of 16, not of 32)."""
+    import importlib
+
+    import mlx.core as mx
+    from mlx_lm.utils import save_config, save_model
+
+    from tests.checkpoints import write_tokenizer
+
+    config = {
+        "model_type": "llama", "hidden_size": 48, "num_hidden_layers": 2,
+        "intermediate_size": 96, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "head_dim": 12, "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "vocab_size": 512,
+        "tie_word_embeddings": False, "max_position_embeddings": 2048, "eos_token_id": 2,
+    }  # fmt: skip
+    arch = importlib.import_module("mlx_lm.models.llama")
+    mx.random.seed(5)
+    save_model(path, arch.Model(arch.ModelArgs.from_dict(config)))
+    save_config(config, path / "config.json")
+    write_tokenizer(path, 512)
+    return path
+
+
+def test_nvfp4_on_a_width_mlx_cannot_run_is_refused_at_convert(tmp_path):
+    """Before: converted with exit 0, then generate ended in `unexpected ValueError:
+    [reshape]` (issue 33, 18). affine -q still converts it, and the result runs."""
+    model = narrow_llama(tmp_path / "narrow")
+    out = tmp_path / "nv"
+    line = one_error(
+        runner.invoke(app, ["convert", str(model), "-o", str(out), "--q-mode", "nvfp4"])
+    )
+    assert line == (
+        "Error: --q-mode nvfp4 cannot quantize lm_head (input width 48): MLX runs nvfp4 layers "
+        "only on widths that are multiples of 32, so nothing could run the result; use "
+        "--q-mode mxfp4 or -q (affine), which leave such layers unquantized"
+    )
+    assert not out.exists()
+    affine = tmp_path / "affine"
+    assert runner.invoke(app, ["convert", str(model), "-o", str(affine), "-q"]).exit_code == 0
+    ran = runner.invoke(app, ["generate", "--model", str(affine), "-m", "2", "--no-mtp"])
+    assert ran.exit_code == 0, ran.output
+
+
+def test_a_quantized_dir_without_its_quantization_block_is_named(converted, tmp_path):
+    """A 4-bit conversion whose config lost `quantization`: inspect reports it, convert
+    refuses it and generate names it in one line (before: `unexpected AssertionError`, and
+    a 67-line MLX error; issue 33, 16 and 18)."""
+    quantized = tmp_path / "q4"
+    assert (
+        runner.invoke(app, ["convert", str(converted), "-o", str(quantized), "-q"]).exit_code == 0
+    )
+    config = json.loads((quantized / "config.json").read_text())
+    config.pop("quantization"), config.pop("quantization_config", None)
+    (quantized / "config.json").write_text(json.dumps(config))
+    problems = json.loads(runner.invoke(app, ["inspect", str(quantized), "--json"]).stdout)[
+        "problems"
+    ]
+    assert [p["code"] for p in problems] == ["invalid_config"]
+    assert problems[0]["message"].startswith("config.json has no quantization block but ")
+    line = one_error(runner.invoke(app, ["convert", str(quantized), "-o", str(tmp_path / "o")]))
+    assert "(invalid_config): config.json has no quantization block" in line
+    line = one_error(runner.invoke(app, ["generate", "--model", str(quantized), "-m", "2"]))
+    assert line.startswith(f"Error: {quantized}: config.json has no quantization block but ")
+    assert line.endswith(
+        "restore its quantization block (bits, group_size, mode) from the "
+        "conversion, or convert from the original checkpoint (invalid_config)"
+    )

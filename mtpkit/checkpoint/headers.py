@@ -151,11 +151,13 @@ def _tensor_info(
     return TensorInfo(name, dtype, tuple(shape), shard, data_start + begin, data_start + end)
 
 
-def require_valid_headers(directory: Path, where: str) -> None:
+def require_valid_headers(directory: Path, where: str) -> list[str]:
     """The header of every safetensors file a model directory's loaders read (mlx-lm's
     `*.safetensors`, the head's `mtp/`), validated as inspect validates them, before MLX reads
     any: a truncated shard, overlapping ranges or a 2^62 header length is one line naming
-    `corrupt_header`, never MLX's `[load_safetensors]` error or a decode of overlapping bytes."""
+    `corrupt_header`, never MLX's `[load_safetensors]` error or a decode of overlapping bytes.
+    Returns the tensor names the files hold."""
+    names: list[str] = []
     files = sorted([*directory.glob("*.safetensors"), *(directory / "mtp").glob("*.safetensors")])
     for path in files:
         try:
@@ -165,10 +167,14 @@ def require_valid_headers(directory: Path, where: str) -> None:
                     f.seek(start)
                     return f.read(length)
 
-                parse_header(str(path.relative_to(directory)), os.fstat(f.fileno()).st_size, read)
+                header = parse_header(
+                    str(path.relative_to(directory)), os.fstat(f.fileno()).st_size, read
+                )
+                names += header.tensors
         except (HeaderError, OSError) as e:
             detail = str(e) if isinstance(e, HeaderError) else f"{path.name}: {e.strerror}"
             raise CheckpointProblem(
                 f"{where} cannot be loaded (corrupt_header): {detail}; `mtpkit inspect {where}` "
                 "lists every problem"
             ) from None
+    return names

@@ -16,6 +16,7 @@ from mtpkit.checkpoint.validate import (
     layer_count_problem,
     mtp_field_valid,
     present_layers,
+    quantization_problem,
     tokenizer_problem,
 )
 from mtpkit.core.config import require_config_object
@@ -97,6 +98,9 @@ def read_checkpoint(spec: str, *, revision: str | None = None) -> Checkpoint:
     if mismatch is not None:
         ckpt.problem(mismatch.code, mismatch.message)
     copies = _read_headers(ckpt, shards + sidecars)
+    unquantized = quantization_problem(config, ckpt.tensors)
+    if unquantized is not None:
+        ckpt.problem(unquantized.code, unquantized.message)
     _follow_index(ckpt, copies, weight_map)
     _check_index(ckpt, weight_map)
     ckpt.format = MLX_VLM_DRAFTER if drafter else _format(ckpt)

@@ -308,3 +308,19 @@ def require_tokenizer_fits(config: dict[str, Any], directory: Path, where: str) 
     problem = tokenizer_problem(config, tokenizer, where)
     if problem is not None:
         raise InvalidConfig(f"{problem.message} ({problem.code})")
+
+
+def quantization_problem(config: dict[str, Any], names: Iterable[str]) -> Problem | None:
+    """Quantized tensors (`*.scales`) under a config.json without its `quantization` block:
+    mlx-lm would build float layers and refuse every scale and bias as an unknown parameter."""
+    if config.get("quantization") or config.get("quantization_config"):
+        return None
+    scales = sorted(n for n in names if n.endswith(".scales"))
+    if not scales:
+        return None
+    return Problem(
+        INVALID_CONFIG,
+        f"config.json has no quantization block but {len(scales)} tensors are quantized "
+        f"({scales[0]}{more_of(scales)}): restore its quantization block (bits, group_size, "
+        "mode) from the conversion, or convert from the original checkpoint",
+    )

@@ -218,7 +218,8 @@ def resolve_model_path(spec: str, revision: str | None = None) -> Path:
     if not (path / "config.json").exists():
         raise MtpkitError(f"{spec} has no config.json: pass a model directory")
     _validate_config(path, spec)
-    require_valid_headers(path, spec)
+    names = require_valid_headers(path, spec)
+    _require_quantization(path, spec, names)
     weights = any(path.glob("*.safetensors"))  # without any, the loader's own error says so
     if weights and not any(any(path.glob(pattern)) for pattern in TOKENIZER_FILES):
         raise MtpkitError(
@@ -226,6 +227,18 @@ def resolve_model_path(spec: str, revision: str | None = None) -> Path:
             "from the original checkpoint into it"
         )
     return path
+
+
+def _require_quantization(path: Path, spec: str, names: list[str]) -> None:
+    """Quantized tensors need config.json's quantization block (`quantization_problem`)."""
+    import json
+
+    from mtpkit.checkpoint.validate import quantization_problem
+    from mtpkit.core.errors import InvalidConfig
+
+    problem = quantization_problem(json.loads((path / "config.json").read_text()), names)
+    if problem is not None:
+        raise InvalidConfig(f"{spec}: {problem.message} ({problem.code})")
 
 
 def _validate_config(path: Path, spec: str) -> None:
