@@ -27,6 +27,15 @@ def one_error(result) -> str:
     return line
 
 
+def last_error(result) -> str:
+    """The `Error:` line after bench's progress lines (`... loading`)."""
+    assert result.exit_code == 1, result.output
+    *progress, line = result.stderr.splitlines()
+    assert all(p.startswith("... ") for p in progress), progress
+    assert line.startswith("Error: ")
+    return line
+
+
 def last_shard(model: Path) -> Path:
     index = json.loads((model / "model.safetensors.index.json").read_text())
     return model / sorted(set(index["weight_map"].values()))[-1]
@@ -263,3 +272,35 @@ def test_a_quantized_dir_without_its_quantization_block_is_named(converted, tmp_
         "restore its quantization block (bits, group_size, mode) from the "
         "conversion, or convert from the original checkpoint (invalid_config)"
     )
+
+
+def test_bench_draft_model_is_loaded_as_the_model_is(checkpoint, converted, tmp_path):
+    """`bench --draft-model` goes through mtpkit's loading: a config-only directory and a
+    custom-code tokenizer are one line naming --draft-model, and a raw checkpoint whose head
+    mlx-lm does not know loads with the head set aside (before: `unexpected FileNotFoundError`,
+    `unexpected ValueError` twice; issue 33, 18)."""
+    config_only = tmp_path / "config-only"
+    config_only.mkdir()
+    shutil.copy(converted / "config.json", config_only / "config.json")
+    custom = Path(shutil.copytree(converted, tmp_path / "custom"))
+    (custom / "tokenizer.json").unlink()
+    tokenizer_config = json.loads((custom / "tokenizer_config.json").read_text())
+    tokenizer_config["auto_map"] = {"AutoTokenizer": ["tok.MyTok", None]}
+    tokenizer_config["tokenizer_class"] = "MyTok"
+    (custom / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
+    (custom / "tok.py").write_text("class MyTok: pass\n")
+    bench = ["bench", "--model", str(converted), "-m", "2", "--trials", "1", "--draft-model"]
+    assert last_error(runner.invoke(app, [*bench, str(config_only)])) == (
+        f"Error: --draft-model {config_only}: mlx-lm cannot load {config_only}: No safetensors "
+        f"found in {config_only}"
+    )
+    assert last_error(runner.invoke(app, [*bench, str(custom)])).startswith(
+        f"Error: --draft-model {custom}: {custom} has no tokenizer files"
+    )
+    target, raw = checkpoint("qwen3_5"), checkpoint("deepseek_v3", dtype="float32")
+    result = runner.invoke(
+        app,
+        ["bench", "--model", str(target), "-m", "2", "--trials", "1", "--draft-model", str(raw)],
+    )
+    assert result.exit_code == 0, result.output
+    assert "draft model: mlx-lm cannot speculate on this model" in result.stdout
