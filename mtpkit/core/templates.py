@@ -4,10 +4,11 @@ transformers renders a tokenizer's chat template in Jinja's sandbox, which stops
 from reaching Python but not from looping for hours (two nested `range(100000)`) or building a
 3 GB string (`{{ 'A' * 3000000000 }}`). Every chat template mtpkit applies (generate, check,
 bench, train-head: `apply_chat_template` below) is first rendered here, with the same messages
-and special tokens, in a sandbox whose `*` and `**`, `range` and padding filters refuse results
-past MAX_CHARS, whose output stops at MAX_CHARS, and which ends after MAX_SECONDS; only then does
-transformers render it (under the same time limit) and tokenize the result. A template that
-raises (`raise_exception`) or breaks a bound is one `Error:` line naming the model's template.
+and special tokens, in a sandbox whose `*`, `**` and padding filters refuse results past
+MAX_CHARS (Jinja's sandbox already caps each `range` at 100,000), whose output stops at
+MAX_CHARS, and which ends after MAX_SECONDS; only then does transformers render it (the same
+work, now known to be bounded) and tokenize the result. A template that raises
+(`raise_exception`) or breaks a bound is one `Error:` line naming the model's template.
 """
 
 from __future__ import annotations
@@ -53,10 +54,11 @@ def apply_chat_template(tokenizer: Any, messages: list[dict[str, Any]], **kwargs
     template = _template_text(tokenizer)
     limit = _limit(messages)
     try:
-        with _time_limit(MAX_SECONDS):
-            if template is not None:
+        if template is not None:
+            # Only the render is timed: tokenizing a long prompt may take its time.
+            with _time_limit(MAX_SECONDS):
                 _trial_render(template, tokenizer, messages, limit, kwargs)
-            return list(tokenizer.apply_chat_template(messages, tokenize=True, **kwargs))
+        return list(tokenizer.apply_chat_template(messages, tokenize=True, **kwargs))
     except _Overrun as e:
         raise ChatTemplateError(
             f"the tokenizer's chat template {e}: it is not run further; {FIX}"
