@@ -152,3 +152,15 @@ def test_warnings_have_one_habit(converted, tmp_path):
     )
     assert result.exit_code == 0, result.output
     assert result.stderr.startswith("Warning: nothing is quantized without -q")
+
+
+def test_a_shard_name_from_the_index_is_escaped(checkpoint, tmp_path):
+    path = Path(shutil.copytree(checkpoint("qwen3_5"), tmp_path / "m"))
+    index_file = path / "model.safetensors.index.json"
+    index = json.loads(index_file.read_text())
+    name = sorted(index["weight_map"])[0]
+    index["weight_map"][name] = f"model{HOSTILE}.safetensors"
+    index_file.write_text(json.dumps(index))
+    result = runner.invoke(app, ["inspect", str(path)], env={"COLUMNS": "400"})
+    assert_printable(result.stdout + result.stderr)
+    assert f"model{ESCAPED}.safetensors" in result.stdout

@@ -105,20 +105,21 @@ def closed_pipe_exit_code() -> int:
     when it is the closed one) at /dev/null, so nothing more is written or complained about on
     exit, and gives the exit code Unix tools end with there, as the Python docs advise
     (https://docs.python.org/3/library/signal.html#note-on-sigpipe)."""
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            if stream is sys.stderr:
-                stream.flush()
-                continue
-        except (OSError, ValueError):
-            pass
-        try:
-            devnull = os.open(os.devnull, os.O_WRONLY)
-            os.dup2(devnull, stream.fileno())
-            os.close(devnull)
-        except (OSError, ValueError, AttributeError):  # no file descriptor (a test's stream)
-            pass
+    _to_devnull(sys.stdout)
+    try:
+        sys.stderr.flush()
+    except (OSError, ValueError):  # `2>&1 | head`: stderr went with it
+        _to_devnull(sys.stderr)
     return CLOSED_PIPE_EXIT
+
+
+def _to_devnull(stream: Any) -> None:
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, stream.fileno())
+        os.close(devnull)
+    except (OSError, ValueError, AttributeError):  # no file descriptor (a test's stream)
+        pass
 
 
 def log(message: str) -> None:
