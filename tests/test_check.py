@@ -514,3 +514,20 @@ def test_read_prompts(tmp_path):
     listed = tmp_path / "p.json"
     listed.write_text(json.dumps(["a", " ", "b"]))
     assert read_prompts(listed) == ["a", "b"]
+
+
+def test_check_of_a_dense_model_without_a_head_advises_train_head(tmp_path):
+    """Llama ships no head to convert: the fix is train-head, as generate says (issue 32, 9)."""
+    from typer.testing import CliRunner
+
+    from mtpkit.cli.app import app
+    from tests.checkpoints import build_dense_model
+
+    model = build_dense_model(tmp_path / "llama", "llama")
+    result = CliRunner().invoke(app, ["check", str(model), "--no-probe", "--json"])
+    [declared] = [c for c in json.loads(result.stdout)["checks"] if c["name"] == "head_declared"]
+    assert declared["detail"] == (
+        "the config declares no MTP layers (num_nextn_predict_layers) and there are no MTP "
+        f"tensors: not an MTP checkpoint; llama models ship none: train one with `mtpkit "
+        f"train-head {model} -o OUT`"
+    )

@@ -10,13 +10,16 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from mtpkit.checkpoint.headers import HeaderError, ShardHeader, TensorInfo, parse_header
-from mtpkit.checkpoint.source import Source, is_safe_relpath, open_source
+from mtpkit.checkpoint.source import Source, is_safe_relpath, no_config, open_source
 from mtpkit.checkpoint.validate import (
     config_problems,
     layer_count_problem,
     mtp_field_valid,
     present_layers,
+    quantization_problem,
+    tokenizer_problem,
 )
+from mtpkit.core.config import require_config_object
 from mtpkit.core.errors import NotACheckpoint
 from mtpkit.core.manifest import MANIFEST_PATH, SIDECAR_WEIGHTS, norm_convention
 from mtpkit.families import Family, family_for
@@ -38,6 +41,7 @@ PROBLEM_CODES = {
     "missing_model_type": "config.json has no top-level model_type (loaders need it)",
     "invalid_config": "a config.json value has the wrong type or is out of range",
     "mtp_layer_count_mismatch": "the declared MTP layer count differs from the layers present",
+    "tokenizer_exceeds_vocab": "the tokenizer has ids past the model's vocab_size",
 }
 # Problems that mean the head cannot be used as it is (`--require-mtp` exits 3 on these).
 HEAD_UNUSABLE = {"mtp_declared_not_present", "incomplete_experts", "incomplete_mtp"}
@@ -90,7 +94,13 @@ def read_checkpoint(spec: str, *, revision: str | None = None) -> Checkpoint:
     ckpt.peer_files = peer_files
     for p in config_problems(config, family.mtp_field()):
         ckpt.problem(p.code, p.message)
+    mismatch = tokenizer_problem(config, _local_tokenizer(source), source.describe())
+    if mismatch is not None:
+        ckpt.problem(mismatch.code, mismatch.message)
     copies = _read_headers(ckpt, shards + sidecars)
+    unquantized = quantization_problem(config, ckpt.tensors)
+    if unquantized is not None:
+        ckpt.problem(unquantized.code, unquantized.message)
     _follow_index(ckpt, copies, weight_map)
     _check_index(ckpt, weight_map)
     ckpt.format = MLX_VLM_DRAFTER if drafter else _format(ckpt)
@@ -106,16 +116,24 @@ def read_checkpoint(spec: str, *, revision: str | None = None) -> Checkpoint:
     return ckpt
 
 
+def _local_tokenizer(source: Source) -> Any:
+    """A local source's tokenizer.json (a Hub repo's is checked where generate downloads it,
+    rather than fetched here for a header-only inspect); None when absent or unreadable."""
+    if source.kind != "local" or not source.has("tokenizer.json"):
+        return None
+    try:
+        return source.read_json("tokenizer.json")
+    except NotACheckpoint:  # not JSON: the tokenizer's own loader names that
+        return None
+
+
 def _read_config(source: Source) -> dict[str, Any]:
     if not source.has("config.json"):
-        raise NotACheckpoint(
-            f"{source.describe()} has no config.json: not a model checkpoint "
-            "(pass the folder that holds config.json and the safetensors files)"
-        )
+        raise no_config(source)
     config = source.read_json("config.json")
     if not isinstance(config, dict):
         raise NotACheckpoint(f"config.json in {source.describe()} is not a JSON object")
-    return config
+    return require_config_object(config, source.describe())
 
 
 def _weight_files(
@@ -262,7 +280,7 @@ def _check_mtp(ckpt: Checkpoint) -> None:
         return  # a damaged or missing shard: its problem says so; the head is unknown
     names = [family.head_relative(t.name) or "" for t in mtp if family.duplicate_of(t.name) is None]
     present = family.config_mtp_layers(present_layers(names))
-    if (mismatch := layer_count_problem(family.mtp_field(), declared, present)):
+    if mismatch := layer_count_problem(family.mtp_field(), declared, present):
         ckpt.problem(mismatch.code, mismatch.message)
     if declared and not mtp:
         ckpt.problem(

@@ -115,24 +115,23 @@ def runtimes(ckpt: Checkpoint) -> list[dict[str, Any]]:
             "this",
             True,
             head,
-            "mtpkit generate --mtp" if head else "no usable head (see problems)",
+            "mtpkit generate --mtp" if head else _no_head(ckpt, codes),
         ),
     ]
     vlm_ok = head and family in PEER_FAMILIES and peer_file and bits is None
+    if family not in PEER_FAMILIES:
+        vlm_not = f"no MTP drafter for {family}"
+    elif not head:
+        vlm_not = "no usable MTP head"
+    else:
+        vlm_not = bits or f"no top-level file with {PEER_PREFIX}* keys (convert with mtpkit)"
     rows.append(
         _row(
             "mlx-vlm",
             "0.7.10",
             True,
             vlm_ok,
-            "--draft-model DIR --draft-kind mtp"
-            if vlm_ok
-            else bits
-            or (
-                f"no top-level file with {PEER_PREFIX}* keys (convert with mtpkit)"
-                if family in PEER_FAMILIES
-                else f"no MTP drafter for {family}"
-            ),
+            "--draft-model DIR --draft-kind mtp" if vlm_ok else vlm_not,
         )
     )
     mtplx_file = next((f for f in MTPLX_FILES if f in files), None)
@@ -165,12 +164,26 @@ def runtimes(ckpt: Checkpoint) -> list[dict[str, Any]]:
             else "no head file it reads (mtp.safetensors)",
         )
     )
-    rows.append(_vllm_mlx_row(ckpt, vlm_ok, inline))
+    splits = head and family in PEER_FAMILIES  # mlx_vlm.split_mtp makes its drafter
+    rows.append(_vllm_mlx_row(ckpt, vlm_ok, inline, None if splits else vlm_not))
     rows.append(_row("LM Studio (mlx-engine)", "-", True, False, "plain decoding through mlx-lm"))
     return rows
 
 
-def _vllm_mlx_row(ckpt: Checkpoint, vlm_ok: bool, inline: bool) -> dict[str, Any]:
+def _no_head(ckpt: Checkpoint, codes: set[str]) -> str:
+    if codes & HEAD_UNUSABLE:
+        return "no usable head (see problems)"
+    return "no MTP head: `mtpkit train-head` trains one"
+
+
+def _vllm_mlx_row(
+    ckpt: Checkpoint, vlm_ok: bool, inline: bool, why_not: str | None
+) -> dict[str, Any]:
+    """vllm-mlx drafts through mlx-vlm's drafters: the `mlx_vlm.split_mtp` recipe where a
+    head of a family mlx-vlm drafts for exists, else `why_not` (no Qwen3.5 recipe for a
+    Llama or a head-less directory)."""
+    if why_not is not None:
+        return _row("vllm-mlx", "0.6.0", not inline, False, OLD_MLX_LM if inline else why_not)
     manifest = ckpt.manifest if isinstance(ckpt.manifest, dict) else {}
     trusted = manifest.get("artifact_schema_version") == ARTIFACT_SCHEMA_VERSION
     note = (

@@ -7,8 +7,9 @@ import sys
 from typing import Any
 
 from rich.table import Table
+from rich.text import Text
 
-from mtpkit.core.console import stdout
+from mtpkit.core.console import printable, stdout
 
 STATUS_STYLE = {"pass": "green", "warn": "yellow", "fail": "bold red", "skip": "dim"}
 
@@ -31,7 +32,7 @@ def print_inspect(result: dict[str, Any], *, show_tensors: bool = True) -> None:
     mtp = result["mtp"]
     summary = Table(show_header=False, box=None, pad_edge=False)
     summary.add_column(style="bold")
-    summary.add_column()
+    summary.add_column(overflow="fold")
     where = result["source"] + (f"@{result['revision']}" if result["revision"] else "")
     summary.add_row(
         "source", where + (f" ({result['commit'][:12]})" if result.get("commit") else "")
@@ -61,7 +62,7 @@ def print_inspect(result: dict[str, Any], *, show_tensors: bool = True) -> None:
     if show_tensors and mtp["tensors"]:
         table = Table(title="MTP tensors", title_justify="left")
         for col in ("name", "shape", "dtype", "bytes", "shard"):
-            table.add_column(col, justify="right" if col == "bytes" else "left")
+            table.add_column(col, justify="right" if col == "bytes" else "left", overflow="fold")
         for t in mtp["tensors"]:
             name = t["name"] + (f"  (copy of {t['duplicate_of']})" if "duplicate_of" in t else "")
             table.add_row(
@@ -73,7 +74,7 @@ def print_inspect(result: dict[str, Any], *, show_tensors: bool = True) -> None:
     if result["problems"]:
         table = Table(title="Problems", title_justify="left")
         table.add_column("code", style="red")
-        table.add_column("message")
+        table.add_column("message", overflow="fold")
         for p in result["problems"]:
             table.add_row(p["code"], p["message"])
         stdout.print(table)
@@ -85,7 +86,7 @@ def print_runtimes(rows: list[dict[str, Any]]) -> None:
     """Which MLX runtimes run the directory, and with its head or plainly."""
     table = Table(title="Runs in", title_justify="left")
     for col in ("runtime", "version", "runs", "MTP", "how / why not"):
-        table.add_column(col)
+        table.add_column(col, overflow="fold")
     for r in rows:
         table.add_row(
             r["runtime"], r["version"], "yes" if r["runs"] else "no",
@@ -100,10 +101,9 @@ def print_check(result: dict[str, Any]) -> None:
     table = Table(title=f"mtpkit check {where}", title_justify="left")
     table.add_column("check")
     table.add_column("status")
-    table.add_column("detail")
+    table.add_column("detail", overflow="fold")
     for c in result["checks"]:
-        style = STATUS_STYLE[c["status"]]
-        table.add_row(c["name"], f"[{style}]{c['status']}[/{style}]", c["detail"])
+        table.add_row(c["name"], Text(c["status"], style=STATUS_STYLE[c["status"]]), c["detail"])
     stdout.print(table)
     line = f"verdict: {result['verdict']}"
     if result.get("acceptance") is not None:
@@ -119,8 +119,7 @@ def print_check(result: dict[str, Any]) -> None:
         line += " (no probes run)"
     if result.get("moe_dtype"):
         line += f"; experts ran in {result['moe_dtype']}"
-    style = STATUS_STYLE[result["verdict"]]
-    stdout.print(f"[{style}]{line}[/{style}]")
+    stdout.print(Text(printable(line), style=STATUS_STYLE[result["verdict"]]))
 
 
 def _pct(x: float) -> str:

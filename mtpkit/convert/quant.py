@@ -93,6 +93,10 @@ class ModuleTree:
 
 
 Predicate = Callable[[str, nn.Module], "bool | dict[str, Any]"]
+# MLX quantizes an nvfp4 layer of any width its group (16) divides, but its QuantizedLinear and
+# QuantizedEmbedding fail at the first call (`[reshape] Cannot reshape array of size 6 into
+# shape (1,4)`) unless the width is a multiple of 32 (MLX 0.32).
+NVFP4_WIDTH = 32
 
 
 def quant_decision(
@@ -113,9 +117,19 @@ def quant_decision(
     verdict: bool | dict[str, Any] = True if predicate is None else predicate(path, module)
     if verdict is False:
         return None, None
-    if isinstance(verdict, dict):
-        return QuantSpec.of_params(verdict, spec), dict(verdict)
-    return spec, None
+    chosen, recorded = (
+        (QuantSpec.of_params(verdict, spec), dict(verdict))
+        if isinstance(verdict, dict)
+        else (spec, None)
+    )
+    width = module.weight.shape[-1]
+    if chosen.mode == "nvfp4" and width % NVFP4_WIDTH:
+        raise MtpkitError(
+            f"--q-mode nvfp4 cannot quantize {path} (input width {width}): MLX runs nvfp4 "
+            f"layers only on widths that are multiples of {NVFP4_WIDTH}, so nothing could run "
+            "the result; use --q-mode mxfp4 or -q (affine), which leave such layers unquantized"
+        )
+    return chosen, recorded
 
 
 def mixed_predicate(recipe: str, model: nn.Module, group_size: int | None) -> Predicate:

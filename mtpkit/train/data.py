@@ -102,9 +102,9 @@ def encode_text(tokenizer: Any, text: str) -> list[int]:
 
 
 def encode_chat(tokenizer: Any, messages: list[dict[str, str]], *, generation: bool) -> list[int]:
-    return list(
-        tokenizer.apply_chat_template(messages, add_generation_prompt=generation, tokenize=True)
-    )
+    from mtpkit.core.templates import apply_chat_template
+
+    return apply_chat_template(tokenizer, messages, add_generation_prompt=generation)
 
 
 def end_token(tokenizer: Any) -> int:

@@ -22,6 +22,7 @@ head over held-out prompts, the loop `generate --mtp` runs (`mtpkit.speculative.
 
 from __future__ import annotations
 
+import math
 import resource
 import sys
 import time
@@ -33,6 +34,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 import mlx.optimizers as optim
+from mlx.utils import tree_flatten
 
 from mtpkit.core.choices import POST_NORM, require_depth
 from mtpkit.core.errors import MtpkitError
@@ -41,7 +43,7 @@ from mtpkit.families import family_for
 from mtpkit.families.head import MtpHead
 from mtpkit.runtime.model import MtpModel, load_model
 from mtpkit.speculative.decode import MtpDecoder, SamplingSettings
-from mtpkit.train.checkpoint import load_checkpoint, remove_checkpoint, save_checkpoint
+from mtpkit.train.checkpoint import finite, load_checkpoint, remove_checkpoint, save_checkpoint
 from mtpkit.train.data import ChunkStream, DataSpec, end_token, generate_pool, greedy_sequences
 from mtpkit.train.init_head import initial_head
 from mtpkit.train.output import head_dtype
@@ -74,10 +76,11 @@ class TrainSettings:
         if self.steps < 1 or self.batch_size < 1 or self.seq_len < 2 + self.depth:
             raise TrainError("--steps and --batch-size must be >= 1, --seq-len >= depth + 2")
         require_depth(self.depth)
-        if self.lr <= 0:
-            raise TrainError(f"--lr must be positive, not {self.lr}")
-        if self.weight_decay < 0 or self.grad_clip < 0:
-            raise TrainError("--weight-decay and --grad-clip must be >= 0")
+        if not math.isfinite(self.lr) or self.lr <= 0:
+            raise TrainError(f"--lr must be a positive finite number, not {self.lr}")
+        numbers = (self.weight_decay, self.grad_clip)
+        if not all(math.isfinite(x) and x >= 0 for x in numbers):
+            raise TrainError("--weight-decay and --grad-clip must be finite numbers >= 0")
 
     def record(self) -> dict[str, Any]:
         out = asdict(self)
@@ -347,13 +350,17 @@ def train_head(
     train_started = time.perf_counter()
     for step in range(first_step + 1, settings.steps + 1):
         loss = step_fn(stream.next_batch(settings.batch_size)).item()
+        saving = checkpoint_dir is not None and (
+            step % settings.checkpoint_every == 0 or step == settings.steps
+        )
+        if not math.isfinite(loss) or ((saving or step == settings.steps) and not _finite(head)):
+            raise diverged(step, loss, settings.lr)
         run.losses.append(loss)
         acc = None
         if step % settings.eval_every == 0 or step == settings.steps:
             acc = run.evaluate(step, loss)
-        if checkpoint_dir is not None and (
-            step % settings.checkpoint_every == 0 or step == settings.steps
-        ):
+        if saving:
+            assert checkpoint_dir is not None
             save_checkpoint(checkpoint_dir, head, opt, run.record(step, str(model)))
         if on_step is not None:
             on_step(step, loss, acc)
@@ -382,6 +389,20 @@ def train_head(
     )
 
 
+def _finite(head: MtpHead) -> bool:
+    return all(finite(v) for _, v in tree_flatten(head.parameters()))
+
+
+def diverged(step: int, loss: float, lr: float) -> TrainError:
+    """The run stops at the first step whose loss or head is not finite: such a head never
+    drafts right, and is never written or checkpointed."""
+    what = f"the loss is {loss}" if not math.isfinite(loss) else "the head holds NaN or Inf"
+    return TrainError(
+        f"training diverged at step {step} ({what}); nothing was written: train again with a "
+        f"lower --lr (this run: {lr:g})"
+    )
+
+
 def default_checkpoint_dir(output: Path | None, into: Path | None) -> Path:
     """OUT.train-state beside OUT, or DIR/.mtp-train-state inside DIR."""
     if into is not None:
@@ -404,13 +425,14 @@ def train_and_write(
     """What `mtpkit train-head` does: train, write the head (`mtpkit.train.output`), drop
     the checkpoints; returns the `--json` summary."""
     from mtpkit.core.console import log
-    from mtpkit.train.output import check_destination, write_trained_head
+    from mtpkit.train.output import check_destination, require_writable, write_trained_head
     from mtpkit.train.progress import TrainProgress
 
     check_destination(output, into, force, model)
     settings.check()
     checkpoints = checkpoint_dir or default_checkpoint_dir(output, into)
     created = not (checkpoints.exists() or checkpoints.is_symlink())
+    require_writable(checkpoints, f"--checkpoint-dir {checkpoints}")
     progress = TrainProgress(settings.steps, quiet=quiet, log=log)
     try:
         result = train_head(

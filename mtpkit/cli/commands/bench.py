@@ -24,6 +24,7 @@ from mtpkit.cli.options import (
     value,
 )
 from mtpkit.cli.ranks import DEFAULT_TIMEOUT, command_facts, on_ranks
+from mtpkit.cli.values import ranged
 
 DraftModelOpt = Annotated[
     str | None,
@@ -37,7 +38,10 @@ DraftModelOpt = Annotated[
 NumDraftTokensOpt = Annotated[
     int,
     typer.Option(
-        "--num-draft-tokens", min=1, metavar="N", help="With --draft-model: drafts per step."
+        "--num-draft-tokens",
+        **ranged(int, min=1),
+        metavar="N",
+        help="With --draft-model: drafts per step.",
     ),
 ]
 PromptTokensOpt = Annotated[
@@ -119,7 +123,7 @@ def bench_command(
     from mtpkit.bench.shapes import random_model_dir
     from mtpkit.bench.speed import DEFAULT_PROMPT, bench, print_bench
     from mtpkit.cli.output import print_json
-    from mtpkit.core.console import log
+    from mtpkit.core.console import log, warn
     from mtpkit.runtime.model import library_io
 
     def progress(line: str) -> None:
@@ -177,7 +181,7 @@ def bench_command(
         result.dtype = scales
     notes = result.reliability()
     if notes:
-        log(f"warning: these figures mean little: {'; '.join(notes)}")
+        warn(f"these figures mean little: {'; '.join(notes)}")
     if json_output:
         print_json(result.to_json())
         return

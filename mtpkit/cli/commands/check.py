@@ -15,6 +15,7 @@ from mtpkit.cli.options import (
     friendly_errors,
     one_source,
 )
+from mtpkit.cli.values import ranged
 
 
 @friendly_errors
@@ -37,9 +38,8 @@ def check_command(
         float,
         typer.Option(
             "--min-acceptance",
-            min=0.0,
+            **ranged(float, min=0.0, max=1.0),
             metavar="X",
-            max=1.0,
             help="Fail when greedy acceptance as shipped is below this.",
         ),
     ] = 0.2,
@@ -64,7 +64,11 @@ def check_command(
     max_tokens: Annotated[
         int,
         typer.Option(
-            "--max-tokens", "-m", min=1, metavar="N", help="Tokens generated per probe prompt."
+            "--max-tokens",
+            "-m",
+            **ranged(int, min=1),
+            metavar="N",
+            help="Tokens generated per probe prompt.",
         ),
     ] = 48,
 ) -> None:

@@ -137,6 +137,7 @@ def generate_command(
     verbose_output = verbose == "True" and not json_output
 
     from mtpkit.cli.output import FRAME, print_generate, print_json
+    from mtpkit.core.console import warn
     from mtpkit.speculative.generate import generate
 
     framed = []  # mlx-lm's opening frame, printed with the first text (not before an error)
@@ -147,9 +148,6 @@ def generate_command(
             framed.append(True)
         sys.stdout.write(segment)
         sys.stdout.flush()
-
-    def warn(message: str) -> None:
-        typer.echo(f"Warning: {message}", err=True)
 
     # Under mlx.launch: rank 0 prints, the others are silent; all must run the same command.
     facts = command_facts(ctx, per_rank=("model", "json_output", "verbose", "timeout"))
