@@ -15,12 +15,8 @@ from mtpkit.serve.settings import ServeSettings
 from mtpkit.speculative.accept import SamplingSettings
 from mtpkit.speculative.session import Engine, Request, check_prompt
 
-# mlx_lm.server's `convert_chat` prefixes, for a tokenizer without a chat template.
-
-
 class BadPrompt(MtpkitError):
     """The messages or prompt cannot be encoded."""
-
 
 
 def encode_messages(
