@@ -80,3 +80,18 @@ def model_remapping() -> dict[str, str]:
     from mlx_lm.utils import MODEL_REMAPPING
 
     return dict(MODEL_REMAPPING)
+
+
+def cache_keys_values(cache: Any) -> tuple[Any, Any]:
+    """The keys and values an mlx-lm KV cache holds, oldest first ([B, H, S, D] each).
+
+    `KVCache` keeps a buffer longer than its `offset`; a `RotatingKVCache` past its window
+    keeps its entries in ring order, and its `_temporal_order` (an mlx-lm internal) puts them
+    back in time order, which a reader of another model's cache (Gemma 4's assistant) needs
+    to tell the newest entries.
+    """
+    keys, values = cache.keys, cache.values
+    reorder = getattr(cache, "_temporal_order", None)
+    if callable(reorder):
+        return reorder(keys), reorder(values)
+    return keys[..., : cache.offset, :], values[..., : cache.offset, :]

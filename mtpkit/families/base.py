@@ -118,6 +118,9 @@ class Family(ConvertHooks):
     # Whether published checkpoints of the family carry an MTP head (dense decoders such as
     # Llama get theirs from `mtpkit train-head`).
     ships_head: ClassVar[bool] = True
+    # A standalone drafter (Gemma 4's assistant): every tensor of its checkpoint is the
+    # drafter's, and it runs beside a target model rather than inside one.
+    standalone: ClassVar[bool] = False
 
     # -- the rename table: raw root -> head name -------------------------------------------
     # Where mtpkit's sidecar keeps the head's tensors, before the head-relative name.
