@@ -669,3 +669,37 @@ def test_convert_from_hub(hub, sources, tmp_path):
     assert (out / "tokenizer.json").exists() and (out / "generation_config.json").exists()
     manifest = json.loads((out / "mtp" / "manifest.json").read_text())
     assert manifest["source"] == {"spec": "org/mimo", "revision": "v1", "commit": sha}
+
+
+# --------------------------------------------------------------------------- Gemma 4 targets
+
+
+@pytest.mark.parametrize(
+    ("text_only", "quant"),
+    [(False, {}), (False, {"bits": 4}), (True, {}), (False, {"quant_predicate": "mixed_3_6"})],
+)
+def test_gemma4_target_equals_stock_mlx_lm_convert(text_only, quant, tmp_path):
+    """A Gemma 4 target (per-layer inputs, KV-shared layers, a vision tower to drop) converts
+    to exactly what `mlx_lm.convert` writes."""
+    from tests.gemma4_checkpoints import build_target
+
+    src = build_target(tmp_path / "src", text_only=text_only, dtype="bfloat16")
+    out = convert(str(src), output=tmp_path / "out", quantize=bool(quant), **quant).output
+    stock_kwargs = {STOCK_NAMES.get(k, k): v for k, v in quant.items()}
+    if quant:
+        stock_kwargs["quantize"] = True
+    ref = _stock_convert(src, tmp_path / "ref", **stock_kwargs)
+    mine, theirs = _load(out), _load(ref)
+    a, b = _params(mine), _params(theirs)
+    assert a.keys() == b.keys()
+    for name in a:
+        assert a[name].dtype == b[name].dtype, name
+        assert mx.array_equal(a[name], b[name]).item(), name
+    assert mx.array_equal(mine(TOKENS), theirs(TOKENS)).item()
+    config = json.loads((out / "config.json").read_text())
+    ref_config = json.loads((ref / "config.json").read_text())
+    assert config.get("quantization") == ref_config.get("quantization")
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    ref_index = json.loads((ref / "model.safetensors.index.json").read_text())
+    assert index["weight_map"].keys() == ref_index["weight_map"].keys()
+    assert not any("vision_tower" in k or "k_proj" in k and ".layers.5." in k for k in a)

@@ -31,6 +31,8 @@ def head_layout(ckpt: Checkpoint) -> str:
     """How the head is stored, by whose convention."""
     if ckpt.format == MLX_VLM_DRAFTER:
         return "mlx-vlm drafter (the head alone, mlx-vlm's names)"
+    if ckpt.family.standalone:
+        return "standalone drafter (a model of its own, run beside its target)"
     mtp = ckpt.mtp_tensors
     if not mtp:
         return "none"
@@ -104,6 +106,8 @@ def runtimes(ckpt: Checkpoint) -> list[dict[str, Any]]:
     head = bool(ckpt.mtp_tensors) and not codes & HEAD_UNUSABLE
     if ckpt.format == MLX_VLM_DRAFTER:
         return _drafter_rows()
+    if ckpt.family.standalone:
+        return _assistant_rows(head)
     files = set(ckpt.source.files)
     inline = ckpt.format == "mlx" and any(t.shard in ckpt.shards for t in ckpt.mtp_tensors)
     bits = _head_bits_declared(ckpt)
@@ -115,7 +119,11 @@ def runtimes(ckpt: Checkpoint) -> list[dict[str, Any]]:
             "this",
             True,
             head,
-            "mtpkit generate --mtp" if head else "no usable head (see problems)",
+            "mtpkit generate --mtp"
+            if head
+            else "no head: it drafts with its assistant (--draft-model ASSISTANT)"
+            if ckpt.family.pairing()
+            else "no usable head (see problems)",
         ),
     ]
     vlm_ok = head and family in PEER_FAMILIES and peer_file and bits is None
@@ -131,6 +139,8 @@ def runtimes(ckpt: Checkpoint) -> list[dict[str, Any]]:
             or (
                 f"no top-level file with {PEER_PREFIX}* keys (convert with mtpkit)"
                 if family in PEER_FAMILIES
+                else "no head: its assistant drafts (--draft-model ASSISTANT --draft-kind mtp)"
+                if ckpt.family.pairing()
                 else f"no MTP drafter for {family}"
             ),
         )
@@ -197,4 +207,26 @@ def _drafter_rows() -> list[dict[str, Any]]:
             "--mllm --mllm-draft-model DIR --mllm-draft-kind mtp (with its model)",
         ),
         _row("mtpkit", "this", False, False, "a drafter alone, not a model: convert the model"),
+    ]
+
+
+def _assistant_rows(usable: bool) -> list[dict[str, Any]]:
+    """A Gemma 4 assistant: a drafter run beside its target, never alone."""
+    return [
+        _row("mlx-lm", "0.32", False, False, "refuses model_type gemma4_assistant"),
+        _row(
+            "mtpkit",
+            "this",
+            usable,
+            usable,
+            "--draft-model DIR beside its target" if usable else "not usable (see problems)",
+        ),
+        _row(
+            "mlx-vlm",
+            "0.7.10",
+            usable,
+            usable,
+            "--draft-model DIR --draft-kind mtp (with its target)",
+        ),
+        _row("LM Studio (mlx-engine)", "-", False, False, "model type not supported (#323)"),
     ]

@@ -134,7 +134,9 @@ class HubSource(Source):
         one bounded request at a time (snapshot_download's listing call has no timeout);
         returns the snapshot folder."""
         wanted = [
-            n for n in sorted(self.files) if patterns is None or any(fnmatch(n, p) for p in patterns)
+            n
+            for n in sorted(self.files)
+            if patterns is None or any(fnmatch(n, p) for p in patterns)
         ]
         if "config.json" in self.files and "config.json" not in wanted:
             wanted.insert(0, "config.json")

@@ -68,9 +68,7 @@ def find_recipe(spec: str | Path) -> Path:
         repo = _repo_of(candidate).lower()
         if wanted in (candidate.stem, repo, repo.rsplit("/", 1)[-1]):
             return candidate
-    raise MtpkitError(
-        f"no recipe {spec}: pass a .toml path or one of {', '.join(recipe_names())}"
-    )
+    raise MtpkitError(f"no recipe {spec}: pass a .toml path or one of {', '.join(recipe_names())}")
 
 
 def _repo_of(path: Path) -> str:

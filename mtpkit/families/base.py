@@ -307,6 +307,20 @@ class Family(ConvertHooks):
         head = self.build_head(layers, names, args=self.head_args(model))
         return rooted(head, self.head_prefix)
 
+    # -- pairing with a drafter of its own (inspect's `pairing`) ------------------------------
+    def pairing(self) -> dict[str, Any] | None:
+        """What pairs this model with a standalone drafter (Gemma 4 and its assistant), or
+        None for a family without one."""
+        return None
+
+    def build_model(self) -> Any:
+        """A standalone drafter's whole model (mlx-lm builds every other family's)."""
+        raise NotImplementedError(f"{self.name} is not a standalone drafter")
+
+    def checkpoint_problems(self, shapes: dict[str, tuple[int, ...]]) -> list[tuple[str, str]]:
+        """A standalone drafter's (code, message) problems, from its tensor shapes."""
+        return []
+
     # -- checks ----------------------------------------------------------------------------
     def missing_mtp_tensors(self, names: Iterable[str]) -> list[str]:
         """Required head tensors absent from `names` (one entry per missing tensor)."""

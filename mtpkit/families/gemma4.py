@@ -101,6 +101,16 @@ class Gemma4(Family):
     mlx_module = "gemma4_text"
     block_class = "DecoderLayer"
 
+    # No tensor of a Gemma 4 target is an MTP head's.
+    def is_mtp_tensor(self, name: str) -> bool:
+        return False
+
+    def mtp_layer_prefix(self, name: str) -> str | None:
+        return None
+
+    def head_relative(self, name: str) -> str | None:
+        return None
+
     @property
     def wrapped(self) -> bool:
         """Multimodal wrapper (`gemma4`, `gemma4_unified`): the text model under

@@ -133,6 +133,16 @@ class Gemma4AssistantModel(nn.Module):
             )
 
     @property
+    def quant_predicate(self) -> Any:
+        """What `convert -q` quantizes: every linear and the tied table, except the centroid
+        scorer (it picks which tokens get logits at all, and is tiny)."""
+
+        def predicate(path: str, module: nn.Module) -> bool:
+            return not path.startswith("masked_embedding.")
+
+        return predicate
+
+    @property
     def ordered(self) -> bool:
         return "masked_embedding" in self
 
@@ -216,6 +226,12 @@ class Gemma4Assistant(Family):
     @property
     def tie_word_embeddings(self) -> bool:
         return bool(self.config.get("tie_word_embeddings", True))
+
+    def split_tensor(self, name: str) -> list[tuple[str, Any]] | None:
+        # Published as int64; MLX indexes with int32, and the vocabulary fits it.
+        if name == TOKEN_ORDERING:
+            return [(name, lambda a: a.astype(mx.int32))]
+        return None
 
     @property
     def text(self) -> dict[str, Any]:
