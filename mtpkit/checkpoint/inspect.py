@@ -196,7 +196,8 @@ def _check_index(ckpt: Checkpoint, weight_map: dict[str, Any]) -> None:
     if ckpt.index is None:
         return
     declared = (ckpt.index.get("metadata") or {}).get("total_size")
-    shards = ckpt.shards
+    # A standalone drafter's shards are all its head's (`sidecars`); the index covers them.
+    shards = ckpt.shards or ckpt.sidecars
     if declared is None or not all(s in ckpt.headers for s in shards):
         return
     actual = sum(
