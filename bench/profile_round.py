@@ -75,11 +75,12 @@ def mtp_rounds(depth, pipelined):
         last = mx.array([prompt[-1]], dtype=mx.int32)
         for _i in range(N):
             tb = time.perf_counter()
-            drafts, _ = dec.drafter.draft(depth, dec.sampling)
+            proposal = dec.proposer.propose(depth, dec.sampling)
+            drafts = proposal.drafts
             v = m.verify(mx.concatenate([last, drafts]), dec.cache)
             packed, followers = verdict(v.logits[0], drafts, None, dec.sampling)
             mx.async_eval(packed)
-            out = dec.drafter.queue(depth, v.hidden, followers)
+            out = dec.proposer.after_verify(proposal, v.hidden, followers, launch=True)
             builds.append(time.perf_counter() - tb)
             last = followers[-1:]
             tw = time.perf_counter()
@@ -90,7 +91,7 @@ def mtp_rounds(depth, pipelined):
                 packed.tolist()
             waits.append(time.perf_counter() - tw)
             prev = packed
-            dec.drafter.ready = out[:, -1:]
+            dec.proposer.assume_kept(out)
         mx.eval(prev)
         return (time.perf_counter() - t0) / N, med(builds), med(waits)
 

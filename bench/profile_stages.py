@@ -82,7 +82,7 @@ def round_stages(depth):
         for _ in range(N):
 
             def draft():
-                box["d"], _ = dec.drafter.draft(depth, dec.sampling)
+                box["d"] = dec.proposer.propose(depth, dec.sampling).drafts
                 return [box["d"]]
 
             def verify():
@@ -96,10 +96,10 @@ def round_stages(depth):
                 return [box["p"], box["f"]]
 
             def queue():  # the drafter's queue step, unlaunched (few_query_attention: as it)
-                dec.drafter.drop_drafts(depth)
+                dec.proposer.drop_drafts(depth)
                 with few_query_attention():
                     box["o"] = dec.m.head(box["v"].hidden, m.embed(box["f"][None]),
-                                          dec.drafter.cache, step=0)  # fmt: skip
+                                          dec.proposer.cache, step=0)  # fmt: skip
                 return [box["o"]]
 
             for name, fn in (("draft", draft), ("verify", verify), ("verdict", judge), ("queue", queue)):
@@ -107,7 +107,7 @@ def round_stages(depth):
                 stages[name].append((b, e, c))
                 kinds[name] = k
             box["last"] = box["f"][-1:]
-            dec.drafter.ready = box["o"][:, -1:]
+            dec.proposer.assume_kept(box["o"])
     return stages, kinds
 
 

@@ -254,7 +254,12 @@ def test_adaptive_depth_follows_the_acceptance_of_each_depths_rounds() -> None:
     counts, so a depth that deeper rounds underrate is still tried (the bundled example's
     periodic text); neighbours are probed in turn every PROBE_EVERY rounds; a head that
     keeps nothing is paused."""
-    from mtpkit.speculative.adaptive import FIRST_ROUNDS, MIN_OBSERVED, PROBE_EVERY, AdaptiveDrafting
+    from mtpkit.speculative.adaptive import (
+        FIRST_ROUNDS,
+        MIN_OBSERVED,
+        PROBE_EVERY,
+        AdaptiveDrafting,
+    )
 
     a = AdaptiveDrafting(enabled=True, depth=3, choose_depth=True)
     a.priors = {1: 1.3, 2: 1.55, 3: 1.8}  # the GPU prior, whatever runs the test

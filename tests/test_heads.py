@@ -126,8 +126,8 @@ def test_a_discarded_unlaunched_round_leaves_nothing_to_compute(tmp_path: Path, 
     decoder.prefill()
     last = mx.array([PROMPT[-1]], dtype=mx.int32)
     r = decoder.build_round(last, len(PROMPT), False)
-    caches = decoder.cache + decoder._head_caches()
-    mx.eval(r.packed, r.head_out, [c.state for c in caches])
+    caches = decoder.cache + decoder.proposer.caches()
+    mx.eval(r.packed, r.state, [c.state for c in caches])
 
     def arrays() -> list[mx.array]:
         found = []
@@ -142,7 +142,7 @@ def test_a_discarded_unlaunched_round_leaves_nothing_to_compute(tmp_path: Path, 
         return out.getvalue().count("shape=rectangle")
 
     before = [np.array(a.astype(mx.float32)) for a in arrays()]
-    decoder.drafter.ready = r.head_out[:, -1:]
+    decoder.proposer.assume_kept(r.state)
     queued = decoder.build_round(r.followers[-1:], r.position + 3, True, launch=False)
     assert not queued.launched and sum(pending(a) for a in arrays()) > 0
     decoder.discard(queued)

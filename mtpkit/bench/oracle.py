@@ -20,22 +20,20 @@ measured so are synthetic: what a head of that acceptance would gain, not what a
 from __future__ import annotations
 
 import random
-from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import Any
 
 import mlx.core as mx
 
-if TYPE_CHECKING:
-    from mtpkit.speculative.decode import MtpDecoder, Round
-
+from mtpkit.speculative.accept import SamplingSettings, Verdict
+from mtpkit.speculative.proposers.base import Proposal, Proposer
 
 GOLDEN = (5**0.5 - 1) / 2  # the Weyl sequence's step: the most evenly spread
 
 
 class OracleDrafts:
-    """A `MtpDecoder.draft_filter` and verdict: right at a share `acceptance` at each depth.
-    The drafts follow the plan of the next round to be read (a round queued ahead may get its
-    predecessor's); what is kept is decided by the plan in `read_verdict` alone."""
+    """The plan: right at a share `acceptance` at each depth. As a draft filter
+    (`MtpDecoder.draft_filter`) it replaces drafts by position; `proposer` wraps a real
+    proposer so that the verdict is held to the plan too (`OracleProposer`)."""
 
     def __init__(
         self, reference: list[int], prompt_length: int, acceptance: float, vocab: int, seed: int = 0
@@ -56,19 +54,11 @@ class OracleDrafts:
             kept += 1
         return kept
 
-    def read_verdict(self, decoder: MtpDecoder) -> Callable[[Round], tuple[int, int, list[int]]]:
-        """A replacement for `decoder.read_round_verdict` (greedy): the planned count kept,
-        the backbone's own token after them."""
-
-        def read(r: Round) -> tuple[int, int, list[int]]:
-            values = r.packed.tolist()
-            k = r.depth
-            targets, drafts = values[: k + 1], values[k + 1 :]
-            kept = self.planned(self.rounds, k)
-            self.rounds += 1
-            return kept, targets[kept], drafts
-
-        return read
+    def judge(self, verdict: Verdict) -> Verdict:
+        """The next round read keeps the planned count and the backbone's token after it."""
+        held = verdict.holding(self.planned(self.rounds, len(verdict.drafts)))
+        self.rounds += 1
+        return held
 
     def right(self, round_index: int, depth: int) -> bool:
         offset = random.Random(f"{self.seed}:{depth}").random()
@@ -81,5 +71,71 @@ class OracleDrafts:
             i = start + j
             truth = self.reference[i] if i < len(self.reference) else 0
             drafts.append(truth if self.right(self.rounds, j) else (truth + 1) % self.vocab)
-        # The head's drafts stay in the graph (never negative): its cost is paid.
+        # The proposer's drafts stay in the graph (never negative): its cost is paid.
         return mx.where(head_drafts < 0, head_drafts, mx.array(drafts, dtype=mx.int32))
+
+    def proposer(self, inner: Proposer) -> OracleProposer:
+        return OracleProposer(inner, self)
+
+
+class OracleProposer:
+    """`inner` drafting as usual (its cost paid), its drafts replaced by the plan's and its
+    verdicts held to it. It keeps the position of the next round's first draft itself: the
+    confirmed tokens of plain steps and rounds, or a look-ahead round's premise."""
+
+    def __init__(self, inner: Proposer, plan: OracleDrafts) -> None:
+        self.inner, self.plan = inner, plan
+        self.name, self.looks_ahead = inner.name, inner.looks_ahead
+        self.drafts_locally = inner.drafts_locally
+        self.position = 0
+        self.premise: int | None = None  # a look-ahead round's position
+        self.prefilling = False
+
+    def caches(self) -> list[Any]:
+        return self.inner.caches()
+
+    def begin(self, prompt: list[int], cached: int) -> None:
+        self.position, self.premise, self.prefilling = len(prompt), None, True
+        self.inner.begin(prompt, cached)
+
+    def observe(self, hidden: mx.array, tokens: list[int]) -> None:
+        if not self.prefilling:
+            self.position += len(tokens)
+        self.inner.observe(hidden, tokens)
+
+    def end_prefill(self) -> None:
+        self.prefilling = False
+        self.inner.end_prefill()
+
+    def can_propose(self) -> bool:
+        return self.inner.can_propose()
+
+    def propose(self, depth: int, sampling: SamplingSettings) -> Proposal | None:
+        proposal = self.inner.propose(depth, sampling)
+        if proposal is None:
+            return None
+        position = self.position if self.premise is None else self.premise
+        return Proposal(self.plan(position, proposal.drafts), proposal.dists)
+
+    def after_verify(
+        self, proposal: Proposal, hidden: mx.array, followers: mx.array, launch: bool
+    ) -> tuple[Any, int]:
+        return self.inner.after_verify(proposal, hidden, followers, launch), proposal.depth
+
+    def assume_kept(self, state: tuple[Any, int]) -> None:
+        self.premise = self.position + state[1] + 1
+        self.inner.assume_kept(state[0])
+
+    def discard(self, state: tuple[Any, int], launched: bool) -> None:
+        self.inner.discard(state[0], launched)
+
+    def settle(self, state: tuple[Any, int], verdict: Verdict, premise_held: bool) -> None:
+        self.position += len(verdict.confirmed)
+        self.premise = None
+        self.inner.settle(state[0], verdict, premise_held)
+
+    def judged(self, verdict: Verdict) -> Verdict:
+        return self.plan.judge(self.inner.judged(verdict))
+
+    def cost_prior(self, depth: int) -> float | None:
+        return self.inner.cost_prior(depth)

@@ -53,6 +53,7 @@ from mtpkit.runtime.upcast import upcast_experts
 from mtpkit.speculative.adaptive import AUTO_MAX_DEPTH
 from mtpkit.speculative.decode import DraftFilter, MtpDecoder, SamplingSettings
 from mtpkit.speculative.generate import check_prompt
+from mtpkit.speculative.proposers import Proposer, default_proposer
 
 if TYPE_CHECKING:
     from mtpkit.bench.draft import DraftModelBench
@@ -177,16 +178,19 @@ def _mtp_run(
     adaptive: bool = False,
     draft_filter: DraftFilter | None = None,
     pipeline: bool | str | None = None,
+    proposer: Proposer | None = None,
 ) -> tuple[float, float, MtpDecoder]:
     """Decode tok/s over rounds 2..end (the first round's tokens arrive with the prompt's
     cost, as the first token does in mlx-lm's figure), seconds per step (round or plain) over
-    the same span, and the decoder with its stats. `pipeline` as `MtpDecoder` takes it."""
+    the same span, and the decoder with its stats. `pipeline` as `MtpDecoder` takes it;
+    `proposer` drafts (default: the model's head)."""
+    proposer = proposer or default_proposer(m)
+    if isinstance(draft_filter, OracleDrafts):  # drafts and verdicts held to its plan
+        proposer, draft_filter = draft_filter.proposer(proposer), None
     decoder = MtpDecoder(
         m, prompt, depth=depth, sampling=SamplingSettings(), adaptive=adaptive,
-        draft_filter=draft_filter, pipeline=pipeline, choose_depth=adaptive,
+        draft_filter=draft_filter, pipeline=pipeline, choose_depth=adaptive, proposer=proposer,
     )  # fmt: skip
-    if isinstance(draft_filter, OracleDrafts):
-        decoder.read_round_verdict = draft_filter.read_verdict(decoder)
     n = first_round = 0
     t0 = None
     for _ in decoder.tokens(max_tokens):

@@ -269,6 +269,43 @@ DepthOpt = Annotated[
         "chosen each round by adaptive drafting (1-3), or 1 with --no-adaptive.",
     ),
 ]
+DrafterModelOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--draft-model",
+        metavar="DIR",
+        help="Draft with this separate model (a local MLX directory or a Hub repo of the same "
+        "tokenizer) instead of the MTP head; hybrid targets and draft models included.",
+    ),
+]
+PromptLookupOpt = Annotated[
+    bool,
+    typer.Option(
+        "--prompt-lookup",
+        help="Draft by prompt lookup instead of the MTP head: the tokens that followed the "
+        "latest earlier occurrence of the last n tokens (any model; no extra weights).",
+    ),
+]
+PromptLookupMinOpt = Annotated[
+    int,
+    typer.Option(
+        "--prompt-lookup-min",
+        min=1,
+        max=64,
+        metavar="N",
+        help="Shortest n-gram prompt lookup matches.",
+    ),
+]
+PromptLookupMaxOpt = Annotated[
+    int,
+    typer.Option(
+        "--prompt-lookup-max",
+        min=1,
+        max=64,
+        metavar="N",
+        help="Longest n-gram prompt lookup matches.",
+    ),
+]
 MaxTokensOpt = Annotated[
     int, typer.Option("--max-tokens", "-m", min=1, metavar="N", help="Tokens to generate.")
 ]
@@ -454,9 +491,7 @@ BenchMaxTokensOpt = Annotated[
 ]
 BenchDepthOpt = Annotated[
     int,
-    typer.Option(
-        "--depth", min=MIN_DEPTH, max=MAX_DEPTH, metavar="K", help="Measure depths 1..K."
-    ),
+    typer.Option("--depth", min=MIN_DEPTH, max=MAX_DEPTH, metavar="K", help="Measure depths 1..K."),
 ]
 TrialsOpt = Annotated[
     int,

@@ -168,6 +168,9 @@ def print_convert(result: Any) -> None:
 FRAME = "=" * 10
 
 
+DRAFTER_NAMES = {"draft-model": "draft model", "prompt-lookup": "prompt lookup"}
+
+
 def print_generate(result: Any) -> None:
     """After the streamed text, mlx_lm.generate's closing frame and its `Prompt:`,
     `Generation:` and `Peak memory:` lines (same wording and precision), then mtpkit's `MTP:`
@@ -181,7 +184,7 @@ def print_generate(result: Any) -> None:
     # is no decode rate to report.
     tps = "n/a" if result.decode_tps is None else f"{result.decode_tps:.3f}"
     print(f"Prompt: {result.prompt_tokens} tokens, {result.prompt_tps:.3f} tokens-per-sec")
-    print(f"Generation: {len(result.tokens)} tokens, {tps} tokens-per-sec")
+    print(f"Generation: {result.generation_tokens} tokens, {tps} tokens-per-sec")
     print(f"Peak memory: {result.peak_memory_gb:.3f} GB")
     if result.mtp:
         acc = "n/a" if result.acceptance is None else f"{result.acceptance:.1%}"
@@ -190,6 +193,8 @@ def print_generate(result: Any) -> None:
             rounds = "/".join(str(n) for n in result.rounds_by_depth)
             depth = f"depth 1-{result.depth} (rounds at each: {rounds})"
         line = f"MTP: {depth}, acceptance {acc} ({result.accepted}/{result.drafted})"
+        if result.drafter != "mtp":  # another proposer drafted, not the head
+            line = f"Drafter: {DRAFTER_NAMES[result.drafter]}, {line.removeprefix('MTP: ')}"
     else:
         line = "MTP: off (plain decoding)"
     if result.moe_dtype:

@@ -1,17 +1,17 @@
 """Which drafts a verify pass accepts, decided on the device: greedy matching and exact
 rejection sampling, packed into one small array so that a round reads the host once.
 
-The head is the proposer: it drafts K tokens; the backbone (the target) verifies them in one
+A proposer (`mtpkit.speculative.proposers`) drafts K tokens; the target verifies them in one
 pass. The accepted drafts are followed by one token of the backbone's own: the bonus token
 when every draft is accepted, else the recovered token that replaces the first rejected one
 (greedy: the backbone's argmax there; sampling: a draw from the residual distribution).
 
-`verdict` returns, lazily:
-- `packed` int32: what `read_verdict` turns into the number of accepted drafts, the bonus or
-  recovered token after them, and the drafts (greedy: the backbone's argmaxes and the
+`verdict` returns, lazily (this module is the only one that packs or reads the layout):
+- `packed` int32: what `read_verdict` turns into a `Verdict` (the number of accepted drafts,
+  the bonus or recovered token after them, and the drafts) (greedy: the backbone's argmaxes and the
   drafts; sampling: the count, the token, the drafts);
 - `followers` int32 [K+1]: the confirmed token after each verify input (valid up to the
-  number kept), which the head pairs with the backbone's hidden states next round.
+  number kept), which the head pairs with the target's hidden states next round.
 """
 
 from __future__ import annotations
@@ -76,7 +76,7 @@ def sampled_verdict(
     """Exact speculative sampling (Leviathan et al., 2023), all positions at once.
 
     `target` [K+1, V] are the backbone's distributions after each verify input, `draft`
-    [K, V] the head's distributions each draft was drawn from. Draft j is kept with
+    [K, V] the proposer's distributions each draft was drawn from. Draft j is kept with
     probability min(1, p_j(d)/q_j(d)); on the first rejection the recovered token is drawn
     from normalize(max(p_j - q_j, 0)); when all are accepted, the bonus token from p_K. Each position gets its own
     uniform and its own residual draw; only those up to the first rejection are used, so the
@@ -112,23 +112,61 @@ def verdict(
     return sampled_verdict(sampling.probs(logits), dists, drafts)
 
 
-def read_verdict(packed: mx.array, greedy: bool) -> tuple[int, int, list[int]]:
-    """The round's one host read: accepted drafts, the bonus or recovered token after them,
-    the drafts."""
+@dataclass(frozen=True)
+class Verdict:
+    """A round's verdict on the host: `accepted` drafts kept, then `token` (the bonus or
+    recovered token); `drafts` as verified; greedy: `targets`, the target's argmax after
+    each verify input [K+1]."""
+
+    accepted: int
+    token: int
+    drafts: list[int]
+    targets: list[int] | None = None
+
+    @property
+    def confirmed(self) -> list[int]:
+        return self.drafts[: self.accepted] + [self.token]
+
+    def holding(self, accepted: int) -> Verdict:
+        """The greedy verdict that keeps `accepted` drafts, the target's token after them
+        (bench's oracle holds a random-weight model to its plan)."""
+        assert self.targets is not None, "a greedy verdict"
+        return Verdict(accepted, self.targets[accepted], self.drafts, self.targets)
+
+
+def read_verdict(packed: mx.array, greedy: bool) -> Verdict:
+    """The round's one host read of `packed` (the only reader of its layout)."""
     values = packed.tolist()
     if not greedy:
         kept, token, *drafts = values
-        return kept, token, drafts
+        return Verdict(kept, token, drafts)
     k = (len(values) - 1) // 2
     targets, drafts = values[: k + 1], values[k + 1 :]
     kept = 0
     while kept < k and drafts[kept] == targets[kept]:
         kept += 1
-    return kept, targets[kept], drafts
+    return Verdict(kept, targets[kept], drafts, targets)
+
+
+def placeholder_verdict(depth: int, greedy: bool, logits: mx.array) -> mx.array:
+    """The shape `verdict` packs, computed after `logits` (a rank that reads rank 0's
+    verdict, `mtpkit.runtime.ranks`)."""
+    size = 2 * depth + 1 if greedy else depth + 2
+    return mx.depends(mx.zeros((size,), dtype=mx.int32), [logits])
+
+
+def followers_of(packed: mx.array, depth: int, greedy: bool) -> mx.array:
+    """The confirmed token after each verify input [K+1], from a packed verdict: what every
+    rank computes from rank 0's shared verdict."""
+    if greedy:  # [the K+1 argmaxes, the drafts]
+        return packed[: depth + 1]
+    kept, token, drafts = packed[0], packed[1], packed[2:]
+    positions = mx.arange(depth + 1)
+    return mx.where(positions < kept, mx.concatenate([drafts, token[None]]), token)
 
 
 def rejection_sample(target: mx.array, draft: mx.array, drafts: list[int]) -> tuple[int, int]:
     """`sampled_verdict` for drafts given as a list: how many to keep, and the next token."""
     packed, _ = sampled_verdict(target, draft, mx.array(drafts, dtype=mx.int32))
-    kept, token, _ = read_verdict(packed, greedy=False)
-    return kept, token
+    v = read_verdict(packed, greedy=False)
+    return v.accepted, v.token

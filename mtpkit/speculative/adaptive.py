@@ -83,7 +83,7 @@ class AdaptiveDrafting:
     """Whether the next step drafts, and at which depth (see the module's text). `depth`: the
     depth of every round, or with `choose_depth` the deepest; `timed`: refine the round cost
     by the wall clock (greedy runs only); `cost`: the prior in plain steps at `depth`
-    (default: the backend's, `prior_cost`)."""
+    (default: the backend's, `prior_cost`); `priors`: a proposer's own per depth."""
 
     def __init__(
         self,
@@ -93,6 +93,7 @@ class AdaptiveDrafting:
         timed: bool = False,
         cost: float | None = None,
         choose_depth: bool = False,
+        priors: dict[int, float | None] | None = None,
     ) -> None:
         self.enabled = enabled
         self.max_depth = depth
@@ -100,6 +101,8 @@ class AdaptiveDrafting:
         self.depth = 1 if self.choose else depth  # of the next round
         self.timed = timed
         self.priors = {k: prior_cost(k) for k in range(1, depth + 1)}
+        # A proposer's own costs (a draft model's steps), where it knows them.
+        self.priors.update({k: v for k, v in (priors or {}).items() if v is not None})
         if cost is not None:
             self.priors[depth] = cost
         self.yields: list[int] = []  # tokens per round since drafting (re)started
@@ -127,7 +130,9 @@ class AdaptiveDrafting:
         if not self.choose or self.since_probe < PROBE_EVERY:
             return self.depth
         turn = (1, -1) if self.probe_deeper else (-1, 1)
-        neighbours = [self.depth + step for step in turn if 1 <= self.depth + step <= self.max_depth]
+        neighbours = [
+            self.depth + step for step in turn if 1 <= self.depth + step <= self.max_depth
+        ]
         return neighbours[0] if neighbours else self.depth
 
     def plain_ahead(self) -> int:

@@ -1,8 +1,9 @@
-"""Lossless speculative decoding with a checkpoint's own MTP head: the draft/verify/accept round.
+"""Lossless speculative decoding: the draft/verify/accept round, with any proposer.
 
-Each round the head drafts K tokens (chaining itself K times), the backbone verifies
-`[last confirmed token, draft_1..draft_K]` in one forward pass, and the longest prefix the
-backbone agrees with is kept, plus the backbone's own next token. Greedy decoding keeps a
+Each round a proposer (`mtpkit.speculative.proposers`: by default the checkpoint's own MTP
+head, chaining itself K times; or a draft model, Gemma 4's assistant, prompt lookup) drafts K
+tokens, the backbone verifies `[last confirmed token, draft_1..draft_K]` in one forward pass,
+and the longest prefix the backbone agrees with is kept, plus the backbone's own next token. Greedy decoding keeps a
 draft iff it equals the backbone's argmax, so the output is the backbone's greedy output;
 at a temperature, exact rejection sampling keeps the output distribution the backbone's.
 After a partial acceptance the caches roll back to the kept prefix (`VerifyPass`).
@@ -41,15 +42,21 @@ from mtpkit.core.choices import MAX_DEPTH
 from mtpkit.runtime.model import MtpModel, NoMtpHead
 from mtpkit.runtime.rollback.discard import PassUndo, can_discard
 from mtpkit.runtime.rollback.verify_pass import VerifyPass
-from mtpkit.speculative.accept import SamplingSettings, read_verdict, rejection_sample, verdict
+from mtpkit.speculative.accept import (
+    SamplingSettings,
+    Verdict,
+    followers_of,
+    placeholder_verdict,
+    read_verdict,
+    rejection_sample,
+    verdict,
+)
 from mtpkit.speculative.adaptive import AdaptiveDrafting
-from mtpkit.speculative.drafter import HeadDrafter
-from mtpkit.speculative.follower import FollowerDrafter, followers_of, placeholder_verdict
+from mtpkit.speculative.proposers import Proposal, Proposer, default_proposer
 
 # SamplingSettings and rejection_sample live in mtpkit.speculative.accept; importable from here too.
 __all__ = ["AdaptiveDrafting", "MtpDecoder", "SamplingSettings", "Stats", "rejection_sample"]
 
-CATCH_UP_AFTER = 256  # plain steps after which the head catches up while drafting is off
 # Pipeline rounds while at least this share of rounds keeps every draft (exponentially
 # smoothed over ~10 rounds). Measured on an H100 (qwen3_5-0.8b, depth 1, README
 # "Performance"): a pipelined round that is kept costs ~0.87 of a serial one, a discarded
@@ -74,14 +81,16 @@ FULL_SHARE_START = 0.9
 # verdict is read, or built only and launched once the verdict keeps every draft.
 LAUNCH_AHEAD, BUILD_AHEAD = "launch", "build"
 
-# A draft filter: (position of the round's first draft in prompt + output, the head's
-# drafts [K]) -> the drafts to verify [K] (bench's oracle drafts, tests' injected ones).
+# A draft filter: (position of the round's first draft in prompt + output, the proposer's
+# drafts [K]) -> the drafts to verify [K] (tests' injected drafts).
 DraftFilter = Callable[[int, mx.array], mx.array]
 
 
 @dataclass
 class Stats:
     prompt_tokens: int = 0
+    proposer: str = "mtp"  # which proposer drafted (`Proposer.name`)
+    cached_tokens: int = 0  # prompt tokens a reused cache held (not prefilled)
     depth: int = 1  # the deepest a round drafts at
     depth_chosen: bool = False  # adaptive drafting chose each round's
     generated: list[int] = field(default_factory=list)
@@ -147,27 +156,35 @@ class Round:
     """One drafting round in flight: queued on the device, its verdict not read yet."""
 
     position: int  # prompt + output tokens before its first draft
-    depth: int  # drafts it verifies
+    proposal: Proposal
     verified: VerifyPass
     packed: mx.array  # the verdict, read once
     followers: mx.array  # the confirmed token after each verify input
-    head_out: mx.array  # the head's step over the verified pairs
+    state: Any  # the proposer's work over the verified pairs (`Proposer.after_verify`)
     undo: PassUndo | None = None  # set when queued on the previous round's premise
     launched: bool = True  # False: built ahead, not on the device yet
 
+    @property
+    def depth(self) -> int:
+        """Drafts it verifies."""
+        return self.proposal.depth
+
     def launch(self) -> None:
-        """Start the round's kernels (its verdict and the head's step) on the device."""
-        mx.async_eval(self.packed, self.head_out)
+        """Start the round's kernels (its verdict and the proposer's step) on the device."""
+        mx.async_eval(self.packed, *([self.state] if isinstance(self.state, mx.array) else []))
         self.launched = True
 
 
 class MtpDecoder:
     """One generation: prefill, then drafting rounds (draft, verify, accept, roll back) and
-    plain steps until done. `pipeline`: None decides on a GPU by the share of fully kept
-    rounds (launch or build the next round ahead, see the module's text), True always
-    launches ahead, BUILD_AHEAD always builds ahead, False never looks ahead (tests force
-    each); `draft_filter` replaces the head's drafts (bench, tests). `choose_depth`: adaptive
-    drafting picks each round's depth up to `depth` (`speculative/adaptive.py`)."""
+    plain steps until done. `proposer` drafts (default: the model's own MTP head,
+    `proposers.default_proposer`); `cache` is the target's (default: a fresh one), of which
+    the first `cached` prompt tokens are already in it and seen by the proposer (a session's
+    prompt cache). `pipeline`: None decides on a GPU by the share of fully kept rounds
+    (launch or build the next round ahead, see the module's text), True always launches
+    ahead, BUILD_AHEAD always builds ahead, False never looks ahead (tests force each);
+    `draft_filter` replaces the proposer's drafts (tests). `choose_depth`: adaptive drafting
+    picks each round's depth up to `depth` (`speculative/adaptive.py`)."""
 
     def __init__(
         self,
@@ -182,83 +199,112 @@ class MtpDecoder:
         draft_filter: DraftFilter | None = None,
         max_kv_size: int | None = None,
         choose_depth: bool = False,
+        proposer: Proposer | None = None,
+        cache: list[Any] | None = None,
+        cached: int = 0,
     ) -> None:
-        if not m.has_head and use_mtp:
-            raise NoMtpHead(f"{m.path} has no MTP head")
-        self.use_mtp = use_mtp
+        if proposer is None and use_mtp:
+            if not m.has_head:
+                raise NoMtpHead(f"{m.path} has no MTP head")
+            proposer = default_proposer(m)
+        self.use_mtp = use_mtp and proposer is not None
+        self.proposer = proposer
         # Across ranks (`mtpkit.runtime.ranks`) every rank must take the same step: adaptive
         # drafting may decide from each machine's own clock, so there every round drafts.
         self.lockstep = m.lockstep
-        adaptive = adaptive and use_mtp and self.lockstep.size == 1
+        adaptive = adaptive and self.use_mtp and self.lockstep.size == 1
         if choose_depth and not adaptive:
             depth, choose_depth = 1, False
         self.m, self.prompt, self.depth, self.sampling = m, prompt, depth, sampling
+        priors = {k: proposer.cost_prior(k) for k in range(1, depth + 1)} if proposer else {}
         self.adaptive = AdaptiveDrafting(
-            adaptive, depth, timed=sampling.greedy, choose_depth=choose_depth
+            adaptive, depth, timed=sampling.greedy, choose_depth=choose_depth, priors=priors
         )
         self.round_depth = depth  # of the last drafting round
-        self.cache = m.make_cache(max_kv_size)
-        self.drafter: HeadDrafter | FollowerDrafter | None = None
-        if m.head is not None:
-            self.drafter = HeadDrafter(m)
-        elif m.head_elsewhere:
-            self.drafter = FollowerDrafter()
+        self.cache = cache if cache is not None else m.make_cache(max_kv_size)
+        if not 0 <= cached < len(prompt):
+            raise ValueError(f"cached must be in [0, {len(prompt)}), not {cached}")
+        self.cached = cached
+        if proposer is not None:
+            proposer.begin(prompt, cached)
         # The last confirmed token: the backbone has not consumed it yet.
         self.last_token = prompt[-1]
         self._ahead: tuple[mx.array, mx.array] | None = None
         self._queued: Round | None = None  # the next round, queued on speculation
         self.n_confirmed = 0  # tokens confirmed after the prompt
-        self.stats = Stats(prompt_tokens=len(prompt), depth=depth, depth_chosen=choose_depth)
+        self.confirmed: list[int] = []  # they, an EOS and tokens past max_tokens included
+        self.stats = Stats(
+            prompt_tokens=len(prompt), depth=depth, depth_chosen=choose_depth,
+            proposer=proposer.name if proposer is not None else "none", cached_tokens=cached,
+        )  # fmt: skip
         self.sampler = sampling.sampler()
         if pipeline is None and mx.default_device() != mx.gpu:
             pipeline = False  # a CPU computes a discarded round on the cores it decodes on
+        if proposer is None or not proposer.looks_ahead:
+            pipeline = False
         # Every rank pipelines rounds alike: rank 0's choice, if every rank's caches can
         # take a queued round back (pipeline stages hold different cache kinds).
         discardable = self.lockstep.all_true(can_discard(self.cache))
         self.pipeline = self.lockstep.share_choice(pipeline) if discardable else False
         self.full_share = FULL_SHARE_START  # smoothed share of rounds that kept every draft
         self.draft_filter = draft_filter
+        self.after_prefill: Callable[[], None] | None = None  # a session keeps the state
+
+    @property
+    def drafting(self) -> bool:
+        """Whether a proposer drafts (not plain decoding)."""
+        return self.use_mtp
 
     def prefill(self, step_size: int = 2048) -> None:
-        """All but the last prompt token, in chunks, as mlx-lm's `generate_step` does; the
-        last one is the first input of the decoding loop."""
+        """All but the last prompt token (after the `cached` ones), in chunks, as mlx-lm's
+        `generate_step` does; the last one is the first input of the decoding loop."""
         from mlx_lm.generate import generation_stream
 
         start = time.perf_counter()
         prompt = self.prompt
         with mx.stream(generation_stream):
-            for i in range(0, len(prompt) - 1, step_size):
+            for i in range(self.cached, len(prompt) - 1, step_size):
                 chunk = prompt[i : min(i + step_size, len(prompt) - 1)]
                 _, hidden = self.m.forward(mx.array(chunk)[None], self.cache)
                 mx.eval([c.state for c in self.cache], hidden)
-                if self.drafter is not None:
-                    self.drafter.add(hidden, prompt[i + 1 : i + 1 + len(chunk)])
+                if self.proposer is not None:
+                    self.proposer.observe(hidden, prompt[i + 1 : i + 1 + len(chunk)])
                 mx.clear_cache()
                 self.lockstep.tick()
-            if self.drafter is not None and len(self.drafter.pending_tokens) > 1:
-                self.drafter.catch_up()  # the head's KV cache over the prompt
+            if self.proposer is not None:
+                self.proposer.end_prefill()
         self.stats.prompt_time = time.perf_counter() - start
 
     # -- the round: build and queue, read the verdict once, roll back --------------------
     def build_round(
-        self, last: mx.array, position: int, speculative: bool, launch: bool = True
+        self,
+        last: mx.array,
+        position: int,
+        speculative: bool,
+        launch: bool = True,
+        proposal: Proposal | None = None,
     ) -> Round:
-        """Draft, verify `[last, drafts]`, judge and start the head's step, all queued on the
-        device (`launch` False: built only, `Round.launch` starts it); nothing is read.
-        `speculative`: the previous round's verdict is unread, so keep what takes this pass
-        back. Its depth: adaptive drafting's choice (else `depth`)."""
-        depth = self.adaptive.next_depth()
+        """Draft (unless `proposal` is given), verify `[last, drafts]`, judge and start the
+        proposer's step, all queued on the device (`launch` False: built only,
+        `Round.launch` starts it); nothing is read. `speculative`: the previous round's
+        verdict is unread, so keep what takes this pass back. Its depth: adaptive drafting's
+        choice (else `depth`)."""
+        proposer = self.proposer
         undo = None
-        if speculative:  # unlaunched: the head's cache is put back whole too (`discard`)
-            caches = self.cache + (self._head_caches() if not launch else [])
-            undo = PassUndo.before(caches, depth + 1, unlaunched=not launch)
-        drafts, dists = self.drafter.draft(depth, self.sampling)
-        if self.draft_filter is not None and self.m.head is not None:
+        if proposal is None:
+            depth = self.adaptive.next_depth()
+            if speculative:  # unlaunched: the proposer's caches are put back whole too
+                caches = self.cache + (proposer.caches() if not launch else [])
+                undo = PassUndo.before(caches, depth + 1, unlaunched=not launch)
+            proposal = proposer.propose(depth, self.sampling)
+        depth = proposal.depth
+        drafts = proposal.drafts
+        if self.draft_filter is not None and proposer.drafts_locally:
             drafts = self.draft_filter(position, drafts)
         drafts = self.lockstep.share(drafts)  # rank 0's drafts on every rank
         verified = self.m.verify(mx.concatenate([last, drafts]), self.cache)
-        if self.m.head is not None:
-            packed, followers = verdict(verified.logits[0], drafts, dists, self.sampling)
+        if proposer.drafts_locally:
+            packed, followers = verdict(verified.logits[0], drafts, proposal.dists, self.sampling)
         else:  # a rank without the head reads rank 0's verdict
             packed = placeholder_verdict(depth, self.sampling.greedy, verified.logits)
         if self.lockstep.size > 1:  # rank 0's verdict, and the followers it implies
@@ -266,24 +312,21 @@ class MtpDecoder:
             followers = followers_of(packed, depth, self.sampling.greedy)
         if launch:
             mx.async_eval(packed)
-        head_out = self.drafter.queue(depth, verified.hidden, followers, launch=launch)
-        return Round(position, depth, verified, packed, followers, head_out, undo, launch)
+        state = proposer.after_verify(proposal, verified.hidden, followers, launch)
+        return Round(position, proposal, verified, packed, followers, state, undo, launch)
 
-    def read_round_verdict(self, r: Round) -> tuple[int, int, list[int]]:
+    def read_round_verdict(self, r: Round) -> Verdict:
         """The round's one host read: drafts kept, the backbone's token after them, the
-        drafts. Everything after it depends only on these three values."""
-        return read_verdict(r.packed, self.sampling.greedy)
-
-    def _head_caches(self) -> list[Any]:
-        return list(getattr(self.drafter, "cache", []))
+        drafts. Everything after it depends only on this verdict."""
+        return self.proposer.judged(read_verdict(r.packed, self.sampling.greedy))
 
     def discard(self, r: Round) -> None:
         """Take back a round queued on a premise that proved false."""
         if r.launched:
             r.undo.undo(self.cache)
-            self.drafter.drop_step0(r.head_out.shape[1])
         else:  # nothing of it was computed, and nothing of it will be
-            r.undo.undo(self.cache + self._head_caches())
+            r.undo.undo(self.cache + self.proposer.caches())
+        self.proposer.discard(r.state, r.launched)
         self.stats.discarded += 1
 
     def _look_ahead(self, may_look_ahead: bool) -> str | None:
@@ -297,43 +340,46 @@ class MtpDecoder:
             return BUILD_AHEAD if building else None
         return BUILD_AHEAD if self.pipeline == BUILD_AHEAD else LAUNCH_AHEAD
 
-    def draft_round(self, may_look_ahead: bool = False) -> list[int]:
-        """One drafting round; returns the tokens it confirms (at least one). With
-        `may_look_ahead` (more tokens wanted after this round's), the next round may be
-        queued before this one's verdict is read."""
+    def draft_round(
+        self, may_look_ahead: bool = False, proposal: Proposal | None = None
+    ) -> list[int]:
+        """One drafting round (of `proposal` if given); returns the tokens it confirms (at
+        least one). With `may_look_ahead` (more tokens wanted after this round's), the next
+        round may be queued before this one's verdict is read."""
         r, self._queued = self._queued, None
         if r is None:
             last = mx.array([self.last_token], dtype=mx.int32)
-            r = self.build_round(last, len(self.prompt) + self.n_confirmed, False)
+            position = len(self.prompt) + self.n_confirmed
+            r = self.build_round(last, position, False, proposal=proposal)
         queued = None
         if (ahead := self._look_ahead(may_look_ahead)) is not None:
             # Premise: r keeps all its drafts; its last pair is the next round's start.
-            self.drafter.ready = r.head_out[:, -1:]
+            self.proposer.assume_kept(r.state)
             launch = ahead == LAUNCH_AHEAD
             position = r.position + r.depth + 1
             queued = self.build_round(r.followers[-1:], position, True, launch=launch)
             self.stats.pipelined += 1
             self.stats.launched_ahead += launch
-        accepted, next_token, drafts = self.read_round_verdict(r)
-        kept = accepted + 1  # verify inputs whose effect on the caches stays
-        full = accepted == r.depth
+        v = self.read_round_verdict(r)
+        full = v.accepted == r.depth
         self.full_share += FULL_SMOOTHING * (full - self.full_share)
         if queued is not None and full:
             if not queued.launched:
                 queued.undo = None  # its saved arrays go: KV buffers may be updated in place
                 queued.launch()
             self._queued = queued  # the premise held: nothing to roll back
+            self.proposer.settle(r.state, v, premise_held=True)
         else:
             if queued is not None:
                 self.discard(queued)
-            self.drafter.settle(r.head_out, kept)
-            r.verified.rollback(self.cache, kept)
-        confirmed = drafts[:accepted] + [next_token]
-        self.stats.record_round(r.position, drafts, accepted)
+            self.proposer.settle(r.state, v, premise_held=False)
+            r.verified.rollback(self.cache, v.accepted + 1)
+        self.stats.record_round(r.position, v.drafts, v.accepted)
         self.round_depth = r.depth
-        self.n_confirmed += len(confirmed)
-        self.last_token = next_token
-        return confirmed
+        self.n_confirmed += len(v.confirmed)
+        self.confirmed.extend(v.confirmed)
+        self.last_token = v.token
+        return v.confirmed
 
     # -- plain steps ----------------------------------------------------------------------
     def _plain_forward(self, token: mx.array) -> tuple[mx.array, mx.array]:
@@ -360,31 +406,50 @@ class MtpDecoder:
         token = int(y.item())
         self.last_token = token
         self.n_confirmed += 1
-        if self.drafter is not None:
-            self.drafter.add(hidden, [token])
-            if len(self.drafter.pending_tokens) > CATCH_UP_AFTER:
-                self.drafter.catch_up()
+        self.confirmed.append(token)
+        if self.proposer is not None:
+            self.proposer.observe(hidden, [token])
         self.stats.plain_steps += 1
         return [token]
 
     # -- the loop -------------------------------------------------------------------------
     def step(self, may_look_ahead: bool) -> list[int]:
-        """A drafting round or a plain step, as adaptive drafting decides. `may_look_ahead`:
-        more tokens are wanted after this step's first."""
+        """A drafting round or a plain step, as adaptive drafting and the proposer decide.
+        `may_look_ahead`: more tokens are wanted after this step's first."""
         self.lockstep.tick()
         t0 = time.perf_counter()
-        can_draft = self.use_mtp and self.drafter is not None
-        drafting = can_draft and self.adaptive.want_draft() and self._ahead is None
-        if self._queued is not None or (drafting and self.drafter.can_draft()):
-            new = self.draft_round(may_look_ahead)
+        drafting = self.use_mtp and self.adaptive.want_draft() and self._ahead is None
+        proposal = None
+        if self._queued is None and drafting and self.proposer.can_propose():
+            # A proposer that looks ahead drafts inside `build_round` (lazily); others
+            # propose now and may find nothing worth a round.
+            if not self.proposer.looks_ahead:
+                proposal = self.proposer.propose(self.adaptive.next_depth(), self.sampling)
+                drafting = proposal is not None
+        else:
+            drafting = drafting and self._queued is not None
+        if self._queued is not None or drafting:
+            new = self.draft_round(may_look_ahead, proposal)
             self.adaptive.record_round(len(new), time.perf_counter() - t0, self.round_depth)
             return new
-        ahead = not can_draft or self.adaptive.plain_ahead() > 0
+        ahead = not self.use_mtp or self.adaptive.plain_ahead() > 0
         new = self.plain_step(ahead=ahead and may_look_ahead)
         self.adaptive.record_plain(time.perf_counter() - t0)
         return new
 
     def tokens(self, max_tokens: int) -> Iterator[int]:
+        """The confirmed tokens, up to `max_tokens`, until an EOS (not yielded)."""
+        return (token for token, _ in self.events(max_tokens))
+
+    @property
+    def clean(self) -> bool:
+        """Whether the caches hold exactly the confirmed tokens but the last (nothing queued
+        ahead): the state a prompt cache may keep."""
+        return self._queued is None and self._ahead is None
+
+    def events(self, max_tokens: int) -> Iterator[tuple[int, bool]]:
+        """(token, whether it was a kept draft) as tokens are confirmed, up to `max_tokens`,
+        until an EOS (not yielded). Prefills first."""
         from mlx_lm.generate import generation_stream, wired_limit
 
         eos = set(getattr(self.m.tokenizer, "eos_token_ids", None) or [])
@@ -392,6 +457,8 @@ class MtpDecoder:
         produced, first_done, first_count = 0, None, 0
         with wired_limit(self.m.model, [generation_stream]):
             self.prefill()
+            if self.after_prefill is not None:
+                self.after_prefill()
             try:
                 with mx.stream(generation_stream):
                     while produced < max_tokens:
@@ -399,6 +466,7 @@ class MtpDecoder:
                         # A queued round pays only if tokens past this round's are wanted.
                         left = max_tokens - produced
                         new = self.step(may_look_ahead=left > self.depth + 1)
+                        drafted = self.stats.last_accepted if self.stats.rounds > rounds else 0
                         if first_done is None:
                             first_done, first_count = time.perf_counter(), len(new)
                             self.stats.prompt_time = first_done - start
@@ -409,7 +477,7 @@ class MtpDecoder:
                                 return
                             self.stats.generated.append(t)
                             produced += 1
-                            yield t
+                            yield t, i < drafted
                             if produced >= max_tokens:
                                 break
             finally:

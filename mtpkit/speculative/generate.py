@@ -1,8 +1,10 @@
-"""`mtpkit generate`: prompt in, text out, with or without the checkpoint's MTP head.
+"""`mtpkit generate`: prompt in, text out, with the checkpoint's MTP head, another drafter
+(a draft model, prompt lookup) or none.
 
 The stages live beside this module: `mtpkit.runtime.model` loads stock mlx-lm's backbone and the
-head and taps the backbone, `mtpkit.speculative.decode` runs the draft/verify/accept rounds. Plain
-decoding (`--no-mtp`) is stock mlx-lm's `stream_generate`, unchanged.
+head and taps the backbone, `mtpkit.speculative.session` runs a request on the decoder
+(`decode`) with a proposer (`proposers/`). Plain decoding (`--no-mtp`) is stock mlx-lm's
+`stream_generate`, unchanged.
 """
 
 from __future__ import annotations
@@ -16,20 +18,28 @@ from typing import Any
 
 import mlx.core as mx
 
-from mtpkit.core.choices import MAX_DEPTH, MIN_DEPTH, TOP_P_OFF, require_depth
-from mtpkit.core.errors import MtpkitError, UnsupportedFamily
+from mtpkit.core.choices import TOP_P_OFF, require_depth
+from mtpkit.core.errors import UnsupportedFamily
 from mtpkit.core.prompts import encode_prompt
 from mtpkit.families import Family, family_for
 from mtpkit.runtime.model import GenerateError, MtpModel, NoMtpHead, load_model, untapped
 from mtpkit.runtime.sharded import load_sharded, world
 from mtpkit.speculative.adaptive import resolve_depth
 from mtpkit.speculative.decode import MtpDecoder, SamplingSettings, Stats
+from mtpkit.speculative.proposers.choose import DrafterChoice
+from mtpkit.speculative.session import (
+    GREEDY,
+    HEAD,
+    STOP,
+    Engine,
+    PromptTooLong,
+    Request,
+    Session,
+    check_prompt,
+)
 
-GREEDY = SamplingSettings()
-
-
-class PromptTooLong(MtpkitError):
-    """The prompt does not fit the model's context."""
+# A head that drafted this many tokens and had none accepted is broken (NaN, wrong weights).
+BROKEN_HEAD_DRAFTS = 16
 
 
 @dataclass
@@ -50,6 +60,10 @@ class GenerationResult:
     # Drafting rounds at depth 1, 2, ... (adaptive drafting chooses it without --depth).
     rounds_by_depth: list[int] = field(default_factory=list)
     depth_chosen: bool = False
+    drafter: str = "mtp"  # what drafted: "mtp" (the head), "draft-model", "prompt-lookup", "none"
+    finish_reason: str = "length"  # "stop" (an EOS or a stop string) or "length"
+    # As mlx-lm counts them: the generated tokens plus the EOS that ended them.
+    generation_tokens: int = 0
 
     @property
     def acceptance(self) -> float | None:
@@ -73,17 +87,10 @@ class GenerationResult:
             "depth_chosen": self.depth_chosen,
             "rounds_by_depth": self.rounds_by_depth,
             "moe_dtype": self.moe_dtype,
+            "drafter": self.drafter,
+            "finish_reason": self.finish_reason,
+            "generation_tokens": self.generation_tokens,
         }
-
-
-def check_prompt(m: MtpModel, prompt: list[int]) -> None:
-    if not prompt:
-        raise GenerateError("the prompt is empty")
-    if m.context_length and len(prompt) >= int(m.context_length):
-        raise PromptTooLong(
-            f"the prompt has {len(prompt)} tokens but {m.path.name} has a context of "
-            f"{m.context_length}: shorten the prompt"
-        )
 
 
 def stream_tokens(
@@ -97,12 +104,13 @@ def stream_tokens(
     adaptive: bool = True,
     seed: int | None = None,
     max_kv_size: int | None = None,
+    drafter: DrafterChoice = HEAD,
 ) -> tuple[Iterator[int], Callable[[], Stats]]:
     """Token ids as they are confirmed, and a function giving the run's statistics.
     `depth` None: adaptive drafting chooses each round's (1..AUTO_MAX_DEPTH; without
-    `adaptive`, 1). `max_kv_size` bounds the attention caches as mlx-lm's does."""
-    depth, choose = resolve_depth(depth, adaptive)
-    require_depth(depth)
+    `adaptive`, 1). `max_kv_size` bounds the attention caches as mlx-lm's does; `drafter`:
+    what drafts (default: the head)."""
+    require_depth(resolve_depth(depth, adaptive)[0])
     check_prompt(m, prompt)
     if seed is not None:
         mx.random.seed(seed)
@@ -112,26 +120,25 @@ def stream_tokens(
         return _stock_tokens(
             m, prompt, max_tokens=max_tokens, sampling=sampling, max_kv_size=max_kv_size
         )
-    decoder = MtpDecoder(
-        m, prompt, depth=depth, sampling=sampling, adaptive=adaptive, max_kv_size=max_kv_size,
-        choose_depth=choose,
-    )  # fmt: skip
-    return decoder.tokens(max_tokens), lambda: decoder.stats
+    session = _session(m, prompt, max_tokens, depth, sampling, adaptive, max_kv_size, drafter)
+    tokens = (event.token for event in session if event.token is not None)
+    return tokens, lambda: session.stats
 
 
-def warm_up(m: MtpModel, prompt: list[int], *, mtp: bool, depth: int | None = None) -> None:
-    """A short untimed greedy run down the same path, so that the reported rates leave out
-    MLX's first-call costs (its CPU backend compiles kernels on first use), as the warm-up
-    of mlx-lm's own benchmark does. Nothing of it is kept (fresh caches, no sampling)."""
-    deepest = resolve_depth(depth, True)[0]
-    if not MIN_DEPTH <= deepest <= MAX_DEPTH:
-        return  # stream_tokens reports it
-    for k in range(1, deepest + 1) if depth is None else [depth]:  # every depth it may draft at
-        it, _ = stream_tokens(m, prompt[:2], max_tokens=k + 1, mtp=mtp, depth=k, adaptive=False)
-        for _ in it:
-            pass
-        if not mtp:
-            break
+def _session(
+    m: MtpModel,
+    prompt: list[int],
+    max_tokens: int,
+    depth: int | None,
+    sampling: SamplingSettings,
+    adaptive: bool,
+    max_kv_size: int | None,
+    drafter: DrafterChoice,
+) -> Session:
+    """One request on an engine of its own (no prompt cache: one request)."""
+    engine = Engine(m, drafter=drafter, mtp=True, prompt_cache_size=0, max_kv_size=max_kv_size)
+    request = Request(prompt, max_tokens, sampling, depth=depth, adaptive=adaptive)
+    return engine.session(request)
 
 
 def _stock_tokens(
@@ -197,24 +204,24 @@ def generate(
     on_token: Callable[[str], None] | None = None,
     warn: Callable[[str], None] | None = None,
     pipeline: bool = False,
+    drafter: DrafterChoice = HEAD,
 ) -> GenerationResult:
-    """Generate from a model directory with (or without) its MTP head.
+    """Generate from a model directory with (or without) its MTP head, or another drafter.
 
     `mtp` is True (the head is required), False, or "auto" (use the head when there is one,
-    else warn and decode plainly). `on_token` receives text segments as they are decoded.
-    Under `mlx.launch` each rank loads its part (`mtpkit.runtime.sharded`; `pipeline` picks
-    pipeline stages where the model also has tensor parallelism) and every rank returns the
-    same result.
-    The sampling, prompt and cache options mean what mlx_lm.generate's do; each of
-    `extra_eos_tokens` (a token or an id) also ends generation.
+    else warn and decode plainly); `drafter` picks a draft model or prompt lookup instead of
+    the head. `on_token` receives text segments as they are decoded. Under `mlx.launch`
+    each rank loads its part (`mtpkit.runtime.sharded`; `pipeline` picks pipeline stages
+    where the model also has tensor parallelism) and every rank returns the same result.
+    The sampling, prompt and cache options mean what mlx_lm.generate's do (`seed` is set
+    before the model loads, as mlx_lm.generate sets it); each of `extra_eos_tokens` (a token
+    or an id) also ends generation.
     """
-    if isinstance(model, MtpModel):
-        m = model
-    elif (group := world()) is not None:  # one rank of `mlx.launch`
-        m = load_sharded(model, group, pipeline=pipeline, hidden=hidden, with_head=mtp is not False)
-    else:
-        m = load_model(model, hidden=hidden, with_head=mtp is not False)
-    use_mtp = _use_head(m, mtp, warn)
+    loads = not isinstance(model, MtpModel)
+    if seed is not None and loads:  # as mlx_lm.generate: loading draws from the generator
+        mx.random.seed(seed)
+    m = _load(model, mtp=mtp, hidden=hidden, pipeline=pipeline, drafter=drafter)
+    use_mtp = bool(mtp) if not drafter.uses_head else _use_head(m, mtp, warn)
     add_eos_tokens(m, extra_eos_tokens)
     tokens = (
         prompt
@@ -229,25 +236,72 @@ def generate(
     )
     sampling = SamplingSettings(temp=temp, top_p=top_p, top_k=top_k, min_p=min_p)
     check_prompt(m, tokens)
-    warm_up(m, tokens, mtp=use_mtp, depth=depth)
     mx.reset_peak_memory()
-    it, stats_fn = stream_tokens(
-        m,
-        tokens,
-        max_tokens=max_tokens,
-        mtp=use_mtp,
-        depth=depth,
-        sampling=sampling,
-        adaptive=adaptive,
-        seed=seed,
-        max_kv_size=max_kv_size,
+    if not use_mtp:
+        it, stats_fn = stream_tokens(
+            m, tokens, max_tokens=max_tokens, mtp=False, sampling=sampling,
+            seed=None if loads else seed, max_kv_size=max_kv_size,
+        )  # fmt: skip
+        text = _detokenize(m.tokenizer, it, on_token)
+        return _result(m, text, stats_fn(), False, max_tokens)
+    require_depth(resolve_depth(depth, adaptive)[0])
+    if not loads and seed is not None:
+        mx.random.seed(seed)
+    if seed is None and m.lockstep.size > 1:  # every rank samples alike
+        mx.random.seed(m.lockstep.share_int(int(mx.random.randint(0, 2**31 - 1).item())))
+    session = _session(m, tokens, max_tokens, depth, sampling, adaptive, max_kv_size, drafter)
+    for event in session:
+        if on_token is not None and event.text:
+            on_token(event.text)
+    result = _result(m, session.text, session.stats, True, max_tokens, session.finish_reason)
+    _warn_if_never_accepted(m, result, drafter, warn)
+    return result
+
+
+def _load(
+    model: str | Path | MtpModel, *, mtp: bool | str, hidden: str | None, pipeline: bool,
+    drafter: DrafterChoice,
+) -> MtpModel:  # fmt: skip
+    """The target: as given, one rank's part under `mlx.launch`, or loaded (with its head
+    when the head drafts)."""
+    with_head = mtp is not False and drafter.uses_head
+    if isinstance(model, MtpModel):
+        return model
+    if (group := world()) is not None:  # one rank of `mlx.launch`
+        if not drafter.uses_head:
+            raise GenerateError(
+                f"--{drafter.name} is not supported across ranks yet: draft with the MTP head "
+                "(the default) or run on one machine"
+            )
+        return load_sharded(model, group, pipeline=pipeline, hidden=hidden, with_head=with_head)
+    return load_model(model, hidden=hidden, with_head=with_head)
+
+
+def _warn_if_never_accepted(
+    m: MtpModel, result: GenerationResult, drafter: DrafterChoice,
+    warn: Callable[[str], None] | None,
+) -> None:  # fmt: skip
+    """One warning when the head drafted many tokens and none was kept (a broken head: NaN
+    or wrong weights decode at plain speed at best, without a word otherwise)."""
+    if not drafter.uses_head or result.drafted < BROKEN_HEAD_DRAFTS or result.accepted:
+        return
+    message = (
+        f"the MTP head of {m.path.name} drafted {result.drafted} tokens and none was accepted: "
+        f"it is likely broken; run `mtpkit check {m.path}`"
     )
-    text = _detokenize(m.tokenizer, it, on_token)
-    return _result(m, text, stats_fn(), use_mtp)
+    (warn or (lambda s: print(f"Warning: {s}", file=sys.stderr)))(message)
 
 
-def _result(m: MtpModel, text: str, stats: Stats, use_mtp: bool) -> GenerationResult:
+def _result(
+    m: MtpModel, text: str, stats: Stats, use_mtp: bool, max_tokens: int,
+    finish_reason: str | None = None,
+) -> GenerationResult:  # fmt: skip
     depth = stats.depth
+    generated = len(stats.generated)
+    if finish_reason is None:  # stock decoding ends early only at an EOS
+        finish_reason = STOP if generated < max_tokens else "length"
+    # mlx-lm counts the EOS that ended generation among the generated tokens.
+    counted = generated + (finish_reason == STOP and generated < max_tokens)
     return GenerationResult(
         text=text,
         tokens=list(stats.generated),
@@ -265,6 +319,9 @@ def _result(m: MtpModel, text: str, stats: Stats, use_mtp: bool) -> GenerationRe
         moe_dtype=m.moe_dtype,
         rounds_by_depth=stats.rounds_by_depth[:depth] if use_mtp else [],
         depth_chosen=stats.depth_chosen and use_mtp,
+        drafter=stats.proposer if use_mtp else "none",
+        finish_reason=finish_reason,
+        generation_tokens=counted,
     )
 
 
@@ -357,7 +414,9 @@ def measure_acceptance(
 
 
 __all__ = [
+    "Engine",
     "GenerationResult",
+    "Request",
     "PromptTooLong",
     "check_prompt",
     "generate",

@@ -9,7 +9,7 @@ q_k for the token after next is pulled towards the backbone's own p_{k+1}:
 
 so the head learns exactly what greedy or sampled verification will accept. Hidden states
 exist only for the batch at hand. With `depth` > 1 the head also rolls out: step j feeds
-step j-1's output back in (as the runtime's drafting does, `mtpkit.speculative.decode.HeadDrafter`)
+step j-1's output back in (as the runtime's drafting does, `mtpkit.speculative.proposers.mtp_head.HeadProposer`)
 with the embedding of t_{k+1+j}, against p_{k+1+j}. A rollout step attends over its own
 step's outputs, where the runtime attends over step-0 entries: an approximation that only
 the rollout steps make.

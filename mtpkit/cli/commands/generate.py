@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import typer
 
 from mtpkit.cli.options import (
@@ -10,6 +12,7 @@ from mtpkit.cli.options import (
     AdaptiveOpt,
     ChatTemplateOpt,
     DepthOpt,
+    DrafterModelOpt,
     ExtraEosTokenOpt,
     GenerateHiddenOpt,
     GenerateModelOpt,
@@ -22,6 +25,9 @@ from mtpkit.cli.options import (
     MtpOpt,
     PipelineOpt,
     PrefillResponseOpt,
+    PromptLookupMaxOpt,
+    PromptLookupMinOpt,
+    PromptLookupOpt,
     PromptOpt,
     SampleSeedOpt,
     SystemPromptOpt,
@@ -36,6 +42,9 @@ from mtpkit.cli.options import (
     value,
 )
 from mtpkit.cli.ranks import DEFAULT_TIMEOUT, on_ranks
+
+if TYPE_CHECKING:
+    from mtpkit.speculative.proposers.choose import DrafterChoice
 
 # `--mtp auto` reaches the command as the --mtp flag and one extra word (generate takes no
 # arguments otherwise, so the usage line shows none).
@@ -68,14 +77,19 @@ def generate_command(
     json_output: JsonOpt = False,
     pipeline: PipelineOpt = False,
     timeout: TimeoutOpt = DEFAULT_TIMEOUT,
+    draft_model: DrafterModelOpt = None,
+    prompt_lookup: PromptLookupOpt = False,
+    prompt_lookup_min: PromptLookupMinOpt = 2,
+    prompt_lookup_max: PromptLookupMaxOpt = 4,
 ) -> None:
-    """Generate text, drafting tokens with the model's MTP head and verifying them losslessly.
+    """Generate text, drafting tokens with the model's MTP head (or --draft-model, --prompt-lookup) and verifying them losslessly.
 
-    Greedy output is token for token the model's own (as stock mlx-lm's); at --temp > 0 exact rejection sampling keeps the model's distribution. As mlx_lm.generate prints it: the text between ========== lines, then Prompt:, Generation: and Peak memory: lines, and mtpkit's MTP: line (--verbose False: the text only).
+    Greedy output is token for token the model's own (as stock mlx-lm's); at --temp > 0 exact rejection sampling keeps the model's distribution. The head drafts by default; --draft-model DIR drafts with a separate model of the same tokenizer (checked before decoding), --prompt-lookup with n-grams of the prompt and output. As mlx_lm.generate prints it: the text between ========== lines, then Prompt:, Generation: and Peak memory: lines, and mtpkit's MTP: line (--verbose False: the text only).
     """
     import sys
 
     mode = _mtp_mode(ctx, mtp, depth, hidden)
+    drafter = _drafter(ctx, mode, draft_model, prompt_lookup, prompt_lookup_min, prompt_lookup_max)
     if trust_remote_code:
         typer.echo(REMOTE_CODE_NOTE, err=True)
     text = prompt.replace("\\n", "\n").replace("\\t", "\t")  # as mlx_lm.generate reads it
@@ -119,6 +133,7 @@ def generate_command(
             on_token=None if json_output or not ranks.is_root else stream,
             warn=warn if ranks.is_root else lambda message: None,
             pipeline=pipeline,
+            drafter=drafter,
         )
     if not ranks.is_root:
         return
@@ -148,3 +163,23 @@ def _mtp_mode(
     if mtp is False and hidden is not None:
         ctx.fail("--hidden feeds the head: it contradicts --no-mtp")
     return "auto" if mtp is None else mtp
+
+
+def _drafter(
+    ctx: typer.Context,
+    mode: bool | str,
+    draft_model: str | None,
+    prompt_lookup: bool,
+    lookup_min: int,
+    lookup_max: int,
+) -> DrafterChoice:
+    """What drafts, from --draft-model / --prompt-lookup (the head without either)."""
+    from mtpkit.speculative.proposers.choose import DrafterChoice
+
+    if draft_model is not None and prompt_lookup:
+        ctx.fail("--draft-model and --prompt-lookup are two drafters: pass one")
+    if (draft_model is not None or prompt_lookup) and mode is False:
+        ctx.fail("--no-mtp decodes plainly: it contradicts --draft-model and --prompt-lookup")
+    if lookup_min > lookup_max:
+        ctx.fail(f"--prompt-lookup-min {lookup_min} is above --prompt-lookup-max {lookup_max}")
+    return DrafterChoice(draft_model, prompt_lookup, lookup_min, lookup_max)

@@ -16,11 +16,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from mtpkit.runtime.rollback.replay import _saved_state, _saved_state_of, is_trimmable
+from mtpkit.runtime.rollback.replay import is_trimmable
+from mtpkit.runtime.rollback.state import restore_state, saved_state
 from mtpkit.runtime.rollback.window import is_rotating_cache
 
 
-def _trim_undoes(cache: Any) -> bool:
+def trim_undoes(cache: Any) -> bool:
     """A cache whose growth a `trim` undoes exactly (not a sliding window)."""
     return is_trimmable(cache) and not is_rotating_cache(cache)
 
@@ -37,7 +38,7 @@ def _holds_caches(cache: Any) -> bool:
 def can_discard(caches: list[Any]) -> bool:
     """Whether `PassUndo` can take back a pass over these caches (else rounds stay serial)."""
     for cache in caches:
-        if _trim_undoes(cache):
+        if trim_undoes(cache):
             continue
         if not hasattr(cache, "__dict__") or _holds_caches(cache):
             return False
@@ -59,7 +60,7 @@ class PassUndo:
     def before(cls, caches: list[Any], length: int, unlaunched: bool = False) -> PassUndo:
         return cls(
             length,
-            [None if _trim_undoes(c) and not unlaunched else _saved_state(c) for c in caches],
+            [None if trim_undoes(c) and not unlaunched else saved_state(c) for c in caches],
         )
 
     def undo(self, caches: list[Any]) -> None:
@@ -67,4 +68,4 @@ class PassUndo:
             if saved is None:
                 cache.trim(self.length)
             else:
-                vars(cache).update(_saved_state_of(saved))
+                restore_state(cache, saved)

@@ -20,6 +20,7 @@ import mlx.core as mx
 
 from mtpkit.core.errors import MtpkitError
 from mtpkit.runtime.rollback.gdn import gated_delta_net
+from mtpkit.runtime.rollback.state import restore_state, saved_state
 
 
 def is_trimmable(cache: Any) -> bool:
@@ -38,25 +39,6 @@ def gdn_covers(model: Any, caches: list[Any], is_recurrent: Callable[[Any], bool
     )
 
 
-def _handle(value: Any) -> Any:
-    """A new handle on an array's current value (no copy, no graph node): mlx-lm's KV caches
-    write into their buffers with `keys[..., a:b, :] = ...`, which changes the array object
-    in place, so a plain reference would see the write."""
-    return value[...] if isinstance(value, mx.array) and value.ndim else value
-
-
-def _saved_state_of(attributes: dict[str, Any]) -> dict[str, Any]:
-    # Lists (ArraysCache's slots) are copied because layers assign into them in place.
-    return {
-        k: [_handle(x) for x in v] if isinstance(v, list) else _handle(v)
-        for k, v in attributes.items()
-    }
-
-
-def _saved_state(cache: Any) -> dict[str, Any]:
-    return _saved_state_of(vars(cache))
-
-
 @dataclass
 class CacheReplay:
     """The caches' state before one verify pass over `tokens`, and the forward that replays
@@ -70,7 +52,7 @@ class CacheReplay:
     def before(
         cls, caches: list[Any], tokens: mx.array, forward: Callable[[mx.array, list[Any]], Any]
     ) -> CacheReplay:
-        return cls(tokens, [None if is_trimmable(c) else _saved_state(c) for c in caches], forward)
+        return cls(tokens, [None if is_trimmable(c) else saved_state(c) for c in caches], forward)
 
     def rollback(self, caches: list[Any], kept: int) -> None:
         """Set the caches to their state after the first `kept` verify inputs only."""
@@ -81,7 +63,7 @@ class CacheReplay:
             if saved is None:
                 cache.trim(length)
             elif hasattr(cache, "__dict__"):
-                vars(cache).update(_saved_state_of(saved))
+                restore_state(cache, saved)
             else:
                 name = type(cache).__name__
                 raise MtpkitError(f"a {name} cannot drop rejected drafts: use --no-mtp")

@@ -1,23 +1,30 @@
-"""The head's side of a round: its KV cache, the confirmed pairs it has not seen yet, and
-the drafts it chains."""
+"""The checkpoint's own MTP head as the proposer: its KV cache, the confirmed pairs it has not
+seen yet, and the drafts it chains."""
 
 from __future__ import annotations
+
+from typing import Any
 
 import mlx.core as mx
 
 from mtpkit.runtime.kernels.attention import few_query_attention
 from mtpkit.runtime.model import POST_NORM, MtpModel
-from mtpkit.speculative.accept import SamplingSettings
+from mtpkit.speculative.accept import SamplingSettings, Verdict
+from mtpkit.speculative.proposers.base import Proposal, ProposerBase
 
 HEAD_CHUNK = 2048  # pairs per head forward when it catches up with confirmed tokens
+CATCH_UP_AFTER = 256  # pairs left pending (plain steps) before the head catches up
 
 
-class HeadDrafter:
+class HeadProposer(ProposerBase):
     """Drafts with the MTP head. Confirmed pairs (h_k, t_{k+1}) reach the head's cache in two
-    ways: after a drafting round, by `queue` (all of the round's pairs in one step, before its
-    acceptance is read) and `settle` (the unconfirmed ones trimmed), leaving `ready`, the
-    head's output at the last confirmed pair; after plain steps, they wait in `pending`
-    until the next draft or a catch-up runs the head over them."""
+    ways: after a drafting round, by `after_verify` (all of the round's pairs in one step,
+    before its acceptance is read) and `settle` (the unconfirmed ones trimmed), leaving
+    `ready`, the head's output at the last confirmed pair; after plain steps, they wait in
+    `pending` until the next draft or a catch-up runs the head over them."""
+
+    name = "mtp"
+    looks_ahead = True
 
     def __init__(self, m: MtpModel) -> None:
         self.m = m
@@ -26,10 +33,24 @@ class HeadDrafter:
         self.pending_hidden: list[mx.array] = []
         self.pending_tokens: list[int] = []
         self.ready: mx.array | None = None
+        self.prefilling = False
 
-    def add(self, hidden: mx.array, tokens: list[int]) -> None:
+    def caches(self) -> list[Any]:
+        return list(self.cache)
+
+    def begin(self, prompt: list[int], cached: int) -> None:
+        self.prefilling = True  # the prompt's pairs are caught up with once, at its end
+
+    def observe(self, hidden: mx.array, tokens: list[int]) -> None:
         self.pending_hidden.append(hidden)
         self.pending_tokens.extend(tokens)
+        if not self.prefilling and len(self.pending_tokens) > CATCH_UP_AFTER:
+            self.catch_up()  # drafting is off: keep the head's cache near the confirmed
+
+    def end_prefill(self) -> None:
+        self.prefilling = False
+        if len(self.pending_tokens) > 1:
+            self.catch_up()  # the head's KV cache over the prompt
 
     def _pending(self) -> tuple[mx.array, list[int]]:
         return mx.concatenate(self.pending_hidden, axis=1), self.pending_tokens
@@ -45,10 +66,10 @@ class HeadDrafter:
         self.pending_hidden = [hidden[:, n:]]
         self.pending_tokens = tokens[n:]
 
-    def can_draft(self) -> bool:
+    def can_propose(self) -> bool:
         return bool(self.pending_tokens) or self.ready is not None
 
-    def draft(self, depth: int, sampling: SamplingSettings) -> tuple[mx.array, mx.array | None]:
+    def propose(self, depth: int, sampling: SamplingSettings) -> Proposal:
         """`depth` draft tokens (lazy, [K] int32) and, when sampling, their distributions
         [K, V]. Consumes the pending pairs (or `ready`)."""
         head, m = self.head, self.m
@@ -76,7 +97,7 @@ class HeadDrafter:
                 token = mx.random.categorical(mx.log(q))
                 dists.append(q)
             drafts.append(token.astype(mx.int32).reshape(1))
-        return mx.concatenate(drafts), (mx.stack(dists) if dists else None)
+        return Proposal(mx.concatenate(drafts), mx.stack(dists) if dists else None)
 
     def drop_drafts(self, depth: int) -> None:
         """Drop the head-cache entries built on drafts (steps 1..depth-1)."""
@@ -87,26 +108,36 @@ class HeadDrafter:
             if n:
                 cache.trim(n)
 
-    def queue(
-        self, depth: int, hidden: mx.array, followers: mx.array, launch: bool = True
+    def after_verify(
+        self, proposal: Proposal, hidden: mx.array, followers: mx.array, launch: bool
     ) -> mx.array:
-        """Start the head's step over every pair of a verify pass (hidden [1, K+1, H], the
+        """Start the head's step over every pair of the verify pass (hidden [1, K+1, H], the
         token after each input) before the host knows how many are confirmed (one call,
         queued with `mx.async_eval` unless `launch` is False); `settle` keeps the confirmed
-        ones. Returns its output."""
-        self.drop_drafts(depth)
+        ones. Returns its output, the round's state."""
+        self.drop_drafts(proposal.depth)
         with few_query_attention():  # K+1 pairs at a new length (CUDA: no build)
             out = self.head(hidden, self.m.embed(followers[None]), self.cache, step=0)
         if launch:
             mx.async_eval(out)
         return out
 
+    def assume_kept(self, state: mx.array) -> None:
+        self.ready = state[:, -1:]
+
     def drop_step0(self, n: int) -> None:
         """Drop the last `n` entries of step 0's layer (pairs queued but not confirmed)."""
         if n:
             self.cache[self.head.layer_for_step(0)].trim(n)
 
-    def settle(self, out: mx.array, kept: int) -> None:
-        """Keep the queued step's first `kept` pairs; the next draft starts from the last."""
-        self.drop_step0(out.shape[1] - kept)
-        self.ready = out[:, kept - 1 : kept]
+    def discard(self, state: mx.array, launched: bool) -> None:
+        if launched:  # unlaunched: the decoder puts the whole cache back
+            self.drop_step0(state.shape[1])
+
+    def settle(self, state: mx.array, verdict: Verdict, premise_held: bool) -> None:
+        """Keep the queued step's confirmed pairs; the next draft starts from the last."""
+        if premise_held:
+            return
+        kept = verdict.accepted + 1
+        self.drop_step0(state.shape[1] - kept)
+        self.ready = state[:, kept - 1 : kept]

@@ -1,0 +1,86 @@
+"""Which proposer drafts, from what the user asked for: the model's own MTP head by default, a
+draft model (`--draft-model`), or prompt lookup (`--prompt-lookup`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from mtpkit.core.errors import MtpkitError
+from mtpkit.runtime.model import MtpModel
+from mtpkit.speculative.proposers import Proposer, default_proposer
+from mtpkit.speculative.proposers.prompt_lookup import DEFAULT_MAX_N, DEFAULT_MIN_N
+
+
+@dataclass(frozen=True)
+class DrafterChoice:
+    """What drafts: `draft_model` (a path or Hub repo), else `prompt_lookup`, else the head."""
+
+    draft_model: str | Path | None = None
+    prompt_lookup: bool = False
+    prompt_lookup_min: int = DEFAULT_MIN_N
+    prompt_lookup_max: int = DEFAULT_MAX_N
+
+    def __post_init__(self) -> None:
+        if self.draft_model is not None and self.prompt_lookup:
+            raise MtpkitError("--draft-model and --prompt-lookup are two drafters: pass one")
+
+    @property
+    def uses_head(self) -> bool:
+        return self.draft_model is None and not self.prompt_lookup
+
+    @property
+    def name(self) -> str:
+        if self.draft_model is not None:
+            return "draft-model"
+        return "prompt-lookup" if self.prompt_lookup else "mtp"
+
+
+class ProposerFactory:
+    """Makes a fresh proposer per sequence for one target; a draft model is loaded once and
+    checked against the target's tokenizer before any decoding."""
+
+    def __init__(self, m: MtpModel, choice: DrafterChoice) -> None:
+        self.m, self.choice = m, choice
+        self.vocab = m.embedding.weight.shape[0] if hasattr(m.embedding, "weight") else None
+        self.draft = None
+        if choice.draft_model is not None:
+            from mtpkit.speculative.proposers.draft_model import check_compatible, load_draft_model
+
+            self.draft = load_draft_model(choice.draft_model)
+            check_compatible(m, self.draft)
+        if choice.prompt_lookup:  # the option check, before any decoding
+            self._prompt_lookup()
+
+    @property
+    def name(self) -> str:
+        return self.choice.name
+
+    def _target_vocab(self) -> int:
+        """The width of the target's logits (a probe of one token through its output head)."""
+        import mlx.core as mx
+
+        width = self.m.lm_head(mx.zeros((1, 1, self.m.embed(mx.array([[0]])).shape[-1]))).shape[-1]
+        return int(width)
+
+    def _prompt_lookup(self) -> Proposer:
+        from mtpkit.speculative.proposers.prompt_lookup import PromptLookupProposer
+
+        c = self.choice
+        return PromptLookupProposer(self._target_vocab(), c.prompt_lookup_min, c.prompt_lookup_max)
+
+    def __call__(self) -> Proposer:
+        if self.draft is not None:
+            from mtpkit.speculative.proposers.draft_model import DraftModelProposer
+
+            step_cost = self.draft.parameter_bytes / max(1, _parameter_bytes(self.m))
+            return DraftModelProposer(self.draft, self._target_vocab(), step_cost)
+        if self.choice.prompt_lookup:
+            return self._prompt_lookup()
+        return default_proposer(self.m)
+
+
+def _parameter_bytes(m: MtpModel) -> int:
+    from mlx.utils import tree_flatten
+
+    return sum(v.nbytes for _, v in tree_flatten(m.model.parameters()))

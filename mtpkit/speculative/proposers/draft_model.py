@@ -1,0 +1,191 @@
+"""A separate, smaller model of the same tokenizer as the proposer (`--draft-model`).
+
+Each round it runs over the confirmed tokens it has not seen (one forward), then chains K-1
+single-token steps over its own drafts. Its caches are taken back to the state after the
+confirmed tokens (`PassUndo`: trimmed KV caches, put-back sliding-window and recurrent
+states), and the drafts the target kept are fed with the next round's confirmed tokens: the
+same count of forwards as trimming, and exact for every cache kind, so a hybrid draft model
+(Qwen3.5-0.8B for Qwen3.5-27B) works as an attention-only one does. mlx-lm's own
+`speculative_generate_step` trims and so refuses such caches (mlx-lm #1446).
+
+A pair is compatible when the tokenizers agree (vocabulary size, the ids of a probe text,
+the special tokens), as LM Studio's mlx-engine checks; logits past the target's vocabulary
+(a padded embedding) are never drafted.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from mtpkit.core.errors import MtpkitError
+from mtpkit.runtime.model import MtpModel, load_backbone, resolve_model_path
+from mtpkit.runtime.rollback.discard import PassUndo
+from mtpkit.speculative.accept import SamplingSettings, Verdict
+from mtpkit.speculative.adaptive import prior_cost
+from mtpkit.speculative.proposers.base import Proposal, ProposerBase
+
+FEED_CHUNK = 2048  # tokens per draft-model forward when it catches up
+PROBE_TEXT = "def main():\n    print('Hello, world!')  # 12 ÷ 3 = 4; über café 東京\n"
+MIN_STEP_COST = 0.05  # a draft step never counts as free against a target step
+
+
+class IncompatibleDraftModel(MtpkitError):
+    """A draft model whose tokenizer differs from the target's."""
+
+
+@dataclass
+class DraftModel:
+    """A draft model loaded with stock mlx-lm: its path, model, tokenizer, config."""
+
+    path: Path
+    model: nn.Module
+    tokenizer: Any
+    config: dict[str, Any]
+
+    @property
+    def parameter_bytes(self) -> int:
+        from mlx.utils import tree_flatten
+
+        return sum(v.nbytes for _, v in tree_flatten(self.model.parameters()))
+
+
+def load_draft_model(spec: str | Path, revision: str | None = None) -> DraftModel:
+    """A local MLX directory or a Hub repo, as `mlx_lm.load` reads it."""
+    path = resolve_model_path(str(spec), revision)
+    model, tokenizer, config = load_backbone(path)
+    return DraftModel(path, model, tokenizer, config)
+
+
+def _special_ids(tokenizer: Any) -> dict[str, Any]:
+    return {
+        "eos": sorted(getattr(tokenizer, "eos_token_ids", None) or []),
+        "bos": getattr(tokenizer, "bos_token_id", None),
+        "pad": getattr(tokenizer, "pad_token_id", None),
+    }
+
+
+def incompatibility(target: Any, draft: Any) -> str | None:
+    """The first difference between two tokenizers that makes drafting with one for the
+    other wrong (None: compatible)."""
+    sizes = (getattr(target, "vocab_size", None), getattr(draft, "vocab_size", None))
+    if sizes[0] != sizes[1]:
+        return f"a vocabulary of {sizes[1]} tokens against the target's {sizes[0]}"
+    ids = (target.encode(PROBE_TEXT), draft.encode(PROBE_TEXT))
+    if ids[0] != ids[1]:
+        at = next(
+            (i for i, (a, b) in enumerate(zip(*ids, strict=False)) if a != b), min(map(len, ids))
+        )
+        return f"other token ids for the same text (from token {at} of a probe text)"
+    specials = (_special_ids(target), _special_ids(draft))
+    for name in ("eos", "bos", "pad"):
+        if specials[0][name] != specials[1][name]:
+            return f"{name} token {specials[1][name]} against the target's {specials[0][name]}"
+    return None
+
+
+def check_compatible(m: MtpModel, draft: DraftModel) -> None:
+    """Refuse a draft model whose tokenizer is not the target's, before any decoding."""
+    problem = incompatibility(m.tokenizer, draft.tokenizer)
+    if problem is not None:
+        raise IncompatibleDraftModel(
+            f"--draft-model {draft.path.name} cannot draft for {m.path.name}: it has "
+            f"{problem}; use a draft model of the same tokenizer (the same model family)"
+        )
+
+
+class DraftModelProposer(ProposerBase):
+    """Drafts with `draft` (see the module's text). `vocab`: the width of the target's
+    logits, the ids a draft may take."""
+
+    name = "draft-model"
+
+    def __init__(self, draft: DraftModel, vocab: int, step_cost: float | None = None) -> None:
+        from mlx_lm.models.cache import make_prompt_cache
+
+        self.draft, self.vocab = draft, vocab
+        self.cache = make_prompt_cache(draft.model)
+        self.history: list[int] = []  # prompt and confirmed tokens
+        self.fed = 0  # of them, those in the draft model's cache
+        self.step_cost = step_cost
+        self.prefilling = False
+        self._undo: PassUndo | None = None  # takes the last chain of drafts back
+
+    def caches(self) -> list[Any]:
+        return list(self.cache)
+
+    def begin(self, prompt: list[int], cached: int) -> None:
+        self.history = list(prompt)
+        self.fed = min(self.fed, cached)  # a restored state saw `cached` tokens at most
+        self.prefilling = True  # the prompt's tokens are in `history` already
+
+    def observe(self, hidden: mx.array, tokens: list[int]) -> None:
+        if not self.prefilling:
+            self.history.extend(tokens)  # a plain step's token
+
+    def end_prefill(self) -> None:
+        self.prefilling = False
+        self._feed(self.history[self.fed : -1])  # all but the last: it starts the first round
+        mx.eval([c.state for c in self.cache])
+
+    def _feed(self, tokens: list[int]) -> mx.array | None:
+        """Run the draft model over `tokens`; the logits after the last (lazy), if any."""
+        logits = None
+        for i in range(0, len(tokens), FEED_CHUNK):
+            chunk = tokens[i : i + FEED_CHUNK]
+            logits = self.draft.model(mx.array(chunk)[None], cache=self.cache)[:, -1]
+            self.fed += len(chunk)
+            if i + FEED_CHUNK < len(tokens):
+                mx.eval(logits, [c.state for c in self.cache])
+        return logits
+
+    def _draw(
+        self, logits: mx.array, sampling: SamplingSettings
+    ) -> tuple[mx.array, mx.array | None]:
+        """A draft from the draft model's logits [1, V_d], over the target's ids only."""
+        width = logits.shape[-1]
+        if width > self.vocab:
+            logits = logits[..., : self.vocab]
+        elif width < self.vocab:
+            pad = mx.full((*logits.shape[:-1], self.vocab - width), -mx.inf, logits.dtype)
+            logits = mx.concatenate([logits, pad], axis=-1)
+        logits = logits[0]
+        if sampling.greedy:
+            return mx.argmax(logits, axis=-1).astype(mx.int32).reshape(1), None
+        q = sampling.probs(logits)
+        return mx.random.categorical(mx.log(q)).astype(mx.int32).reshape(1), q
+
+    def propose(self, depth: int, sampling: SamplingSettings) -> Proposal:
+        logits = self._feed(self.history[self.fed :])
+        drafts, dists = [], []
+        self._undo = PassUndo.before(self.caches(), depth - 1)
+        for k in range(depth):
+            if k > 0:
+                logits = self.draft.model(drafts[-1][None], cache=self.cache)[:, -1]
+            token, q = self._draw(logits, sampling)
+            drafts.append(token)
+            if q is not None:
+                dists.append(q)
+        return Proposal(mx.concatenate(drafts), mx.stack(dists) if dists else None)
+
+    def after_verify(
+        self, proposal: Proposal, hidden: mx.array, followers: mx.array, launch: bool
+    ) -> PassUndo | None:
+        return self._undo
+
+    def settle(self, state: PassUndo, verdict: Verdict, premise_held: bool) -> None:
+        """Back to the state after the confirmed tokens; the kept drafts and the target's
+        token are fed with the next round's first forward."""
+        state.undo(self.caches())
+        self.history.extend(verdict.confirmed)
+
+    def cost_prior(self, depth: int) -> float | None:
+        """The head's prior at `depth` plus `depth` steps of the draft model, each the
+        share of a target step its weights' bytes make (set by the factory)."""
+        if self.step_cost is None:
+            return None
+        return prior_cost(depth) + depth * max(self.step_cost, MIN_STEP_COST)

@@ -1,0 +1,204 @@
+"""A model loaded once, decoding one request after another: the library's session, which
+`generate`, `chat` and the server (`mtpkit.serve`) all run on, as `mlx_lm.server` runs on
+`stream_generate`.
+
+`Engine` holds the target, the drafter chosen for it (a proposer made per request) and the
+prompt cache. `Engine.session(request)` makes a `Session`: the target's cache and the
+proposer's state (restored from the prompt cache when the prompt extends a cached sequence),
+the sampler, adaptive drafting and statistics; iterating it decodes and yields a
+`TokenEvent` per token (its text piece, whether it was a kept draft, the finish reason on
+the last). The model carries process-wide state while it decodes (its tapped hidden states,
+class swaps during a verify pass), so one thread decodes at a time: the server's decoding
+thread owns the engine.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+
+from mtpkit.core.choices import require_depth
+from mtpkit.core.errors import MtpkitError
+from mtpkit.runtime.model import GenerateError, MtpModel, NoMtpHead, load_model
+from mtpkit.speculative.accept import SamplingSettings
+from mtpkit.speculative.adaptive import resolve_depth
+from mtpkit.speculative.decode import MtpDecoder, Stats
+from mtpkit.speculative.prompt_cache import DEFAULT_SIZE, PromptCache
+from mtpkit.speculative.proposers.choose import DrafterChoice, ProposerFactory
+from mtpkit.speculative.text import TextStream
+
+GREEDY = SamplingSettings()
+HEAD = DrafterChoice()  # the model's own MTP head
+STOP, LENGTH, CANCELLED = "stop", "length", "cancelled"
+
+
+class PromptTooLong(MtpkitError):
+    """The prompt does not fit the model's context."""
+
+
+def check_prompt(m: MtpModel, prompt: list[int]) -> None:
+    if not prompt:
+        raise GenerateError("the prompt is empty")
+    if m.context_length and len(prompt) >= int(m.context_length):
+        raise PromptTooLong(
+            f"the prompt has {len(prompt)} tokens but {m.path.name} has a context of "
+            f"{m.context_length}: shorten the prompt"
+        )
+
+
+@dataclass(frozen=True)
+class Request:
+    """One decode: the prompt's token ids and how to continue it. `depth` None: adaptive
+    drafting chooses each round's (1-3; without `adaptive`, 1). `stop`: strings that end
+    the text (not included in it)."""
+
+    prompt: list[int]
+    max_tokens: int = 256
+    sampling: SamplingSettings = GREEDY
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    depth: int | None = None
+    adaptive: bool = True
+
+
+@dataclass
+class TokenEvent:
+    """One confirmed token: its id, the text it completes (may be empty: held back for a
+    multi-byte character or a possible stop string), whether it was a kept draft, and on
+    the last event why decoding ended (`stop`, `length`, `cancelled`)."""
+
+    token: int | None
+    text: str
+    from_draft: bool = False
+    finish_reason: str | None = None
+
+
+class Engine:
+    """A target loaded once with its drafter and prompt cache (see the module's text).
+    `mtp`: True drafts (the head, or `drafter`'s choice; True without a head is an error),
+    "auto" drafts when there is something to draft with, False decodes plainly."""
+
+    def __init__(
+        self,
+        m: MtpModel,
+        *,
+        drafter: DrafterChoice = HEAD,
+        mtp: bool | str = True,
+        prompt_cache_size: int = DEFAULT_SIZE,
+        max_kv_size: int | None = None,
+        pipeline: bool | str | None = None,
+    ) -> None:
+        self.m = m
+        self.max_kv_size = max_kv_size
+        self.pipeline = pipeline
+        self.drafts = bool(mtp) and (not drafter.uses_head or m.has_head)
+        if mtp is True and not self.drafts:
+            raise NoMtpHead(f"{m.path} has no MTP head")
+        self.proposers = ProposerFactory(m, drafter) if self.drafts else None
+        self.prompt_cache = PromptCache(prompt_cache_size)
+
+    @classmethod
+    def load(
+        cls,
+        model: str | Path,
+        *,
+        drafter: DrafterChoice = HEAD,
+        mtp: bool | str = True,
+        hidden: str | None = None,
+        **kwargs: Any,
+    ) -> Engine:
+        """Load a model directory (or Hub repo) and its drafter."""
+        m = load_model(model, hidden=hidden, with_head=bool(mtp) and drafter.uses_head)
+        return cls(m, drafter=drafter, mtp=mtp, **kwargs)
+
+    @property
+    def drafter_name(self) -> str:
+        return self.proposers.name if self.proposers is not None else "none"
+
+    def session(self, request: Request) -> Session:
+        return Session(self, request)
+
+    def stream(self, request: Request) -> Iterator[TokenEvent]:
+        return iter(self.session(request))
+
+
+class Session:
+    """One request on an engine (see the module's text): iterate it for `TokenEvent`s;
+    `stats` and `text` after."""
+
+    def __init__(self, engine: Engine, request: Request) -> None:
+        m = engine.m
+        check_prompt(m, request.prompt)
+        depth, choose = resolve_depth(request.depth, request.adaptive)
+        require_depth(depth)
+        if request.max_tokens < 0:
+            raise GenerateError(f"max_tokens must be at least 0, not {request.max_tokens}")
+        self.engine, self.request = engine, request
+        if request.seed is not None:
+            mx.random.seed(request.seed)
+        name = engine.drafter_name
+        hit = engine.prompt_cache.longest_prefix(request.prompt, name)
+        cache, proposer, cached = None, None, 0
+        if hit is not None:
+            cache, proposer = hit.fork()
+            cached = len(hit.tokens) - 1
+        elif engine.proposers is not None:
+            proposer = engine.proposers()
+        self.decoder = MtpDecoder(
+            m, request.prompt, depth=depth, sampling=request.sampling, adaptive=request.adaptive,
+            use_mtp=engine.drafts, pipeline=engine.pipeline, max_kv_size=engine.max_kv_size,
+            choose_depth=choose, proposer=proposer, cache=cache, cached=cached,
+        )  # fmt: skip
+        self.text_stream = TextStream(m.tokenizer, request.stop)
+        self.finish_reason: str | None = None
+        self.cancelled = False
+
+    @property
+    def stats(self) -> Stats:
+        return self.decoder.stats
+
+    @property
+    def text(self) -> str:
+        return self.text_stream.text
+
+    def cancel(self) -> None:
+        """End decoding before the next step (a client went away)."""
+        self.cancelled = True
+
+    def __iter__(self) -> Iterator[TokenEvent]:
+        decoder, request = self.decoder, self.request
+        decoder.after_prefill = lambda: self._remember(request.prompt)
+        events = decoder.events(request.max_tokens)
+        produced, last, reason = 0, None, STOP
+        try:
+            for token, from_draft in events:
+                produced += 1
+                piece = self.text_stream.add(token)
+                if last is not None:
+                    yield last
+                last = TokenEvent(token, piece, from_draft)
+                if self.text_stream.stopped:
+                    break
+                if self.cancelled:
+                    reason = CANCELLED
+                    break
+            else:
+                reason = LENGTH if produced >= request.max_tokens else STOP
+        finally:
+            events.close()
+        self.finish_reason = reason
+        tail = self.text_stream.finish() if reason != CANCELLED else ""
+        if decoder.clean and decoder.confirmed:
+            self._remember(request.prompt + decoder.confirmed)
+        last = last or TokenEvent(None, "")
+        last.text += tail
+        last.finish_reason = reason
+        yield last
+
+    def _remember(self, tokens: list[int]) -> None:
+        engine, decoder = self.engine, self.decoder
+        engine.prompt_cache.store(tokens, decoder.cache, decoder.proposer, engine.drafter_name)
