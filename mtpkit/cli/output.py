@@ -168,7 +168,11 @@ def print_convert(result: Any) -> None:
 FRAME = "=" * 10
 
 
-DRAFTER_NAMES = {"draft-model": "draft model", "prompt-lookup": "prompt lookup"}
+DRAFTER_NAMES = {
+    "draft-model": "draft model",
+    "prompt-lookup": "prompt lookup",
+    "gemma4-assistant": "Gemma 4 assistant",
+}
 
 
 def print_generate(result: Any) -> None:

@@ -45,6 +45,47 @@ def read_weights(path: Path, family: Gemma4Assistant) -> dict[str, mx.array]:
     return renamed
 
 
+def assistant_directory(spec: str | Path, revision: str | None = None) -> Path | None:
+    """The local directory of `spec` (a directory or a Hub repo) when it is a Gemma 4
+    assistant, else None; on the Hub only config.json is read before deciding."""
+    from mtpkit.checkpoint.source import HubSource, open_source
+
+    source = open_source(str(spec), revision=revision)
+    config = source.read_json("config.json")
+    if not isinstance(config, dict) or not is_assistant(config):
+        return None
+    if isinstance(source, HubSource):
+        return source.download(["*.json", "*.safetensors"])
+    return source.snapshot_dir()
+
+
+def check_pairs(assistant: Gemma4AssistantModel, assistant_config: dict[str, Any],
+                target_config: dict[str, Any], names: tuple[str, str]) -> None:  # fmt: skip
+    """Refuse an assistant that cannot draft for the target (one line naming why)."""
+    from mtpkit.families.gemma4_assistant import pairing_problems
+
+    target = family_for(target_config).pairing() if _known(target_config) else None
+    if target is None or target.get("role") != "target":
+        raise MtpkitError(
+            f"{names[0]} is a Gemma 4 assistant; it drafts only for a Gemma 4 target, and "
+            f"{names[1]} is not one"
+        )
+    problems = pairing_problems(family_for(assistant_config).pairing() or {}, target)
+    if problems:
+        raise MtpkitError(
+            f"{names[0]} does not pair with {names[1]}: {problems[0]}; use the assistant "
+            "published beside this target"
+        )
+
+
+def _known(config: dict[str, Any]) -> bool:
+    try:
+        family_for(config)
+    except MtpkitError:
+        return False
+    return True
+
+
 def load_assistant(path: str | Path) -> Gemma4AssistantModel:
     """The assistant in `path` (a directory), weights loaded strictly."""
     path = Path(path).expanduser()
@@ -70,6 +111,7 @@ def load_assistant(path: str | Path) -> Gemma4AssistantModel:
     except ValueError as e:
         raise MtpkitError(f"the assistant in {path} does not match its config.json ({e})") from None
     model.eval()
+    model.config = config
     return model
 
 

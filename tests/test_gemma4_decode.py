@@ -1,0 +1,161 @@
+"""Decoding a Gemma 4 target with its assistant drafting (`--draft-model ASSISTANT`).
+
+Greedy output must be stock mlx-lm's plain greedy output on the target, token for token,
+whichever output head drafts and however deep, with prompt and output past the sliding window;
+the first round's drafts must be transformers' (`tests/references/gemma4_assistant.npz`, made
+by `scripts/gemma4_reference.py`); sampling keeps the target's distribution.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from typer.testing import CliRunner
+
+from mtpkit.cli.app import app
+from mtpkit.core.errors import MtpkitError
+from mtpkit.runtime.model import load_model
+from mtpkit.speculative.decode import MtpDecoder, SamplingSettings
+from mtpkit.speculative.generate import generate
+from mtpkit.speculative.proposers.choose import DrafterChoice, ProposerFactory
+from tests.gemma4_checkpoints import WINDOW, assistant_config, build_assistant, build_target
+from tests.test_generate_sampling import CHI2_999, chi_square
+
+REFERENCE = Path(__file__).parent / "references" / "gemma4_assistant.npz"
+EXAMPLE = Path(__file__).resolve().parents[1] / "mtpkit" / "examples" / "tiny-qwen3_5"
+PROMPT = [5, 17, 100, 3, 250, 42, 7, 9, 300, 11, 64, 128]  # past the window of 8
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("gemma4")
+    return {
+        "target": build_target(root / "target"),
+        "dense": build_assistant(root / "dense"),
+        "masked": build_assistant(root / "masked", ordered=True),
+    }
+
+
+def _stock_greedy(path: Path, prompt: list[int], n: int) -> list[int]:
+    from mlx_lm import load
+    from mlx_lm.generate import generate_step
+
+    model, _ = load(str(path))
+    steps = generate_step(mx.array(prompt), model, max_tokens=n)
+    return [int(token) for token, _ in steps]
+
+
+def _decoder(pair, head: str, prompt: list[int], depth: int, sampling=None) -> MtpDecoder:
+    m = load_model(pair["target"], with_head=False)
+    proposer = ProposerFactory(m, DrafterChoice(draft_model=pair[head]))()
+    return MtpDecoder(
+        m, prompt, depth=depth, sampling=sampling or SamplingSettings(temp=0.0),
+        adaptive=False, proposer=proposer,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("head", ["dense", "masked"])
+@pytest.mark.parametrize("depth", [1, 3])
+def test_greedy_output_is_stock_mlx_lm_greedy(pair, head, depth):
+    n = 3 * WINDOW
+    stock = _stock_greedy(pair["target"], PROMPT, n)
+    result = generate(
+        str(pair["target"]), prompt=PROMPT, max_tokens=n, depth=depth, adaptive=False,
+        drafter=DrafterChoice(draft_model=pair[head]),
+    )  # fmt: skip
+    assert result.tokens == stock[: len(result.tokens)]
+    assert len(result.tokens) == n or result.finish_reason == "stop"
+    assert result.drafter == "gemma4-assistant"
+    assert result.drafted >= depth * 2  # the assistant drafted, round after round
+
+
+@pytest.mark.parametrize("head", ["dense", "masked"])
+@pytest.mark.parametrize("prompt", ["short", "long"])
+def test_first_round_drafts_are_transformers(pair, head, prompt):
+    """After the prompt, the assistant drafts what transformers' candidate generator drafts
+    (the reference's prompt, then its bonus token: the decoder's first round starts there)."""
+    ref = np.load(REFERENCE)
+    tokens = ref[f"{prompt}/prompt"].tolist() + [int(ref[f"{prompt}/{head}/bonus"])]
+    decoder = _decoder(pair, head, tokens, depth=3)
+    list(decoder.tokens(4))
+    position, drafts = decoder.stats.draft_log[0]
+    assert position == len(tokens)
+    assert drafts == ref[f"{prompt}/{head}/draft_tokens"].tolist()
+
+
+def test_sampling_keeps_the_target_distribution(pair):
+    """The first two sampled tokens follow the target's joint distribution (top-k 3), the
+    assistant drafting from its own distribution each round (chi-square at p = 0.001)."""
+    settings = SamplingSettings(temp=1.0, top_k=3)
+    m = load_model(pair["target"], with_head=False)
+    p1 = settings.probs(m.model(mx.array(PROMPT)[None])[0, -1])
+    exact = {}
+    for t1 in np.nonzero(np.array(p1) > 0)[0].tolist():
+        p2 = settings.probs(m.model(mx.array(PROMPT + [t1])[None])[0, -1])
+        for t2 in np.nonzero(np.array(p2) > 0)[0].tolist():
+            exact[(t1, t2)] = p1[t1].item() * p2[t2].item()
+    keys = sorted(exact)
+    index = {k: i for i, k in enumerate(keys)}
+    proposer = ProposerFactory(m, DrafterChoice(draft_model=pair["masked"]))
+    counts: Counter = Counter()
+    drafted, n = 0, 300
+    for seed in range(n):
+        mx.random.seed(seed)
+        decoder = MtpDecoder(
+            m, PROMPT, depth=2, sampling=settings, adaptive=False, proposer=proposer()
+        )
+        counts[index.get(tuple(decoder.tokens(2))[:2], -1)] += 1
+        drafted += decoder.stats.drafted
+    assert drafted > 0
+    stat, dof = chi_square(counts, {index[k]: v for k, v in exact.items()}, n)
+    assert stat < CHI2_999[dof]
+
+
+def test_sampled_drafts_come_with_the_assistant_distribution(pair):
+    decoder = _decoder(pair, "dense", PROMPT, depth=2, sampling=SamplingSettings(temp=0.7))
+    decoder.prefill()
+    proposal = decoder.proposer.propose(2, decoder.sampling)
+    assert proposal.dists is not None and proposal.dists.shape == (2, 512)
+    rows = np.array(proposal.dists)
+    np.testing.assert_allclose(rows.sum(-1), 1.0, atol=1e-5)
+    assert all(rows[k, d] > 0 for k, d in enumerate(proposal.drafts.tolist()))
+
+
+# --------------------------------------------------------------------------- the CLI
+
+
+def test_generate_cli_drafts_with_the_assistant(pair):
+    result = CliRunner().invoke(
+        app,
+        ["generate", "--model", str(pair["target"]), "--draft-model", str(pair["masked"]),
+         "--prompt", "hello world", "-m", "12", "--temp", "0", "--no-chat-template"],
+    )  # fmt: skip
+    assert result.exit_code == 0, result.output
+    assert "Generation:" in result.output
+    assert "Drafter: Gemma 4 assistant, depth " in result.output
+
+
+def test_an_assistant_for_another_target_is_refused(pair, tmp_path):
+    other = build_assistant(
+        tmp_path / "other", config={**assistant_config(), "backbone_hidden_size": 96}
+    )
+    m = load_model(pair["target"], with_head=False)
+    with pytest.raises(MtpkitError, match="does not pair with target: the assistant drafts for"):
+        ProposerFactory(m, DrafterChoice(draft_model=other))
+
+
+def test_an_assistant_for_a_model_that_is_not_gemma4_is_refused(pair):
+    result = CliRunner().invoke(
+        app,
+        ["generate", "--model", str(EXAMPLE), "--draft-model", str(pair["dense"]),
+         "--prompt", "hi", "-m", "4"],
+    )  # fmt: skip
+    assert result.exit_code == 1
+    lines = result.output.strip().splitlines()
+    assert lines[-1].startswith("Error: ")
+    assert "drafts only for a Gemma 4 target" in lines[-1]
+    assert "Traceback" not in result.output
