@@ -33,6 +33,9 @@ GENERATE_KEYS = {
     "mtp",
     "depth",
     "moe_dtype",
+    "drafter",
+    "finish_reason",
+    "generation_tokens",
 }
 
 

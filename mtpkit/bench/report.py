@@ -73,6 +73,7 @@ class BenchRun:
     plain_steps: list[int] = field(default_factory=list)
     rounds_by_depth: list[list[int]] = field(default_factory=list)  # adaptive's choices
     oracle: float | None = None  # synthetic: drafts right with this probability
+    drafter: str = "mtp"  # the proposer: the head, "draft-model" or "prompt-lookup"
 
     @property
     def acceptance(self) -> float | None:
@@ -92,6 +93,7 @@ class BenchRun:
         return {
             "depth": self.depth,
             "adaptive": self.adaptive,
+            "drafter": self.drafter,
             "synthetic_acceptance": self.oracle,
             "acceptance": self.acceptance,
             "acceptance_by_depth": self.acceptance_by_depth,
@@ -198,8 +200,13 @@ class BenchResult:
         }
 
 
+DRAFTERS = {"draft-model": "draft model", "prompt-lookup": "prompt lookup"}
+
+
 def _name(r: BenchRun) -> str:
     name = f"depth 1-{r.depth}, adaptive" if r.adaptive else f"depth {r.depth}"
+    if r.drafter != "mtp":  # mtpkit with another proposer than the head
+        name = f"{DRAFTERS[r.drafter]} (mtpkit), {name}"
     return name if r.oracle is None else f"{name} @{r.oracle:g}"
 
 
@@ -256,7 +263,7 @@ def print_bench(result: BenchResult) -> None:
 
 def draft_row(run: Any) -> list[str]:
     """The table row of stock mlx-lm with a draft model (its acceptance: tokens from the draft)."""
-    name = f"draft model, {run.num_draft_tokens} drafts"
+    name = f"draft model (stock mlx-lm), {run.num_draft_tokens} drafts"
     if run.unavailable:
         return [name, "-", "-", "n/a (below)", "", "", "", ""]
     accepted = "-" if run.acceptance is None else f"{run.acceptance:.1%} drafted"

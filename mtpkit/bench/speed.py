@@ -20,8 +20,8 @@ speedup is a ratio to stock decoding within the same trial.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -38,6 +38,7 @@ from mtpkit.bench.report import (
     expected_tokens,
     print_bench,  # noqa: F401  (the CLI imports it from here)
 )
+from mtpkit.core.choices import MAX_DEPTH
 from mtpkit.core.errors import MtpkitError
 from mtpkit.core.prompts import encode_prompt
 from mtpkit.runtime.model import (
@@ -54,6 +55,7 @@ from mtpkit.speculative.adaptive import AUTO_MAX_DEPTH
 from mtpkit.speculative.decode import DraftFilter, MtpDecoder, SamplingSettings
 from mtpkit.speculative.generate import check_prompt
 from mtpkit.speculative.proposers import Proposer, default_proposer
+from mtpkit.speculative.proposers.choose import DrafterChoice, ProposerFactory
 
 if TYPE_CHECKING:
     from mtpkit.bench.draft import DraftModelBench
@@ -228,11 +230,16 @@ def bench(
     draft: DraftModelBench | None = None,
     progress: Callable[[str], None] | None = None,
     pipeline: bool = False,
+    drafters: Sequence[DrafterChoice] = (),
+    num_draft_tokens: int = 3,
 ) -> BenchResult:
     """Measure plain decoding against MTP decoding at depths 1..max_depth; `progress` gets a
     line per stage and per measured run. `acceptances`: instead of the head's own drafts,
     oracle drafts right with each of these probabilities (`mtpkit.bench.oracle`; synthetic).
-    `draft`: also stock mlx-lm with a separate draft model (`mtpkit.bench.draft`).
+    `draft`: also stock mlx-lm with a separate draft model (`mtpkit.bench.draft`);
+    `drafters`: also mtpkit with these proposers (a draft model, prompt lookup): one more
+    row each, in the same trials (without a head, only these rows; a draft model at
+    `num_draft_tokens` a round, as stock's row).
     Under `mlx.launch` every rank measures its part in lockstep (`pipeline` as in
     `mtpkit.speculative.generate.generate`) against mlx-lm's own `sharded_load`, and every rank
     returns the same runs (the timings are each rank's own: rank 0's are the ones to print)."""
@@ -243,8 +250,11 @@ def bench(
     say = progress or (lambda s: None)
     group = world()
     m = load_model(model) if group is None else load_sharded(model, group, pipeline=pipeline)
-    if not m.has_head:
-        raise NoMtpHead(f"{m.path} has no MTP head: run `mtpkit inspect` and `mtpkit convert`")
+    if not m.has_head and not drafters:
+        raise NoMtpHead(
+            f"{m.path} has no MTP head: run `mtpkit inspect` and `mtpkit convert`, or bench "
+            "another drafter (--draft-model, --prompt-lookup)"
+        )
     eos = m.tokenizer.eos_token_ids
     m.tokenizer.eos_token_ids = []  # every run decodes exactly max_tokens tokens
     try:
@@ -252,14 +262,21 @@ def bench(
         check_prompt(m, tokens)
         say("forward and head costs")
         costs = measure_costs(m, tokens, max_depth=max_depth, repeats=repeats)
-        plan = Plan(max_tokens, max_depth, trials, acceptances, seed)
-        return _trials(m, str(model), tokens, costs, plan, say, draft)
+        factories = {c.name: ProposerFactory(m, c) for c in drafters}
+        rows = [
+            (name, min(num_draft_tokens, MAX_DEPTH), False)
+            if name == "draft-model"
+            else (name, AUTO_MAX_DEPTH, True)
+            for name in factories
+        ]
+        plan = Plan(max_tokens, max_depth, trials, acceptances, seed, rows, m.has_head)
+        return _trials(m, str(model), tokens, costs, plan, say, draft, factories)
     finally:
         m.tokenizer.eos_token_ids = eos
 
 
-# (depth, adaptive, oracle acceptance or None): one MTP run of each trial.
-Config = tuple[int, bool, float | None]
+# (depth, adaptive, oracle acceptance or None, proposer): one MTP run of each trial.
+Config = tuple[int, bool, float | None, str]
 
 
 @dataclass
@@ -269,21 +286,31 @@ class Plan:
     trials: int
     acceptances: list[float] | None
     seed: int
+    # Proposers besides the head: (name, depth, adaptive) of each one's row.
+    drafters: list[tuple[str, int, bool]] = field(default_factory=list)
+    head: bool = True
 
     def configs(self) -> list[Config]:
         """The MTP runs each trial makes after stock and --no-mtp: depths 1..K and adaptive
         drafting as `generate --mtp` runs it by default (each round's depth chosen, 1 to
-        AUTO_MAX_DEPTH), with the head's drafts or at each oracle acceptance."""
+        AUTO_MAX_DEPTH), with the head's drafts or at each oracle acceptance; then each other
+        proposer at its depth: a draft model's fixed, as stock's row drafts, prompt lookup's
+        chosen adaptively (generate's default)."""
         out: list[Config] = []
-        for a in self.acceptances if self.acceptances is not None else [None]:
-            out += [(d, False, a) for d in range(1, self.max_depth + 1)]
-            out.append((AUTO_MAX_DEPTH, True, a))
+        for a in (
+            (self.acceptances if self.acceptances is not None else [None]) if self.head else []
+        ):
+            out += [(d, False, a, "mtp") for d in range(1, self.max_depth + 1)]
+            out.append((AUTO_MAX_DEPTH, True, a, "mtp"))
+        out += [(depth, adaptive, None, name) for name, depth, adaptive in self.drafters]
         return out
 
 
 def _name(config: Config) -> str:
-    depth, adaptive, oracle = config
+    depth, adaptive, oracle, drafter = config
     name = f"MTP depth 1-{depth} adaptive" if adaptive else f"MTP depth {depth}"
+    if drafter != "mtp":
+        name = f"{drafter} {name.removeprefix('MTP ')}"
     return name if oracle is None else f"{name} at oracle acceptance {oracle:g}"
 
 
@@ -295,7 +322,9 @@ def _trials(
     plan: Plan,
     say: Callable[[str], None],
     draft: DraftModelBench | None = None,
+    factories: dict[str, ProposerFactory] | None = None,
 ) -> BenchResult:
+    factories = factories or {}
 
     # Stock mlx-lm on its own, untouched load of the directory.
     stock_model, stock_tokenizer = _stock_load(m)
@@ -303,7 +332,8 @@ def _trials(
     stock_tokenizer.eos_token_ids = []  # every run decodes exactly max_tokens tokens
     _stock_run(stock_model, stock_tokenizer, tokens, 8)  # warm up
     for depth in range(1, max(plan.max_depth, AUTO_MAX_DEPTH) + 1):  # kernel builds, routes
-        _mtp_run(m, tokens, depth, 8)
+        for name in ["mtp"] * plan.head + list(factories):
+            _mtp_run(m, tokens, depth, 8, proposer=factories[name]() if name in factories else None)
     if draft is not None:
         draft.check_target(stock_model, stock_tokenizer)
         draft.run(stock_model, stock_tokenizer, tokens, 8)  # warm up
@@ -315,7 +345,7 @@ def _trials(
             filters[a] = OracleDrafts(reference, len(tokens), a, vocab, plan.seed)
     plain, no_mtp, no_mtp_speedup = Figure(), Figure(), Figure()
     runs = {
-        c: BenchRun(c[0], c[1], [], [], Figure(), Figure(), Figure(), oracle=c[2])
+        c: BenchRun(c[0], c[1], [], [], Figure(), Figure(), Figure(), oracle=c[2], drafter=c[3])
         for c in plan.configs()
     }
     for trial in range(plan.trials):
@@ -332,9 +362,10 @@ def _trials(
             rate = draft.run(stock_model, stock_tokenizer, tokens, plan.max_tokens, base)
             say(f"{at} draft model {rate:.1f} tok/s, {draft.result.acceptance:.1%} from the draft")
         for config, run in runs.items():
-            depth, adaptive, oracle = config
+            depth, adaptive, oracle, drafter = config
+            proposer = factories[drafter]() if drafter in factories else None
             rate, step, decoder = _mtp_run(
-                m, tokens, depth, plan.max_tokens, adaptive, filters[oracle]
+                m, tokens, depth, plan.max_tokens, adaptive, filters[oracle], proposer=proposer
             )
             _record(run, decoder, rate, base, step)
             accepted = run.acceptances[-1]

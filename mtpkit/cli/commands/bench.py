@@ -13,6 +13,7 @@ from mtpkit.cli.options import (
     BenchPromptOpt,
     JsonOpt,
     PipelineOpt,
+    PromptLookupOpt,
     RandomLayersOpt,
     RandomShapeOpt,
     ScaleDtypeOpt,
@@ -28,8 +29,8 @@ DraftModelOpt = Annotated[
     typer.Option(
         "--draft-model",
         metavar="DIR",
-        help="Also measure stock mlx-lm's speculative decoding with this separate draft "
-        "model directory (same tokenizer), as one more row of the table.",
+        help="Also measure drafting with this separate draft model (same tokenizer): "
+        "mtpkit's row, and stock mlx-lm's speculative decoding with it where stock runs it.",
     ),
 ]
 NumDraftTokensOpt = Annotated[
@@ -64,6 +65,7 @@ def bench_command(
     draft_model: DraftModelOpt = None,
     num_draft_tokens: NumDraftTokensOpt = 3,
     acceptance: AcceptanceOpt = None,
+    prompt_lookup: PromptLookupOpt = False,
     json_output: JsonOpt = False,
     pipeline: PipelineOpt = False,
     timeout: TimeoutOpt = DEFAULT_TIMEOUT,
@@ -72,7 +74,7 @@ def bench_command(
 
     Reports decode tok/s and acceptance per depth and with adaptive drafting, stock's ms per token in its own loop, each run's ms per step and the ceiling E*stock/step with the share realized; beta (a 2-token verify over a 1-token forward) and delta (a head step over it) as diagnostics: medians of interleaved trials with their range. A line on stderr (and "reliable": false) says when the trials are too few or their ranges too wide.
 
-    With --draft-model DIR, one more row: stock mlx-lm's speculative decoding with that separate draft model (what LM Studio's mlx-engine offers), so the table shows whether the built-in head or a draft model is faster; models whose caches cannot be rolled back (Qwen3.5's gated delta nets) get the reason instead.
+    With --draft-model DIR, two more rows: mtpkit drafting with that separate draft model, and stock mlx-lm's speculative decoding with it (what LM Studio's mlx-engine offers), so the table shows whether the built-in head or a draft model is faster; where stock cannot roll the caches back (Qwen3.5's gated delta nets) its row gets the reason instead. With --prompt-lookup, one more row: mtpkit drafting by prompt lookup. A model without a head gets only these rows.
     """
     import shutil
 
@@ -96,6 +98,10 @@ def bench_command(
     def progress(line: str) -> None:
         log(f"... {line}")  # stderr, so also with --json
 
+    from mtpkit.speculative.proposers.choose import DrafterChoice
+
+    drafters = [DrafterChoice(draft_model=draft_model)] if draft_model is not None else []
+    drafters += [DrafterChoice(prompt_lookup=True)] if prompt_lookup else []
     draft = None
     if draft_model is not None:
         from mtpkit.bench.draft import DraftModelBench
@@ -120,6 +126,8 @@ def bench_command(
                 progress=progress if ranks.is_root else None,
                 pipeline=pipeline,
                 draft=draft,
+                drafters=drafters,
+                num_draft_tokens=num_draft_tokens,
             )
     finally:
         if built is not None:

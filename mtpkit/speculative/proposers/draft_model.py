@@ -62,11 +62,8 @@ def load_draft_model(spec: str | Path, revision: str | None = None) -> DraftMode
 
 
 def _special_ids(tokenizer: Any) -> dict[str, Any]:
-    return {
-        "eos": sorted(getattr(tokenizer, "eos_token_ids", None) or []),
-        "bos": getattr(tokenizer, "bos_token_id", None),
-        "pad": getattr(tokenizer, "pad_token_id", None),
-    }
+    """The tokenizer's own special tokens (not the EOS set a command line may extend)."""
+    return {name: getattr(tokenizer, f"{name}_token_id", None) for name in ("eos", "bos", "pad")}
 
 
 def incompatibility(target: Any, draft: Any) -> str | None:
