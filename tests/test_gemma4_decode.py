@@ -8,6 +8,7 @@ by `scripts/gemma4_reference.py`); sampling keeps the target's distribution.
 
 from __future__ import annotations
 
+import json
 from collections import Counter
 from pathlib import Path
 
@@ -159,3 +160,42 @@ def test_an_assistant_for_a_model_that_is_not_gemma4_is_refused(pair):
     assert lines[-1].startswith("Error: ")
     assert "drafts only for a Gemma 4 target" in lines[-1]
     assert "Traceback" not in result.output
+
+
+# --------------------------------------------------------------------------- check
+
+
+def test_check_an_assistant_with_its_target(pair):
+    args = ["check", str(pair["masked"]), "--target", str(pair["target"]), "-m", "8", "--json"]
+    result = CliRunner().invoke(app, [*args, "--min-acceptance", "0"])
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    assert [(c["name"], c["status"]) for c in report["checks"]] == [
+        ("structure", "pass"),
+        ("pairing", "pass"),
+        ("acceptance", "pass"),
+    ]
+    assert 0.0 <= report["acceptance"] < 1.0  # a random assistant, measured
+    # The default minimum (20%) is far above what a random assistant reaches: exit 3.
+    failed = CliRunner().invoke(app, args)
+    assert failed.exit_code == 3
+    assert json.loads(failed.stdout)["checks"][2]["status"] == "fail"
+
+
+def test_check_an_assistant_against_a_target_it_does_not_fit(pair):
+    args = ["check", str(pair["dense"]), "--target", str(EXAMPLE), "--json"]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 3
+    checks = {c["name"]: c for c in json.loads(result.stdout)["checks"]}
+    assert checks["pairing"]["status"] == "fail"
+    assert checks["pairing"]["detail"].endswith("qwen3_5 model, not a Gemma 4 target")
+    assert checks["acceptance"]["status"] == "skip"
+
+
+def test_check_an_assistant_without_its_target_is_an_error(pair):
+    result = CliRunner().invoke(app, ["check", str(pair["dense"])])
+    assert result.exit_code == 1
+    assert result.output.strip().splitlines()[-1] == (
+        f"Error: {pair['dense']} is a Gemma 4 assistant: pass --target TARGET, the model it "
+        "drafts for"
+    )
