@@ -130,7 +130,11 @@ def _print(result: dict, json_output: bool) -> None:
 def _is_assistant(spec: str, revision: str | None) -> bool:
     """Whether `spec` is a Gemma 4 assistant (checked with its target, not as a head)."""
     from mtpkit.checkpoint.source import open_source
+    from mtpkit.core.errors import MtpkitError
     from mtpkit.runtime.assistant import is_assistant
 
-    config = open_source(spec, revision=revision).read_json("config.json")
+    try:
+        config = open_source(spec, revision=revision).read_json("config.json")
+    except (MtpkitError, OSError, ValueError):
+        return False  # the head's check reports an unreadable source (and its --junit)
     return isinstance(config, dict) and is_assistant(config)
