@@ -168,7 +168,9 @@ def json_text(data: Any) -> str:
     return json.dumps(data, indent=2) + "\n"
 
 
-def target_config(text_only: bool = False, **overrides: Any) -> dict[str, Any]:
+def target_config(
+    text_only: bool = False, dtype: str = "bfloat16", **overrides: Any
+) -> dict[str, Any]:
     text = {**copy.deepcopy(TARGET_TEXT), **overrides}
     if text_only:
         return {**text, "architectures": ["Gemma4ForCausalLM"]}
@@ -181,22 +183,62 @@ def target_config(text_only: bool = False, **overrides: Any) -> dict[str, Any]:
         "image_token_id": 258880,
         "boi_token_id": 255999,
         "eoi_token_id": 258882,
-        "torch_dtype": "bfloat16",
+        "torch_dtype": dtype,  # the weights' dtype (convert's default, as mlx_lm.convert's)
     }
 
 
+# The 26B-A4B's layout: a MoE block beside the dense MLP, K-eq-V full layers with their own
+# K/V head count, no per-layer inputs, no KV-shared layers.
+MOE_TEXT: dict[str, Any] = {
+    "enable_moe_block": True,
+    "num_experts": 4,
+    "top_k_experts": 2,
+    "moe_intermediate_size": 32,
+    "attention_k_eq_v": True,
+    "num_global_key_value_heads": 1,
+    "num_key_value_heads": 2,
+    "num_kv_shared_layers": 0,
+    "hidden_size_per_layer_input": 0,
+    "vocab_size_per_layer_input": 0,
+    "use_double_wide_mlp": False,
+}
+
+
+def _fused_experts(tensors: dict[str, mx.array]) -> dict[str, mx.array]:
+    """mlx-lm's `experts.switch_glu.*` back to transformers' fused 3-D `experts.gate_up_proj`
+    (gate rows first) and `experts.down_proj`, as the published MoE checkpoint stores them."""
+    out: dict[str, mx.array] = {}
+    for name, array in tensors.items():
+        if name.endswith(".experts.switch_glu.gate_proj.weight"):
+            base = name.removesuffix(".switch_glu.gate_proj.weight")
+            up = tensors[f"{base}.switch_glu.up_proj.weight"]
+            out[f"{base}.gate_up_proj"] = mx.concatenate([array, up], axis=-2)
+        elif name.endswith(".experts.switch_glu.down_proj.weight"):
+            out[name.removesuffix(".switch_glu.down_proj.weight") + ".down_proj"] = array
+        elif not name.endswith(".experts.switch_glu.up_proj.weight"):
+            out[name] = array
+    return out
+
+
 def build_target(
-    path: Path, *, text_only: bool = False, dtype: str = "float32", seed: int = 0, shards: int = 2
+    path: Path,
+    *,
+    text_only: bool = False,
+    moe: bool = False,
+    dtype: str = "float32",
+    seed: int = 0,
+    shards: int = 2,
 ) -> Path:
-    """A tiny Gemma 4 target (E2B-like: per-layer inputs, 2 KV-shared layers) at `path`."""
-    config = target_config(text_only)
+    """A tiny Gemma 4 target at `path`: E2B-like (per-layer inputs, 2 KV-shared layers), or
+    with `moe` 26B-A4B-like (fused experts, K-eq-V full layers)."""
+    config = target_config(text_only, dtype, **(MOE_TEXT if moe else {}))
     text = config if text_only else config["text_config"]
     t = Tensors(seed)
     _fill(t, _text_shapes(text))
     prefix = "model." if text_only else "model.language_model."
     tensors = {
         prefix + name.removeprefix("model."): array
-        for name, array in t.to_mlx(getattr(mx, dtype)).items()
+        for name, array in _fused_experts(t.to_mlx(getattr(mx, dtype))).items()
     }
     if not text_only:  # the vision tower mlx-lm (and mtpkit) drop: one tensor stands for it
         tensors["model.vision_tower.patch_embedder.input_proj.weight"] = mx.zeros(

@@ -136,6 +136,21 @@ class Gemma4(Family):
             return None
         return name
 
+    def split_tensor(self, name: str) -> list[tuple[str, Any]] | None:
+        """The 26B-A4B's fused experts into mlx-lm's `experts.switch_glu` (its gemma4
+        `sanitize`: gate rows first), not the `switch_mlp` other families use."""
+        import mlx.core as mx
+
+        if name.endswith(".experts.gate_up_proj"):
+            base = name.removesuffix(".gate_up_proj") + ".switch_glu"
+            return [
+                (f"{base}.gate_proj.weight", lambda a: mx.contiguous(mx.split(a, 2, axis=-2)[0])),
+                (f"{base}.up_proj.weight", lambda a: mx.contiguous(mx.split(a, 2, axis=-2)[1])),
+            ]
+        if name.endswith(".experts.down_proj"):
+            return [(name.removesuffix(".down_proj") + ".switch_glu.down_proj.weight", lambda a: a)]
+        return None
+
     @property
     def first_kv_shared_layer(self) -> int:
         return self.num_hidden_layers - int(self.text_config.get("num_kv_shared_layers") or 0)
