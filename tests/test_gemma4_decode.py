@@ -41,6 +41,50 @@ def pair(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     }
 
 
+def _rewrite(path: Path, name: str, edit) -> None:
+    """Replace tensor `name` of a checkpoint by `edit(array)` in the shard that holds it."""
+    for shard in sorted(path.glob("*.safetensors")):
+        tensors = mx.load(str(shard))
+        if name in tensors:
+            tensors[name] = edit(np.array(tensors[name]))
+            mx.save_safetensors(str(shard), tensors, metadata={"format": "pt"})
+            return
+    raise KeyError(name)
+
+
+def _two_token(table: np.ndarray, norm: np.ndarray, sign: float) -> tuple[mx.array, mx.array]:
+    """A final norm that keeps one dimension and a table whose column there picks token 10 or
+    token 11 by its sign: greedy output is one of the two, whatever the context."""
+    norm = np.zeros_like(norm)
+    norm[0] = 1.0
+    table = table.copy()
+    table[10, 0], table[11, 0] = 3.0 * sign, -3.0 * sign
+    return mx.array(table), mx.array(norm)
+
+
+SIGN = -1.0
+
+
+@pytest.fixture(scope="module")
+def agreeing(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """A target and a dense assistant that both answer token 10 or 11: the assistant's
+    drafts are kept about half the time, so rounds keep some drafts and reject others."""
+    root = tmp_path_factory.mktemp("gemma4_agreeing")
+    target, assistant = build_target(root / "target"), build_assistant(root / "dense")
+    # The signs (fixed seeds) make the assistant agree with the target on most steps.
+    for path, table, norm, sign in (
+        (target, "model.language_model.embed_tokens.weight", "model.language_model.norm.weight", 1),
+        (assistant, "model.embed_tokens.weight", "model.norm.weight", SIGN),
+    ):
+        arrays = {}
+        for shard in path.glob("*.safetensors"):
+            arrays.update(mx.load(str(shard)))
+        new_table, new_norm = _two_token(np.array(arrays[table]), np.array(arrays[norm]), sign)
+        _rewrite(path, table, lambda _, a=new_table: a)
+        _rewrite(path, norm, lambda _, a=new_norm: a)
+    return {"target": target, "dense": assistant}
+
+
 def _stock_greedy(path: Path, prompt: list[int], n: int) -> list[int]:
     from mlx_lm import load
     from mlx_lm.generate import generate_step
@@ -74,6 +118,22 @@ def test_greedy_output_is_stock_mlx_lm_greedy(pair, head, depth):
     assert result.drafted >= depth * 2  # the assistant drafted, round after round
 
 
+@pytest.mark.parametrize("depth", [2, 3])
+def test_kept_and_rejected_drafts_leave_stock_greedy_output(agreeing, depth):
+    """Rounds that keep some drafts and reject others (the target's cache rolled back, the
+    assistant's next round drafting from the kept state) still give stock mlx-lm's output."""
+    n = 4 * WINDOW
+    stock = _stock_greedy(agreeing["target"], PROMPT, n)
+    assert set(stock) <= {10, 11}
+    result = generate(
+        str(agreeing["target"]), prompt=PROMPT, max_tokens=n, depth=depth, adaptive=False,
+        drafter=DrafterChoice(draft_model=agreeing["dense"]),
+    )  # fmt: skip
+    assert result.tokens == stock
+    assert 0 < result.accepted < result.drafted  # kept drafts, and rejected ones
+    assert result.acceptance_by_depth[1]  # rounds kept a second draft too
+
+
 @pytest.mark.parametrize("head", ["dense", "masked"])
 @pytest.mark.parametrize("prompt", ["short", "long"])
 def test_first_round_drafts_are_transformers(pair, head, prompt):
@@ -88,9 +148,11 @@ def test_first_round_drafts_are_transformers(pair, head, prompt):
     assert drafts == ref[f"{prompt}/{head}/draft_tokens"].tolist()
 
 
-def test_sampling_keeps_the_target_distribution(pair):
+def test_sampling_keeps_the_target_distribution(agreeing):
     """The first two sampled tokens follow the target's joint distribution (top-k 3), the
-    assistant drafting from its own distribution each round (chi-square at p = 0.001)."""
+    assistant drafting from its own distribution each round, its drafts both kept and
+    resampled (chi-square at p = 0.001)."""
+    pair = agreeing
     settings = SamplingSettings(temp=1.0, top_k=3)
     m = load_model(pair["target"], with_head=False)
     p1 = settings.probs(m.model(mx.array(PROMPT)[None])[0, -1])
@@ -101,9 +163,10 @@ def test_sampling_keeps_the_target_distribution(pair):
             exact[(t1, t2)] = p1[t1].item() * p2[t2].item()
     keys = sorted(exact)
     index = {k: i for i, k in enumerate(keys)}
-    proposer = ProposerFactory(m, DrafterChoice(draft_model=pair["masked"]))
+    proposer = ProposerFactory(m, DrafterChoice(draft_model=pair["dense"]))
     counts: Counter = Counter()
-    drafted, n = 0, 300
+    drafted = accepted = 0
+    n = 300
     for seed in range(n):
         mx.random.seed(seed)
         decoder = MtpDecoder(
@@ -111,7 +174,8 @@ def test_sampling_keeps_the_target_distribution(pair):
         )
         counts[index.get(tuple(decoder.tokens(2))[:2], -1)] += 1
         drafted += decoder.stats.drafted
-    assert drafted > 0
+        accepted += decoder.stats.accepted
+    assert 0 < accepted < drafted
     stat, dof = chi_square(counts, {index[k]: v for k, v in exact.items()}, n)
     assert stat < CHI2_999[dof]
 
@@ -165,9 +229,9 @@ def test_an_assistant_for_a_model_that_is_not_gemma4_is_refused(pair):
 # --------------------------------------------------------------------------- check
 
 
-def test_check_an_assistant_with_its_target(pair):
-    args = ["check", str(pair["masked"]), "--target", str(pair["target"]), "-m", "8", "--json"]
-    result = CliRunner().invoke(app, [*args, "--min-acceptance", "0"])
+def test_check_an_assistant_with_its_target(pair, agreeing):
+    args = ["check", str(agreeing["dense"]), "--target", str(agreeing["target"]), "-m", "8"]
+    result = CliRunner().invoke(app, [*args, "--json"])
     assert result.exit_code == 0, result.output
     report = json.loads(result.stdout)
     assert [(c["name"], c["status"]) for c in report["checks"]] == [
@@ -175,11 +239,16 @@ def test_check_an_assistant_with_its_target(pair):
         ("pairing", "pass"),
         ("acceptance", "pass"),
     ]
-    assert 0.0 <= report["acceptance"] < 1.0  # a random assistant, measured
-    # The default minimum (20%) is far above what a random assistant reaches: exit 3.
+    assert report["acceptance"] > 0.5  # this assistant agrees with its target on most steps
+    table = CliRunner().invoke(app, args)
+    assert table.exit_code == 0
+    assert "verdict: pass (acceptance" in table.stdout
+    # A random assistant stays far below the default minimum (20%): exit 3.
+    args = ["check", str(pair["masked"]), "--target", str(pair["target"]), "-m", "8", "--json"]
     failed = CliRunner().invoke(app, args)
     assert failed.exit_code == 3
-    assert json.loads(failed.stdout)["checks"][2]["status"] == "fail"
+    report = json.loads(failed.stdout)
+    assert report["checks"][2]["status"] == "fail" and report["acceptance"] < 0.2
 
 
 def test_check_an_assistant_against_a_target_it_does_not_fit(pair):
