@@ -118,6 +118,27 @@ def test_greedy_output_is_stock_mlx_lm_greedy(pair, head, depth):
     assert result.drafted >= depth * 2  # the assistant drafted, round after round
 
 
+def test_a_moe_target_without_shared_layers(tmp_path):
+    """26B-A4B-like: no KV-shared layers (the assistant reads the last sliding and the last
+    full layer of the whole stack), K-eq-V full layers with their own K/V head count."""
+    from mtpkit.families import family_for
+    from tests.gemma4_checkpoints import MOE_TEXT, target_config
+
+    target = build_target(tmp_path / "moe", moe=True)
+    assistant = build_assistant(tmp_path / "assistant")
+    assert family_for(target_config(**MOE_TEXT)).pairing()["kv_source_layers"] == {
+        "sliding_attention": 4,
+        "full_attention": 5,
+    }
+    stock = _stock_greedy(target, PROMPT, 2 * WINDOW)
+    result = generate(
+        str(target), prompt=PROMPT, max_tokens=2 * WINDOW, depth=2, adaptive=False,
+        drafter=DrafterChoice(draft_model=assistant),
+    )  # fmt: skip
+    assert result.tokens == stock
+    assert result.drafted > 0
+
+
 @pytest.mark.parametrize("depth", [2, 3])
 def test_kept_and_rejected_drafts_leave_stock_greedy_output(agreeing, depth):
     """Rounds that keep some drafts and reject others (the target's cache rolled back, the
