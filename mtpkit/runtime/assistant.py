@@ -59,12 +59,16 @@ def assistant_directory(spec: str | Path, revision: str | None = None) -> Path |
     return source.snapshot_dir()
 
 
-def check_pairs(assistant: Gemma4AssistantModel, assistant_config: dict[str, Any],
-                target_config: dict[str, Any], names: tuple[str, str]) -> None:  # fmt: skip
+def check_pairs(
+    assistant_config: dict[str, Any], target_config: dict[str, Any], names: tuple[str, str]
+) -> None:
     """Refuse an assistant that cannot draft for the target (one line naming why)."""
     from mtpkit.families.gemma4_assistant import pairing_problems
 
-    target = family_for(target_config).pairing() if _known(target_config) else None
+    try:
+        target = family_for(target_config).pairing()
+    except MtpkitError:  # a model type mtpkit has no family for
+        target = None
     if target is None or target.get("role") != "target":
         raise MtpkitError(
             f"{names[0]} is a Gemma 4 assistant; it drafts only for a Gemma 4 target, and "
@@ -76,14 +80,6 @@ def check_pairs(assistant: Gemma4AssistantModel, assistant_config: dict[str, Any
             f"{names[0]} does not pair with {names[1]}: {problems[0]}; use the assistant "
             "published beside this target"
         )
-
-
-def _known(config: dict[str, Any]) -> bool:
-    try:
-        family_for(config)
-    except MtpkitError:
-        return False
-    return True
 
 
 def load_assistant(path: str | Path) -> Gemma4AssistantModel:

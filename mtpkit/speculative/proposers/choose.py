@@ -59,7 +59,7 @@ class ProposerFactory:
         if where is not None:
             self.assistant = load_assistant(where)
             names = (str(spec), self.m.path.name)
-            check_pairs(self.assistant, self.assistant.config, self.m.config, names)
+            check_pairs(self.assistant.config, self.m.config, names)
             return
         from mtpkit.speculative.proposers.draft_model import check_compatible, load_draft_model
 

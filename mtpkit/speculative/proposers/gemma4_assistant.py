@@ -39,6 +39,7 @@ class AssistantProposer(ProposerBase):
         m.hidden = POST_NORM
         self.target_cache: list[Any] = []
         self.hidden: mx.array | None = None  # [1, 1, H_b] before the last confirmed token
+        self.last_token = 0  # the last confirmed token: not in the target's cache yet
         self.step_cost = step_cost
 
     def attach(self, cache: list[Any]) -> None:
@@ -60,10 +61,13 @@ class AssistantProposer(ProposerBase):
         kv = self.reader.kv(self.target_cache)
         position = self.position()
         token = mx.array([[self.last_token]], dtype=mx.int32)
-        hidden = self.hidden.astype(self.reader.embedding(token).dtype)
+        hidden = self.hidden
         drafts, dists = [], []
         for _ in range(depth):
-            h, hidden = self.assistant.hidden_step(self.reader.embed(token), hidden, kv, position)
+            embedded = self.reader.embed(token)
+            h, hidden = self.assistant.hidden_step(
+                embedded, hidden.astype(embedded.dtype), kv, position
+            )
             if sampling.greedy:
                 token = self.assistant.greedy(h).astype(mx.int32)
             else:
@@ -74,12 +78,10 @@ class AssistantProposer(ProposerBase):
         return Proposal(mx.concatenate(drafts), mx.stack(dists) if dists else None)
 
     def begin(self, prompt: list[int], cached: int) -> None:
+        # Until the target has computed a token, there is no hidden state to draft from (a
+        # one-token prompt, or a prompt cache holding all but the last): a plain step first.
         self.last_token = prompt[-1]
         self.hidden = None
-
-    def end_prefill(self) -> None:
-        # A one-token prompt has no hidden state before its token: the first step is plain.
-        return None
 
     def after_verify(
         self, proposal: Proposal, hidden: mx.array, followers: mx.array, launch: bool
