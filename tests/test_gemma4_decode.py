@@ -290,3 +290,14 @@ def test_check_an_assistant_without_its_target_is_an_error(pair):
         f"Error: {pair['dense']} is a Gemma 4 assistant: pass --target TARGET, the model it "
         "drafts for"
     )
+
+
+def test_bench_measures_the_assistant(agreeing):
+    args = ["bench", "--model", str(agreeing["target"]), "--draft-model", str(agreeing["dense"])]
+    result = CliRunner().invoke(app, [*args, "--max-tokens", "8", "--trials", "1", "--json"])
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    assert report["draft_model"] is None  # stock mlx-lm cannot load an assistant: no row
+    (row,) = report["runs"]
+    assert row["drafter"] == "gemma4-assistant" and row["depth"] == 3
+    assert row["acceptance"] > 0
