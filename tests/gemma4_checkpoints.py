@@ -120,6 +120,20 @@ def _fill(t: Tensors, shapes: dict[str, tuple[int, ...]]) -> None:
             t.matrix(name, *shape, std=0.08)
 
 
+def two_token(tensors: dict[str, mx.array], table: str, norm: str, sign: float) -> None:
+    """Make a model answer token 10 or token 11 whatever the context: its final norm keeps
+    one dimension, and its tied table's column there picks 10 or 11 by the sign of that
+    dimension (`sign` flips which). A target and an assistant so made agree on most steps
+    (tests of rounds that keep some drafts and reject others)."""
+    weights = np.array(tensors[norm].astype(mx.float32))
+    weights[:] = 0.0
+    weights[0] = 1.0
+    rows = np.array(tensors[table].astype(mx.float32))
+    rows[10, 0], rows[11, 0] = 3.0 * sign, -3.0 * sign
+    tensors[norm] = mx.array(weights).astype(tensors[norm].dtype)
+    tensors[table] = mx.array(rows).astype(tensors[table].dtype)
+
+
 def _text_shapes(text: dict[str, Any]) -> dict[str, tuple[int, ...]]:
     """Stock mlx-lm's gemma4_text parameter tree (`model.*`) for a text config."""
     from mtpkit.mlxlm import mlx_lm_models
@@ -228,9 +242,11 @@ def build_target(
     dtype: str = "float32",
     seed: int = 0,
     shards: int = 2,
+    agreeing: bool = False,
 ) -> Path:
     """A tiny Gemma 4 target at `path`: E2B-like (per-layer inputs, 2 KV-shared layers), or
-    with `moe` 26B-A4B-like (fused experts, K-eq-V full layers)."""
+    with `moe` 26B-A4B-like (fused experts, K-eq-V full layers); `agreeing`: see
+    `two_token`."""
     config = target_config(text_only, dtype, **(MOE_TEXT if moe else {}))
     text = config if text_only else config["text_config"]
     t = Tensors(seed)
@@ -240,6 +256,8 @@ def build_target(
         prefix + name.removeprefix("model."): array
         for name, array in _fused_experts(t.to_mlx(getattr(mx, dtype))).items()
     }
+    if agreeing:
+        two_token(tensors, prefix + "embed_tokens.weight", prefix + "norm.weight", 1.0)
     if not text_only:  # the vision tower mlx-lm (and mtpkit) drop: one tensor stands for it
         tensors["model.vision_tower.patch_embedder.input_proj.weight"] = mx.zeros(
             (8, 12), dtype=getattr(mx, dtype)
@@ -272,10 +290,11 @@ def build_assistant(
     shards: int = 1,
     with_lm_head: bool = False,
     config: dict[str, Any] | None = None,
+    agreeing: bool = False,
 ) -> Path:
     """A tiny Gemma 4 assistant for `build_target`'s target at `path` (`ordered`: the
     centroid-masked head of the E2B/E4B assistants). `with_lm_head` also writes the tied head
-    as its own tensor, as some exports do."""
+    as its own tensor, as some exports do; `agreeing`: see `two_token`."""
     config = config or assistant_config(ordered=ordered)
     text = config["text_config"]
     hidden, backbone = text["hidden_size"], config["backbone_hidden_size"]
@@ -294,6 +313,8 @@ def build_assistant(
     if config["use_ordered_embeddings"]:
         order = np.random.default_rng(seed).permutation(text["vocab_size"])
         tensors["masked_embedding.token_ordering"] = mx.array(order.astype(np.int64))
+    if agreeing:  # with `build_target(agreeing=True)`: the sign that agrees (fixed seeds)
+        two_token(tensors, "model.embed_tokens.weight", "model.norm.weight", -1.0)
     if with_lm_head:
         tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"]
     _save(Path(path), tensors, config, shards)

@@ -41,48 +41,15 @@ def pair(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     }
 
 
-def _rewrite(path: Path, name: str, edit) -> None:
-    """Replace tensor `name` of a checkpoint by `edit(array)` in the shard that holds it."""
-    for shard in sorted(path.glob("*.safetensors")):
-        tensors = mx.load(str(shard))
-        if name in tensors:
-            tensors[name] = edit(np.array(tensors[name]))
-            mx.save_safetensors(str(shard), tensors, metadata={"format": "pt"})
-            return
-    raise KeyError(name)
-
-
-def _two_token(table: np.ndarray, norm: np.ndarray, sign: float) -> tuple[mx.array, mx.array]:
-    """A final norm that keeps one dimension and a table whose column there picks token 10 or
-    token 11 by its sign: greedy output is one of the two, whatever the context."""
-    norm = np.zeros_like(norm)
-    norm[0] = 1.0
-    table = table.copy()
-    table[10, 0], table[11, 0] = 3.0 * sign, -3.0 * sign
-    return mx.array(table), mx.array(norm)
-
-
-SIGN = -1.0
-
-
 @pytest.fixture(scope="module")
 def agreeing(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """A target and a dense assistant that both answer token 10 or 11: the assistant's
-    drafts are kept about half the time, so rounds keep some drafts and reject others."""
+    """A target and a dense assistant that both answer token 10 or 11 and agree on most
+    steps, so rounds keep some drafts and reject others (`gemma4_checkpoints.two_token`)."""
     root = tmp_path_factory.mktemp("gemma4_agreeing")
-    target, assistant = build_target(root / "target"), build_assistant(root / "dense")
-    # The signs (fixed seeds) make the assistant agree with the target on most steps.
-    for path, table, norm, sign in (
-        (target, "model.language_model.embed_tokens.weight", "model.language_model.norm.weight", 1),
-        (assistant, "model.embed_tokens.weight", "model.norm.weight", SIGN),
-    ):
-        arrays = {}
-        for shard in path.glob("*.safetensors"):
-            arrays.update(mx.load(str(shard)))
-        new_table, new_norm = _two_token(np.array(arrays[table]), np.array(arrays[norm]), sign)
-        _rewrite(path, table, lambda _, a=new_table: a)
-        _rewrite(path, norm, lambda _, a=new_norm: a)
-    return {"target": target, "dense": assistant}
+    return {
+        "target": build_target(root / "target", agreeing=True),
+        "dense": build_assistant(root / "dense", agreeing=True),
+    }
 
 
 def _stock_greedy(path: Path, prompt: list[int], n: int) -> list[int]:
