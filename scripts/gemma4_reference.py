@@ -36,6 +36,7 @@ from tests.gemma4_checkpoints import build_assistant, build_target  # noqa: E402
 
 OUT = ROOT / "tests" / "references" / "gemma4_assistant.npz"
 STEPS = 3
+ASSISTED_TOKENS = 32
 # A prompt inside the sliding window (8) and one past it (the sliding layers then see only
 # the newest window + 1 entries).
 PROMPTS = {
@@ -115,9 +116,50 @@ def draft(target, assistant, prompt: list[int]) -> dict[str, np.ndarray]:
     }
 
 
+@torch.no_grad()
+def assisted_generation(target, assistant, prompt: list[int]) -> dict[str, np.ndarray]:
+    """transformers' own assisted generation (greedy, `STEPS` drafts a round): the output,
+    and each round's (input length, drafts) as its candidate generator drafted them."""
+    from transformers.generation import candidate_generator
+
+    generator = candidate_generator.SinglePositionMultiTokenCandidateGenerator
+    original = generator.get_candidates
+    rounds: list[tuple[int, list[int]]] = []
+
+    def recorded(self, input_ids, *args, **kwargs):
+        ids, logits = original(self, input_ids, *args, **kwargs)
+        if logits is not None:
+            rounds.append((input_ids.shape[1], ids[0, input_ids.shape[1] :].tolist()))
+        return ids, logits
+
+    generator.get_candidates = recorded
+    try:
+        assistant.generation_config.num_assistant_tokens = STEPS
+        out = target.generate(
+            torch.tensor([prompt]), assistant_model=assistant, max_new_tokens=ASSISTED_TOKENS,
+            do_sample=False,
+        )  # fmt: skip
+    finally:
+        generator.get_candidates = original
+    drafts = np.full((len(rounds), STEPS), -1)
+    for i, (_, tokens) in enumerate(rounds):
+        drafts[i, : len(tokens)] = tokens
+    return {
+        "output": out[0, len(prompt) :].numpy(),
+        "positions": np.array([position for position, _ in rounds]),
+        "drafts": drafts,
+    }
+
+
 def main() -> None:
     arrays: dict[str, np.ndarray] = {}
     with tempfile.TemporaryDirectory() as tmp:
+        # A pair that agrees on most steps (`two_token`): rounds keep drafts and reject some.
+        target = load_target(build_target(Path(tmp) / "agreeing_target", agreeing=True))
+        assistant = load_assistant(build_assistant(Path(tmp) / "agreeing", agreeing=True))
+        arrays["assisted/prompt"] = np.array(PROMPTS["long"][:12])
+        for key, value in assisted_generation(target, assistant, PROMPTS["long"][:12]).items():
+            arrays[f"assisted/{key}"] = value
         target = load_target(build_target(Path(tmp) / "target"))
         for head, ordered in (("dense", False), ("masked", True)):
             assistant = load_assistant(build_assistant(Path(tmp) / head, ordered=ordered))

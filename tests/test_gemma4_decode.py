@@ -268,3 +268,37 @@ def test_bench_measures_the_assistant(agreeing):
     (row,) = report["runs"]
     assert row["drafter"] == "gemma4-assistant" and row["depth"] == 3
     assert row["acceptance"] > 0
+
+
+def test_rounds_and_accepted_count_are_transformers_assisted_generation(agreeing):
+    """transformers' own assisted generation with the same pair (greedy, 3 drafts a round,
+    `scripts/gemma4_reference.py`) against mtpkit's decoder: the same output, the same drafts
+    at the same positions round by round, so the same accepted count. transformers' first
+    round starts after the prompt's bonus token, so mtpkit's prompt includes it; its last
+    round drafts fewer tokens (capped by its max length) and is compared up to there."""
+    ref = np.load(REFERENCE)
+    prompt, output = ref["assisted/prompt"].tolist(), ref["assisted/output"].tolist()
+    decoder = _decoder(agreeing, "dense", prompt + output[:1], depth=3)
+    assert list(decoder.tokens(len(output) - 1)) == output[1:]
+    rounds = decoder.stats.draft_log
+    positions, drafted = ref["assisted/positions"].tolist(), ref["assisted/drafts"].tolist()
+    expected = list(zip(positions, drafted, strict=True))
+    assert len(rounds) == len(expected)
+    full = prompt + output
+    accepted = {"mtpkit": 0, "transformers": 0}
+    for (position, drafts), (ref_position, ref_drafts) in zip(rounds, expected, strict=True):
+        ref_drafts = [d for d in ref_drafts if d >= 0]
+        assert position == ref_position
+        assert drafts[: len(ref_drafts)] == ref_drafts
+        accepted["mtpkit"] += _kept(full, position, drafts[: len(ref_drafts)])
+        accepted["transformers"] += _kept(full, position, ref_drafts)
+    assert accepted["mtpkit"] == accepted["transformers"] > 0
+    assert accepted["transformers"] < sum(len(d) for _, d in rounds)  # a round rejected
+
+
+def _kept(sequence: list[int], position: int, drafts: list[int]) -> int:
+    """How many of a round's drafts the final sequence agrees with (greedy: those kept)."""
+    kept = 0
+    while kept < len(drafts) and sequence[position + kept] == drafts[kept]:
+        kept += 1
+    return kept
