@@ -34,7 +34,6 @@ DROPPED_TOWERS = (
 DROPPED_PARTS = ("self_attn.rotary_emb", "input_max", "input_min", "output_max", "output_min")
 SHARED_KV_PARTS = (".self_attn.k_proj", ".self_attn.v_proj", ".self_attn.k_norm")
 LAYER_INDEX = re.compile(r"layers\.(\d+)\.")
-ATTENTION_TYPES = ("sliding_attention", "full_attention")
 
 
 class NoTrainedHead(MtpHead):

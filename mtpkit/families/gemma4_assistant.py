@@ -18,20 +18,14 @@ K/V and attend over the `shared_kv` they are given.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from typing import Any, ClassVar
 
 import mlx.core as mx
 import mlx.nn as nn
 
 from mtpkit.families.base import Family, register
-from mtpkit.families.gemma4 import (
-    ATTENTION_TYPES,
-    NoTrainedHead,
-    head_dims,
-    kv_source_layers,
-    layer_types,
-)
+from mtpkit.families.gemma4 import NoTrainedHead, head_dims, layer_types
 from mtpkit.families.head import MtpHead
 from mtpkit.mlxlm import mlx_lm_models
 
@@ -374,18 +368,10 @@ def pairing_problems(assistant: Mapping[str, Any], target: Mapping[str, Any]) ->
     return problems
 
 
-def target_kv(text: Mapping[str, Any], caches: Iterable[Any]) -> dict[str, tuple[int, Any]]:
-    """Attention type -> (layer index, cache) of the target layer the assistant reads."""
-    caches = list(caches)
-    return {kind: (i, caches[i]) for kind, i in kv_source_layers(dict(text)).items()}
-
-
 __all__ = [
-    "ATTENTION_TYPES",
     "Gemma4Assistant",
     "Gemma4AssistantModel",
     "MaskedEmbedding",
     "assistant_text_args",
     "pairing_problems",
-    "target_kv",
 ]
