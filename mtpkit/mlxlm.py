@@ -82,6 +82,55 @@ def model_remapping() -> dict[str, str]:
     return dict(MODEL_REMAPPING)
 
 
+def chat_as_text(messages: list[dict[str, Any]]) -> str:
+    """A conversation as one text, the way mlx_lm.server renders it for a tokenizer without
+    a chat template (its `convert_chat` and default role mapping)."""
+    from mlx_lm.server import convert_chat
+
+    return convert_chat(messages)
+
+
+def apply_adapters(model: Any, adapter_path: Any) -> None:
+    """mlx-lm's LoRA (or DoRA) adapters from `adapter_path` applied to `model` in place, as
+    `mlx_lm.load(..., adapter_path=...)` applies them; a bad directory is one error line."""
+    from pathlib import Path
+
+    from mlx_lm.tuner.utils import load_adapters
+
+    from mtpkit.core.errors import MtpkitError
+
+    if not (Path(adapter_path) / "adapter_config.json").is_file():
+        raise MtpkitError(
+            f"--adapter-path {adapter_path} has no adapter_config.json: pass the directory "
+            "mlx_lm.lora wrote"
+        )
+    try:
+        load_adapters(model, str(adapter_path))
+    except (ValueError, KeyError, FileNotFoundError) as e:
+        raise MtpkitError(f"mlx-lm cannot apply the adapters in {adapter_path}: {e}") from None
+    model.eval()
+
+
+def window_in_temporal_order(cache: Any) -> None:
+    """Put a `BatchRotatingKVCache` that one-token steps rotated back in temporal order
+    before a pass of several tokens: its `make_mask` reads the write index before its update
+    reorders the buffer, and with rows of different padding it would mask from the rotated
+    index (mlx-lm's batch generation never follows a one-token step with a longer pass)."""
+    if cache.rotated:
+        cache._temporal_order()
+
+
+def cut_window(cache: Any) -> None:
+    """Cut a trimmed `BatchRotatingKVCache`'s buffer at its write index: its `trim` only
+    moves the index, and a one-token step keeps the buffer's last `window` entries, the
+    trimmed ones included. The cache must be in temporal order (after a pass of several
+    tokens)."""
+    if cache.rotated:
+        raise ValueError("a sliding-window cache was not left in temporal order")
+    cache.keys = cache.keys[..., : cache._idx, :]
+    cache.values = cache.values[..., : cache._idx, :]
+
+
 def cache_keys_values(cache: Any) -> tuple[Any, Any]:
     """The keys and values an mlx-lm KV cache holds, oldest first ([B, H, S, D] each).
 

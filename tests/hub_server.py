@@ -298,6 +298,10 @@ class HubStandIn:
         self.lfs_objects: dict[str, Path] = {}
         self.lfs_puts_before_failure: int | None = None  # then every LFS PUT answers 507
         self.fail_commits = False  # every commit answers 500 (nothing is committed)
+        # Operations never answered (`hub_upload.operation_of` names), until released.
+        self.stall: set[str] = set()
+        self.stalled: list[str] = []
+        self.release_stalls = threading.Event()
         self._lock = threading.RLock()
         self._server: _Server | None = None
         self._thread: threading.Thread | None = None
@@ -422,6 +426,7 @@ class HubStandIn:
         thread.start()
 
     def stop(self) -> None:
+        self.release_stalls.set()
         server, thread = self._server, self._thread
         self._server = self._thread = None
         if server is None:
@@ -552,6 +557,8 @@ class _Handler(BaseHTTPRequestHandler):
         try:
             length = int(self.headers.get("Content-Length") or 0)
             body = self.rfile.read(length) if length > 0 else b""
+            if self._stalled(method):
+                return
             self._route(method, body)
         except _HttpError as e:
             self._send_error(e)
@@ -563,6 +570,21 @@ class _Handler(BaseHTTPRequestHandler):
             with hub._lock:
                 hub.errors.append(traceback.format_exc())
             self._send_error(_HttpError(500, f"stand-in crashed: {e!r}"))
+
+    def _stalled(self, method: str) -> bool:
+        """Hold a request a test stalls (`HubStandIn.stall`) unanswered until released."""
+        from tests.hub_upload import operation_of
+
+        hub = self.server.hub
+        segments = [unquote(s) for s in urlsplit(self.path).path.split("/")[1:]]
+        operation = operation_of(method, segments)
+        if operation is None or operation not in hub.stall:
+            return False
+        with hub._lock:
+            hub.stalled.append(operation)
+        hub.release_stalls.wait()
+        self.close_connection = True
+        return True
 
     def _send(self, status: int, headers: dict[str, str], body: bytes = b"") -> None:
         self.send_response(status)

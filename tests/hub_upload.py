@@ -19,6 +19,16 @@ Endpoints (each needs `Authorization: Bearer ...`, as the Hub's write API does; 
   oid, ``deletedFile``, ``deletedFolder``): one new commit with the branch moved to it, or
   nothing at all. An ``lfsFile`` whose object was never uploaded fails the whole commit (422).
 
+* ``GET /api/whoami-v2``: the token's owner; a token holding ``read`` is a read-only token
+  (``auth.accessToken.role == "read"``), any other ``hf_...`` token may write; anything else 401.
+* ``DELETE /api/repos/delete`` ``{name, organization}``: removes a repo (404 if there is none).
+
+Stalls a test injects (`HubStandIn.stall`, a set of `operation_of` names: ``create``,
+``whoami``, ``info``, ``tree``, ``preupload``, ``lfs_batch``, ``lfs_put``, ``commit``,
+``delete``): the
+request is read, then never answered until `HubStandIn.release_stalls` is set (`stop` sets
+it), when the connection is closed; `HubStandIn.stalled` lists the operations stalled so far.
+
 So an upload that fails half way (`HubStandIn.lfs_puts_before_failure`: later LFS PUTs answer
 507, which the client does not retry; `HubStandIn.fail_commits`: the commit answers 500)
 publishes nothing: uploaded objects are invisible until a commit names them, as on the Hub.
@@ -39,9 +49,34 @@ if TYPE_CHECKING:
 GITATTRIBUTES = b"*.safetensors filter=lfs diff=lfs merge=lfs -text\n"
 
 
+def operation_of(method: str, segments: list[str]) -> str | None:
+    """The name a test stalls a request by (`HubStandIn.stall`), None for other requests."""
+    if segments == ["api", "repos", "create"]:
+        return "create"
+    if segments == ["api", "repos", "delete"]:
+        return "delete"
+    if segments == ["api", "whoami-v2"]:
+        return "whoami"
+    if segments[:1] == ["__lfs__"]:
+        return "lfs_put" if method == "PUT" else "lfs_verify"
+    if segments[-4:] == ["info", "lfs", "objects", "batch"]:
+        return "lfs_batch"
+    if segments[:2] == ["api", "models"]:
+        for name in ("tree", "preupload", "commit", "paths-info"):
+            if name in segments[3:5]:
+                return name
+        return "info"  # model_info / repo_info, at a revision or not
+    return None
+
+
 def route(handler: _Handler, method: str, segments: list[str], query: dict, body: bytes) -> bool:
     """Answer a write request; False when `segments` is not a write endpoint."""
     hub = handler.server.hub
+    if method == "GET" and segments == ["api", "whoami-v2"]:
+        return _whoami(handler)
+    if method == "DELETE" and segments == ["api", "repos", "delete"]:
+        _authorized(handler)
+        return _delete_repo(handler, hub, _json(body))
     if method == "POST" and segments == ["api", "repos", "create"]:
         _authorized(handler)
         return _create_repo(handler, hub, _json(body))
@@ -88,6 +123,26 @@ def _existing(handler: _Handler, hub: HubStandIn, repo_id: str) -> _Repo:
     if repo is None:
         raise handler._repo_not_found()
     return repo
+
+
+def _whoami(handler: _Handler) -> bool:
+    token = (handler.headers.get("Authorization") or "").removeprefix("Bearer ")
+    if not token.startswith("hf_"):
+        raise _HttpError(401, "Invalid credentials in Authorization header", "Unauthorized")
+    role = "read" if "read" in token else "write"
+    access = {"displayName": "stand-in", "role": role}
+    handler._send_json({"type": "user", "name": "me", "auth": {"accessToken": access}})
+    return True
+
+
+def _delete_repo(handler: _Handler, hub: HubStandIn, payload: dict) -> bool:
+    name, org = payload.get("name"), payload.get("organization")
+    repo_id = f"{org}/{name}" if org else str(name)
+    with hub._lock:
+        if hub._repos.pop(repo_id, None) is None:
+            raise handler._repo_not_found()
+    handler._send_json({})
+    return True
 
 
 def _create_repo(handler: _Handler, hub: HubStandIn, payload: dict) -> bool:

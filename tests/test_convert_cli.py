@@ -15,9 +15,11 @@ from mtpkit.convert.pipeline import ConvertFlags, resolve_settings
 from mtpkit.convert.recipes import all_recipes, find_recipe, load_recipe, recipe_names
 from mtpkit.core.errors import MtpkitError
 from mtpkit.families import supported
+from tests import hub_server
 from tests.checkpoints import build_checkpoint
 
 runner = CliRunner()
+hub = hub_server.hub
 
 
 @pytest.fixture(scope="module")
@@ -241,3 +243,84 @@ def test_the_package_data_ships_the_recipes():
         relative = recipe.relative_to(package).as_posix()
         assert any(fnmatch.fnmatch(relative, p) for p in patterns), relative
     assert (root / "recipes").resolve() == package / "recipes"  # the checkout's recipes/
+
+
+@pytest.mark.parametrize("flags", [[], ["-q"], ["--q-bits", "3", "--q-group-size", "32"]])
+def test_convert_reports_size_and_mlx_lms_bits_per_weight(mimo, tmp_path, flags):
+    """Issue 32 item 21: the line names the output's size and the bits per weight that
+    mlx-lm's own `compute_bits_per_weight` finds on the loaded model."""
+    import re
+
+    import mlx_lm
+    from mlx_lm.utils import compute_bits_per_weight
+
+    from mtpkit.cli.output import human_bytes
+
+    out = tmp_path / "out"
+    result = runner.invoke(app, ["convert", str(mimo), "-o", str(out), *flags, "--quiet"])
+    assert result.exit_code == 0, result.output
+    model, _ = mlx_lm.load(str(out))
+    size = sum(p.stat().st_size for p in out.rglob("*") if p.is_file())
+    expected = f"{compute_bits_per_weight(model):.3f} bits per weight"
+    line = result.stdout.strip()
+    assert re.fullmatch(
+        rf"wrote {re.escape(str(out))}: mimo, \d+ backbone and \d+ MTP tensors, "
+        rf"{re.escape(human_bytes(size))}, {re.escape(expected)}, in [\d.]+s",
+        line,
+    ), (line, expected)
+
+
+def test_graft_reports_the_head_it_added_not_a_backbone(mimo, tmp_path):
+    trunk = tmp_path / "trunk"
+    assert runner.invoke(app, ["convert", str(mimo), "-o", str(trunk), "--quiet"]).exit_code == 0
+    graft = ["convert", str(mimo), "--mtp-only", "--into", str(trunk), "--force", "--quiet"]
+    result = runner.invoke(app, graft)
+    assert result.exit_code == 0, result.output
+    assert result.stdout.startswith("grafted ") and f" MTP tensors into {trunk}: mimo, " in (
+        result.stdout
+    )
+    assert "backbone" not in result.stdout
+
+
+def _recipe(path: Path, repo: str) -> Path:
+    path.write_text(
+        f'[model]\nrepo = "{repo}"\nfamily = "qwen3_5"\n\n[convert]\nkeep_mtp_bf16 = true\n'
+    )
+    return path
+
+
+def test_a_recipe_without_source_converts_its_model(hub, tmp_path):
+    """Issue 32 item 22: `--recipe NAME -o OUT` converts the repo the recipe names."""
+    from tests.conftest import EXAMPLE
+
+    hub.add_repo("org/tiny", EXAMPLE)
+    recipe = _recipe(tmp_path / "tiny.toml", "org/tiny")
+    out = tmp_path / "out"
+    result = runner.invoke(app, ["convert", "--recipe", str(recipe), "-o", str(out), "--quiet"])
+    assert result.exit_code == 0, result.output
+    assert result.stderr.splitlines() == [
+        f"converting org/tiny, the model recipe {recipe} is written for"
+    ]
+    assert json.loads((out / "mtp" / "manifest.json").read_text())["source"]["spec"] == "org/tiny"
+
+
+def test_a_recipe_applied_to_another_model_gets_a_note(hub, tmp_path):
+    from tests.conftest import EXAMPLE
+
+    hub.add_repo("org/tiny", EXAMPLE)
+    other = _recipe(tmp_path / "big.toml", "Qwen/Qwen3.5-27B")
+    for i, source in enumerate([str(EXAMPLE), "org/tiny"]):
+        out = tmp_path / f"out{i}"
+        result = runner.invoke(
+            app, ["convert", source, "--recipe", str(other), "-o", str(out), "--quiet"]
+        )
+        assert result.exit_code == 0, result.output
+        assert result.stderr.splitlines() == [
+            f"warning: recipe big was written for Qwen/Qwen3.5-27B, and {source} is another "
+            "model: its settings apply as they are"
+        ]
+    own = _recipe(tmp_path / "own.toml", "org/tiny")
+    result = runner.invoke(
+        app, ["convert", "org/tiny", "--recipe", str(own), "-o", str(tmp_path / "o"), "--quiet"]
+    )
+    assert result.exit_code == 0 and result.stderr == ""

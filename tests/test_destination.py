@@ -232,8 +232,7 @@ def test_check_refuses_a_report_inside_the_source_and_writes_it_atomically(check
         result = runner.invoke(app, ["check", str(model), "--no-probe", "--junit", str(report)])
         assert result.exit_code == 1
         assert result.stderr.splitlines() == [
-            f"Error: --junit {report} lies inside the source {model}: write it outside the "
-            "source"
+            f"Error: --junit {report} lies inside the source {model}: write it outside the source"
         ]
     assert tree_hashes(model) == before
     elsewhere = tmp_path / "reports" / "check.xml"
@@ -246,6 +245,62 @@ def test_check_refuses_a_report_inside_the_source_and_writes_it_atomically(check
     assert victim.read_text() == "not a report\n"
     assert not elsewhere.is_symlink() and elsewhere.read_text().startswith("<?xml")
     assert sorted(p.name for p in elsewhere.parent.iterdir()) == ["check.xml"]
+
+
+def test_junit_streams_into_a_fifo_and_never_replaces_it(checkpoint, tmp_path):
+    """A FIFO given to --junit receives the report and stays a FIFO (issue 33 item 2); one
+    that nobody reads from is one line, never a hang."""
+    model = checkpoint("mimo")
+    fifo = tmp_path / "report.fifo"
+    os.mkfifo(fifo)
+    reader = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)  # the report fits the pipe's buffer
+    try:
+        result = runner.invoke(app, ["check", str(model), "--no-probe", "--junit", str(fifo)])
+        assert result.exit_code in (0, 3), result.output
+        os.set_blocking(reader, True)
+        received = os.read(reader, 1 << 16).decode()
+    finally:
+        os.close(reader)
+    assert received.startswith("<?xml") and received.rstrip().endswith("</testsuites>")
+    assert fifo.is_fifo() and sorted(p.name for p in tmp_path.iterdir()) == ["report.fifo"]
+    result = runner.invoke(app, ["check", str(model), "--no-probe", "--junit", str(fifo)])
+    assert result.exit_code == 1
+    assert result.stderr.splitlines()[-1] == (
+        f"Error: cannot write --junit {fifo}: it is a FIFO or socket nobody reads from"
+    )
+    assert fifo.is_fifo()
+
+
+def test_junit_through_a_link_to_stdout_reaches_stdout(checkpoint, tmp_path):
+    """`--junit /dev/stdout` (a link to /proc/self/fd/1) writes the report where stdout goes
+    and leaves the link alone; a link of the test's own stands in for /dev/stdout."""
+    model = checkpoint("mimo")
+    link = tmp_path / "stdout"
+    link.symlink_to("/proc/self/fd/1")
+    captured = tmp_path / "captured.txt"
+    with captured.open("w") as stdout:
+        proc = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "mtpkit",
+                "check",
+                str(model),
+                "--no-probe",
+                "--junit",
+                str(link),
+            ],
+            stdout=stdout,
+            stderr=subprocess.PIPE,
+            text=True,
+            timeout=600,
+        )
+    assert proc.returncode in (0, 3), proc.stderr
+    text = captured.read_text()
+    # Written through the descriptor itself: neither the report nor the table overwrites
+    # the other.
+    assert text.count("<?xml") == 1 and "</testsuites>\n" in text and "verdict: " in text
+    assert link.is_symlink() and os.readlink(link) == "/proc/self/fd/1"
 
 
 def test_failed_graft_leaves_the_directory_as_it_was(checkpoint, tmp_path, monkeypatch):
@@ -335,3 +390,125 @@ def test_a_signal_during_a_file_swap_waits_until_every_file_is_moved(tmp_path, m
         for sig, handler in previous.items():
             signal.signal(sig, handler)
     assert len(moved) == 3 and [t.read_text() for t in targets] == ["new"] * 3
+
+
+def test_an_output_made_while_converting_is_never_replaced_without_force(
+    checkpoint, tmp_path, monkeypatch
+):
+    """The "already exists" rule is judged again at the final rename (issue 33 item 4): a
+    folder that appeared at -o while the run wrote (a retry in another terminal) is kept."""
+    from mtpkit.convert import pipeline
+
+    src, out = checkpoint("mimo"), tmp_path / "out"
+    real_write = pipeline._write_output
+
+    def another_terminal_writes_out(*args, **kwargs):
+        real_write(*args, **kwargs)
+        out.mkdir()
+        (out / "mine.txt").write_text("kept\n")
+
+    monkeypatch.setattr(pipeline, "_write_output", another_terminal_writes_out)
+    result = runner.invoke(app, ["convert", str(src), "-o", str(out), "--quiet"])
+    assert result.exit_code == 1
+    assert result.stderr.splitlines() == [
+        f"Error: {out} appeared while this run was writing it (another run or program made "
+        "it): nothing was replaced; pass --force to replace it, or choose another -o"
+    ]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+    assert sorted(p.name for p in out.iterdir()) == ["mine.txt"]
+
+
+def test_two_converts_to_one_output_are_exclusive(checkpoint, tmp_path, monkeypatch):
+    """A second convert to an output another run is writing (a real second process, started
+    while the first writes) is refused at once, naming the first; the first completes."""
+    from mtpkit.convert import pipeline
+
+    src, out = checkpoint("mimo"), tmp_path / "out"
+    real_write = pipeline._write_output
+    second: list[subprocess.CompletedProcess] = []
+
+    def second_run_meanwhile(*args, **kwargs):
+        second.append(
+            subprocess.run(
+                [sys.executable, "-m", "mtpkit", "convert", str(src), "-o", str(out), "--quiet"],
+                capture_output=True,
+                text=True,
+                timeout=600,
+            )
+        )
+        real_write(*args, **kwargs)
+
+    monkeypatch.setattr(pipeline, "_write_output", second_run_meanwhile)
+    result = runner.invoke(app, ["convert", str(src), "-o", str(out), "--quiet"])
+    assert result.exit_code == 0, result.output
+    assert result.stdout.startswith(f"wrote {out}: ")
+    assert second[0].returncode == 1 and second[0].stdout == ""
+    assert second[0].stderr.splitlines() == [
+        f"Error: {out} is being written by another mtpkit run (process {os.getpid()}): wait "
+        "for it to finish, or choose another -o"
+    ]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]  # no lock file left
+    assert (out / "mtp" / "manifest.json").is_file()
+
+
+@pytest.mark.parametrize("side", ["vocab.txt", "tokenizer.json"])
+def test_side_files_linking_out_of_the_source_are_never_copied(checkpoint, tmp_path, side):
+    """A side file that links out of the source (a token file, /etc/shadow) is refused before
+    anything is written (issue 33 item 5); links inside the source are followed."""
+    model = Path(shutil.copytree(checkpoint("mimo"), tmp_path / "model"))
+    secret = tmp_path / "token"
+    secret.write_text("hf_secret_token\n")
+    (model / side).unlink(missing_ok=True)
+    (model / side).symlink_to(secret)
+    out = tmp_path / "out"
+    result = runner.invoke(app, ["convert", str(model), "-o", str(out), "--quiet"])
+    assert result.exit_code == 1
+    assert result.stderr.splitlines() == [
+        f"Error: {model / side} is a link to {secret}, outside the source {model}: mtpkit "
+        "copies and publishes no file from outside it; replace the link with the file itself"
+    ]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model", "token"]
+
+
+def test_side_files_are_what_they_claim_and_links_inside_are_followed(checkpoint, tmp_path):
+    model = Path(shutil.copytree(checkpoint("mimo"), tmp_path / "model"))
+    (model / "tokenizer.json").rename(model / "real-tokenizer.json")
+    (model / "tokenizer.json").symlink_to("real-tokenizer.json")
+    out = tmp_path / "out"
+    result = runner.invoke(app, ["convert", str(model), "-o", str(out), "--quiet"])
+    assert result.exit_code == 0, result.output
+    copied = out / "tokenizer.json"
+    assert not copied.is_symlink()
+    assert copied.read_bytes() == (model / "real-tokenizer.json").read_bytes()
+    (model / "tokenizer.json").unlink()
+    (model / "tokenizer.json").write_text("root:x:0:0:root:/root:/bin/bash\n")
+    result = runner.invoke(app, ["convert", str(model), "-o", str(tmp_path / "o2"), "--quiet"])
+    assert result.exit_code == 1
+    assert result.stderr.splitlines() == [
+        f"Error: {model / 'tokenizer.json'} is not JSON as its name says (JSONDecodeError): "
+        "mtpkit copies no side file that is not what it claims to be; restore it from the "
+        "original"
+    ]
+    assert not (tmp_path / "o2").exists()
+
+
+def test_a_cache_snapshot_converts_through_its_links_into_blobs(hf_cache, tmp_path):
+    snapshot = hf_cache / "snapshots" / "0123abcd"
+    out = tmp_path / "out"
+    result = runner.invoke(app, ["convert", str(snapshot), "-o", str(out), "--quiet"])
+    assert result.exit_code == 0, result.output
+    assert (out / "tokenizer.json").read_bytes() == (snapshot / "tokenizer.json").read_bytes()
+
+
+def test_a_refused_convert_leaves_no_directory_for_its_lock(checkpoint, tmp_path):
+    """The lock beside the output needs its parent; a run refused before writing removes
+    the parents it made for it."""
+    src = checkpoint("mimo")
+    out = tmp_path / "new" / "deeper" / "out"
+    result = runner.invoke(
+        app, ["convert", str(src), "-o", str(out), "--q-mode", "nvfp4", "--q-group-size", "7"]
+    )
+    assert result.exit_code == 2
+    result = runner.invoke(app, ["convert", str(src), "-o", str(out), "--layout", "inline"])
+    assert result.exit_code == 1, result.output
+    assert sorted(p.name for p in tmp_path.iterdir()) == []

@@ -286,3 +286,26 @@ def test_sampling_keeps_the_target_distribution(tmp_path: Path, drafter: str) ->
 def test_prompt_lookup_rejects_bad_n() -> None:
     with pytest.raises(MtpkitError, match="prompt-lookup-min"):
         PromptLookupProposer(512, 3, 2)
+
+
+def test_a_draft_model_that_never_matches_is_switched_off(tmp_path: Path) -> None:
+    """Adaptive drafting per drafter: a draft model of other weights is (almost) never right,
+    so after its first rounds the decoder steps plainly; the text stays stock's, and a sampled
+    run with a seed is reproduced exactly."""
+    target = build_dense_model(tmp_path / "target", "llama", seed=3)
+    draft = build_dense_model(tmp_path / "draft", "llama", seed=9)
+    reference = stock_tokens(target, PROMPT, 64)
+    m = load_model(target, with_head=False)
+    factory = ProposerFactory(m, DrafterChoice(draft_model=draft))
+    m.tokenizer.eos_token_ids = []
+    decoder = MtpDecoder(m, PROMPT, depth=3, sampling=SamplingSettings(), adaptive=True,
+                         choose_depth=True, proposer=factory())  # fmt: skip
+    assert list(decoder.tokens(64)) == reference
+    assert decoder.stats.rounds <= 8 and decoder.stats.plain_steps > 40
+    texts = []
+    for _ in range(2):
+        mx.random.seed(5)
+        sampled = MtpDecoder(m, PROMPT, depth=2, sampling=SamplingSettings(temp=0.8),
+                             adaptive=True, proposer=factory())  # fmt: skip
+        texts.append(list(sampled.tokens(32)))
+    assert texts[0] == texts[1]

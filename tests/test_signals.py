@@ -5,10 +5,17 @@ process's writer sleeps after its first file (patched in the child, the rest of 
 the real code); the signal is sent once the child says it got there. Then: the exit code is
 the shell's for the signal, stderr ends in one `Error: interrupted by SIG...` line, the source
 and the destination are as they were, and no temporary sibling or scratch copy is left.
+
+No limit here measures speed: each wait is for a line the child prints or for its exit, and
+is generous (minutes) so that a busy machine only makes the tests slower. The child starts
+with SIGHUP at its default, as a terminal's process has it: a suite run under `nohup` or by a
+runner that ignores SIGHUP passes that on, and mtpkit rightly keeps an ignored SIGHUP ignored
+(so the SIGHUP case used to wait out the writer's sleep there).
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import shutil
@@ -21,6 +28,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+# Seconds a child may take to end after its signal: a hang fails, a busy machine does not.
+LIMIT = 300
 # The child: the writer announces itself and waits to be killed, then the real CLI runs.
 HELD = """
 import sys, time
@@ -30,7 +39,7 @@ real = pipeline.write_job_files
 def held(*args, **kwargs):
     real(*args, **kwargs)
     print("held in the writer", file=sys.stderr, flush=True)
-    time.sleep(120)
+    time.sleep(3600)
 pipeline.write_job_files = grafting.write_job_files = held
 sys.argv[0] = "mtpkit"
 from mtpkit.cli.entry import main
@@ -46,7 +55,10 @@ def tree(root: Path) -> dict[str, str]:
     }
 
 
-def child(args: list[str], env: dict[str, str] | None = None) -> subprocess.Popen:
+def child(
+    args: list[str], env: dict[str, str] | None = None, sighup: signal.Handlers = signal.SIG_DFL
+) -> subprocess.Popen:
+    """The held CLI, started with SIGHUP at `sighup` (a terminal's default unless asked)."""
     return subprocess.Popen(
         [sys.executable, "-c", HELD, *args],
         cwd=ROOT,
@@ -54,22 +66,33 @@ def child(args: list[str], env: dict[str, str] | None = None) -> subprocess.Pope
         stderr=subprocess.PIPE,
         text=True,
         env={**os.environ, **(env or {})},
+        preexec_fn=lambda: signal.signal(signal.SIGHUP, sighup),
     )
 
 
-def held_then(proc: subprocess.Popen, sig: int) -> tuple[int, list[str]]:
-    """Wait for the child to reach the writer, send `sig`, return (exit code, stderr lines)."""
+def held_then(proc: subprocess.Popen, *signals: int) -> tuple[int, list[str]]:
+    """Wait for the child to reach the writer, send `signals` in turn (each after the
+    previous one's effect, if any, had LIMIT seconds), return (exit code, stderr lines)."""
     assert proc.stderr is not None
     lines = []
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        line = proc.stderr.readline()
-        assert line, f"the child ended before the writer: {lines}"
-        lines.append(line.rstrip("\n"))
-        if line.startswith("held in the writer"):
-            break
-    proc.send_signal(sig)
-    _, rest = proc.communicate(timeout=60)
+    try:
+        while True:  # the child's own line, however long a busy machine takes to get there
+            line = proc.stderr.readline()
+            assert line, f"the child ended before the writer: {lines}"
+            lines.append(line.rstrip("\n"))
+            if line.startswith("held in the writer"):
+                break
+        *first, last = signals
+        for sig in first:
+            proc.send_signal(sig)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=5)  # an ignored signal leaves it running
+        proc.send_signal(last)
+        _, rest = proc.communicate(timeout=LIMIT)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
     return proc.returncode, lines + rest.splitlines()
 
 
@@ -88,6 +111,17 @@ def test_a_signal_during_convert_leaves_no_output(checkpoint, tmp_path, sig):
     assert not any("Traceback" in line for line in lines)
     assert not out.exists() and hidden(tmp_path) == []
     assert tree(source) == before
+
+
+def test_an_ignored_sighup_stays_ignored(checkpoint, tmp_path):
+    """Under `nohup` (SIGHUP ignored) the conversion goes on after a SIGHUP; a SIGTERM then
+    still cleans up. (A suite run this way once made the SIGHUP case above wait out the
+    writer's sleep, which read as a slow machine.)"""
+    out = tmp_path / "out"
+    proc = child(["convert", str(checkpoint("mimo")), "-o", str(out)], sighup=signal.SIG_IGN)
+    code, lines = held_then(proc, signal.SIGHUP, signal.SIGTERM)
+    assert code == 143 and lines[-1] == "Error: interrupted by SIGTERM", lines
+    assert not out.exists() and hidden(tmp_path) == []
 
 
 def test_sigterm_during_a_graft_leaves_the_model_as_it_was(checkpoint, tmp_path):
@@ -132,7 +166,7 @@ def test_ctrl_c_while_starting_is_no_traceback(checkpoint, delay):
     assert proc.stderr is not None and proc.stderr.readline() == "python is up\n"
     time.sleep(delay)
     proc.send_signal(signal.SIGINT)
-    _, err = proc.communicate(timeout=60)
+    _, err = proc.communicate(timeout=LIMIT)
     assert "Traceback" not in err, err
     if proc.returncode != 0:  # else it had finished: an inspect takes a fraction of a second
         # One line, or none while Typer parses the command line (it exits 130 quietly).

@@ -392,3 +392,23 @@ def test_progress_lines_in_a_log(llama, tmp_path) -> None:
     for n, text in zip((12, 24), lines[1:], strict=True):
         pattern = rf"step {n}/24: loss \d+\.\d{{4}}, held-out acceptance \d+\.\d% "
         assert re.match(pattern + r"\(\d+s elapsed, about \d+s left\)$", text), text
+
+
+def test_checkpoint_dir_keeps_what_train_head_did_not_write(llama, tmp_path) -> None:
+    """`--checkpoint-dir` naming a directory of the user's (issue 33 item 1): after a run, only
+    the files train-head wrote there are gone; a directory the run made is gone too."""
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    (docs / "thesis.tex").write_text("\\documentclass{article}\n")
+    (docs / "head-notes.txt").write_text("mine\n")
+    for directory, out in ((docs, "a"), (tmp_path / "fresh", "b")):
+        result = runner.invoke(
+            app,
+            [
+                "train-head", str(llama), "-o", str(tmp_path / out),
+                "--checkpoint-dir", str(directory), *LLAMA_ARGS,
+            ],
+        )  # fmt: skip
+        assert result.exit_code == 0, result.output
+    assert sorted(p.name for p in docs.iterdir()) == ["head-notes.txt", "thesis.tex"]
+    assert not (tmp_path / "fresh").exists()

@@ -248,9 +248,9 @@ def _timed_out(exc: BaseException) -> bool:
 
 
 @contextmanager
-def hub_progress() -> Iterator[None]:
-    """huggingface_hub's download bars only on a terminal: a log or a pipe gets no `\\r`
-    frames (HF_HUB_DISABLE_PROGRESS_BARS and --quiet are honoured as before)."""
+def hub_progress(*, quiet: bool = False) -> Iterator[None]:
+    """huggingface_hub's download and upload bars only on a terminal, and never `quiet`: a
+    log or a pipe gets no `\\r` frames (HF_HUB_DISABLE_PROGRESS_BARS is honoured as before)."""
     from huggingface_hub.utils import (
         are_progress_bars_disabled,
         disable_progress_bars,
@@ -259,7 +259,7 @@ def hub_progress() -> Iterator[None]:
 
     from mtpkit.core.console import is_terminal
 
-    if are_progress_bars_disabled() or is_terminal(sys.stderr):
+    if are_progress_bars_disabled() or (is_terminal(sys.stderr) and not quiet):
         yield
         return
     disable_progress_bars()
@@ -267,6 +267,26 @@ def hub_progress() -> Iterator[None]:
         yield
     finally:
         enable_progress_bars()
+
+
+# A repo's folder in the Hugging Face cache (`models--ORG--NAME`).
+CACHE_REPO = re.compile(r"^models--(?P<org>[^-][^/]*?)--(?P<name>.+)$")
+
+
+def source_repo(spec: str | None) -> str | None:
+    """The Hub repo (`org/name`) a source spec names: the id itself (with or without
+    `@REV`), or a Hugging Face cache folder of it; None for any other directory."""
+    if not spec:
+        return None
+    path = Path(spec).expanduser()
+    if not path.exists():
+        repo = spec.split("@", 1)[0]
+        return repo if "/" in repo and REPO_ID.match(repo) else None
+    for part in path.absolute().parts:
+        match = CACHE_REPO.match(part)
+        if match:
+            return f"{match['org']}/{match['name']}"
+    return None
 
 
 def open_source(spec: str, *, revision: str | None = None) -> Source:

@@ -7,7 +7,17 @@ from typing import Annotated
 import typer
 
 from mtpkit import __version__
-from mtpkit.cli.commands import bench, check, convert, generate, inspect, train_head
+from mtpkit.cli.commands import (
+    bench,
+    chat,
+    check,
+    convert,
+    generate,
+    inspect,
+    serve,
+    train_head,
+    upload,
+)
 
 app = typer.Typer(
     name="mtpkit",
@@ -47,7 +57,10 @@ app.command(name="check")(check.check_command)
 app.command(name="convert")(convert.convert_command)
 app.command(name="generate", context_settings=generate.CONTEXT)(generate.generate_command)
 app.command(name="bench")(bench.bench_command)
+app.command(name="serve")(serve.serve_command)
 app.command(name="train-head")(train_head.train_head_command)
+app.command(name="chat")(chat.chat_command)
+app.command(name="upload")(upload.upload_command)
 
 
 def main() -> None:

@@ -4,6 +4,7 @@ or SIGTERM in the first moments is one `Error:` line too, never a traceback."""
 
 from __future__ import annotations
 
+import os
 import sys
 
 
@@ -20,9 +21,19 @@ def main() -> None:
         if code is not None:
             raise SystemExit(code)
         from mtpkit.cli.app import app
+        from mtpkit.cli.ranks import CHILD_MARK
 
-        # Typer builds the Click command before Click's own Ctrl-C handling starts.
-        app()
+        # Typer builds the Click command before Click's own Ctrl-C handling starts. A rank's
+        # child runs as `python -m mtpkit`, which its usage lines would otherwise say.
+        try:
+            if os.environ.get(CHILD_MARK):
+                app(prog_name="mtpkit")
+            else:
+                app()
+        except SystemExit as e:
+            if isinstance(e.code, int) and e.code >= 128:  # a signal ended the command
+                signals.exit_now_if_workers_hang(e.code)
+            raise
     except KeyboardInterrupt as e:
         from mtpkit.core import signals
 

@@ -269,6 +269,95 @@ DepthOpt = Annotated[
         "chosen each round by adaptive drafting (1-3), or 1 with --no-adaptive.",
     ),
 ]
+# mlx_lm.generate's options beyond sampling and the prompt (`MlxLmOptions`), same meanings.
+AdapterPathOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--adapter-path",
+        metavar="DIR",
+        help="LoRA adapters (mlx_lm.lora's output) applied to the model.",
+    ),
+]
+PrefillStepSizeOpt = Annotated[
+    int,
+    typer.Option(
+        "--prefill-step-size", min=1, metavar="N", help="Prompt tokens per prefill forward."
+    ),
+]
+KvBitsOpt = Annotated[
+    int | None,
+    typer.Option(
+        "--kv-bits",
+        min=1,
+        max=8,
+        metavar="B",
+        help="Quantize the KV cache to B bits (plain decoding only, as mlx-lm's).",
+    ),
+]
+KvGroupSizeOpt = Annotated[
+    int,
+    typer.Option(
+        "--kv-group-size", min=1, metavar="G", help="With --kv-bits: the quantization group size."
+    ),
+]
+QuantizedKvStartOpt = Annotated[
+    int,
+    typer.Option(
+        "--quantized-kv-start",
+        min=0,
+        metavar="N",
+        help="With --kv-bits: quantize from this many cached tokens on.",
+    ),
+]
+PromptCacheFileOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--prompt-cache-file",
+        metavar="FILE",
+        help="A prompt cache saved by mlx_lm.cache_prompt (plain decoding only).",
+    ),
+]
+UseDefaultChatTemplateOpt = Annotated[
+    bool,
+    typer.Option(
+        "--use-default-chat-template",
+        help="Use the tokenizer's default chat template when it has none.",
+    ),
+]
+ChatTemplateConfigOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--chat-template-config",
+        metavar="JSON",
+        help="Extra arguments for the chat template, a JSON object.",
+    ),
+]
+MinTokensToKeepOpt = Annotated[
+    int,
+    typer.Option(
+        "--min-tokens-to-keep", min=1, metavar="N", help="Minimum tokens min-p sampling keeps."
+    ),
+]
+XtcProbabilityOpt = Annotated[
+    float,
+    typer.Option(
+        "--xtc-probability",
+        min=0.0,
+        max=1.0,
+        metavar="P",
+        help="XTC sampling's probability per token (plain decoding only).",
+    ),
+]
+XtcThresholdOpt = Annotated[
+    float,
+    typer.Option(
+        "--xtc-threshold",
+        min=0.0,
+        max=0.5,
+        metavar="T",
+        help="XTC sampling's probability threshold.",
+    ),
+]
 DrafterModelOpt = Annotated[
     str | None,
     typer.Option(

@@ -156,10 +156,25 @@ def _pct(x: float) -> str:
 
 
 def print_convert(result: Any) -> None:
-    """The one line `mtpkit convert` prints (a `ConvertResult`)."""
+    """The one line `mtpkit convert` prints (a `ConvertResult`): what was written, its size,
+    and the backbone's bits per weight (mlx_lm.convert's "Quantized model with 4.564 bits per
+    weight", for every conversion); a graft counts only the head it added."""
+    size = human_bytes(result.written_bytes)
+    if result.grafted:
+        print(
+            f"grafted {result.head_tensors} MTP tensors into {result.output}: {result.family}, "
+            f"{size} written in {result.seconds:.1f}s",
+            flush=True,
+        )
+        return
+    bpw = (
+        f", {result.bits_per_weight:.3f} bits per weight"
+        if result.bits_per_weight is not None
+        else ""
+    )
     print(
         f"wrote {result.output}: {result.family}, {result.backbone_tensors} backbone and "
-        f"{result.head_tensors} MTP tensors in {result.seconds:.1f}s",
+        f"{result.head_tensors} MTP tensors, {size}{bpw}, in {result.seconds:.1f}s",
         flush=True,
     )
 

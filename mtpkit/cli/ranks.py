@@ -4,9 +4,12 @@ failure ends every rank with one line.
 - A rank whose peer exits sees MLX's "[ring] connection to a peer was lost" as an exception:
   it becomes `Error: rank N: ...` and exit 1, like any other error (MLX's ring backend also
   writes a "[ring] ..." line per failed socket; those are dropped unless MLX_RING_VERBOSE=1).
-- A rank whose peer stops answering (a stopped process, a pulled cable) would wait inside a
-  collective forever: the watchdog (`mtpkit.runtime.ranks.Watchdog`) ends it after
-  `--timeout` seconds without a decoding step.
+- A rank whose peer stops answering (a stopped process, a pulled cable, a rank that never
+  started or runs another command) would wait inside a collective, or in the ring's set-up,
+  forever: the watchdog (`mtpkit.runtime.ranks.Watchdog`), armed from the rank's start, ends
+  it after `--timeout` seconds of waiting (a rank's own loading is not counted).
+- Ranks given different commands or models stop before decoding, rank 0 naming the
+  difference (`mtpkit.runtime.ranks.agree`); a port of the ring that is taken is named.
 
 - A rank that crashes in native code (MLX's ring backend has been seen to die of a
   segmentation fault when a peer is killed mid-round) is reported by `supervise_rank`: each
@@ -19,15 +22,20 @@ exited with code 1" line; the ranks' exit codes are each rank's own.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import subprocess
 import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from mtpkit.core.errors import MtpkitError, one_line
+
+if TYPE_CHECKING:  # the supervising parent imports nothing heavy
+    import typer
 
 DEFAULT_TIMEOUT = 300.0
 
@@ -67,7 +75,7 @@ def _drop_ring_noise() -> None:
     threading.Thread(target=forward, daemon=True, name="mtpkit-stderr").start()
 
 
-def _exit_with(line: str) -> None:
+def _exit_with(line: str) -> NoReturn:
     """One line on stderr, what stdout holds flushed, and exit 1 at once."""
     with contextlib.suppress(Exception):
         sys.stdout.flush()
@@ -80,47 +88,127 @@ def _lost_peer(error: BaseException) -> bool:
     return isinstance(error, RuntimeError) and str(error).startswith("[ring]")
 
 
-@contextlib.contextmanager
-def on_ranks(timeout: float = DEFAULT_TIMEOUT) -> Iterator[Ranks]:
-    """Within the block: this process's rank (rank 0 of 1 without `mlx.launch`); as one of
-    several, errors name the rank and the watchdog bounds every wait."""
-    if "MLX_RANK" not in os.environ and "OMPI_COMM_WORLD_RANK" not in os.environ:
-        yield Ranks()
-        return
-    from mtpkit.runtime.ranks import WATCHDOG, Watchdog
+def rank_number() -> int | None:
+    """This process's rank under `mlx.launch` (or mpirun), None when it is not one."""
+    for name in ("MLX_RANK", "OMPI_COMM_WORLD_RANK"):
+        if (value := os.environ.get(name)) is not None:
+            with contextlib.suppress(ValueError):
+                return int(value)
+    return None
+
+
+def refuse_on_ranks(message: str) -> NoReturn:
+    """End every rank with exit 1, rank 0 with the line `Error: message` (each rank would
+    say the same)."""
+    if rank_number() == 0:
+        _exit_with(f"Error: {message}")
+    os._exit(1)
+
+
+def command_facts(ctx: typer.Context, per_rank: Iterable[str] = ()) -> dict[str, str]:
+    """What the ranks must agree on from a command line: the command and each option's
+    parsed value, but for `per_rank` ones (the model's path, which may differ between
+    machines and is compared by its files; what only rank 0's printing uses)."""
+    from mtpkit.runtime.ranks import facts_of
+
+    given = {
+        f"--{name.replace('_', '-')}": value
+        for name, value in ctx.params.items()
+        if name not in set(per_rank)
+    }
+    return facts_of({"command": ctx.info_name, **given, "arguments": ctx.args})
+
+
+def _ring_address(rank: int) -> str:
+    """This rank's address in mlx.launch's ring hostfile (MLX_HOSTFILE: a file's path, or its
+    JSON itself), as `ip:port`; "its port" when it cannot be read."""
+    hostfile = os.environ.get("MLX_HOSTFILE", "")
+    with contextlib.suppress(OSError, ValueError, TypeError, IndexError):
+        text = open(hostfile).read() if os.path.isfile(hostfile) else hostfile  # noqa: SIM115
+        return ", ".join(json.loads(text)[rank])
+    return "its port"
+
+
+def _join(rank: int) -> Any:
+    """The group of the ranks (None: a single process), with the ring's set-up failures as
+    one line."""
     from mtpkit.runtime.sharded import world
 
-    group = world()
-    if group is None:
+    try:
+        return world()
+    except RuntimeError as e:
+        if "bind" in str(e):
+            raise MtpkitError(
+                f"cannot listen on {_ring_address(rank)}: the port is taken (by another "
+                "program, or a run still ending): choose free ports (mlx.launch "
+                "--starting-port, or the hostfile)"
+            ) from None
+        raise
+
+
+@contextlib.contextmanager
+def on_ranks(
+    timeout: float = DEFAULT_TIMEOUT, facts: Mapping[str, str] | None = None
+) -> Iterator[Ranks]:
+    """Within the block: this process's rank (rank 0 of 1 without `mlx.launch`); as one of
+    several, errors name the rank, the watchdog bounds every wait from the ring's set-up on,
+    the ranks agree on `facts` (`command_facts`) before the block, and meet after it."""
+    rank = rank_number()
+    if rank is None:
         yield Ranks()
         return
-    if timeout <= 0:
-        raise MtpkitError(f"--timeout must be positive, not {timeout}")
-    ranks = Ranks(group.rank(), group.size())
+    if not timeout > 0:
+        raise MtpkitError(f"--timeout must be a positive number of seconds, not {timeout}")
+    from mtpkit.runtime.ranks import WATCHDOG, Watchdog, agree, meet
+
     _drop_ring_noise()
 
     def on_timeout(idle: float) -> None:
         _exit_with(
-            f"Error: rank {ranks.rank}: no progress for {idle:.0f} s: another rank stopped or "
-            "the network between the machines broke (--timeout sets the limit)"
+            f"Error: rank {rank}: no progress for {idle:.0f} s: another rank stopped, never "
+            "started or runs another command, or the network between the machines broke "
+            "(--timeout sets the limit)"
         )
 
-    WATCHDOG[0] = Watchdog(timeout, on_timeout)
+    watchdog = WATCHDOG[0] = Watchdog(timeout, on_timeout)
+    watchdog.arm()
     try:
-        yield ranks
+        group = _join(rank)
     except Exception as e:
-        if os.environ.get("MTPKIT_DEBUG") == "1":
-            raise
-        if _lost_peer(e):
-            message = (
-                "lost the connection to another rank (it failed, or the network between the "
-                "machines broke)"
-            )
-        else:
-            message = one_line(e)
-        # Ends here: an interpreter teardown races MLX's backend threads, whose sockets are
-        # broken, and has crashed a rank after its error line.
-        _exit_with(f"Error: rank {ranks.rank}: {message}")
+        _fail(rank, e)
+    if group is None:  # one process after all
+        watchdog.stop()
+        WATCHDOG[0] = None
+        yield Ranks()
+        return
+    try:
+        if facts is not None:
+            agree(group, "command", facts)
+        yield Ranks(group.rank(), group.size())
+        meet(group)
+    except Exception as e:
+        _fail(rank, e)
+
+
+def _fail(rank: int, error: Exception) -> NoReturn:
+    """End this rank for `error` with one `Error: rank N: ...` line (none where rank 0 says
+    it for every rank), exit 1."""
+    from mtpkit.runtime.ranks import RanksDisagree
+
+    if os.environ.get("MTPKIT_DEBUG") == "1":
+        raise error
+    if isinstance(error, RanksDisagree) and rank != 0:
+        os._exit(1)  # rank 0 names the difference; every rank found the same
+    if _lost_peer(error):
+        message = (
+            "lost the connection to another rank (it failed, or the network between the "
+            "machines broke)"
+        )
+    else:
+        message = one_line(error)
+    # Ends here: an interpreter teardown races MLX's backend threads, whose sockets are
+    # broken, and has crashed a rank after its error line.
+    _exit_with(f"Error: rank {rank}: {message}")
 
 
 CHILD_MARK = "MTPKIT_RANK_CHILD"

@@ -18,6 +18,10 @@ directory), a graft and `train-head --into` (files swapped into an existing one)
   runs whose process is gone, and says so. A run killed between its two final renames leaves
   the previous output as `.NAME.mtpkit-old-PID`: the next run puts it back before anything
   else, so an old output is kept until a new one is in place.
+- The final rename judges the output again (`--force` and what it may replace), and a lock
+  beside the output (`mtpkit.core.lock`) keeps a second run from writing it meanwhile.
+- A report file (`check --junit`) replaces only a regular file; a FIFO, a device or
+  `/dev/stdout` gets the text as a stream (`mtpkit.core.files`).
 """
 
 from __future__ import annotations
@@ -30,6 +34,8 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from mtpkit.core.errors import MtpkitError
+from mtpkit.core.files import own_descriptor, write_text_file
+from mtpkit.core.lock import exclusive_output
 from mtpkit.core.signals import deferred
 
 TEMP_MARK = "mtpkit-tmp"
@@ -282,11 +288,25 @@ def fresh_temp_dir(out: Path) -> Path:
     return tmp
 
 
-def replace_with(out: Path, tmp: Path) -> None:
-    """Move the finished `tmp` to `out`, removing what was there only once it is moved."""
+def replace_with(out: Path, tmp: Path, *, force: bool = True, option: str = "-o") -> None:
+    """Move the finished `tmp` to `out`, removing what was there only once it is moved.
+
+    What is at `out` now is judged again (`--force` and what it may replace): another run,
+    or a user in another terminal, may have made it since the run began."""
     if not out.exists() and not out.is_symlink():
         tmp.rename(out)
         return
+    if not force:
+        raise DestinationError(
+            f"{out} appeared while this run was writing it (another run or program made it): "
+            f"nothing was replaced; pass --force to replace it, or choose another {option}"
+        )
+    why = why_not_replaceable(out)
+    if why is not None:
+        raise DestinationError(
+            f"{option} {out} --force: {why} (it changed while this run was writing); nothing "
+            "was replaced"
+        )
     old = temp_sibling(out, OLD_MARK)
     out.rename(old)
     try:
@@ -298,47 +318,34 @@ def replace_with(out: Path, tmp: Path) -> None:
 
 
 @contextmanager
-def new_directory(out: Path, *, log: Log | None = None) -> Iterator[Path]:
+def new_directory(
+    out: Path, *, force: bool = True, option: str = "-o", log: Log | None = None
+) -> Iterator[Path]:
     """A temporary sibling of `out` to write into; renamed over `out` when the block ends
-    without an error, removed on any error or interrupt (then `out` is as it was)."""
-    remove_stale([out], log)  # a killed run's work; its replaced output is already back
-    tmp = fresh_temp_dir(out)
-    try:
-        yield tmp
-        replace_with(out, tmp)
-    except OSError as e:
-        _remove(tmp)
-        raise MtpkitError(f"writing {out} failed, nothing was written: {_reason(e)}") from None
-    except BaseException:
-        _remove(tmp)
-        raise
+    without an error (if `out` may still be replaced: `replace_with`), removed on any error
+    or interrupt (then `out` is as it was). The output is locked meanwhile."""
+    with exclusive_output(out, option=option):
+        remove_stale([out], log)  # a killed run's work; its replaced output is already back
+        tmp = fresh_temp_dir(out)
+        try:
+            yield tmp
+            replace_with(out, tmp, force=force, option=option)
+        except OSError as e:
+            _remove(tmp)
+            raise MtpkitError(f"writing {out} failed, nothing was written: {_reason(e)}") from None
+        except BaseException:
+            _remove(tmp)
+            raise
 
 
 def write_file(path: Path, text: str, *, option: str, sources: Iterable[Path | None] = ()) -> None:
-    """Write one file (a report) atomically: into a temporary sibling, then renamed; never
-    inside a source, never through a link (a link at `path` is replaced, not followed)."""
+    """Write one file (a report), never inside a source: a regular file is replaced
+    atomically, a link to one is replaced rather than followed, and a FIFO, a device or
+    `/dev/stdout` receives the text as a stream (`mtpkit.core.files`)."""
     path = Path(path).expanduser()
-    refuse_inside(path, sources, option=option)
-    if path.is_dir():
-        raise DestinationError(f"{option} {path} is a directory: name a file")
-    tmp = temp_sibling(path)
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp.write_text(text, encoding="utf-8")
-        os.replace(tmp, path)
-    except OSError as e:
-        _discard(tmp)
-        raise MtpkitError(f"cannot write {option} {path}: {_reason(e)}") from None
-    except BaseException:
-        _discard(tmp)
-        raise
-
-
-def _discard(tmp: Path) -> None:
-    try:
-        tmp.unlink(missing_ok=True)
-    except OSError:  # its parent is not a directory: there is nothing to remove
-        pass
+    if own_descriptor(path) is None:
+        refuse_inside(path, sources, option=option)
+    write_text_file(path, text, option=option)
 
 
 def _reason(e: OSError) -> str:
@@ -410,6 +417,7 @@ class FileSwap:
 
 __all__ = [
     "DestinationError",
+    "exclusive_output",
     "FileSwap",
     "claim_output",
     "fresh_temp_dir",

@@ -110,7 +110,14 @@ def graft(
         mx.set_cache_limit(cache_limit)
         converter.close()
     seconds = time.perf_counter() - started
-    return ConvertResult(into, ckpt.family.name, manifest, 0, len(plan.head), seconds)
+    # The head's files (the peers' `mtp.safetensors` too, where the family writes one).
+    written = sum(p.stat().st_size for p in graft_targets(into)[:2] if p.is_file())
+    if (peer := peer_head_file(into, ckpt)) is not None and peer[0].is_file():
+        written += peer[0].stat().st_size
+    return ConvertResult(
+        into, ckpt.family.name, manifest, 0, len(plan.head), seconds,
+        written_bytes=written, grafted=True,
+    )  # fmt: skip
 
 
 def _check_graftable(ckpt: Checkpoint, trunk: Checkpoint, into: Path) -> None:

@@ -25,14 +25,17 @@ from typing import Any
 import mlx.core as mx
 
 from mtpkit.checkpoint.inspect import Checkpoint, read_checkpoint
+from mtpkit.checkpoint.links import checked_side_file
 from mtpkit.checkpoint.validate import nonfinite_tensors
 from mtpkit.convert.destination import (
     claim_output,
+    exclusive_output,
     local_source_dir,
     new_directory,
     refuse_overlap,
 )
 from mtpkit.convert.plan import Converter, Plan, Settings, check_conv1d, refuse_problems
+from mtpkit.convert.recipes import load_recipe, recipe_note
 from mtpkit.convert.records import build_manifest, drafter_record, output_config
 from mtpkit.convert.rules import job_computer
 from mtpkit.convert.writer import (
@@ -77,6 +80,11 @@ class ConvertResult:
     seconds: float
     # What was repaired on the way (e.g. the declared MTP layer count), for stderr.
     warnings: list[str] = field(default_factory=list)
+    # The bytes of the files written (a graft: the head's files), and the backbone's bits per
+    # weight as mlx-lm's `compute_bits_per_weight` counts them (None for a graft).
+    written_bytes: int = 0
+    bits_per_weight: float | None = None
+    grafted: bool = False
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -84,6 +92,8 @@ class ConvertResult:
             "family": self.family,
             "backbone_tensors": self.backbone_tensors,
             "head_tensors": self.head_tensors,
+            "bytes": self.written_bytes,
+            "bits_per_weight": self.bits_per_weight,
             "seconds": round(self.seconds, 3),
             "manifest": self.manifest,
         }
@@ -125,13 +135,49 @@ def convert(
         dtype=dtype, layout=layout, hidden=hidden,
     )  # fmt: skip
     settings, recipe_family = resolve_settings(recipe, flags)
+    notes = [] if recipe is None else [recipe_note(load_recipe(recipe), source)]
     out = Path(output).expanduser()
-    claim_output(out, force=force, sources=[local_source_dir(source)])
-    ckpt = read_checkpoint(source, revision=revision)
-    if ckpt.source.kind == "local":  # also a Hub repo's cached snapshot, used offline
-        refuse_overlap(out, ckpt.source.snapshot_dir())
-    _check_convertible(ckpt, settings, out, recipe, recipe_family)
+    # Locked from the first check to the final rename: a second run writing the same output
+    # is refused at once, and the rename judges `out` again (`new_directory`).
+    with exclusive_output(out):
+        claim_output(out, force=force, sources=[local_source_dir(source)])
+        ckpt = read_checkpoint(source, revision=revision)
+        if ckpt.source.kind == "local":  # also a Hub repo's cached snapshot, used offline
+            refuse_overlap(out, ckpt.source.snapshot_dir())
+        _check_convertible(ckpt, settings, out, recipe, recipe_family)
+        plan, manifest, layers = _convert_into(out, ckpt, settings, force=force, quiet=quiet)
+    return ConvertResult(
+        out,
+        ckpt.family.name,
+        manifest,
+        len(plan.backbone),
+        len(plan.head),
+        time.perf_counter() - started,
+        [n for n in notes if n] + repaired(ckpt, layers) + layout_warnings(settings),
+        written_bytes=directory_bytes(out),
+        bits_per_weight=bits_per_weight(plan),
+    )
 
+
+def directory_bytes(directory: Path) -> int:
+    """The size of every file under `directory` (links not followed)."""
+    return sum(p.lstat().st_size for p in directory.rglob("*") if p.is_file())
+
+
+def bits_per_weight(plan: Plan) -> float | None:
+    """The backbone's bits per weight as `mlx_lm.utils.compute_bits_per_weight` counts them
+    on the loaded model: every stored byte over the parameters of its leaf modules, packed
+    weights counted unpacked (`quant.count_parameters`)."""
+    if not plan.total_parameters:
+        return None
+    stored = sum(job.nbytes for job in plan.backbone_jobs)
+    return stored * 8 / plan.total_parameters
+
+
+def _convert_into(
+    out: Path, ckpt: Checkpoint, settings: Settings, *, force: bool, quiet: bool
+) -> tuple[Plan, dict[str, Any], int]:
+    """Plan and write the conversion of `ckpt` to `out`: (plan, manifest, head layers)."""
     converter = Converter(ckpt, settings)
     # MLX keeps freed buffers for reuse (much faster than fresh pages); a bound keeps tensors
     # of ever-new sizes from piling up there.
@@ -145,22 +191,13 @@ def convert(
         if ckpt.family.standalone:
             manifest["drafter"] = drafter_record(ckpt, plan)
         declare_head(ckpt, plan, config, manifest)
-        with new_directory(out) as tmp:
+        with new_directory(out, force=force) as tmp:
             _write_output(tmp, ckpt, converter, plan, config, manifest, quiet=quiet)
             refuse_nonfinite_head(tmp / HEAD_WEIGHTS_PATH, ckpt, settings.dtype)
     finally:
         mx.set_cache_limit(cache_limit)
         converter.close()
-    seconds = time.perf_counter() - started
-    return ConvertResult(
-        out,
-        ckpt.family.name,
-        manifest,
-        len(plan.backbone),
-        len(plan.head),
-        seconds,
-        repaired(ckpt, layers) + layout_warnings(settings),
-    )
+    return plan, manifest, layers
 
 
 def refuse_nonfinite_head(head_file: Path, ckpt: Checkpoint, dtype: str | None = None) -> None:
@@ -271,6 +308,7 @@ def _check_convertible(
             f"checkpoint{hint} instead"
         )
     check_conv1d(ckpt)
+    side_files(ckpt)
 
 
 def source_quantization(ckpt: Checkpoint) -> dict[str, Any] | None:
@@ -324,10 +362,21 @@ def _write_output(
 
 
 def _copy_side_files(ckpt: Checkpoint, out: Path) -> None:
+    """The tokenizer and the other side files, each checked first (`checkpoint.links`): no
+    link out of the source is followed, and a file is what its name says."""
+    for name, path in side_files(ckpt):
+        shutil.copyfile(path, out / name)
+
+
+def side_files(ckpt: Checkpoint) -> list[tuple[str, Path]]:
+    """(name, checked path) of each side file to copy; `convert` checks them before any
+    weight is written, then again as it copies them."""
+    found = []
     for name in sorted(ckpt.source.files):
-        if "/" in name or not COPIED_FILES.match(name):
-            continue
-        shutil.copyfile(ckpt.source.local_file(name), out / name)
+        if "/" not in name and COPIED_FILES.match(name):
+            path = ckpt.source.local_file(name)
+            found.append((name, checked_side_file(path.parent, path.name)))
+    return found
 
 
 # --------------------------------------------------------------------------- settings
@@ -361,8 +410,6 @@ def resolve_settings(
 
     Returns the settings and the family the recipe is meant for (None without a recipe).
     """
-    from mtpkit.convert.recipes import load_recipe
-
     values: dict[str, Any] = {}
     family = None
     if recipe is not None:

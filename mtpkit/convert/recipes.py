@@ -101,5 +101,26 @@ def load_recipe(spec: str | Path) -> Recipe:
     return Recipe(path, model.get("repo"), model.get("family"), settings)
 
 
+def recipe_note(recipe: Recipe, source: str) -> str | None:
+    """A note when `recipe`, written for one model, is applied to `source`, another (known
+    from its Hub id, its cache folder, or a local directory's name): its settings were chosen
+    for that model's size and may not suit this one."""
+    from mtpkit.checkpoint.source import source_repo
+
+    if not recipe.repo:
+        return None
+    repo = source_repo(source)
+    wanted = recipe.repo.lower()
+    if repo is not None:
+        if repo.lower() == wanted:
+            return None
+    elif Path(source).expanduser().absolute().name.lower() == wanted.rsplit("/", 1)[-1]:
+        return None
+    return (
+        f"recipe {recipe.path.stem} was written for {recipe.repo}, and {source} is another "
+        "model: its settings apply as they are"
+    )
+
+
 def all_recipes() -> list[Path]:
     return sorted(RECIPES_DIR.glob("*.toml"))

@@ -3,7 +3,8 @@ before a command loads anything: a bad value is one line naming the variable and
 never an `unexpected` error from deep inside huggingface_hub or MLX.
 
 - Numbers: MTPKIT_THREADS (worker threads), HF_HUB_ETAG_TIMEOUT and HF_HUB_DOWNLOAD_TIMEOUT
-  (seconds per Hub request; huggingface_hub reads them as whole numbers when imported).
+  (seconds per Hub request; huggingface_hub reads them as whole numbers when imported),
+  MTPKIT_HUB_TIMEOUT (seconds an upload's request may wait for each step).
 - Switches: MTPKIT_KERNELS, MTPKIT_QMV, HF_HUB_OFFLINE, HF_HUB_DISABLE_PROGRESS_BARS
   (1/0, true/false, yes/no, on/off, as huggingface_hub spells them).
 - Directories: MTPKIT_CACHE (check's converted copies) and TMPDIR (scratch space: MLX and
@@ -18,7 +19,7 @@ from pathlib import Path
 
 from mtpkit.core.errors import MtpkitError
 
-WHOLE_SECONDS = ("HF_HUB_ETAG_TIMEOUT", "HF_HUB_DOWNLOAD_TIMEOUT")
+WHOLE_SECONDS = ("HF_HUB_ETAG_TIMEOUT", "HF_HUB_DOWNLOAD_TIMEOUT", "MTPKIT_HUB_TIMEOUT")
 COUNTS = ("MTPKIT_THREADS",)
 SWITCHES = ("MTPKIT_KERNELS", "MTPKIT_QMV", "HF_HUB_OFFLINE", "HF_HUB_DISABLE_PROGRESS_BARS")
 SWITCH_WORDS = {"", "0", "1", "true", "false", "yes", "no", "on", "off"}

@@ -105,6 +105,26 @@ def has_chat_template(tokenizer: Any) -> bool:
     return bool(getattr(tokenizer, "chat_template", None))
 
 
+def encode_messages(
+    tokenizer: Any, messages: list[dict[str, Any]], *, add_generation_prompt: bool = True,
+    template_args: dict[str, Any] | None = None,
+) -> list[int]:  # fmt: skip
+    """A conversation's token ids through the tokenizer's chat template (`chat`, the
+    server's chat completions); `template_args` go to the template (mlx_lm.server's
+    --chat-template-args, e.g. enable_thinking). Without a template, the messages as one
+    text, as mlx_lm.server renders them."""
+    if not has_chat_template(tokenizer):
+        from mtpkit.mlxlm import chat_as_text
+
+        return list(tokenizer.encode(chat_as_text(messages)))
+    return list(
+        tokenizer.apply_chat_template(
+            messages, add_generation_prompt=add_generation_prompt, tokenize=True,
+            **(template_args or {}),
+        )
+    )  # fmt: skip
+
+
 def encode_prompt(
     tokenizer: Any,
     prompt: str,
@@ -112,6 +132,7 @@ def encode_prompt(
     chat_template: bool = True,
     system_prompt: str | None = None,
     prefill_response: str | None = None,
+    template_args: dict[str, Any] | None = None,
 ) -> list[int]:
     """A generation prompt's token ids: where the tokenizer has a chat template (and
     `chat_template`), the messages as mlx_lm.generate builds them (an optional system prompt,
@@ -130,6 +151,7 @@ def encode_prompt(
                 add_generation_prompt=not prefill,
                 continue_final_message=prefill,
                 tokenize=True,
+                **(template_args or {}),
             )
         )
     bos = getattr(tokenizer, "bos_token", None)

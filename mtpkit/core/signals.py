@@ -10,14 +10,19 @@ they were, check's scratch conversion deleted. The CLI turns any of them into on
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
+import sys
 import threading
+import weakref
 from collections.abc import Iterator
 from types import FrameType
 
 # Signals whose default is to die at once, without any cleanup. A signal the caller chose to
 # ignore (`nohup` ignores SIGHUP) stays ignored.
-TERMINATING = tuple(getattr(signal, name) for name in ("SIGTERM", "SIGHUP") if hasattr(signal, name))
+TERMINATING = tuple(
+    getattr(signal, name) for name in ("SIGTERM", "SIGHUP") if hasattr(signal, name)
+)
 
 
 class Interrupted(KeyboardInterrupt):
@@ -66,7 +71,9 @@ def deferred() -> Iterator[None]:
         return
     caught: list[int] = []
     held = (signal.SIGINT, *TERMINATING)
-    previous = {sig: signal.signal(sig, lambda signum, frame: caught.append(signum)) for sig in held}
+    previous = {
+        sig: signal.signal(sig, lambda signum, frame: caught.append(signum)) for sig in held
+    }
     try:
         yield
     finally:
@@ -78,3 +85,34 @@ def deferred() -> Iterator[None]:
                 handler(caught[0], None)
             elif handler == signal.SIG_DFL:
                 signal.raise_signal(caught[0])
+
+
+# Daemon threads whose own workers Python joins at exit (a thread pool created inside them).
+_POOL_OWNERS: weakref.WeakSet[threading.Thread] = weakref.WeakSet()
+
+
+def owns_a_pool(thread: threading.Thread) -> None:
+    """Mark a daemon thread whose work may start a thread pool (huggingface_hub's uploads):
+    while it runs, a signal ends the process past it (`exit_now_if_workers_hang`)."""
+    _POOL_OWNERS.add(thread)
+
+
+def exit_now_if_workers_hang(code: int) -> None:
+    """After a signal's cleanup, end the process with `code` at once if threads Python would
+    wait for at exit are still running: non-daemon ones, and the workers of a thread pool
+    (`concurrent.futures` joins them, daemon or not) stuck in a Hub request that never
+    answers; otherwise a SIGTERM would not end the run."""
+    main = threading.main_thread()
+    busy = [
+        t
+        for t in threading.enumerate()
+        if t is not main and t.is_alive() and (not t.daemon or t in _POOL_OWNERS)
+    ]
+    if not busy:
+        return
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(code)

@@ -197,7 +197,11 @@ class MtpModel:
             recurrent = False
         snapshots = GdnSnapshots() if recurrent else None
         rows = tokens.shape[0]
-        with capture_gdn_states(snapshots), multi_row_matmuls(self.model, rows), few_query_attention():
+        with (
+            capture_gdn_states(snapshots),
+            multi_row_matmuls(self.model, rows),
+            few_query_attention(),
+        ):
             logits, hidden = self.forward(tokens[None], cache)
         return VerifyPass(logits, hidden, snapshots, rows, replay)
 
@@ -383,10 +387,18 @@ def load_model(
     norm_shift: float = 0.0,
     with_head: bool = True,
     revision: str | None = None,
+    adapter_path: str | Path | None = None,
 ) -> MtpModel:
-    """Load a model directory with stock mlx-lm and attach its MTP head (if it has one)."""
+    """Load a model directory with stock mlx-lm and attach its MTP head (if it has one);
+    `adapter_path`: LoRA adapters applied to the backbone, as `mlx_lm.load` applies them."""
     path = resolve_model_path(str(spec), revision)
-    model, tokenizer, config = _cached_backbone(path)
+    if adapter_path is None:
+        model, tokenizer, config = _cached_backbone(path)
+    else:  # a model of its own: the cached backbone stays as it was loaded
+        from mtpkit.mlxlm import apply_adapters
+
+        model, tokenizer, config = load_backbone(path)
+        apply_adapters(model, adapter_path)
     head = head_weights = None
     if with_head:
         loaded = load_head(path, config, norm_shift=norm_shift, concat_order=concat_order)
@@ -413,9 +425,7 @@ def assemble(
         manifest = head_weights.manifest if head_weights is not None else None
         hidden = (manifest or {}).get("hidden") or DEFAULT_HIDDEN
     if hidden not in HIDDEN_VARIANTS:
-        raise GenerateError(
-            f"--hidden must be one of {', '.join(HIDDEN_VARIANTS)}, not {hidden!r}"
-        )
+        raise GenerateError(f"--hidden must be one of {', '.join(HIDDEN_VARIANTS)}, not {hidden!r}")
     parts = backbone_parts(model, config)
     capture = tap_final_norm(parts.final_norm)
     tap_gated_delta_layers(model)

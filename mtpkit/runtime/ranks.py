@@ -11,16 +11,27 @@ Collectives must be issued in the same order on every rank: `share` queues its r
 (`mx.async_eval`), and a rank's placeholder depends on that rank's own copy of the computation
 the shared value comes from, so MLX never reorders a share past the backbone's own
 send/recv/all_gather.
+
+Before decoding, the ranks `agree` on what they were given (the command's settings, the
+model's config and manifest): a rank given something else would decode a hybrid, wait in a
+collective the others never enter, or crash; instead every rank stops and rank 0 names the
+difference. After decoding they `meet`, so that no rank exits while another still needs it.
 """
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
+import json
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
+import numpy as np
+
+from mtpkit.core.errors import MtpkitError
 
 
 @dataclass(frozen=True)
@@ -83,10 +94,9 @@ class Lockstep:
         return {v: k for k, v in codes.items()}[shared]
 
     def tick(self) -> None:
-        """A decoding step or prefill chunk is done: the watchdog's beat (armed from the
-        first one on, so loading and downloads are not bounded by it)."""
+        """A decoding step or prefill chunk is done: the watchdog's beat."""
         if self.size > 1 and WATCHDOG[0] is not None:
-            WATCHDOG[0].arm()
+            WATCHDOG[0].beat()
 
 
 SINGLE = Lockstep()
@@ -106,15 +116,19 @@ def drain_streams() -> None:
 
 class Watchdog:
     """Ends the process with one line when no progress is made for `timeout` seconds: a rank
-    that stopped or a network that broke leaves the others waiting inside a collective, which
-    MLX's backends wait on without a limit. Runs in a thread (MLX releases the GIL while it
-    waits)."""
+    that stopped, never started or was given another command, or a network that broke, leaves
+    the others waiting inside a collective (or in the ring's set-up), which MLX's backends
+    wait on without a limit. Armed from the rank's start; time spent in the rank's own work
+    (`local_work`: downloading and reading its weights) is not counted. Runs in a thread (MLX
+    releases the GIL while it waits)."""
 
     def __init__(self, timeout: float, on_timeout: Callable[[float], None]) -> None:
         self.timeout = timeout
         self.on_timeout = on_timeout
         self.last = time.monotonic()
+        self.busy = 0  # nesting depth of `local_work`
         self.armed = False
+        self.stopped = False
 
     def beat(self) -> None:
         self.last = time.monotonic()
@@ -128,8 +142,13 @@ class Watchdog:
             self.armed = True
             threading.Thread(target=self._watch, daemon=True, name="mtpkit-watchdog").start()
 
+    def stop(self) -> None:
+        self.stopped = True
+
     def _watch(self) -> None:
-        while True:
+        while not self.stopped:
+            if self.busy:
+                self.beat()
             idle = time.monotonic() - self.last
             if idle > self.timeout:
                 self.on_timeout(idle)
@@ -139,3 +158,82 @@ class Watchdog:
 
 # The process's watchdog while it is one rank of several (`mtpkit.cli.ranks` installs it).
 WATCHDOG: list[Watchdog | None] = [None]
+
+
+@contextlib.contextmanager
+def local_work() -> Iterator[None]:
+    """Within the block the rank works on its own (downloads, reads its weights), however
+    long that takes: the watchdog does not count it, only the waits on other ranks."""
+    dog = WATCHDOG[0]
+    if dog is None:
+        yield
+        return
+    dog.busy += 1
+    try:
+        yield
+    finally:
+        dog.busy -= 1
+        dog.beat()
+
+
+class RanksDisagree(MtpkitError):
+    """The ranks were given different commands or models. Every rank finds the same
+    difference; rank 0 alone says it (`mtpkit.cli.ranks`)."""
+
+
+def facts_of(document: Mapping[str, Any], prefix: str = "") -> dict[str, str]:
+    """`document` flattened to dotted keys, each value as short comparable text: its JSON, or
+    a digest where the JSON is long (per-layer quantization, a long prompt)."""
+    facts: dict[str, str] = {}
+    for key, value in document.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, Mapping) and value:
+            facts |= facts_of(value, f"{name}.")
+            continue
+        text = json.dumps(value, sort_keys=True, default=str)
+        facts[name] = text if len(text) <= 60 else "#" + hashlib.sha256(text.encode()).hexdigest()
+    return facts
+
+
+def gather_facts(group: Any, facts: Mapping[str, str]) -> list[dict[str, str]]:
+    """Every rank's `facts`, on every rank: their JSON's lengths, then the bytes padded to the
+    longest, each in one `all_gather`."""
+    data = np.frombuffer(json.dumps(dict(facts)).encode(), dtype=np.uint8)
+    drain_streams()  # queued shares first: the ring pairs collectives in their order
+    sizes = mx.distributed.all_gather(mx.array([data.size], dtype=mx.int32), group=group)
+    lengths = [int(n) for n in np.array(sizes)]
+    padded = np.zeros(max(lengths), dtype=np.uint8)
+    padded[: data.size] = data
+    everyone = np.array(mx.distributed.all_gather(mx.array(padded), group=group))
+    width = max(lengths)
+    return [
+        json.loads(everyone[r * width : r * width + n].tobytes()) for r, n in enumerate(lengths)
+    ]
+
+
+def agree(group: Any, what: str, facts: Mapping[str, str]) -> None:
+    """Raise `RanksDisagree` on every rank, naming the first fact (in rank 0's order) on which
+    a rank's `facts` differ from rank 0's (`what`: "command", "model"), unless all ranks hold
+    the same."""
+    every = gather_facts(group, facts)
+    root = every[0]
+    for rank, theirs in enumerate(every[1:], start=1):
+        for key in [*root, *(k for k in theirs if k not in root)]:
+            mine, other = root.get(key, "unset"), theirs.get(key, "unset")
+            if mine == other:
+                continue
+            if mine.startswith("#") or other.startswith("#"):
+                detail = f"{key} differs"
+            else:
+                detail = f"{key} is {other} there, {mine} on rank 0"
+            raise RanksDisagree(
+                f"rank {rank} was given another {what}: {detail}; give every rank the same {what}"
+            )
+
+
+def meet(group: Any) -> None:
+    """Every rank's queued work done, then a barrier: a rank that exited with a step still
+    queued (mlx-lm's `generate_step` queues the next one before it yields a token) would
+    close its sockets while another rank still needs its part of that step."""
+    drain_streams()
+    mx.distributed.all_sum(mx.array(1), group=group).item()

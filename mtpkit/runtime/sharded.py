@@ -7,7 +7,12 @@ hidden state, which both leave on every rank: under pipeline parallelism it runs
 only (the last stage) and only rank 0 reads it; under tensor parallelism every rank runs it,
 since mlx-lm may shard the lm_head the head drafts through (`MtpModel.lm_head` gathers it).
 
-From a Hub repo each rank downloads only the files its part needs, as `sharded_load` does.
+From a Hub repo each rank downloads only the files its part needs, as `sharded_load` does,
+one request at a time, each bounded by the Hub timeouts (as one process downloads).
+
+Before any weights are read, the ranks agree on the model: its config.json and mtpkit's
+manifest (`mtpkit.runtime.ranks.agree`), so that ranks given different models stop with one
+line instead of decoding a hybrid of the two.
 """
 
 from __future__ import annotations
@@ -20,8 +25,9 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
-from mtpkit.checkpoint.source import HubSource, hub_errors, open_source
+from mtpkit.checkpoint.source import HubSource, open_source
 from mtpkit.core.errors import MtpkitError
+from mtpkit.core.manifest import MANIFEST_PATH
 from mtpkit.families import backbone_parts
 from mtpkit.runtime.headload import SIDECAR_FILES, load_head
 from mtpkit.runtime.model import (
@@ -32,7 +38,7 @@ from mtpkit.runtime.model import (
     load_tokenizer,
     model_classes_without,
 )
-from mtpkit.runtime.ranks import Lockstep
+from mtpkit.runtime.ranks import Lockstep, agree, facts_of, local_work
 
 PIPELINE = "pipeline"
 TENSOR = "tensor"
@@ -86,15 +92,43 @@ def _local_path(spec: str, revision: str | None) -> tuple[Path, HubSource | None
     if not isinstance(source, HubSource):
         local = Path(spec).expanduser()
         return (local if local.is_dir() else source.root), None
-    from huggingface_hub import snapshot_download
+    return source.download([p for p in MODEL_FILES if p != "*.safetensors"]), source
 
-    with hub_errors(source.repo_id, source.revision):
-        path = snapshot_download(
-            source.repo_id,
-            revision=source.commit or source.revision,
-            allow_patterns=[p for p in MODEL_FILES if p != "*.safetensors"],
-        )
-    return Path(path), source
+
+def model_facts(path: Path) -> dict[str, str]:
+    """What ranks must share about their model: config.json and mtpkit's manifest (but the
+    version of mtpkit that wrote it), key by key."""
+
+    def read(name: str) -> dict[str, Any]:
+        try:
+            return json.loads((path / name).read_text())
+        except (OSError, ValueError):
+            return {}
+
+    config, manifest = read("config.json"), read(MANIFEST_PATH)
+    manifest.pop("mtpkit_version", None)
+    # model_type first: a rank given another family is named by it.
+    config = {"model_type": config.get("model_type"), **config}
+    return facts_of({"config.json": config, MANIFEST_PATH: manifest})
+
+
+def place(model: nn.Module, config: dict[str, Any], group: Any, mode: str) -> str:
+    """Spread `model` (lazy) over `group` in `mode`; tensor parallelism that cannot split
+    the model's sizes that many ways falls back to pipeline stages where the model has them.
+    Returns the mode used."""
+    if mode == PIPELINE:
+        backbone_parts(model, config).decoder.pipeline(group)
+        return mode
+    try:
+        model.shard(group)
+    except ValueError as e:  # e.g. "The input of size 128 cannot be sharded across 3 devices"
+        if PIPELINE not in sharding_modes(model, config):
+            raise ShardingError(
+                f"mlx-lm's {config.get('model_type')} model cannot be split over "
+                f"{group.size()} ranks ({e}): use a number of ranks that divides its sizes"
+            ) from None
+        return PIPELINE  # the caller builds the model again: shard() changed this one
+    return mode
 
 
 def _rank_files(
@@ -134,7 +168,8 @@ def load_sharded(
     lockstep with the other ranks of `group`."""
     from mlx_lm.utils import load_model as mlx_load_model
 
-    path, hub = _local_path(str(spec), revision)
+    with local_work():
+        path, hub = _local_path(str(spec), revision)
     if not (path / "config.json").exists():
         raise MtpkitError(f"{spec} has no config.json: pass a model directory")
 
@@ -147,35 +182,35 @@ def load_sharded(
         except (ValueError, FileNotFoundError) as e:
             raise MtpkitError(f"mlx-lm cannot load {path}: {e}") from None
 
-    model, config = lazy_model()
-    mode = choose_mode(model, config, pipeline)
-    head_here = with_head and (mode == TENSOR or group.rank() == 0)
-    if hub is not None:  # the weights of this rank's part, then the model built on them
-        stage = None
-        if mode == PIPELINE:
-            inner = backbone_parts(model, config).decoder
-            inner.pipeline(group)
-            stage = (inner.start_idx, inner.end_idx)
-        from huggingface_hub import snapshot_download
-
-        with hub_errors(hub.repo_id, hub.revision):
-            snapshot_download(
-                hub.repo_id,
-                revision=hub.commit or hub.revision,
-                allow_patterns=_rank_files(path, config, stage, head_here),
-            )
+    with local_work():
         model, config = lazy_model()
-    if mode == PIPELINE:
-        backbone_parts(model, config).decoder.pipeline(group)
-    else:
-        model.shard(group)
-    mx.eval(model.parameters())
-    tokenizer = load_tokenizer(path, eos_token_ids=config.get("eos_token_id", None))
-    head = head_weights = None
-    if head_here:
-        loaded = load_head(path, config)
-        if loaded is not None:
-            head, head_weights = loaded
+    agree(group, "model", model_facts(path))
+    mode = choose_mode(model, config, pipeline)
+    if mode == TENSOR and place(model, config, group, mode) == PIPELINE:
+        mode = PIPELINE  # tensor parallelism cannot split it: pipeline stages instead
+        with local_work():
+            model, config = lazy_model()
+    head_here = with_head and (mode == TENSOR or group.rank() == 0)
+    with local_work():
+        if hub is not None:  # the weights of this rank's part, then the model built on them
+            stage = None
+            if mode == PIPELINE:
+                inner = backbone_parts(model, config).decoder
+                inner.pipeline(group)
+                stage = (inner.start_idx, inner.end_idx)
+            hub.download(_rank_files(path, config, stage, head_here))
+            model, config = lazy_model()
+            if mode == TENSOR:
+                place(model, config, group, mode)
+        if mode == PIPELINE:
+            place(model, config, group, mode)
+        mx.eval(model.parameters())
+        tokenizer = load_tokenizer(path, eos_token_ids=config.get("eos_token_id", None))
+        head = head_weights = None
+        if head_here:
+            loaded = load_head(path, config)
+            if loaded is not None:
+                head, head_weights = loaded
     lockstep = Lockstep(group, head_on_root_only=mode == PIPELINE, sharding=mode)
     # Whether rank 0 has a head, on every rank; also the barrier after loading.
     head_on_root = bool(lockstep.share_int(int(head is not None)))

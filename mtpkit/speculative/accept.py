@@ -30,6 +30,7 @@ class SamplingSettings:
     top_p: float = TOP_P_OFF
     top_k: int = 0
     min_p: float = 0.0
+    min_tokens_to_keep: int = 1  # of min-p's filter (mlx_lm.generate --min-tokens-to-keep)
 
     @property
     def greedy(self) -> bool:
@@ -38,7 +39,10 @@ class SamplingSettings:
     def sampler(self) -> Callable[[mx.array], mx.array]:
         from mlx_lm.sample_utils import make_sampler
 
-        return make_sampler(temp=self.temp, top_p=self.top_p, min_p=self.min_p, top_k=self.top_k)
+        return make_sampler(
+            temp=self.temp, top_p=self.top_p, min_p=self.min_p, top_k=self.top_k,
+            min_tokens_to_keep=self.min_tokens_to_keep,
+        )  # fmt: skip
 
     def probs(self, logits: mx.array) -> mx.array:
         """The distribution mlx-lm's sampler draws from, for each row of `logits` (its
@@ -49,7 +53,7 @@ class SamplingSettings:
         if 0 < self.top_p < 1.0:
             logprobs = apply_top_p(logprobs, self.top_p)
         if self.min_p != 0.0:
-            logprobs = apply_min_p(logprobs, self.min_p)
+            logprobs = apply_min_p(logprobs, self.min_p, self.min_tokens_to_keep)
         if self.top_k > 0:
             logprobs = apply_top_k(logprobs, self.top_k)
         return mx.softmax(logprobs.astype(mx.float32) * (1 / self.temp), axis=-1)
@@ -71,7 +75,7 @@ def greedy_verdict(logits: mx.array, drafts: mx.array) -> tuple[mx.array, mx.arr
 
 
 def sampled_verdict(
-    target: mx.array, draft: mx.array, drafts: mx.array
+    target: mx.array, draft: mx.array, drafts: mx.array, key: mx.array | None = None
 ) -> tuple[mx.array, mx.array]:
     """Exact speculative sampling (Leviathan et al., 2023), all positions at once.
 
@@ -82,6 +86,8 @@ def sampled_verdict(
     uniform and its own residual draw; only those up to the first rejection are used, so the
     decisions are the sequential algorithm's.
 
+    `key`: draw from this PRNG key instead of MLX's global state (a batch row's own seed).
+
     Written here because mlx-lm's `speculative_generate_step` keeps a draft only when it
     equals a token sampled from the target: also lossless, but it accepts with probability
     sum(p q) instead of sum(min(p, q)), which wastes most drafts at a temperature.
@@ -90,12 +96,13 @@ def sampled_verdict(
     drafts = drafts.astype(mx.int32)
     p = mx.take_along_axis(target[:k], drafts[:, None], axis=-1)[:, 0]
     q = mx.take_along_axis(draft, drafts[:, None], axis=-1)[:, 0]
-    u = mx.random.uniform(shape=(k,))
+    keys = mx.random.split(key) if key is not None else (None, None)
+    u = mx.random.uniform(shape=(k,), key=keys[0])
     kept = _kept((q > 0) & (u * q < p))  # u < min(1, p/q), as u < 1
     residual = mx.maximum(target[:k] - draft, 0.0)
     residual = mx.where(residual.sum(axis=-1, keepdims=True) > 0, residual, target[:k])
     rows = mx.concatenate([residual, target[k:]])
-    samples = mx.random.categorical(mx.log(rows)).astype(mx.int32)
+    samples = mx.random.categorical(mx.log(rows), key=keys[1]).astype(mx.int32)
     token = samples[kept]
     packed = mx.concatenate([kept[None], token[None], drafts])
     positions = mx.arange(k + 1)
@@ -136,7 +143,11 @@ class Verdict:
 
 def read_verdict(packed: mx.array, greedy: bool) -> Verdict:
     """The round's one host read of `packed` (the only reader of its layout)."""
-    values = packed.tolist()
+    return verdict_of(packed.tolist(), greedy)
+
+
+def verdict_of(values: list[int], greedy: bool) -> Verdict:
+    """The `Verdict` of a packed verdict read to the host (a batch reads all rows at once)."""
     if not greedy:
         kept, token, *drafts = values
         return Verdict(kept, token, drafts)

@@ -250,19 +250,21 @@ class MtpDecoder:
         self.full_share = FULL_SHARE_START  # smoothed share of rounds that kept every draft
         self.draft_filter = draft_filter
         self.after_prefill: Callable[[], None] | None = None  # a session keeps the state
+        self.prefill_step_size = 2048  # tokens per prefill forward (mlx-lm's default)
 
     @property
     def drafting(self) -> bool:
         """Whether a proposer drafts (not plain decoding)."""
         return self.use_mtp
 
-    def prefill(self, step_size: int = 2048) -> None:
+    def prefill(self, step_size: int | None = None) -> None:
         """All but the last prompt token (after the `cached` ones), in chunks, as mlx-lm's
         `generate_step` does; the last one is the first input of the decoding loop."""
         from mlx_lm.generate import generation_stream
 
         start = time.perf_counter()
         prompt = self.prompt
+        step_size = step_size or self.prefill_step_size
         with mx.stream(generation_stream):
             for i in range(self.cached, len(prompt) - 1, step_size):
                 chunk = prompt[i : min(i + step_size, len(prompt) - 1)]

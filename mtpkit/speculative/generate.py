@@ -38,8 +38,50 @@ from mtpkit.speculative.session import (
     check_prompt,
 )
 
-# A head that drafted this many tokens and had none accepted is broken (NaN, wrong weights).
-BROKEN_HEAD_DRAFTS = 16
+# A head that drafted this many tokens and had none accepted is likely broken (NaN, wrong
+# weights): a head that keeps half its drafts does so by chance once in 256 runs.
+BROKEN_HEAD_DRAFTS = 8
+
+
+@dataclass(frozen=True)
+class MlxLmOptions:
+    """mlx_lm.generate's options beyond sampling and the prompt. Every decode honours the
+    prefill step; the others only plain decoding (`--no-mtp`, stock mlx-lm's own loop):
+    XTC draws its own random cut per token, which no draft's probability can be judged
+    against; a quantized KV cache and a saved prompt cache hold the target's state without
+    the drafter's."""
+
+    prefill_step_size: int = 2048
+    kv_bits: int | None = None
+    kv_group_size: int = 64
+    quantized_kv_start: int = 5000
+    prompt_cache_file: str | None = None
+    xtc_probability: float = 0.0
+    xtc_threshold: float = 0.0
+
+    def plain_only(self) -> list[str]:
+        """The options set that only plain decoding honours, as flags."""
+        return [
+            flag
+            for flag, on in (
+                ("--kv-bits", self.kv_bits is not None),
+                ("--prompt-cache-file", self.prompt_cache_file is not None),
+                ("--xtc-probability", self.xtc_probability > 0),
+            )
+            if on
+        ]
+
+    def plain_only_reason(self) -> str:
+        flags = self.plain_only()
+        why = {
+            "--kv-bits": "a quantized KV cache is not rolled back",
+            "--prompt-cache-file": "a saved prompt cache holds no drafter state",
+            "--xtc-probability": "XTC's random cut per token cannot judge a draft",
+        }
+        return f"{', '.join(flags)} only applies to plain decoding ({'; '.join(why[f] for f in flags)})"
+
+
+MLX_LM_DEFAULTS = MlxLmOptions()
 
 
 @dataclass
@@ -148,24 +190,43 @@ def _stock_tokens(
     max_tokens: int,
     sampling: SamplingSettings,
     max_kv_size: int | None = None,
+    options: MlxLmOptions = MLX_LM_DEFAULTS,
 ) -> tuple[Iterator[int], Callable[[], Stats]]:
     """Plain decoding is stock mlx-lm's `stream_generate`, unchanged."""
     from mlx_lm import stream_generate
+    from mlx_lm.models.cache import load_prompt_cache
+    from mlx_lm.sample_utils import make_sampler
 
     stats = Stats(prompt_tokens=len(prompt))
 
     def run() -> Iterator[int]:
         start = time.perf_counter()
         first = None
+        sampler = sampling.sampler()
+        if options.xtc_probability > 0:  # as mlx_lm.generate builds it
+            sampler = make_sampler(
+                sampling.temp, sampling.top_p, sampling.min_p, sampling.min_tokens_to_keep,
+                top_k=sampling.top_k, xtc_probability=options.xtc_probability,
+                xtc_threshold=options.xtc_threshold,
+                xtc_special_tokens=m.tokenizer.encode("\n") + list(m.tokenizer.eos_token_ids),
+            )  # fmt: skip
+        extra: dict[str, Any] = {}
+        if options.prompt_cache_file is not None:
+            extra["prompt_cache"] = load_prompt_cache(options.prompt_cache_file)
         with untapped(m.final_norm):
             for response in stream_generate(
                 m.model,
                 m.tokenizer,
                 mx.array(prompt),
                 max_tokens=max_tokens,
-                sampler=sampling.sampler(),
+                sampler=sampler,
                 prompt_progress_callback=lambda *_: m.lockstep.tick(),
                 max_kv_size=max_kv_size,
+                prefill_step_size=options.prefill_step_size,
+                kv_bits=options.kv_bits,
+                kv_group_size=options.kv_group_size,
+                quantized_kv_start=options.quantized_kv_start,
+                **extra,
             ):
                 if first is None:
                     first = time.perf_counter()
@@ -193,6 +254,7 @@ def generate(
     top_p: float = TOP_P_OFF,
     top_k: int = 0,
     min_p: float = 0.0,
+    min_tokens_to_keep: int = 1,
     seed: int | None = None,
     hidden: str | None = None,
     adaptive: bool = True,
@@ -205,6 +267,10 @@ def generate(
     warn: Callable[[str], None] | None = None,
     pipeline: bool = False,
     drafter: DrafterChoice = HEAD,
+    options: MlxLmOptions = MLX_LM_DEFAULTS,
+    adapter_path: str | None = None,
+    chat_template_args: dict[str, Any] | None = None,
+    default_chat_template: bool = False,
 ) -> GenerationResult:
     """Generate from a model directory with (or without) its MTP head, or another drafter.
 
@@ -215,14 +281,29 @@ def generate(
     where the model also has tensor parallelism) and every rank returns the same result.
     The sampling, prompt and cache options mean what mlx_lm.generate's do (`seed` is set
     before the model loads, as mlx_lm.generate sets it); each of `extra_eos_tokens` (a token
-    or an id) also ends generation.
+    or an id) also ends generation; `options` carries mlx_lm.generate's others
+    (`MlxLmOptions`), `adapter_path` its LoRA adapters, `chat_template_args` its
+    --chat-template-config.
     """
     loads = not isinstance(model, MtpModel)
+    if mtp is True and options.plain_only():
+        raise GenerateError(f"{options.plain_only_reason()}: add --no-mtp")
     if seed is not None and loads:  # as mlx_lm.generate: loading draws from the generator
         mx.random.seed(seed)
-    m = _load(model, mtp=mtp, hidden=hidden, pipeline=pipeline, drafter=drafter)
+    m = _load(model, mtp=mtp, hidden=hidden, pipeline=pipeline, drafter=drafter,
+              adapter_path=adapter_path)  # fmt: skip
     use_mtp = bool(mtp) if not drafter.uses_head else _use_head(m, mtp, warn)
+    if use_mtp and options.plain_only():  # --mtp auto with a head: say why it is plain
+        (warn or (lambda s: print(f"Warning: {s}", file=sys.stderr)))(
+            f"{options.plain_only_reason()}: decoding without drafting"
+        )
+        use_mtp = False
     add_eos_tokens(m, extra_eos_tokens)
+    if default_chat_template and getattr(m.tokenizer, "chat_template", None) is None:
+        # mlx_lm.generate --use-default-chat-template, where the tokenizer has a default.
+        default = getattr(m.tokenizer, "default_chat_template", None)
+        if default is not None:
+            m.tokenizer.chat_template = default
     tokens = (
         prompt
         if isinstance(prompt, list)
@@ -232,15 +313,18 @@ def generate(
             chat_template=chat_template,
             system_prompt=system_prompt,
             prefill_response=prefill_response,
+            template_args=chat_template_args,
         )
     )
-    sampling = SamplingSettings(temp=temp, top_p=top_p, top_k=top_k, min_p=min_p)
+    sampling = SamplingSettings(temp, top_p, top_k, min_p, min_tokens_to_keep)
     check_prompt(m, tokens)
     mx.reset_peak_memory()
     if not use_mtp:
-        it, stats_fn = stream_tokens(
-            m, tokens, max_tokens=max_tokens, mtp=False, sampling=sampling,
-            seed=None if loads else seed, max_kv_size=max_kv_size,
+        if seed is not None and not loads:
+            mx.random.seed(seed)
+        it, stats_fn = _stock_tokens(
+            m, tokens, max_tokens=max_tokens, sampling=sampling, max_kv_size=max_kv_size,
+            options=options,
         )  # fmt: skip
         text = _detokenize(m.tokenizer, it, on_token)
         return _result(m, text, stats_fn(), False, max_tokens)
@@ -250,6 +334,7 @@ def generate(
     if seed is None and m.lockstep.size > 1:  # every rank samples alike
         mx.random.seed(m.lockstep.share_int(int(mx.random.randint(0, 2**31 - 1).item())))
     session = _session(m, tokens, max_tokens, depth, sampling, adaptive, max_kv_size, drafter)
+    session.decoder.prefill_step_size = options.prefill_step_size
     for event in session:
         if on_token is not None and event.text:
             on_token(event.text)
@@ -260,7 +345,7 @@ def generate(
 
 def _load(
     model: str | Path | MtpModel, *, mtp: bool | str, hidden: str | None, pipeline: bool,
-    drafter: DrafterChoice,
+    drafter: DrafterChoice, adapter_path: str | None = None,
 ) -> MtpModel:  # fmt: skip
     """The target: as given, one rank's part under `mlx.launch`, or loaded (with its head
     when the head drafts)."""
@@ -268,13 +353,17 @@ def _load(
     if isinstance(model, MtpModel):
         return model
     if (group := world()) is not None:  # one rank of `mlx.launch`
+        if adapter_path is not None:
+            raise GenerateError(
+                "--adapter-path is not supported across ranks: fuse the adapter first (mlx_lm.fuse)"
+            )
         if not drafter.uses_head:
             raise GenerateError(
                 f"--{drafter.name} is not supported across ranks yet: draft with the MTP head "
                 "(the default) or run on one machine"
             )
         return load_sharded(model, group, pipeline=pipeline, hidden=hidden, with_head=with_head)
-    return load_model(model, hidden=hidden, with_head=with_head)
+    return load_model(model, hidden=hidden, with_head=with_head, adapter_path=adapter_path)
 
 
 def _warn_if_never_accepted(
@@ -415,6 +504,7 @@ def measure_acceptance(
 
 __all__ = [
     "Engine",
+    "MlxLmOptions",
     "GenerationResult",
     "Request",
     "PromptTooLong",

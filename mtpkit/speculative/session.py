@@ -14,15 +14,16 @@ thread owns the engine.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
 
-from mtpkit.core.choices import require_depth
+from mtpkit.core.choices import TOP_P_OFF, require_depth
 from mtpkit.core.errors import MtpkitError
+from mtpkit.core.prompts import encode_messages, encode_prompt
 from mtpkit.runtime.model import GenerateError, MtpModel, NoMtpHead, load_model
 from mtpkit.speculative.accept import SamplingSettings
 from mtpkit.speculative.adaptive import resolve_depth
@@ -202,3 +203,58 @@ class Session:
     def _remember(self, tokens: list[int]) -> None:
         engine, decoder = self.engine, self.decoder
         engine.prompt_cache.store(tokens, decoder.cache, decoder.proposer, engine.drafter_name)
+
+
+# -- the Python API, as mlx-lm's `load`, `generate`, `stream_generate` --------------------
+
+
+def load(
+    model: str | Path,
+    *,
+    draft_model: str | Path | None = None,
+    prompt_lookup: bool = False,
+    mtp: bool | str = "auto",
+    prompt_cache_size: int = DEFAULT_SIZE,
+    max_kv_size: int | None = None,
+) -> Engine:
+    """A model directory (or Hub repo) loaded once, ready to decode requests: drafting with
+    its MTP head where it has one (`mtp` "auto"; True requires one, False decodes plainly), or
+    with `draft_model` / `prompt_lookup`."""
+    drafter = DrafterChoice(draft_model=draft_model, prompt_lookup=prompt_lookup)
+    return Engine.load(
+        model, drafter=drafter, mtp=mtp, prompt_cache_size=prompt_cache_size,
+        max_kv_size=max_kv_size,
+    )  # fmt: skip
+
+
+def stream_generate(
+    engine: Engine,
+    prompt: str | list[int] | list[dict[str, Any]],
+    *,
+    max_tokens: int = 256,
+    temp: float = 0.0,
+    top_p: float = TOP_P_OFF,
+    top_k: int = 0,
+    min_p: float = 0.0,
+    seed: int | None = None,
+    stop: Sequence[str] = (),
+    depth: int | None = None,
+    chat_template: bool = True,
+) -> Iterator[TokenEvent]:
+    """Decode `prompt` (text, token ids, or chat messages) and yield a `TokenEvent` per
+    token; text goes through the chat template unless `chat_template` is False."""
+    tokenizer = engine.m.tokenizer
+    if isinstance(prompt, str):
+        tokens = encode_prompt(tokenizer, prompt, chat_template=chat_template)
+    elif prompt and isinstance(prompt[0], dict):
+        tokens = encode_messages(tokenizer, prompt)  # type: ignore[arg-type]
+    else:
+        tokens = list(prompt)  # type: ignore[arg-type]
+    sampling = SamplingSettings(temp=temp, top_p=top_p, top_k=top_k, min_p=min_p)
+    request = Request(tokens, max_tokens, sampling, seed, tuple(stop), depth)
+    return engine.stream(request)
+
+
+def generate(engine: Engine, prompt: str | list[int] | list[dict[str, Any]], **kwargs: Any) -> str:
+    """The text `stream_generate` decodes (same arguments)."""
+    return "".join(event.text for event in stream_generate(engine, prompt, **kwargs))

@@ -60,6 +60,25 @@ def save_checkpoint(
             entry.unlink(missing_ok=True)
 
 
+def remove_checkpoint(directory: Path, *, created: bool) -> None:
+    """Remove the files a run's checkpoints left in `directory` (its state, head and
+    optimizer files, and what a killed save left), never anything else: `--checkpoint-dir`
+    may name a directory that holds the user's own files. The directory itself goes only if
+    the run `created` it and nothing else is left in it."""
+    if not directory.is_dir() or directory.is_symlink():
+        return
+    for entry in directory.iterdir():
+        name = entry.name
+        ours = name in (STATE_FILE, f".{STATE_FILE}.tmp") or PART_FILE.match(name)
+        if (ours or TEMP_FILE.match(name)) and (entry.is_file() or entry.is_symlink()):
+            entry.unlink(missing_ok=True)
+    if created:
+        try:
+            directory.rmdir()
+        except OSError:  # something else is there now: it is not ours to remove
+            pass
+
+
 def read_state(directory: Path) -> dict[str, Any]:
     """The checkpoint's `state.json`, checked for what a resume relies on."""
     path = directory / STATE_FILE

@@ -23,7 +23,6 @@ head over held-out prompts, the loop `generate --mtp` runs (`mtpkit.speculative.
 from __future__ import annotations
 
 import resource
-import shutil
 import sys
 import time
 from collections.abc import Callable
@@ -42,7 +41,7 @@ from mtpkit.families import family_for
 from mtpkit.families.head import MtpHead
 from mtpkit.runtime.model import MtpModel, load_model
 from mtpkit.speculative.decode import MtpDecoder, SamplingSettings
-from mtpkit.train.checkpoint import load_checkpoint, save_checkpoint
+from mtpkit.train.checkpoint import load_checkpoint, remove_checkpoint, save_checkpoint
 from mtpkit.train.data import ChunkStream, DataSpec, end_token, generate_pool, greedy_sequences
 from mtpkit.train.init_head import initial_head
 from mtpkit.train.output import head_dtype
@@ -411,6 +410,7 @@ def train_and_write(
     check_destination(output, into, force, model)
     settings.check()
     checkpoints = checkpoint_dir or default_checkpoint_dir(output, into)
+    created = not (checkpoints.exists() or checkpoints.is_symlink())
     progress = TrainProgress(settings.steps, quiet=quiet, log=log)
     try:
         result = train_head(
@@ -435,6 +435,6 @@ def train_and_write(
         hidden=result.hidden,
         training={k: v for k, v in summary.items() if k not in ("history", "output")},
     )
-    shutil.rmtree(checkpoints, ignore_errors=True)
+    remove_checkpoint(checkpoints, created=created)
     summary["output"] = str(target)
     return summary

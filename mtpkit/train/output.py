@@ -232,7 +232,7 @@ def write_trained_head(
     if into is not None:
         _install(into, family, tensors, manifest, declared)
     else:
-        _write_copy(model, output, family, tensors, manifest, declared)
+        _write_copy(model, output, family, tensors, manifest, declared, force=force)
     return target
 
 
@@ -248,8 +248,10 @@ def _write_copy(
     tensors: dict[str, mx.array],
     manifest: dict[str, Any],
     config: dict[str, Any],
+    *,
+    force: bool,
 ) -> None:
-    with new_directory(output.absolute()) as tmp:
+    with new_directory(output.absolute(), force=force) as tmp:
         for item in model.iterdir():
             if item.name in OLD_HEAD_FILES or item.name.startswith("."):
                 continue

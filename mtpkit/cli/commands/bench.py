@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Annotated
 
 import typer
@@ -22,7 +23,7 @@ from mtpkit.cli.options import (
     friendly_errors,
     value,
 )
-from mtpkit.cli.ranks import DEFAULT_TIMEOUT, on_ranks
+from mtpkit.cli.ranks import DEFAULT_TIMEOUT, command_facts, on_ranks
 
 DraftModelOpt = Annotated[
     str | None,
@@ -49,6 +50,16 @@ AcceptanceOpt = Annotated[
         "(from a greedy pass), else by a wrong one: what a head of that acceptance gains.",
     ),
 ]
+BatchOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--batch",
+        metavar="B[,C...]",
+        help="Measure batched decoding instead: at each width, B requests of the prompt decoded "
+        "together, MTP (depth 1, each row accepting on its own) against stock mlx-lm's "
+        "batch_generate at the same width (with --acceptance: oracle drafts per row).",
+    ),
+]
 
 
 @friendly_errors
@@ -69,6 +80,7 @@ def bench_command(
     json_output: JsonOpt = False,
     pipeline: PipelineOpt = False,
     timeout: TimeoutOpt = DEFAULT_TIMEOUT,
+    batch: BatchOpt = None,
 ) -> None:
     """Measure plain decoding (stock mlx-lm, --no-mtp) against MTP decoding at depths 1..K.
 
@@ -88,6 +100,10 @@ def bench_command(
     shape = value(random_shape)
     scales = value(dtype) or "float32"
     acceptances = parse_acceptances(acceptance)
+    widths = parse_widths(batch)
+    if widths is not None and (draft_model is not None or prompt_lookup):
+        flag = "--draft-model" if draft_model is not None else "--prompt-lookup"
+        ctx.fail(f"--batch measures the MTP head against stock batching: drop {flag}")
 
     from mtpkit.bench.shapes import random_model_dir
     from mtpkit.bench.speed import DEFAULT_PROMPT, bench, print_bench
@@ -115,8 +131,17 @@ def bench_command(
             if shape
             else None
         )
+    if widths is not None:
+        _bench_batch(
+            str(built) if built else model, widths, prompt or DEFAULT_PROMPT, max_tokens, trials,
+            acceptances, json_output, progress, f"random:{shape}" if shape else None,
+        )  # fmt: skip
+        if built is not None:
+            shutil.rmtree(built.parent, ignore_errors=True)
+        return
     try:
-        with on_ranks(timeout) as ranks:  # under mlx.launch: rank 0 prints
+        facts = command_facts(ctx, per_rank=("model", "json_output", "timeout"))
+        with on_ranks(timeout, facts) as ranks:  # under mlx.launch: rank 0 prints
             result = bench(
                 str(built) if built else model,
                 prompt=prompt or DEFAULT_PROMPT,
@@ -145,6 +170,47 @@ def bench_command(
         print_json(result.to_json())
         return
     print_bench(result)
+
+
+def _bench_batch(
+    model: str,
+    widths: list[int],
+    prompt: str,
+    max_tokens: int,
+    trials: int,
+    acceptances: list[float] | None,
+    json_output: bool,
+    progress: Callable[[str], None],
+    name: str | None,
+) -> None:
+    from mtpkit.bench.batch import bench_batch, print_batch_bench
+    from mtpkit.cli.output import print_json
+
+    result = bench_batch(
+        model, widths=widths, prompt=prompt, max_tokens=max_tokens, trials=trials,
+        acceptances=acceptances, progress=progress,
+    )  # fmt: skip
+    if name is not None:
+        result.model = name
+    if json_output:
+        print_json(result.to_json())
+    else:
+        print_batch_bench(result)
+
+
+def parse_widths(text: str | None) -> list[int] | None:
+    """`--batch 1,2,4,8` as positive ints (a bad list is a command-line error)."""
+    if text is None:
+        return None
+    try:
+        values = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        values = []
+    if not values or min(values) < 1:
+        raise typer.BadParameter(
+            f"takes positive integers separated by commas, not {text!r}", param_hint="--batch"
+        )
+    return values
 
 
 def parse_acceptances(text: str | None) -> list[float] | None:

@@ -33,6 +33,7 @@ from mtpkit.cli.options import (
     value,
 )
 from mtpkit.convert.recipes import recipe_names
+from mtpkit.core.errors import MtpkitError
 from mtpkit.publish.card import HUB_REPO
 
 OutputOpt = Annotated[
@@ -62,7 +63,8 @@ RecipeOpt = Annotated[
         "--recipe",
         metavar="RECIPE",
         help="A recipe: a .toml path or a name (" + ", ".join(recipe_names()) + "; a "
-        "model's published name works too); flags override it.",
+        "model's published name works too); flags override it. Without SOURCE, the model "
+        "the recipe is written for is converted.",
     ),
 ]
 ForceOpt = Annotated[
@@ -71,6 +73,14 @@ ForceOpt = Annotated[
         "--force",
         help="Replace an existing output (with --mtp-only: an existing head). Never an "
         "output that is, holds or lies inside the source.",
+    ),
+]
+ReplaceRepoOpt = Annotated[
+    bool,
+    typer.Option(
+        "--replace-repo",
+        help="With --upload-repo: replace the files the repo already holds (a model or an "
+        "earlier mtpkit upload only; its history stays on the Hub).",
     ),
 ]
 MtpOnlyOpt = Annotated[
@@ -86,7 +96,9 @@ UploadRepoOpt = Annotated[
         "--upload-repo",
         metavar="ORG/NAME",
         help="Then publish the output as this Hub repo (org/name), in one commit with a model "
-        "card, after `mtpkit check` passes on it (as mlx_lm.convert --upload-repo).",
+        "card, after `mtpkit check` passes on it (as mlx_lm.convert --upload-repo). The token "
+        "and the repo are checked before converting; a repo that holds files is refused "
+        "without --replace-repo.",
     ),
 ]
 
@@ -113,9 +125,17 @@ def convert_command(
     mtp_only: MtpOnlyOpt = False,
     into: IntoOpt = None,
     upload_repo: UploadRepoOpt = None,
+    replace_repo: ReplaceRepoOpt = False,
     quiet: QuietOpt = False,
     trust_remote_code: TrustRemoteCodeOpt = False,
     json_output: JsonOpt = False,
+    dequantize: Annotated[
+        bool,
+        typer.Option(
+            "--dequantize", "-d",
+            help="mlx_lm.convert's: not supported (mtpkit converts original checkpoints).",
+        ),
+    ] = False,
 ) -> None:
     """Convert a checkpoint to an MLX directory that stock mlx-lm loads, keeping its MTP head.
 
@@ -129,6 +149,15 @@ def convert_command(
     from mtpkit.convert.pipeline import convert
     from mtpkit.core.console import log
 
+    if dequantize:
+        raise MtpkitError(
+            "convert --dequantize is not supported: mtpkit converts original checkpoints, whose "
+            "weights are not quantized; convert the original repo, or dequantize an MLX "
+            "directory with `mlx_lm.convert --dequantize` and graft its head with "
+            "`mtpkit convert ORIGINAL --mtp-only --into DIR`"
+        )
+    if source is None and hf_path is None and recipe is not None and not mtp_only:
+        source = _recipe_source(ctx, recipe)
     source = one_source(ctx, source, hf_path)
     quantizing = quantize or bits is not None or q_mode is not None or quant_predicate is not None
     _check_quantization(ctx, bits, group_size, q_mode, quant_predicate, keep_mtp_bf16, mtp_bits)
@@ -147,15 +176,26 @@ def convert_command(
     }
     if upload_repo is not None and not HUB_REPO.match(upload_repo):
         raise typer.BadParameter(f"{upload_repo!r} is not a Hub repo id (org/name)")
+    if replace_repo and upload_repo is None:
+        ctx.fail("--replace-repo applies to --upload-repo ORG/NAME: pass both")
     if mtp_only:
         if into is None or output is not None or quantizing or layout or recipe:
             ctx.fail(
                 "--mtp-only takes --into DIR and only the head flags (--keep-mtp-bf16, "
                 "--mtp-bits, --q-group-size, --dtype, --hidden, --force)"
             )
-        result = graft(source, into=into, **common)
     else:
         _check_flags(ctx, output, into, quantizing or recipe is not None, group_size, mtp_bits)
+    repo_state = None
+    if upload_repo is not None:  # the token and the repo, before the conversion's minutes
+        from mtpkit.publish.upload import preflight
+
+        repo_state = preflight(
+            upload_repo, source=source, replace=replace_repo, quiet=quiet or json_output
+        )
+    if mtp_only:
+        result = graft(source, into=into, **common)
+    else:
         if keep_mtp_bf16 and not quantizing and recipe is None:
             log(
                 "warning: nothing is quantized without -q: --keep-mtp-bf16 only keeps the head "
@@ -172,29 +212,49 @@ def convert_command(
             recipe=recipe,
             **common,
         )
-    _publish_and_report(result, upload_repo, json_output)
+    _publish_and_report(result, repo_state, replace_repo, quiet or json_output, json_output)
 
 
-def _publish_and_report(result: Any, upload_repo: str | None, json_output: bool) -> None:
+def _publish_and_report(
+    result: Any, repo_state: Any, replace: bool, quiet: bool, json_output: bool
+) -> None:
     """Warnings on stderr, the upload (`--upload-repo`), then the result on stdout."""
+    from mtpkit.cli.commands.upload import published_line
     from mtpkit.cli.output import print_convert, print_json
     from mtpkit.core.console import log
 
     for warning in result.warnings:
         log(f"warning: {warning}")
     published = None
-    if upload_repo is not None:
+    if repo_state is not None:
         from mtpkit.publish.upload import upload
 
-        published = upload(result.output, upload_repo, log=lambda line: log(f"... {line}"))
+        published = upload(
+            result.output,
+            repo_state.repo_id,
+            replace=replace,
+            state=repo_state,
+            quiet=quiet,
+            log=lambda line: log(f"... {line}"),
+        )
     if json_output:
         print_json(result.to_json() | ({"upload": published} if published else {}))
         return
     print_convert(result)
     if published is not None:
-        acceptance = (published["check"] or {}).get("acceptance")
-        checked = f", check pass, acceptance {acceptance:.1%}" if acceptance is not None else ""
-        print(f"published {published['repo']} at {published['commit'][:12]}{checked}", flush=True)
+        print(published_line(published), flush=True)
+
+
+def _recipe_source(ctx: typer.Context, recipe: str) -> str:
+    """The model a recipe is written for, when no SOURCE is given (`--recipe NAME -o OUT`)."""
+    from mtpkit.convert.recipes import load_recipe
+    from mtpkit.core.console import log
+
+    repo = load_recipe(recipe).repo
+    if not repo:
+        ctx.fail(f"recipe {recipe} names no model ([model] repo): pass SOURCE")
+    log(f"converting {repo}, the model recipe {recipe} is written for")
+    return repo
 
 
 def _check_quantization(

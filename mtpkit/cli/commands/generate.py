@@ -9,7 +9,9 @@ import typer
 from mtpkit.cli.options import (
     DEFAULT_PROMPT,
     REMOTE_CODE_NOTE,
+    AdapterPathOpt,
     AdaptiveOpt,
+    ChatTemplateConfigOpt,
     ChatTemplateOpt,
     DepthOpt,
     DrafterModelOpt,
@@ -19,16 +21,22 @@ from mtpkit.cli.options import (
     Hidden,
     IgnoreChatTemplateOpt,
     JsonOpt,
+    KvBitsOpt,
+    KvGroupSizeOpt,
     MaxKvSizeOpt,
     MaxTokensOpt,
     MinPOpt,
+    MinTokensToKeepOpt,
     MtpOpt,
     PipelineOpt,
     PrefillResponseOpt,
+    PrefillStepSizeOpt,
+    PromptCacheFileOpt,
     PromptLookupMaxOpt,
     PromptLookupMinOpt,
     PromptLookupOpt,
     PromptOpt,
+    QuantizedKvStartOpt,
     SampleSeedOpt,
     SystemPromptOpt,
     TempOpt,
@@ -36,12 +44,21 @@ from mtpkit.cli.options import (
     TopKOpt,
     TopPOpt,
     TrustRemoteCodeOpt,
+    UseDefaultChatTemplateOpt,
     VerboseOpt,
+    XtcProbabilityOpt,
+    XtcThresholdOpt,
     friendly_errors,
     read_stdin_prompt,
     value,
 )
-from mtpkit.cli.ranks import DEFAULT_TIMEOUT, on_ranks
+from mtpkit.cli.ranks import (
+    DEFAULT_TIMEOUT,
+    command_facts,
+    on_ranks,
+    rank_number,
+    refuse_on_ranks,
+)
 
 if TYPE_CHECKING:
     from mtpkit.speculative.proposers.choose import DrafterChoice
@@ -81,6 +98,17 @@ def generate_command(
     prompt_lookup: PromptLookupOpt = False,
     prompt_lookup_min: PromptLookupMinOpt = 2,
     prompt_lookup_max: PromptLookupMaxOpt = 4,
+    adapter_path: AdapterPathOpt = None,
+    prefill_step_size: PrefillStepSizeOpt = 2048,
+    kv_bits: KvBitsOpt = None,
+    kv_group_size: KvGroupSizeOpt = 64,
+    quantized_kv_start: QuantizedKvStartOpt = 5000,
+    prompt_cache_file: PromptCacheFileOpt = None,
+    use_default_chat_template: UseDefaultChatTemplateOpt = False,
+    chat_template_config: ChatTemplateConfigOpt = None,
+    min_tokens_to_keep: MinTokensToKeepOpt = 1,
+    xtc_probability: XtcProbabilityOpt = 0.0,
+    xtc_threshold: XtcThresholdOpt = 0.0,
 ) -> None:
     """Generate text, drafting tokens with the model's MTP head (or --draft-model, --prompt-lookup) and verifying them losslessly.
 
@@ -90,9 +118,21 @@ def generate_command(
 
     mode = _mtp_mode(ctx, mtp, depth, hidden)
     drafter = _drafter(ctx, mode, draft_model, prompt_lookup, prompt_lookup_min, prompt_lookup_max)
+    template_args = _template_args(ctx, chat_template_config)
+    from mtpkit.speculative.generate import MlxLmOptions
+
+    options = MlxLmOptions(
+        prefill_step_size, kv_bits, kv_group_size, quantized_kv_start, prompt_cache_file,
+        xtc_probability, xtc_threshold,
+    )  # fmt: skip
     if trust_remote_code:
         typer.echo(REMOTE_CODE_NOTE, err=True)
     text = prompt.replace("\\n", "\n").replace("\\t", "\t")  # as mlx_lm.generate reads it
+    if text == "-" and rank_number() is not None:
+        refuse_on_ranks(
+            "--prompt - reads standard input, which mlx.launch hands every rank without ever "
+            'closing it: pass the prompt as text (-p "$(cat FILE)")'
+        )
     text = read_stdin_prompt() if text == "-" else text
     verbose_output = verbose == "True" and not json_output
 
@@ -111,7 +151,9 @@ def generate_command(
     def warn(message: str) -> None:
         typer.echo(f"Warning: {message}", err=True)
 
-    with on_ranks(timeout) as ranks:  # under mlx.launch: rank 0 prints, the others are silent
+    # Under mlx.launch: rank 0 prints, the others are silent; all must run the same command.
+    facts = command_facts(ctx, per_rank=("model", "json_output", "verbose", "timeout"))
+    with on_ranks(timeout, facts) as ranks:
         result = generate(
             model,
             text,
@@ -134,6 +176,11 @@ def generate_command(
             warn=warn if ranks.is_root else lambda message: None,
             pipeline=pipeline,
             drafter=drafter,
+            options=options,
+            adapter_path=adapter_path,
+            chat_template_args=template_args,
+            min_tokens_to_keep=min_tokens_to_keep,
+            default_chat_template=use_default_chat_template,
         )
     if not ranks.is_root:
         return
@@ -183,3 +230,20 @@ def _drafter(
     if lookup_min > lookup_max:
         ctx.fail(f"--prompt-lookup-min {lookup_min} is above --prompt-lookup-max {lookup_max}")
     return DrafterChoice(draft_model, prompt_lookup, lookup_min, lookup_max)
+
+
+def _template_args(ctx: typer.Context, text: str | None) -> dict | None:
+    """--chat-template-config: a JSON object of arguments for the chat template."""
+    import json
+
+    if text is None:
+        return None
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        ctx.fail(
+            f"--chat-template-config is not JSON ({e.msg}): pass an object such as '{{\"enable_thinking\": false}}'"
+        )
+    if not isinstance(value, dict):
+        ctx.fail("--chat-template-config must be a JSON object (name: value)")
+    return value

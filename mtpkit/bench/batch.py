@@ -1,0 +1,263 @@
+"""`mtpkit bench --batch 1,2,4,8`: batched MTP decoding against stock mlx-lm's own batched
+decoding (`mlx_lm.batch_generate`, its `BatchGenerator`) at the same width.
+
+Each trial runs, at every width B, stock's `batch_generate` over B copies of the prompt on an
+untouched load of the directory, then mtpkit's `BatchDecoder` over the same B rows at depth 1,
+drafting every round and with adaptive drafting (decided per width, `speculative/batch/
+adaptive.py`), each with the head's drafts or at each `--acceptance` (oracle drafts per row,
+`mtpkit.bench.oracle`), so a
+disturbance of the machine hits both alike. The figures are aggregate decode tok/s (tokens
+after each row's first over the decoding time, as stock's `generation_tps` counts them), per
+request (aggregate / B), and MTP's ratio to stock at the same width in the same trial.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+
+from mtpkit.bench.oracle import OracleDrafts
+from mtpkit.bench.report import Figure, device_name
+from mtpkit.core.errors import MtpkitError
+from mtpkit.core.prompts import encode_prompt
+from mtpkit.runtime.model import MtpModel, NoMtpHead, library_io, load_model
+from mtpkit.runtime.upcast import upcast_experts
+from mtpkit.speculative.accept import Verdict
+from mtpkit.speculative.batch import BatchDecoder, Row
+
+# (oracle acceptance or None for the head's drafts, adaptive drafting): one MTP run a trial.
+Config = tuple[float | None, bool]
+
+
+@dataclass
+class WidthRun:
+    """One width's figures over the trials: stock and MTP in each configuration."""
+
+    width: int
+    stock_tps: Figure = field(default_factory=Figure)
+    mtp_tps: dict[Config, Figure] = field(default_factory=dict)
+    speedup: dict[Config, Figure] = field(default_factory=dict)
+    acceptance: dict[Config, list[float]] = field(default_factory=dict)
+    plain_share: dict[Config, list[float]] = field(default_factory=dict)  # of the steps
+
+
+@dataclass
+class BatchBenchResult:
+    model: str
+    prompt_tokens: int
+    max_tokens: int
+    trials: int
+    depth: int
+    acceptances: list[float | None]
+    runs: list[WidthRun]
+
+    @property
+    def configs(self) -> list[Config]:
+        return [(a, adaptive) for a in self.acceptances for adaptive in (False, True)]
+
+    def to_json(self) -> dict[str, Any]:
+        def fig(f: Figure) -> dict[str, Any]:
+            return {"median": f.median, "range": f.range}
+
+        def key(a: float | None) -> str:
+            return "head" if a is None else f"{a:g}"
+
+        return {
+            "model": self.model,
+            "device": device_name(),
+            "prompt_tokens": self.prompt_tokens,
+            "max_tokens": self.max_tokens,
+            "trials": self.trials,
+            "depth": self.depth,
+            "widths": [
+                {
+                    "batch": r.width,
+                    "stock_tps": fig(r.stock_tps),
+                    "stock_tps_per_request": r.stock_tps.median / r.width,
+                    **{
+                        "mtp_adaptive" if adaptive else "mtp": {
+                            key(a): {
+                                "tps": fig(r.mtp_tps[a, adaptive]),
+                                "tps_per_request": r.mtp_tps[a, adaptive].median / r.width,
+                                "speedup": fig(r.speedup[a, adaptive]),
+                                "acceptance": _mean(r.acceptance[a, adaptive]),
+                                "plain_share": _mean(r.plain_share[a, adaptive]),
+                            }
+                            for a in self.acceptances
+                        }
+                        for adaptive in (False, True)
+                    },
+                }
+                for r in self.runs
+            ],
+        }
+
+
+def _mean(values: list[float]) -> float | None:
+    return sum(values) / len(values) if values else None
+
+
+def stock_batch_tps(model: Any, tokenizer: Any, prompts: list[list[int]], max_tokens: int) -> float:
+    """Aggregate decode tok/s of stock mlx-lm's `batch_generate` (its own `generation_tps`)."""
+    import mlx_lm
+
+    response = mlx_lm.batch_generate(model, tokenizer, prompts, max_tokens=max_tokens)
+    return float(response.stats.generation_tps)
+
+
+def mtp_batch_run(
+    m: MtpModel,
+    prompts: list[list[int]],
+    depth: int,
+    max_tokens: int,
+    oracles: list[OracleDrafts] | None = None,
+    adaptive: bool = False,
+) -> tuple[float, float | None, float]:
+    """Aggregate decode tok/s of `BatchDecoder` over `prompts` (every row joined before the
+    first round; each row's first token, from its prefill, not counted), its acceptance and
+    the share of its steps that were plain."""
+    draft_filter = judge = None
+    if oracles is not None:
+
+        def draft_filter(row: Row, position: int, drafts: mx.array) -> mx.array:
+            return oracles[row.uid](position, drafts)
+
+        def judge(row: Row, verdict: Verdict) -> Verdict:
+            return oracles[row.uid].judge(verdict)
+
+    decoder = BatchDecoder(
+        m, depth=depth, draft_filter=draft_filter, judge=judge, adaptive=adaptive
+    )
+    rows = [decoder.add(p, max_tokens=max_tokens) for p in prompts]
+    start = time.perf_counter()
+    while decoder.rows:
+        decoder.step()
+    elapsed = time.perf_counter() - start
+    tokens = sum(max(0, len(r.tokens) - 1) for r in rows)
+    drafted = sum(r.drafted for r in rows)
+    acceptance = sum(r.accepted for r in rows) / drafted if drafted else None
+    steps = decoder.plain_steps + max(r.rounds for r in rows)
+    plain = decoder.plain_steps / steps if steps else 0.0
+    return (tokens / elapsed if elapsed > 0 else 0.0), acceptance, plain
+
+
+def bench_batch(
+    model: str | Path,
+    *,
+    widths: list[int],
+    prompt: str,
+    max_tokens: int = 128,
+    trials: int = 3,
+    depth: int = 1,
+    acceptances: list[float] | None = None,
+    chat_template: bool = True,
+    seed: int = 0,
+    progress: Callable[[str], None] | None = None,
+) -> BatchBenchResult:
+    """Batched MTP against stock mlx-lm's batched decoding at each width (module's text)."""
+    if trials < 1 or max_tokens < 2 or not widths or min(widths) < 1:
+        raise MtpkitError("--batch takes widths of at least 1; trials >= 1, max-tokens >= 2")
+    say = progress or (lambda s: None)
+    m = load_model(model)
+    if m.head is None:
+        raise NoMtpHead(f"{m.path} has no MTP head: run `mtpkit inspect` and `mtpkit convert`")
+    import mlx_lm
+
+    with library_io():
+        stock_model, stock_tokenizer = mlx_lm.load(
+            str(m.path), tokenizer_config={"trust_remote_code": False}
+        )
+    upcast_experts([stock_model], what=str(m.path))
+    eos = m.tokenizer.eos_token_ids
+    m.tokenizer.eos_token_ids = stock_tokenizer.eos_token_ids = []  # every row runs max_tokens
+    try:
+        tokens = encode_prompt(m.tokenizer, prompt, chat_template=chat_template)
+        reference = [
+            r.token
+            for r in mlx_lm.stream_generate(
+                stock_model, stock_tokenizer, mx.array(tokens), max_tokens=max_tokens + 8
+            )
+        ]
+        vocab = int(m.embedding.weight.shape[0])
+        kinds: list[float | None] = list(acceptances) if acceptances is not None else [None]
+        runs = [WidthRun(w) for w in widths]
+        for run in runs:  # warm up every width: kernel builds fall outside the trials
+            stock_batch_tps(stock_model, stock_tokenizer, [tokens] * run.width, 8)
+            mtp_batch_run(m, [tokens] * run.width, depth, 8)
+        result = BatchBenchResult(str(model), len(tokens), max_tokens, trials, depth, kinds, runs)
+        for trial in range(trials):
+            at = f"trial {trial + 1}/{trials}:"
+            for run in runs:
+                prompts = [tokens] * run.width
+                base = stock_batch_tps(stock_model, stock_tokenizer, prompts, max_tokens)
+                run.stock_tps.values.append(base)
+                say(f"{at} batch {run.width} stock mlx-lm {base:.1f} tok/s")
+                for config in result.configs:
+                    a, adaptive = config
+                    oracles = None
+                    if a is not None:
+                        oracles = [
+                            OracleDrafts(reference, len(tokens), a, vocab, seed + i)
+                            for i in range(run.width)
+                        ]
+                    rate, accepted, plain = mtp_batch_run(
+                        m, prompts, depth, max_tokens, oracles, adaptive
+                    )
+                    run.mtp_tps.setdefault(config, Figure()).values.append(rate)
+                    ratio = rate / base if base else 0.0
+                    run.speedup.setdefault(config, Figure()).values.append(ratio)
+                    run.acceptance.setdefault(config, [])
+                    if accepted is not None:
+                        run.acceptance[config].append(accepted)
+                    run.plain_share.setdefault(config, []).append(plain)
+                    say(f"{at} batch {run.width} {_name(config)} {rate:.1f} tok/s")
+        return result
+    finally:
+        m.tokenizer.eos_token_ids = eos
+
+
+def _name(config: Config) -> str:
+    a, adaptive = config
+    name = "MTP (head)" if a is None else f"MTP at oracle {a:g}"
+    return f"{name}, adaptive" if adaptive else name
+
+
+def print_batch_bench(result: BatchBenchResult) -> None:
+    """The table people read (stdout)."""
+    from rich.table import Table
+
+    from mtpkit.core.console import stdout
+
+    stdout.print(
+        f"[bold]{result.model}[/bold] on {device_name()}: batched decoding, prompt "
+        f"{result.prompt_tokens} tokens, {result.max_tokens} generated per request, MTP depth "
+        f"{result.depth}, median \\[min-max] of {result.trials} interleaved trials; stock is "
+        "mlx-lm's batch_generate at the same width"
+    )
+    if any(a is not None for a in result.acceptances):
+        stdout.print("SYNTHETIC: oracle drafts per row, right with the probability shown")
+    table = Table(title_justify="left")
+    columns = ("batch", "decoding", "tok/s", "per request", "vs stock", "acceptance", "plain")
+    for col in columns:
+        table.add_column(col, justify="left" if col == "decoding" else "right")
+    for r in result.runs:
+        base = r.stock_tps
+        table.add_row(str(r.width), "stock mlx-lm", str(base), f"{base.median / r.width:.3g}",
+                      "1", "", "")  # fmt: skip
+        for config in result.configs:
+            accepted = _mean(r.acceptance[config])
+            table.add_row(
+                "",
+                _name(config),
+                str(r.mtp_tps[config]),
+                f"{r.mtp_tps[config].median / r.width:.3g}",
+                str(r.speedup[config]),
+                "-" if accepted is None else f"{accepted:.1%}",
+                f"{_mean(r.plain_share[config]):.0%}",
+            )
+    stdout.print(table)

@@ -1,0 +1,134 @@
+"""`mtpkit serve`: an OpenAI-compatible server that decodes with the model's MTP head."""
+
+from __future__ import annotations
+
+import json
+from enum import Enum
+from typing import Annotated, Any
+
+import typer
+
+from mtpkit.cli.options import (
+    REMOTE_CODE_NOTE,
+    AdaptiveOpt,
+    DepthOpt,
+    DrafterModelOpt,
+    GenerateModelOpt,
+    MaxKvSizeOpt,
+    MinPOpt,
+    PromptLookupMaxOpt,
+    PromptLookupMinOpt,
+    PromptLookupOpt,
+    TempOpt,
+    TopKOpt,
+    TopPOpt,
+    TrustRemoteCodeOpt,
+    friendly_errors,
+)
+
+
+class LogLevel(str, Enum):
+    DEBUG = "DEBUG"
+    INFO = "INFO"
+    WARNING = "WARNING"
+    ERROR = "ERROR"
+    CRITICAL = "CRITICAL"
+
+
+def _json_object(text: str) -> dict[str, Any]:
+    try:
+        parsed = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise typer.BadParameter(f"not JSON: {e}") from None
+    if not isinstance(parsed, dict):
+        raise typer.BadParameter("must be a JSON object, e.g. '{\"enable_thinking\": false}'")
+    return parsed
+
+
+@friendly_errors
+def serve_command(
+    model: GenerateModelOpt,
+    host: Annotated[str, typer.Option(help="Host to listen on.")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(min=0, max=65535, help="Port to listen on.")] = 8080,
+    draft_model: DrafterModelOpt = None,
+    depth: DepthOpt = None,
+    mtp: Annotated[
+        bool | None,
+        typer.Option(
+            "--mtp/--no-mtp",
+            help="--mtp: draft with the MTP head (an error without one); neither: draft when "
+            "the model has a head; --no-mtp: plain decoding.",
+        ),
+    ] = None,
+    prompt_lookup: PromptLookupOpt = False,
+    prompt_lookup_min: PromptLookupMinOpt = 2,
+    prompt_lookup_max: PromptLookupMaxOpt = 4,
+    adaptive: AdaptiveOpt = True,
+    temp: TempOpt = 0.0,
+    top_p: TopPOpt = 1.0,
+    top_k: TopKOpt = 0,
+    min_p: MinPOpt = 0.0,
+    max_tokens: Annotated[
+        int, typer.Option(min=1, metavar="N", help="Default tokens per request.")
+    ] = 512,
+    chat_template: Annotated[
+        str,
+        typer.Option(metavar="TEMPLATE", help="A Jinja chat template replacing the tokenizer's."),
+    ] = "",
+    chat_template_args: Annotated[
+        str,
+        typer.Option(
+            metavar="JSON",
+            help="Arguments for the chat template, e.g. '{\"enable_thinking\": false}'.",
+        ),
+    ] = "{}",
+    prompt_cache_size: Annotated[
+        int, typer.Option(min=0, metavar="N", help="Prompt caches kept for later turns (0: none).")
+    ] = 10,
+    max_kv_size: MaxKvSizeOpt = None,
+    log_level: Annotated[LogLevel, typer.Option(help="Logging level.")] = LogLevel.INFO,
+    trust_remote_code: TrustRemoteCodeOpt = False,
+    api_key: Annotated[
+        str | None,
+        typer.Option(
+            envvar="MTPKIT_API_KEY", help="Require `Authorization: Bearer KEY` on /v1 routes."
+        ),
+    ] = None,
+    allow_model_paths: Annotated[
+        bool,
+        typer.Option(help="Let a request's `model` name another local model directory to load."),
+    ] = False,
+    queue_size: Annotated[
+        int,
+        typer.Option(min=1, metavar="N", help="Requests that may wait; more get 503 Retry-After."),
+    ] = 64,
+    allowed_origins: Annotated[
+        str, typer.Option(metavar="ORIGINS", help="CORS origins, comma-separated.")
+    ] = "*",
+) -> None:
+    """Serve a model over the OpenAI API (/v1/chat/completions, /v1/completions, /v1/models, /health), drafting with its MTP head.
+
+    mlx_lm.server's options mean what they mean there; every answer is the model's own (greedy: token for token stock mlx-lm's) and carries an `mtp` object (drafter, depth, drafted, accepted, acceptance). One thread decodes; requests wait in a queue of --queue-size. Stops cleanly on SIGTERM or Ctrl-C.
+    """
+    from mtpkit.serve import ServeSettings, serve
+
+    if trust_remote_code:
+        typer.echo(REMOTE_CODE_NOTE, err=True)
+    if draft_model is not None and prompt_lookup:
+        raise typer.BadParameter("--draft-model and --prompt-lookup are two drafters: pass one")
+    if mtp is False and (draft_model is not None or prompt_lookup or depth is not None):
+        raise typer.BadParameter("--no-mtp decodes plainly: it contradicts drafting options")
+    serve(
+        ServeSettings(
+            model=model, host=host, port=port, draft_model=draft_model,
+            prompt_lookup=prompt_lookup, prompt_lookup_min=prompt_lookup_min,
+            prompt_lookup_max=prompt_lookup_max, mtp="auto" if mtp is None else mtp,
+            depth=depth, adaptive=adaptive, temp=temp, top_p=top_p, top_k=top_k, min_p=min_p,
+            max_tokens=max_tokens, chat_template=chat_template,
+            chat_template_args=_json_object(chat_template_args),
+            prompt_cache_size=prompt_cache_size, max_kv_size=max_kv_size,
+            log_level=log_level.value, api_key=api_key, allow_model_paths=allow_model_paths,
+            queue_size=queue_size,
+            allowed_origins=tuple(o.strip() for o in allowed_origins.split(",") if o.strip()),
+        )
+    )  # fmt: skip

@@ -1,0 +1,88 @@
+"""A request body becomes a decoding `Request`: messages through the chat template (or
+mlx_lm.server's plain role prefixes when the tokenizer has none), a text prompt through the
+tokenizer as `mtpkit generate --ignore-chat-template` encodes it, token ids as they are;
+then the prompt is checked against the model's context and the sampling fields fall back to
+the server's defaults."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from mtpkit.core.errors import MtpkitError
+from mtpkit.core.prompts import encode_prompt
+from mtpkit.serve.schemas import ChatCompletionRequest, ChatMessage, CompletionRequest
+from mtpkit.serve.settings import ServeSettings
+from mtpkit.speculative.accept import SamplingSettings
+from mtpkit.speculative.session import Engine, Request, check_prompt
+
+# mlx_lm.server's `convert_chat` prefixes, for a tokenizer without a chat template.
+ROLE_PREFIXES = {"system": "ASSISTANT's RULE: ", "user": "USER: ", "assistant": "ASSISTANT: "}
+
+
+class BadPrompt(MtpkitError):
+    """The messages or prompt cannot be encoded."""
+
+
+def has_template(tokenizer: Any) -> bool:
+    return bool(getattr(tokenizer, "chat_template", None)) or bool(
+        getattr(tokenizer, "has_chat_template", False)
+    )
+
+
+def encode_messages(
+    tokenizer: Any, messages: list[ChatMessage], template_args: dict[str, Any]
+) -> list[int]:
+    """The prompt of a conversation, ending where the assistant's answer begins."""
+    plain = [{"role": m.role, "content": m.text()} for m in messages]
+    if not has_template(tokenizer):
+        text = "".join(f"{ROLE_PREFIXES.get(m['role'], '')}{m['content']}\n" for m in plain)
+        return list(tokenizer.encode((text + ROLE_PREFIXES["assistant"]).rstrip()))
+    try:
+        ids = tokenizer.apply_chat_template(
+            plain, add_generation_prompt=True, tokenize=True, **template_args
+        )
+    except Exception as e:  # a template's raise_exception (e.g. roles out of order)
+        raise BadPrompt(f"the chat template refused the messages: {e}") from None
+    if hasattr(ids, "keys"):  # a BatchEncoding (transformers 5 returns one)
+        ids = ids["input_ids"]
+    return list(ids)
+
+
+def encode_completion_prompt(tokenizer: Any, prompt: str | list[str] | list[int]) -> list[int]:
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        return encode_prompt(tokenizer, prompt, chat_template=False)
+    vocab = len(tokenizer.vocab) if hasattr(tokenizer, "vocab") else None
+    bad = [t for t in prompt if t < 0 or (vocab is not None and t >= vocab)]
+    if bad:
+        raise BadPrompt(f"token id {bad[0]} is not in the vocabulary (0..{vocab})")
+    return list(prompt)
+
+
+def build_request(
+    engine: Engine, body: ChatCompletionRequest | CompletionRequest, settings: ServeSettings
+) -> Request:
+    """The decoding request for `body` on `engine` (raises a `MtpkitError` for the client)."""
+    tokenizer = engine.m.tokenizer
+    if isinstance(body, ChatCompletionRequest):
+        args = {**settings.chat_template_args, **(body.chat_template_kwargs or {})}
+        prompt = encode_messages(tokenizer, body.messages, args)
+    else:
+        prompt = encode_completion_prompt(tokenizer, body.prompt)
+    check_prompt(engine.m, prompt)
+    sampling = SamplingSettings(
+        temp=settings.temp if body.temperature is None else body.temperature,
+        top_p=settings.top_p if body.top_p is None else body.top_p,
+        top_k=settings.top_k if body.top_k is None else body.top_k,
+        min_p=settings.min_p if body.min_p is None else body.min_p,
+    )
+    return Request(
+        prompt,
+        max_tokens=body.token_limit(settings.max_tokens),
+        sampling=sampling,
+        seed=body.seed,
+        stop=body.stop_strings(),
+        depth=settings.depth,
+        adaptive=settings.adaptive,
+    )

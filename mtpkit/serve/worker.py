@@ -1,0 +1,195 @@
+"""The one thread that decodes: it owns the engine (the model carries process-wide state while
+it decodes, so two requests must never build graphs at once) and takes jobs from a bounded
+queue, one after another. The HTTP side submits a job and reads its events from an asyncio
+queue the worker fills through the event loop (`call_soon_threadsafe`).
+
+A job cancelled while it waits is skipped; one cancelled while it decodes stops before the
+next step (`Session.cancel`). Batched decoding of several jobs at once would replace
+`_decode` and keep this queue.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from mtpkit.core.errors import MtpkitError, one_line
+from mtpkit.serve.schemas import Mtp, Outcome, PromptTokensDetails, Usage
+from mtpkit.speculative.session import CANCELLED, STOP, Engine, Request, Session
+
+log = logging.getLogger("mtpkit.serve")
+
+# What a job needs from the engine that decodes it: its request, built (tokenized and checked)
+# with that engine's tokenizer and context.
+RequestBuilder = Callable[[Engine], Request]
+
+
+class QueueFull(MtpkitError):
+    """Every slot of the queue is taken."""
+
+
+class ShuttingDown(MtpkitError):
+    """The server is stopping and takes no more requests."""
+
+
+@dataclass
+class Failed:
+    """A job's end without an answer: `status` is the HTTP status it maps to."""
+
+    status: int
+    message: str
+    code: str | None = None
+
+
+@dataclass
+class Job:
+    """One request's way through the queue; its events arrive on `events`: `TokenEvent`s
+    (text pieces), then one `Outcome` or one `Failed`."""
+
+    build: RequestBuilder
+    model: str | None  # another model by path (--allow-model-paths), None: the served one
+    loop: asyncio.AbstractEventLoop
+    events: asyncio.Queue = field(default_factory=asyncio.Queue)
+    cancelled: threading.Event = field(default_factory=threading.Event)
+
+    def cancel(self) -> None:
+        """The client went away: skip the job, or stop its decode before the next step."""
+        self.cancelled.set()
+
+    def put(self, item: object) -> None:
+        try:
+            self.loop.call_soon_threadsafe(self.events.put_nowait, item)
+        except RuntimeError:  # the event loop closed (shutdown): nobody is listening
+            pass
+
+
+class Worker:
+    """The decoding thread and its bounded queue (`capacity` waiting jobs)."""
+
+    def __init__(
+        self, engine: Engine, *, capacity: int, load: Callable[[str], Engine] | None = None
+    ) -> None:
+        self.engine = engine
+        self.served_engine = engine
+        self.load = load  # loads another model by path; None: refused before queuing
+        self.jobs: queue.Queue[Job | None] = queue.Queue(maxsize=capacity)
+        self.current: Job | None = None
+        self.finished = 0  # jobs answered (/health reports them)
+        self.cancelled = 0  # decodes stopped because their client left or the server stops
+        self.stopping = threading.Event()
+        self.thread = threading.Thread(target=self._run, name="mtpkit-decode", daemon=True)
+
+    def start(self) -> None:
+        self.thread.start()
+
+    def submit(self, job: Job) -> None:
+        if self.stopping.is_set():
+            raise ShuttingDown("the server is shutting down")
+        try:
+            self.jobs.put_nowait(job)
+        except queue.Full:
+            raise QueueFull(f"all {self.jobs.maxsize} queue slots are taken: retry later") from None
+
+    def begin_shutdown(self) -> None:
+        """Take no more jobs; cancel those waiting and the one decoding (signal-safe)."""
+        self.stopping.set()
+        current = self.current
+        if current is not None:
+            current.cancel()
+
+    def stop(self) -> None:
+        """Shut down and wait for the thread to end."""
+        self.begin_shutdown()
+        while True:  # the waiting jobs are answered, then the thread is told to end
+            try:
+                job = self.jobs.get_nowait()
+            except queue.Empty:
+                break
+            if job is not None:
+                job.put(Failed(503, "the server is shutting down", "shutting_down"))
+        self.jobs.put(None)
+        self.thread.join()
+
+    def _run(self) -> None:
+        while (job := self.jobs.get()) is not None:
+            if self.stopping.is_set():
+                job.put(Failed(503, "the server is shutting down", "shutting_down"))
+                continue
+            if job.cancelled.is_set():  # its client left while it waited
+                self.cancelled += 1
+                job.put(Failed(503, "the request was cancelled", "cancelled"))
+                continue
+            self.current = job
+            try:
+                self._decode(job)
+            except MtpkitError as e:
+                job.put(Failed(400, str(e)))
+            except Exception as e:  # the server lives on; this request gets a 500
+                log.exception("decoding failed")
+                job.put(Failed(500, one_line(e), "internal_error"))
+            finally:
+                self.current = None
+
+    def _engine_for(self, job: Job) -> Engine:
+        """The engine of the job's model: the served one, or another loaded by path (the
+        served model stays loaded; one other at most beside it, replaced by the next)."""
+        if job.model is None:
+            if self.engine is not self.served_engine:
+                self.engine = self.served_engine
+            return self.engine
+        if self.load is None:
+            raise MtpkitError("loading models by path is off (start with --allow-model-paths)")
+        if str(Path(self.engine.m.path).resolve()) != job.model:
+            log.info("loading %s", job.model)
+            self.engine = self.load(job.model)
+        return self.engine
+
+    def _decode(self, job: Job) -> None:
+        engine = self._engine_for(job)
+        session = engine.session(job.build(engine))
+        tokens = 0
+        for event in session:
+            tokens += event.token is not None
+            if job.cancelled.is_set():
+                session.cancel()
+            if event.text:
+                job.put(event)
+        if session.finish_reason == CANCELLED:
+            self.cancelled += 1
+            if self.stopping.is_set():
+                job.put(Failed(503, "the server is shutting down", "shutting_down"))
+            else:
+                job.put(Failed(503, "the request was cancelled", "cancelled"))
+            return
+        self.finished += 1
+        job.put(outcome(engine, session, tokens))
+
+
+def outcome(engine: Engine, session: Session, generated: int) -> Outcome:
+    """Usage and the mtp object of a finished session that yielded `generated` tokens."""
+    stats, request = session.stats, session.request
+    # As mlx_lm.server counts: the EOS that ended generation is a completion token.
+    eos = session.finish_reason == STOP and not session.text_stream.stopped
+    completion = generated + (eos and generated < request.max_tokens)
+    prompt = len(request.prompt)
+    usage = Usage(
+        prompt_tokens=prompt,
+        completion_tokens=completion,
+        total_tokens=prompt + completion,
+        prompt_tokens_details=PromptTokensDetails(cached_tokens=stats.cached_tokens),
+    )
+    drafts = engine.drafts
+    mtp = Mtp(
+        drafter=stats.proposer if drafts else "none",
+        depth=stats.depth if drafts else 0,
+        drafted=stats.drafted,
+        accepted=stats.accepted,
+        acceptance=stats.acceptance,
+    )
+    reason = "length" if session.finish_reason == "length" else "stop"
+    return Outcome(text=session.text, finish_reason=reason, usage=usage, mtp=mtp)

@@ -1,0 +1,12 @@
+"""Batched MTP decoding: several requests in one round, each row accepting and rolling back
+on its own (`decode`), the head's batched drafts (`head`), per-row rollback (`rollback`)."""
+
+from mtpkit.core.exports import lazy_exports
+
+_EXPORTS = {
+    "BatchDecoder": "decode",
+    "Row": "decode",
+    "BatchUnsupported": "rollback",
+}
+__getattr__ = lazy_exports(__name__, _EXPORTS)
+__all__ = sorted(_EXPORTS)

@@ -1,0 +1,388 @@
+"""Batched MTP decoding: several requests in one round, each row accepting and rolling back
+on its own.
+
+A row joins (`BatchDecoder.add`) by being prefilled alone, exactly as one stream is (its
+prompt, then its last token alone, whose logits give its first token, as mlx-lm's
+`generate_step` takes it), and by the head's pass over its prompt's pairs; its caches are then
+merged into the batch's (mlx-lm's `merge`/`extend`: KV caches left-padded to a common write
+index, each row with its own offset). A round (`BatchDecoder.step`): the head drafts K tokens
+for every row, the backbone verifies `[B, K+1]` in one pass, each row gets its own verdict
+(greedy, or exact rejection sampling with its own settings), and each row rolls back to its
+own accepted prefix (`mtpkit.speculative.batch.rollback`). Rows at different depths share a
+round: the head drafts the deepest row's count for all, and each row's verdict reads only its
+own first drafts (a row at depth 0, drafting off, takes a plain step in the round). With
+`adaptive`, a width whose rounds cost more per token than plain batched steps takes plain
+steps (`speculative/batch/adaptive.py`). A row that is done (an EOS, its `max_tokens`, or
+`remove`) leaves the batch (`filter`) while the others go on.
+
+Nothing of one row reaches another: rows share matrix products only, the mask hides every
+other row's padding and rejected entries, and each row's verdict reads its own logits.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import mlx.core as mx
+
+from mtpkit.core.choices import MAX_DEPTH
+from mtpkit.runtime.model import GenerateError, MtpModel, NoMtpHead
+from mtpkit.speculative.accept import (
+    SamplingSettings,
+    Verdict,
+    sampled_verdict,
+    verdict_of,
+)
+from mtpkit.speculative.batch.adaptive import WidthDrafting
+from mtpkit.speculative.batch.head import BatchHead, head_over_prompt
+from mtpkit.speculative.batch.rollback import batch_caches, verify_rows
+
+GREEDY = SamplingSettings()
+STOP, LENGTH, CANCELLED = "stop", "length", "cancelled"
+PREFILL_STEP = 2048
+
+# A draft filter: (the row, the position of its round's first draft in prompt + output, the
+# head's drafts for it [K]) -> the drafts to verify [K] (tests' injected drafts).
+RowDraftFilter = Callable[["Row", int, mx.array], mx.array]
+# A verdict filter: (the row, its verdict) -> the verdict it keeps (bench's oracle holds a
+# random-weight model to its plan, as `OracleProposer.judged` does for one stream).
+RowJudge = Callable[["Row", Verdict], Verdict]
+
+
+@dataclass
+class Row:
+    """One request in the batch: its prompt, what it has confirmed, and why it ended."""
+
+    uid: int
+    prompt: list[int]
+    max_tokens: int
+    sampling: SamplingSettings = GREEDY
+    depth: int = 1  # drafts it verifies a round (0: drafting off, a plain step each round)
+    # The row's own PRNG key (from its seed): its draws, alone or in any batch, are the same.
+    key: mx.array | None = None
+    tokens: list[int] = field(default_factory=list)  # confirmed output, EOS excluded
+    finish: str | None = None  # STOP, LENGTH or CANCELLED once done
+    last: int = 0  # the last confirmed token; the backbone has not consumed it yet
+    drafted: int = 0
+    accepted: int = 0
+    rounds: int = 0
+    # (position in prompt + output of the first draft, the drafts) for every round.
+    draft_log: list[tuple[int, list[int]]] = field(default_factory=list)
+
+    @property
+    def position(self) -> int:
+        """Prompt and output tokens before the next draft (the last confirmed included)."""
+        return len(self.prompt) + len(self.tokens)
+
+    @property
+    def done(self) -> bool:
+        return self.finish is not None
+
+    def next_keys(self, n: int) -> list[mx.array | None]:
+        """Keys for the row's next `n` draws (None each without a seed)."""
+        if self.key is None:
+            return [None] * n
+        keys = mx.random.split(self.key, n + 1)
+        self.key = keys[0]
+        return [keys[i] for i in range(1, n + 1)]
+
+
+class BatchDecoder:
+    """Rows decoding together with the model's MTP head drafting `depth` tokens a round
+    (see the module's text). `draft_filter` replaces each row's drafts (tests, bench's
+    oracle), `judge` each row's verdict (bench's oracle); `policy` decides per width whether
+    a step drafts (`adaptive`: `WidthDrafting`; default: every step drafts)."""
+
+    def __init__(
+        self,
+        m: MtpModel,
+        *,
+        depth: int,
+        draft_filter: RowDraftFilter | None = None,
+        judge: RowJudge | None = None,
+        adaptive: bool = False,
+        policy: WidthDrafting | None = None,
+    ) -> None:
+        if m.head is None:
+            raise NoMtpHead(f"{m.path} has no MTP head")
+        if not 0 <= depth <= MAX_DEPTH:
+            raise GenerateError(f"depth must be in [0, {MAX_DEPTH}], not {depth}")
+        self.m, self.depth, self.draft_filter, self.judge = m, depth, draft_filter, judge
+        self.eos = set(getattr(m.tokenizer, "eos_token_ids", None) or [])
+        self.rows: list[Row] = []  # in the batch's row order
+        self.cache: list[Any] | None = None
+        self.head: BatchHead | None = None
+        self._uids = itertools.count()
+        self.policy = policy if policy is not None else WidthDrafting() if adaptive else None
+        self.plain_steps = 0
+
+    # -- joining --------------------------------------------------------------------------
+    def add(
+        self,
+        prompt: list[int],
+        *,
+        max_tokens: int,
+        sampling: SamplingSettings = GREEDY,
+        seed: int | None = None,
+        depth: int | None = None,
+    ) -> Row:
+        """Prefill `prompt` alone, confirm its first token, and merge it into the batch
+        (unless that token already ends it). Returns the row; its `tokens` grow as it
+        decodes. `seed`: the row samples from its own PRNG key (else MLX's global state);
+        `depth`: its drafts a round (default: the decoder's)."""
+        from mtpkit.speculative.session import check_prompt
+
+        check_prompt(self.m, prompt)
+        depth = self.depth if depth is None else depth
+        if not 0 <= depth <= self.depth:
+            raise GenerateError(f"a row's depth must be in [0, {self.depth}], not {depth}")
+        if max_tokens < 1:
+            raise GenerateError(f"max_tokens must be at least 1, not {max_tokens}")
+        key = mx.random.key(seed) if seed is not None else None
+        row = Row(next(self._uids), list(prompt), max_tokens, sampling, depth, key)
+        cache = self.m.make_cache()
+        hidden = []
+        with mx.stream(_generation_stream()):
+            for i in range(0, len(prompt) - 1, PREFILL_STEP):
+                chunk = prompt[i : min(i + PREFILL_STEP, len(prompt) - 1)]
+                _, h = self.m.forward(mx.array(chunk)[None], cache)
+                mx.eval(h, [c.state for c in cache])
+                hidden.append(h)
+            logits, h = self.m.forward(mx.array(prompt[-1:])[None], cache)
+            hidden.append(h)
+            first = _sample(logits[:, -1, :], sampling, row.next_keys(1)[0])
+            if not self._confirm(row, [first]):
+                return row
+            pairs = prompt[1:] + [first]
+            head_cache, ready = head_over_prompt(self.m, mx.concatenate(hidden, axis=1), pairs)
+            mx.eval([c.state for c in cache])
+        self._join(row, batch_caches([cache]), BatchHead(self.m, batch_caches([head_cache]), ready))
+        return row
+
+    def _join(self, row: Row, cache: list[Any], head: BatchHead) -> None:
+        if self.cache is None:
+            self.cache, self.head = cache, head
+        else:
+            for layer, more in zip(self.cache, cache, strict=True):
+                layer.extend(more)
+            self.head.extend(head)
+        self.rows.append(row)
+
+    # -- leaving --------------------------------------------------------------------------
+    def remove(self, row: Row) -> None:
+        """Take `row` out of the batch (cancelled, unless it has finished already)."""
+        if row.finish is None:
+            row.finish = CANCELLED
+        self._leave()
+
+    def _leave(self) -> None:
+        """Drop every finished row from the batch's caches."""
+        keep = [i for i, row in enumerate(self.rows) if not row.done]
+        if len(keep) == len(self.rows):
+            return
+        self.rows = [self.rows[i] for i in keep]
+        if not keep:
+            self.cache = self.head = None
+            return
+        index = mx.array(keep, dtype=mx.int32)
+        for layer in self.cache:
+            layer.filter(index)
+        self.head.filter(keep)
+
+    # -- a step: a drafting round or a plain batched step -------------------------------
+    def step(self) -> dict[int, list[int]]:
+        """One drafting round over every row (or, as `policy` decides, a plain batched
+        step); returns each row's new tokens by uid (an EOS and tokens past `max_tokens`
+        left out). Finished rows leave the batch."""
+        if not self.rows:
+            return {}
+        width = len(self.rows)
+        drafting = self.policy is None or self.policy.want_draft(width)
+        start = time.perf_counter()
+        new = self._round() if drafting else self._plain_step()
+        if self.policy is not None:
+            seconds = time.perf_counter() - start
+            self.policy.record(width, drafting, seconds, sum(len(t) for t in new.values()))
+        self._leave()
+        return new
+
+    def _plain_step(self) -> dict[int, list[int]]:
+        """One backbone step over every row's last token, as mlx-lm's batched step; the
+        head sees the pairs when it next drafts."""
+        rows = self.rows
+        with mx.stream(_generation_stream()):
+            last = mx.array([[row.last] for row in rows], dtype=mx.int32)
+            logits, hidden = self.m.forward(last, self.cache)
+            tokens = _draw_rows(logits[:, -1, :], rows)
+            self.head.observe(hidden, tokens[:, None])
+            values = tokens.tolist()
+        self.plain_steps += 1
+        new = {}
+        for row, token in zip(rows, values, strict=True):
+            before = len(row.tokens)
+            self._confirm(row, [token])
+            new[row.uid] = row.tokens[before:]
+        return new
+
+    def _round(self) -> dict[int, list[int]]:
+        rows = self.rows
+        depth = max(row.depth for row in rows)
+        samplings = [row.sampling for row in rows]
+        with mx.stream(_generation_stream()):
+            keys = [_round_keys(row, depth) for row in rows]
+            drafts, dists = self.head.propose(depth, samplings, [k[:depth] for k in keys])
+            if self.draft_filter is not None:
+                drafts = mx.stack(
+                    [self.draft_filter(row, row.position, drafts[r]) for r, row in enumerate(rows)]
+                )
+            last = mx.array([[row.last] for row in rows], dtype=mx.int32)
+            verified = verify_rows(self.m, mx.concatenate([last, drafts], axis=1), self.cache)
+            packs, followers = _verdicts(
+                verified.logits, drafts, dists, rows, [k[-1] for k in keys]
+            )
+            out = self.head.after_verify(depth, verified.hidden, followers)
+            mx.async_eval(out)
+            mx.eval(packs)
+            verdicts = [
+                verdict_of(p.tolist(), s.greedy) for p, s in zip(packs, samplings, strict=True)
+            ]
+            if self.judge is not None:
+                verdicts = [self.judge(row, v) for row, v in zip(rows, verdicts, strict=True)]
+            kept = [v.accepted + 1 for v in verdicts]
+            verified.rollback(self.cache, kept)
+            self.head.settle(out, kept)
+        return {row.uid: self._record(row, v) for row, v in zip(rows, verdicts, strict=True)}
+
+    def _record(self, row: Row, v: Verdict) -> list[int]:
+        row.draft_log.append((row.position, v.drafts))
+        row.rounds += 1
+        row.drafted += len(v.drafts)
+        row.accepted += v.accepted
+        before = len(row.tokens)
+        self._confirm(row, v.confirmed)
+        return row.tokens[before:]
+
+    def _confirm(self, row: Row, tokens: list[int]) -> bool:
+        """Add confirmed tokens to `row` up to an EOS or its `max_tokens`; False once done."""
+        for token in tokens:
+            if token in self.eos:
+                row.finish = STOP
+                return False
+            row.tokens.append(token)
+            row.last = token
+            if len(row.tokens) >= row.max_tokens:
+                row.finish = LENGTH
+                return False
+        return True
+
+    # -- the loop -------------------------------------------------------------------------
+    def generate(
+        self,
+        prompts: list[list[int]],
+        *,
+        max_tokens: int,
+        sampling: SamplingSettings | list[SamplingSettings] = GREEDY,
+        seeds: list[int | None] | None = None,
+    ) -> list[Row]:
+        """Every prompt decoded in one batch until each is done (each with its own settings
+        and seed when given lists); the rows in prompt order."""
+        settings = sampling if isinstance(sampling, list) else [sampling] * len(prompts)
+        seeds = seeds if seeds is not None else [None] * len(prompts)
+        rows = [
+            self.add(p, max_tokens=max_tokens, sampling=s, seed=seed)
+            for p, s, seed in zip(prompts, settings, seeds, strict=True)
+        ]
+        while self.rows:
+            self.step()
+        return rows
+
+
+def _round_keys(row: Row, depth: int) -> list[mx.array | None]:
+    """A round's keys for `row`: one per draft of the round's `depth`, then its verdict's.
+    Split by the row's own depth, so that its draws do not depend on its batchmates'; the
+    drafts past its depth, which it never verifies, draw from the global state."""
+    if row.sampling.greedy:
+        return [None] * (depth + 1)
+    keys = row.next_keys(row.depth + 1)
+    return keys[: row.depth] + [None] * (depth - row.depth) + keys[-1:]
+
+
+def _verdicts(
+    logits: mx.array,
+    drafts: mx.array,
+    dists: list[mx.array | None],
+    rows: list[Row],
+    keys: list[mx.array | None],
+) -> tuple[list[mx.array], mx.array]:
+    """Each row's packed verdict over its own first `row.depth` drafts (lazy; `verdict_of`
+    reads it) and the confirmed token after each verify input [B, K+1] (valid up to the
+    count kept). Greedy rows share one argmax over the batch."""
+    packs: list[mx.array] = []
+    followers: list[mx.array] = []
+    width = drafts.shape[1] + 1
+    targets = None
+    for r, row in enumerate(rows):
+        d, s = row.depth, row.sampling
+        if s.greedy:
+            if targets is None:
+                targets = greedy_targets(logits)
+            packs.append(mx.concatenate([targets[r, : d + 1], drafts[r, :d]]))
+            followers.append(targets[r])
+            continue
+        if d == 0:  # drafting off: the token drawn as a plain step draws it
+            token = mx.random.categorical(mx.log(s.probs(logits[r, 0])), key=keys[r])
+            packed = mx.concatenate([mx.zeros((1,), mx.int32), token.astype(mx.int32)[None]])
+            follow = packed[1:]
+        else:
+            packed, follow = sampled_verdict(
+                s.probs(logits[r, : d + 1]), dists[r][:d], drafts[r, :d], keys[r]
+            )
+        packs.append(packed)
+        followers.append(mx.concatenate([follow, mx.repeat(follow[-1:], width - d - 1)]))
+    return packs, mx.stack(followers)
+
+
+def greedy_targets(logits: mx.array) -> mx.array:
+    """The backbone's argmax after every verify input of every row [B, K+1] (of its
+    log-probabilities, as `accept.greedy_verdict` and mlx-lm's greedy sampler take it)."""
+    logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    return mx.argmax(logprobs, axis=-1).astype(mx.int32)
+
+
+def _draw_rows(logits: mx.array, rows: list[Row]) -> mx.array:
+    """Each row's token [B] from its logits [B, V]: the argmax for a greedy row, else a draw
+    as `_sample` takes it (by the row's own key when it has a seed)."""
+    logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    greedy = mx.argmax(logprobs, axis=-1).astype(mx.int32)
+    picks = []
+    for r, row in enumerate(rows):
+        if row.sampling.greedy:
+            picks.append(greedy[r])
+            continue
+        key = row.next_keys(1)[0]
+        if key is None:
+            picks.append(row.sampling.sampler()(logprobs[r : r + 1])[0].astype(mx.int32))
+        else:
+            q = row.sampling.probs(logits[r])
+            picks.append(mx.random.categorical(mx.log(q), key=key).astype(mx.int32))
+    return mx.stack(picks)
+
+
+def _sample(logits: mx.array, sampling: SamplingSettings, key: mx.array | None) -> int:
+    """A row's first token from the logits of its last prompt token [1, V], as mlx-lm's
+    sampler draws it from the log-probabilities (with a key: from the same distribution,
+    `SamplingSettings.probs`, by the row's own key)."""
+    logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    if key is None or sampling.greedy:
+        return int(sampling.sampler()(logprobs).item())
+    return int(mx.random.categorical(mx.log(sampling.probs(logits[0])), key=key).item())
+
+
+def _generation_stream() -> Any:
+    from mlx_lm.generate import generation_stream
+
+    return generation_stream

@@ -1,0 +1,55 @@
+"""`mtpkit bench --batch`: batched MTP against stock mlx-lm's batch_generate at each width, in
+the same interleaved trials (figures only; no timed assertion)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from mtpkit.cli.app import app
+from mtpkit.convert.pipeline import convert
+from tests.checkpoints import CheckpointFactory
+
+runner = CliRunner()
+
+
+@pytest.fixture(scope="module")
+def mimo(checkpoint: CheckpointFactory, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("mimo") / "mlx"
+    return convert(str(checkpoint("mimo")), output=out).output
+
+
+def test_batch_widths_against_stock_batching_as_json(mimo: Path) -> None:
+    args = ["bench", "--model", str(mimo), "--batch", "1,3", "--acceptance", "0,1", "--trials",
+            "2", "--max-tokens", "6", "--json"]  # fmt: skip
+    result = runner.invoke(app, args)
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    assert [w["batch"] for w in report["widths"]] == [1, 3]
+    assert report["depth"] == 1 and report["trials"] == 2
+    for width in report["widths"]:
+        assert width["stock_tps"]["median"] > 0
+        assert set(width["mtp"]) == set(width["mtp_adaptive"]) == {"0", "1"}
+        assert width["mtp"]["0"]["acceptance"] == 0.0  # oracle drafts held to the plan
+        assert width["mtp"]["1"]["acceptance"] == 1.0
+        assert width["mtp"]["0"]["plain_share"] == 0.0  # drafting every round
+        for row in [*width["mtp"].values(), *width["mtp_adaptive"].values()]:
+            assert row["tps"]["median"] > 0 and row["speedup"]["median"] > 0
+            low, high = row["tps"]["range"]
+            assert low <= row["tps"]["median"] <= high
+            assert 0.0 <= row["plain_share"] <= 1.0
+
+
+def test_batch_table_and_bad_widths(mimo: Path) -> None:
+    base = ["bench", "--model", str(mimo), "--trials", "1", "--max-tokens", "4"]
+    result = runner.invoke(app, [*base, "--batch", "2"])
+    assert result.exit_code == 0, result.output
+    assert "stock is mlx-lm's batch_generate at the same width" in result.stdout
+    assert "MTP (head)" in result.stdout and "MTP (head), adaptive" in result.stdout
+    assert "SYNTHETIC" not in result.stdout
+    bad = runner.invoke(app, [*base, "--batch", "0,2"])
+    assert bad.exit_code == 2
+    assert "positive integers" in bad.output
