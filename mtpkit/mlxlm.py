@@ -144,3 +144,20 @@ def cache_keys_values(cache: Any) -> tuple[Any, Any]:
     if callable(reorder):
         return reorder(keys), reorder(values)
     return keys[..., : cache.offset, :], values[..., : cache.offset, :]
+
+
+def eval_private_arrays(model: Any) -> None:
+    """Evaluate the arrays mlx-lm's modules keep outside their parameters (`_freqs` of
+    its `ProportionalRoPE`, Gemma 4's full-attention RoPE): `load` evaluates the parameters
+    only, and a lazy array built on the loading thread cannot be evaluated on another (the
+    server's decoding thread: "There is no Stream(cpu, 0) in current thread")."""
+    import mlx.core as mx
+
+    arrays = [
+        value
+        for module in model.modules()
+        for key, value in module.items()
+        if key.startswith("_") and isinstance(value, mx.array)
+    ]
+    if arrays:
+        mx.eval(arrays)

@@ -302,3 +302,28 @@ def _kept(sequence: list[int], position: int, drafts: list[int]) -> int:
     while kept < len(drafts) and sequence[position + kept] == drafts[kept]:
         kept += 1
     return kept
+
+
+def test_serve_drafts_with_the_assistant(agreeing, tmp_path):
+    """`mtpkit serve --model TARGET --draft-model ASSISTANT`: a completion over token ids is
+    stock mlx-lm's greedy text, and the response's `mtp` block names the assistant."""
+    import httpx
+    from mlx_lm import load
+
+    from tests.serve_process import ServerProcess
+
+    _, tokenizer = load(str(agreeing["target"]))
+    expected = tokenizer.decode(_stock_greedy(agreeing["target"], PROMPT, 12))
+    server = ServerProcess(
+        agreeing["target"], tmp_path / "server.log", "--draft-model", str(agreeing["dense"])
+    )
+    try:
+        body = {"prompt": PROMPT, "max_tokens": 12, "temperature": 0}
+        r = httpx.post(server.url + "/v1/completions", json=body, timeout=600.0)
+    finally:
+        server.stop()
+    assert r.status_code == 200, r.text
+    answer = r.json()
+    assert answer["choices"][0]["text"] == expected
+    assert answer["mtp"]["drafter"] == "gemma4-assistant"
+    assert answer["mtp"]["drafted"] > 0

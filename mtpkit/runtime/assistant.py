@@ -19,7 +19,7 @@ from mtpkit.core.errors import MtpkitError
 from mtpkit.families import family_for
 from mtpkit.families.gemma4 import kv_source_layers
 from mtpkit.families.gemma4_assistant import TOKEN_ORDERING, Gemma4Assistant, Gemma4AssistantModel
-from mtpkit.mlxlm import cache_keys_values
+from mtpkit.mlxlm import cache_keys_values, eval_private_arrays
 from mtpkit.runtime.headload import quantization_predicate
 
 
@@ -106,6 +106,10 @@ def load_assistant(path: str | Path) -> Gemma4AssistantModel:
         model.load_weights(list(weights.items()), strict=True)
     except ValueError as e:
         raise MtpkitError(f"the assistant in {path} does not match its config.json ({e})") from None
+    # Loaded now, on this thread's stream: a lazy load evaluated later on another thread
+    # (the server's decoding thread) has no stream there (as `mlx_lm.load`, lazy=False).
+    mx.eval(model.parameters())
+    eval_private_arrays(model)
     model.eval()
     model.config = config
     return model
