@@ -73,7 +73,7 @@ class BenchRun:
     plain_steps: list[int] = field(default_factory=list)
     rounds_by_depth: list[list[int]] = field(default_factory=list)  # adaptive's choices
     oracle: float | None = None  # synthetic: drafts right with this probability
-    drafter: str = "mtp"  # the proposer: the head, "draft-model" or "prompt-lookup"
+    drafter: str = "mtp"  # the proposer: the head, "draft-model", "gemma4-assistant", ...
 
     @property
     def acceptance(self) -> float | None:
@@ -200,7 +200,11 @@ class BenchResult:
         }
 
 
-DRAFTERS = {"draft-model": "draft model", "prompt-lookup": "prompt lookup"}
+DRAFTERS = {
+    "draft-model": "draft model",
+    "gemma4-assistant": "Gemma 4 assistant",
+    "prompt-lookup": "prompt lookup",
+}
 
 
 def _name(r: BenchRun) -> str:

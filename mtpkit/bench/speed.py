@@ -300,10 +300,10 @@ def bench(
         check_prompt(m, tokens)
         say("forward and head costs")
         costs = measure_costs(m, tokens, max_depth=max_depth, repeats=repeats)
-        factories = {c.name: ProposerFactory(m, c) for c in drafters}
+        factories = {f.name: f for f in (ProposerFactory(m, c) for c in drafters)}
         rows = [
             (name, min(num_draft_tokens, MAX_DEPTH), False)
-            if name == "draft-model"
+            if name in ("draft-model", "gemma4-assistant")
             else (name, AUTO_MAX_DEPTH, True)
             for name in factories
         ]

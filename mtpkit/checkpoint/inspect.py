@@ -42,9 +42,17 @@ PROBLEM_CODES = {
     "invalid_config": "a config.json value has the wrong type or is out of range",
     "mtp_layer_count_mismatch": "the declared MTP layer count differs from the layers present",
     "tokenizer_exceeds_vocab": "the tokenizer has ids past the model's vocab_size",
+    "missing_token_ordering": "a Gemma 4 assistant with ordered embeddings lacks token_ordering",
+    "assistant_unpairable": "a Gemma 4 assistant's projections fit no target's hidden size",
 }
 # Problems that mean the head cannot be used as it is (`--require-mtp` exits 3 on these).
-HEAD_UNUSABLE = {"mtp_declared_not_present", "incomplete_experts", "incomplete_mtp"}
+HEAD_UNUSABLE = {
+    "mtp_declared_not_present",
+    "incomplete_experts",
+    "incomplete_mtp",
+    "missing_token_ordering",
+    "assistant_unpairable",
+}
 # Problems that leave some tensors unread: what they hold is unknown, not absent.
 UNREADABLE = {"missing_shard", "corrupt_header", "unsafe_path"}
 
@@ -88,7 +96,7 @@ def read_checkpoint(spec: str, *, revision: str | None = None) -> Checkpoint:
     manifest = source.read_json(MANIFEST_PATH) if source.has(MANIFEST_PATH) else None
     index = source.read_json(INDEX_PATH) if source.has(INDEX_PATH) else None
     weight_map, shards, peer_files, sidecars = _weight_files(source, manifest, index)
-    if drafter:  # every tensor of a standalone drafter is the head's
+    if drafter or family.standalone:  # every tensor of a standalone drafter is the head's
         shards, sidecars = [], shards + sidecars
     ckpt = Checkpoint(source, config, family, "hf", manifest, index, shards, sidecars)
     ckpt.peer_files = peer_files
@@ -111,7 +119,12 @@ def read_checkpoint(spec: str, *, revision: str | None = None) -> Checkpoint:
             f'transformers pick the model class by it): add "model_type": '
             f'"{family.name}" or convert from the original repo',
         )
-    if not drafter:  # a drafter's head is mlx-vlm's module tree, not the family's names
+    if family.standalone:  # a model of its own (Gemma 4's assistant): the family checks it
+        if not unread_mtp_shards(ckpt):
+            shapes = {t.name: t.shape for t in ckpt.tensors.values()}
+            for code, message in family.checkpoint_problems(shapes):
+                ckpt.problem(code, message)
+    elif not drafter:  # a drafter's head is mlx-vlm's module tree, not the family's names
         _check_mtp(ckpt)
     return ckpt
 
@@ -201,7 +214,8 @@ def _check_index(ckpt: Checkpoint, weight_map: dict[str, Any]) -> None:
     if ckpt.index is None:
         return
     declared = (ckpt.index.get("metadata") or {}).get("total_size")
-    shards = ckpt.shards
+    # A standalone drafter's shards are all its head's (`sidecars`); the index covers them.
+    shards = ckpt.shards or ckpt.sidecars
     if declared is None or not all(s in ckpt.headers for s in shards):
         return
     actual = sum(

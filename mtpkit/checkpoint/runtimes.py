@@ -31,6 +31,8 @@ def head_layout(ckpt: Checkpoint) -> str:
     """How the head is stored, by whose convention."""
     if ckpt.format == MLX_VLM_DRAFTER:
         return "mlx-vlm drafter (the head alone, mlx-vlm's names)"
+    if ckpt.family.standalone:
+        return "standalone drafter (a model of its own, run beside its target)"
     mtp = ckpt.mtp_tensors
     if not mtp:
         return "none"
@@ -104,6 +106,8 @@ def runtimes(ckpt: Checkpoint) -> list[dict[str, Any]]:
     head = bool(ckpt.mtp_tensors) and not codes & HEAD_UNUSABLE
     if ckpt.format == MLX_VLM_DRAFTER:
         return _drafter_rows()
+    if ckpt.family.standalone:
+        return _assistant_rows(head)
     files = set(ckpt.source.files)
     inline = ckpt.format == "mlx" and any(t.shard in ckpt.shards for t in ckpt.mtp_tensors)
     bits = _head_bits_declared(ckpt)
@@ -115,12 +119,20 @@ def runtimes(ckpt: Checkpoint) -> list[dict[str, Any]]:
             "this",
             True,
             head,
-            "mtpkit generate --mtp" if head else _no_head(ckpt, codes),
+            "mtpkit generate --mtp"
+            if head
+            else "no head: it drafts with its assistant (--draft-model ASSISTANT)"
+            if ckpt.family.pairing()
+            else _no_head(ckpt, codes),
         ),
     ]
     vlm_ok = head and family in PEER_FAMILIES and peer_file and bits is None
     if family not in PEER_FAMILIES:
-        vlm_not = f"no MTP drafter for {family}"
+        vlm_not = (
+            "no head: its assistant drafts (--draft-model ASSISTANT --draft-kind mtp)"
+            if ckpt.family.pairing()
+            else f"no MTP drafter for {family}"
+        )
     elif not head:
         vlm_not = "no usable MTP head"
     else:
@@ -210,4 +222,26 @@ def _drafter_rows() -> list[dict[str, Any]]:
             "--mllm --mllm-draft-model DIR --mllm-draft-kind mtp (with its model)",
         ),
         _row("mtpkit", "this", False, False, "a drafter alone, not a model: convert the model"),
+    ]
+
+
+def _assistant_rows(usable: bool) -> list[dict[str, Any]]:
+    """A Gemma 4 assistant: a drafter run beside its target, never alone."""
+    return [
+        _row("mlx-lm", "0.32", False, False, "refuses model_type gemma4_assistant"),
+        _row(
+            "mtpkit",
+            "this",
+            usable,
+            usable,
+            "--draft-model DIR beside its target" if usable else "not usable (see problems)",
+        ),
+        _row(
+            "mlx-vlm",
+            "0.7.10",
+            usable,
+            usable,
+            "--draft-model DIR --draft-kind mtp (with its target)",
+        ),
+        _row("LM Studio (mlx-engine)", "-", False, False, "model type not supported (#323)"),
     ]

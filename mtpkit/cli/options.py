@@ -373,7 +373,8 @@ DrafterModelOpt = Annotated[
         "--draft-model",
         metavar="DIR",
         help="Draft with this separate model (a local MLX directory or a Hub repo of the same "
-        "tokenizer) instead of the MTP head; hybrid targets and draft models included.",
+        "tokenizer) instead of the MTP head; hybrid targets and draft models included; for a "
+        "Gemma 4 target, its MTP assistant.",
     ),
 ]
 PromptLookupOpt = Annotated[

@@ -58,6 +58,8 @@ def print_inspect(result: dict[str, Any], *, show_tensors: bool = True) -> None:
         summary.add_row("quantized", "yes" if mtp["quantized"] else "no")
     summary.add_row("norm convention", mtp["norm_convention"])
     summary.add_row("concat order", mtp["concat_order"])
+    for key, value in pairing_rows(result.get("pairing")):
+        summary.add_row(key, value)
     stdout.print(summary)
     if show_tensors and mtp["tensors"]:
         table = Table(title="MTP tensors", title_justify="left")
@@ -80,6 +82,32 @@ def print_inspect(result: dict[str, Any], *, show_tensors: bool = True) -> None:
         stdout.print(table)
     else:
         stdout.print("no problems found")
+
+
+def pairing_rows(pairing: dict[str, Any] | None) -> list[tuple[str, str]]:
+    """Inspect's lines on a Gemma 4 target or assistant: what pairs the two."""
+    if not pairing:
+        return []
+    if pairing["role"] == "assistant":
+        return [
+            ("pairs with", f"a target of hidden size {pairing['backbone_hidden_size']}, "
+             f"vocabulary {pairing['vocab_size']}"),
+            ("reads K/V of", ", ".join(pairing["layer_types"])
+             + " (" + ", ".join(f"{k} head {v}" for k, v in pairing["head_dim"].items()) + ")"),
+            ("output head", pairing["output_head"]
+             + (f" ({pairing['num_centroids']} centroids, top {pairing['centroid_top_k']})"
+                if pairing["ordered_embeddings"] else "")),
+        ]  # fmt: skip
+    wants = pairing["assistant"]
+    sources = ", ".join(f"{k} layer {v}" for k, v in pairing["kv_source_layers"].items())
+    return [
+        ("assistant reads", sources),
+        ("assistants that pair",
+         f"backbone_hidden_size {wants['backbone_hidden_size']}, vocabulary "
+         f"{wants['vocab_size']}, head sizes "
+         + ", ".join(f"{k} {v}" for k, v in wants["head_dim"].items())
+         + f", query heads a multiple of {wants['attention_heads_multiple_of']}"),
+    ]  # fmt: skip
 
 
 def print_runtimes(rows: list[dict[str, Any]]) -> None:
@@ -154,7 +182,11 @@ def print_convert(result: Any) -> None:
 FRAME = "=" * 10
 
 
-DRAFTER_NAMES = {"draft-model": "draft model", "prompt-lookup": "prompt lookup"}
+DRAFTER_NAMES = {
+    "draft-model": "draft model",
+    "prompt-lookup": "prompt lookup",
+    "gemma4-assistant": "Gemma 4 assistant",
+}
 
 
 def print_generate(result: Any) -> None:

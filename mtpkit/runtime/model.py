@@ -27,7 +27,7 @@ from mtpkit.checkpoint.source import HubSource, open_source
 from mtpkit.core.choices import DEFAULT_HIDDEN, HIDDEN_VARIANTS, POST_NORM
 from mtpkit.core.errors import MtpkitError
 from mtpkit.families import BackboneParts, backbone_parts
-from mtpkit.mlxlm import stock_model_classes
+from mtpkit.mlxlm import eval_private_arrays, stock_model_classes
 from mtpkit.runtime.headload import HeadWeights, MtpHead, load_head
 from mtpkit.runtime.kernels.attention import few_query_attention
 from mtpkit.runtime.kernels.gdn_verify import use_fast_verify
@@ -439,6 +439,7 @@ def assemble(
     """A loaded backbone and head made ready to decode: experts upcast where MLX needs it,
     the final norm and the gated-delta-net layers tapped."""
     upcast_experts([model, head], what=str(path))
+    eval_private_arrays(model)  # usable from another thread (the server's decoding thread)
     if hidden is None:
         manifest = head_weights.manifest if head_weights is not None else None
         hidden = (manifest or {}).get("hidden") or DEFAULT_HIDDEN

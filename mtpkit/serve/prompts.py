@@ -15,6 +15,7 @@ from mtpkit.serve.settings import ServeSettings
 from mtpkit.speculative.accept import SamplingSettings
 from mtpkit.speculative.session import Engine, Request, check_prompt
 
+
 class BadPrompt(MtpkitError):
     """The messages or prompt cannot be encoded."""
 

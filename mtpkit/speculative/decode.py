@@ -230,6 +230,7 @@ class MtpDecoder:
             raise ValueError(f"cached must be in [0, {len(prompt)}), not {cached}")
         self.cached = cached
         if proposer is not None:
+            proposer.attach(self.cache)
             proposer.begin(prompt, cached)
         # The last confirmed token: the backbone has not consumed it yet.
         self.last_token = prompt[-1]

@@ -134,7 +134,8 @@ def bench_command(
     drafters = [DrafterChoice(draft_model=draft_model)] if draft_model is not None else []
     drafters += [DrafterChoice(prompt_lookup=True)] if prompt_lookup else []
     draft = None
-    if draft_model is not None:
+    if draft_model is not None and not _is_assistant(draft_model):
+        # Stock mlx-lm's row: it cannot load a Gemma 4 assistant (mtpkit's row alone then).
         from mtpkit.bench.draft import DraftModelBench
 
         progress(f"loading the draft model {draft_model}")
@@ -243,3 +244,9 @@ def parse_acceptances(text: str | None) -> list[float] | None:
             param_hint="--acceptance",
         )
     return values
+
+
+def _is_assistant(spec: str) -> bool:
+    from mtpkit.runtime.assistant import assistant_directory
+
+    return assistant_directory(spec) is not None
