@@ -417,7 +417,8 @@ def _trials(
             say(f"{at} {_name(config)} {rate:.1f} tok/s, acceptance {shown}")
     del stock_model
     for run in runs.values():
-        if not run.adaptive:
+        # The ceiling counts head steps (delta): the head's fixed-depth rows only.
+        if not run.adaptive and run.drafter == "mtp" and run.depth in costs.verify:
             verify = costs.verify[run.depth].median
             run.ceiling_sync = ceiling(run.acceptance_by_depth, verify, costs.delta.median)
     return BenchResult(
