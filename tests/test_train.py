@@ -380,15 +380,40 @@ def test_into_writes_nothing_through_a_link_leaving_the_model(llama, tmp_path) -
     assert (other / "weights.safetensors").read_bytes() == b"another model's head"
 
 
-def test_progress_lines_in_a_log(llama, tmp_path) -> None:
-    """stderr that is not a terminal (CliRunner's, a CI log) gets a line per held-out
-    measurement, the start and the end included, so a long run shows it is alive."""
-    args = [a for a in LLAMA_ARGS if a != "--quiet"]
+@pytest.mark.parametrize("json_output", [False, True], ids=["table", "json"])
+def test_progress_lines_in_a_log(llama, tmp_path, json_output) -> None:
+    """stderr that is not a terminal (CliRunner's, a CI log) gets a line at each quarter of
+    the text generation (a minute or more before the first step) and a line per held-out
+    measurement, the start and the end included, so a long run shows it is alive; with
+    --json too (the JSON goes to stdout, progress to stderr)."""
+    args = [a for a in LLAMA_ARGS if a != "--quiet"] + (["--json"] if json_output else [])
     result = runner.invoke(app, ["train-head", str(llama), "-o", str(tmp_path / "o"), *args])
     assert result.exit_code == 0, result.output
+    if json_output:
+        assert json.loads(result.stdout)["steps"] == 24
+    data = [
+        line
+        for line in result.stderr.splitlines()
+        if line.startswith("generating text to train on:")
+    ]
+    assert len(data) == 4, result.stderr
+    pattern = r"generating text to train on: (\d+)/24 samples \(\d+s elapsed, about \d+s left\)"
+    done = [int(re.fullmatch(pattern, text)[1]) for text in data]
+    assert done == [6, 12, 18, 24], data  # the 24 prompts of the built-in set
     lines = [line for line in result.stderr.splitlines() if line.startswith("step ")]
     assert len(lines) == 3 and "\r" not in result.stderr, result.stderr
     assert re.fullmatch(r"step 0/24: held-out acceptance \d+\.\d%", lines[0]), lines
     for n, text in zip((12, 24), lines[1:], strict=True):
         pattern = rf"step {n}/24: loss \d+\.\d{{4}}, held-out acceptance \d+\.\d% "
         assert re.match(pattern + r"\(\d+s elapsed, about \d+s left\)$", text), text
+
+
+def test_quiet_shows_no_progress(llama, tmp_path) -> None:
+    """--quiet: neither the text generation nor the steps print anything (with --json
+    stdout holds only the JSON)."""
+    result = runner.invoke(
+        app, ["train-head", str(llama), "-o", str(tmp_path / "o"), *LLAMA_ARGS, "--json"]
+    )
+    assert result.exit_code == 0, result.output
+    assert result.stderr == ""
+    assert json.loads(result.stdout)["steps"] == 24

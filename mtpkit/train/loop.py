@@ -278,16 +278,26 @@ class Run:
 
 
 def prepare_data(
-    m: MtpModel, settings: TrainSettings, log: Callable[[str], None]
+    m: MtpModel,
+    settings: TrainSettings,
+    log: Callable[[str], None],
+    on_data: Callable[[int, int], None] | None = None,
 ) -> tuple[ChunkStream, list[tuple[list[int], int]], list[list[int]] | None]:
-    """The chunk stream and the held-out sequences (the pool when self-generated)."""
+    """The chunk stream and the held-out sequences (the pool when self-generated);
+    `on_data(done, total)` follows the generation of the pool."""
     spec = settings.data
     pool = None
     if not spec.files:
         chunks = settings.steps * settings.batch_size
         log("generating text to train on")
         pool = generate_pool(
-            m.model, m.tokenizer, spec, length=settings.seq_len, seed=settings.seed, chunks=chunks
+            m.model,
+            m.tokenizer,
+            spec,
+            length=settings.seq_len,
+            seed=settings.seed,
+            chunks=chunks,
+            progress=on_data,
         )
     stream = ChunkStream(
         length=settings.seq_len,
@@ -315,10 +325,12 @@ def train_head(
     resume: bool = False,
     log: Callable[[str], None] = lambda s: None,
     on_step: Callable[[int, float | None, float | None], None] | None = None,
+    on_data: Callable[[int, int], None] | None = None,
 ) -> TrainResult:
     """Train an MTP head for the model directory `model`; the head is in the result (write
     it with `mtpkit.train.output`). `on_step(step, loss, heldout)` follows the run (step 0:
-    loss None, the held-out acceptance before training)."""
+    loss None, the held-out acceptance before training); `on_data(done, total)` the
+    generation of its text, before the first step."""
     settings.check()
     cpu_started = time.process_time()
     m = load_model(model, with_head=False)
@@ -334,7 +346,7 @@ def train_head(
         first_step = int(state["step"])
         log(f"resuming from step {first_step}")
     mx.random.seed(settings.seed)
-    stream, heldout, _ = prepare_data(m, settings, log)
+    stream, heldout, _ = prepare_data(m, settings, log, on_data)
     run = Run(m, head, opt, stream, heldout, settings)
     if resume:
         stream.skip(int(state["chunks"]))
@@ -420,6 +432,7 @@ def train_and_write(
             resume=resume,
             log=(lambda s: None) if quiet else log,
             on_step=progress,
+            on_data=progress.data,
         )
     finally:
         progress.close()

@@ -204,7 +204,7 @@ def train_head_command(
         force=force,
         checkpoint_dir=checkpoint_dir,
         resume=resume,
-        quiet=quiet or json_output,
+        quiet=quiet,  # --json keeps progress: it goes to stderr, the JSON to stdout
     )
     from mtpkit.cli.output import print_json, print_train
 
