@@ -138,8 +138,9 @@ class Comparison:
         return self.gain >= margin and self.gain >= SIGNIFICANCE_Z * self.stderr
 
 
-# measure(model_dir, prompts, *, max_tokens, hidden, concat_order, norm_shift) -> acceptance
-MeasureFn = Callable[..., float]
+# measure(model_dir, prompts, *, max_tokens, hidden, concat_order, norm_shift) -> acceptance,
+# or None when nothing was drafted (the text ended at once)
+MeasureFn = Callable[..., float | None]
 
 
 def shipped_variant(manifest: Any, family_concat_order: str) -> Variant:
