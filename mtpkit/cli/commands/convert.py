@@ -172,6 +172,12 @@ def convert_command(
             recipe=recipe,
             **common,
         )
+        if quantizing or recipe is not None:
+            from mtpkit.convert.quant import cpu_scales_note
+
+            note = cpu_scales_note(result.output)
+            if note is not None:
+                log(note)
     _publish_and_report(result, upload_repo, json_output)
 
 
