@@ -417,3 +417,19 @@ def test_quiet_shows_no_progress(llama, tmp_path) -> None:
     assert result.exit_code == 0, result.output
     assert result.stderr == ""
     assert json.loads(result.stdout)["steps"] == 24
+
+
+def test_a_base_models_generated_text_fills_every_chunk_of_the_run(converted) -> None:
+    """The README's promise for self-generated text, "the run sees new text in every chunk":
+    a base model's samples are kept past the end-of-text tokens it writes (the next
+    document of its own stream), so the pool holds a run's worth of tokens. Cut at their
+    first end-of-text token they kept about a sixth of that on the example, and a default
+    run went over its pool six times."""
+    from mtpkit.train.data import generate_pool
+
+    m = load_model(converted, with_head=False)
+    steps, batch, length = 4, 8, 32
+    pool = generate_pool(
+        m.model, m.tokenizer, DataSpec(), length=length, seed=0, chunks=steps * batch
+    )
+    assert sum(len(doc) for doc in pool) >= steps * batch * length
