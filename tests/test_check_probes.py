@@ -231,3 +231,17 @@ def test_readme_check_figures_are_what_check_prints(tmp_path, monkeypatch):
     hidden = readme_figure(r"\((\d+\.\d% vs \d+\.\d)% on the example, 75\.2%")
     assert hidden == f"{printed('the other hidden variant')}% vs {shipped}"
     assert readme_figure(r'"acceptance": (0\.\d+) \| null') == str(out["acceptance"])
+
+
+def test_a_prompt_the_example_ends_at_once_gives_no_acceptance(converted):
+    """The runtime's measurement of a prompt the example's base model ends at its first token
+    (no draft) is None, not 0%: check leaves such prompts out rather than scoring the head
+    0% on them under every variant. The same model and head serve the next prompt."""
+    from mtpkit.check.measure import default_measure
+    from mtpkit.core.prompts import BUILTIN_PROMPTS
+
+    measure = default_measure()
+    kwargs = {"max_tokens": MAX_TOKENS, "hidden": None, "concat_order": None, "norm_shift": 0.0}
+    assert measure(str(converted), [BUILTIN_PROMPTS[4]], **kwargs) is None
+    value = measure(str(converted), [BUILTIN_PROMPTS[7]], **kwargs)
+    assert value is not None and 0.5 < value <= 1.0
