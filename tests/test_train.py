@@ -433,3 +433,17 @@ def test_a_base_models_generated_text_fills_every_chunk_of_the_run(converted) ->
         m.model, m.tokenizer, DataSpec(), length=length, seed=0, chunks=steps * batch
     )
     assert sum(len(doc) for doc in pool) >= steps * batch * length
+
+
+def test_the_cli_defaults_are_the_measured_ones() -> None:
+    """`train-head`'s option defaults are TrainSettings's, the settings
+    `bench/train_defaults.py` measured on the example (the CLI writes them out so that it
+    imports no MLX before it runs)."""
+    import inspect
+
+    from mtpkit.cli.commands.train_head import train_head_command
+
+    params = inspect.signature(train_head_command.__wrapped__).parameters
+    settings = TrainSettings()
+    for name in ("steps", "lr", "batch_size", "seq_len", "weight_decay", "grad_clip", "seed"):
+        assert params[name].default == getattr(settings, name), name

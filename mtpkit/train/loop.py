@@ -56,10 +56,13 @@ class TrainError(MtpkitError):
 class TrainSettings:
     """Everything a run depends on; a checkpoint records it and `resume` must match it."""
 
-    steps: int = 400
-    lr: float = 2e-3
+    # The defaults reach the shipped head's acceptance on the bundled example, stripped and
+    # retrained (`bench/train_defaults.py`); 400 steps of 128 tokens at 2e-3 fell short
+    # and took longer.
+    steps: int = 500
+    lr: float = 3e-3
     batch_size: int = 8
-    seq_len: int = 128
+    seq_len: int = 64
     seed: int = 0
     depth: int = 1
     warmup: int = 20
