@@ -133,9 +133,11 @@ def warn(message: str) -> None:
     log(f"Warning: {message}")
 
 
-def step_bar(total: int, *, initial: int = 0, desc: str, quiet: bool = False) -> Any:
-    """A step-counting bar on stderr whose postfix shows loss and held-out acceptance, or
-    None when bars are off (`progress_disabled`)."""
+def step_bar(
+    total: int, *, initial: int = 0, desc: str, quiet: bool = False, unit: str = "step"
+) -> Any:
+    """A counting bar on stderr (steps, whose postfix shows loss and held-out acceptance, or
+    other `unit`s), or None when bars are off (`progress_disabled`)."""
     if progress_disabled(quiet):
         return None
     from huggingface_hub.utils import tqdm
@@ -143,7 +145,7 @@ def step_bar(total: int, *, initial: int = 0, desc: str, quiet: bool = False) ->
     return tqdm(
         total=total,
         initial=initial,
-        unit="step",
+        unit=unit,
         desc=desc,
         file=sys.stderr,
         leave=False,

@@ -214,6 +214,12 @@ def convert_command(
             recipe=recipe,
             **common,
         )
+        if quantizing or recipe is not None:
+            from mtpkit.convert.quant import cpu_scales_note
+
+            note = cpu_scales_note(result.output)
+            if note is not None:
+                log(note)
     _publish_and_report(result, repo_state, replace_repo, quiet or json_output, json_output)
 
 

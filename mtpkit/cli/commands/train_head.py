@@ -163,10 +163,11 @@ def train_head_command(
     output: OutputOpt = None,
     into: IntoOpt = None,
     force: ForceOpt = False,
-    steps: StepsOpt = 400,
-    lr: LrOpt = 2e-3,
+    # TrainSettings's defaults (written out: the CLI imports no MLX before it runs).
+    steps: StepsOpt = 500,
+    lr: LrOpt = 3e-3,
     batch_size: BatchSizeOpt = 8,
-    seq_len: SeqLenOpt = 128,
+    seq_len: SeqLenOpt = 64,
     weight_decay: WeightDecayOpt = 0.0,
     grad_clip: GradClipOpt = 1.0,
     seed: SeedOpt = 0,
@@ -231,7 +232,7 @@ def train_head_command(
         force=force,
         checkpoint_dir=checkpoint_dir,
         resume=resume,
-        quiet=quiet or json_output,
+        quiet=quiet,  # --json keeps progress: it goes to stderr, the JSON to stdout
     )
     from mtpkit.cli.output import print_json, print_train
 
