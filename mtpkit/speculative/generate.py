@@ -10,7 +10,6 @@ head and taps the backbone, `mtpkit.speculative.session` runs a request on the d
 from __future__ import annotations
 
 import sys
-import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,10 +21,11 @@ from mtpkit.core.choices import TOP_P_OFF, require_depth
 from mtpkit.core.errors import UnsupportedFamily
 from mtpkit.core.prompts import encode_prompt
 from mtpkit.families import Family, family_for
-from mtpkit.runtime.model import GenerateError, MtpModel, NoMtpHead, load_model, untapped
+from mtpkit.runtime.model import GenerateError, MtpModel, NoMtpHead, load_model
 from mtpkit.runtime.sharded import load_sharded, world
 from mtpkit.speculative.adaptive import resolve_depth
 from mtpkit.speculative.decode import MtpDecoder, SamplingSettings, Stats
+from mtpkit.speculative.plain import MLX_LM_DEFAULTS, MlxLmOptions, stock_tokens
 from mtpkit.speculative.proposers.choose import DrafterChoice
 from mtpkit.speculative.session import (
     GREEDY,
@@ -41,47 +41,6 @@ from mtpkit.speculative.session import (
 # A head that drafted this many tokens and had none accepted is likely broken (NaN, wrong
 # weights): a head that keeps half its drafts does so by chance once in 256 runs.
 BROKEN_HEAD_DRAFTS = 8
-
-
-@dataclass(frozen=True)
-class MlxLmOptions:
-    """mlx_lm.generate's options beyond sampling and the prompt. Every decode honours the
-    prefill step; the others only plain decoding (`--no-mtp`, stock mlx-lm's own loop):
-    XTC draws its own random cut per token, which no draft's probability can be judged
-    against; a quantized KV cache and a saved prompt cache hold the target's state without
-    the drafter's."""
-
-    prefill_step_size: int = 2048
-    kv_bits: int | None = None
-    kv_group_size: int = 64
-    quantized_kv_start: int = 5000
-    prompt_cache_file: str | None = None
-    xtc_probability: float = 0.0
-    xtc_threshold: float = 0.0
-
-    def plain_only(self) -> list[str]:
-        """The options set that only plain decoding honours, as flags."""
-        return [
-            flag
-            for flag, on in (
-                ("--kv-bits", self.kv_bits is not None),
-                ("--prompt-cache-file", self.prompt_cache_file is not None),
-                ("--xtc-probability", self.xtc_probability > 0),
-            )
-            if on
-        ]
-
-    def plain_only_reason(self) -> str:
-        flags = self.plain_only()
-        why = {
-            "--kv-bits": "a quantized KV cache is not rolled back",
-            "--prompt-cache-file": "a saved prompt cache holds no drafter state",
-            "--xtc-probability": "XTC's random cut per token cannot judge a draft",
-        }
-        return f"{', '.join(flags)} only applies to plain decoding ({'; '.join(why[f] for f in flags)})"
-
-
-MLX_LM_DEFAULTS = MlxLmOptions()
 
 
 @dataclass
@@ -159,7 +118,7 @@ def stream_tokens(
     if seed is None and m.lockstep.size > 1:  # stock decoding samples on every rank
         mx.random.seed(m.lockstep.share_int(int(mx.random.randint(0, 2**31 - 1).item())))
     if not mtp:
-        return _stock_tokens(
+        return stock_tokens(
             m, prompt, max_tokens=max_tokens, sampling=sampling, max_kv_size=max_kv_size
         )
     session = _session(m, prompt, max_tokens, depth, sampling, adaptive, max_kv_size, drafter)
@@ -181,66 +140,6 @@ def _session(
     engine = Engine(m, drafter=drafter, mtp=True, prompt_cache_size=0, max_kv_size=max_kv_size)
     request = Request(prompt, max_tokens, sampling, depth=depth, adaptive=adaptive)
     return engine.session(request)
-
-
-def _stock_tokens(
-    m: MtpModel,
-    prompt: list[int],
-    *,
-    max_tokens: int,
-    sampling: SamplingSettings,
-    max_kv_size: int | None = None,
-    options: MlxLmOptions = MLX_LM_DEFAULTS,
-) -> tuple[Iterator[int], Callable[[], Stats]]:
-    """Plain decoding is stock mlx-lm's `stream_generate`, unchanged."""
-    from mlx_lm import stream_generate
-    from mlx_lm.models.cache import load_prompt_cache
-    from mlx_lm.sample_utils import make_sampler
-
-    stats = Stats(prompt_tokens=len(prompt))
-
-    def run() -> Iterator[int]:
-        start = time.perf_counter()
-        first = None
-        sampler = sampling.sampler()
-        if options.xtc_probability > 0:  # as mlx_lm.generate builds it
-            sampler = make_sampler(
-                sampling.temp, sampling.top_p, sampling.min_p, sampling.min_tokens_to_keep,
-                top_k=sampling.top_k, xtc_probability=options.xtc_probability,
-                xtc_threshold=options.xtc_threshold,
-                xtc_special_tokens=m.tokenizer.encode("\n") + list(m.tokenizer.eos_token_ids),
-            )  # fmt: skip
-        extra: dict[str, Any] = {}
-        if options.prompt_cache_file is not None:
-            extra["prompt_cache"] = load_prompt_cache(options.prompt_cache_file)
-        with untapped(m.final_norm):
-            for response in stream_generate(
-                m.model,
-                m.tokenizer,
-                mx.array(prompt),
-                max_tokens=max_tokens,
-                sampler=sampler,
-                prompt_progress_callback=lambda *_: m.lockstep.tick(),
-                max_kv_size=max_kv_size,
-                prefill_step_size=options.prefill_step_size,
-                kv_bits=options.kv_bits,
-                kv_group_size=options.kv_group_size,
-                quantized_kv_start=options.quantized_kv_start,
-                **extra,
-            ):
-                if first is None:
-                    first = time.perf_counter()
-                    stats.prompt_time = first - start
-                m.lockstep.tick()
-                if response.finish_reason == "stop":
-                    break
-                stats.generated.append(response.token)
-                yield response.token
-        # As for MTP decoding: the first token's time is the prompt's.
-        stats.decode_time = time.perf_counter() - (first or start)
-        stats.decode_tokens = max(0, len(stats.generated) - 1)
-
-    return run(), lambda: stats
 
 
 def generate(
@@ -299,30 +198,18 @@ def generate(
         )
         use_mtp = False
     add_eos_tokens(m, extra_eos_tokens)
-    if default_chat_template and getattr(m.tokenizer, "chat_template", None) is None:
-        # mlx_lm.generate --use-default-chat-template, where the tokenizer has a default.
-        default = getattr(m.tokenizer, "default_chat_template", None)
-        if default is not None:
-            m.tokenizer.chat_template = default
-    tokens = (
-        prompt
-        if isinstance(prompt, list)
-        else encode_prompt(
-            m.tokenizer,
-            prompt,
-            chat_template=chat_template,
-            system_prompt=system_prompt,
-            prefill_response=prefill_response,
-            template_args=chat_template_args,
-        )
-    )
+    tokens = _prompt_tokens(
+        m, prompt, chat_template=chat_template, system_prompt=system_prompt,
+        prefill_response=prefill_response, template_args=chat_template_args,
+        default_template=default_chat_template,
+    )  # fmt: skip
     sampling = SamplingSettings(temp, top_p, top_k, min_p, min_tokens_to_keep)
     check_prompt(m, tokens)
     mx.reset_peak_memory()
     if not use_mtp:
         if seed is not None and not loads:
             mx.random.seed(seed)
-        it, stats_fn = _stock_tokens(
+        it, stats_fn = stock_tokens(
             m, tokens, max_tokens=max_tokens, sampling=sampling, max_kv_size=max_kv_size,
             options=options,
         )  # fmt: skip
@@ -341,6 +228,24 @@ def generate(
     result = _result(m, session.text, session.stats, True, max_tokens, session.finish_reason)
     _warn_if_never_accepted(m, result, drafter, warn)
     return result
+
+
+def _prompt_tokens(
+    m: MtpModel, prompt: str | list[int], *, chat_template: bool, system_prompt: str | None,
+    prefill_response: str | None, template_args: dict[str, Any] | None, default_template: bool,
+) -> list[int]:  # fmt: skip
+    """The prompt's token ids as mlx_lm.generate builds them (ids are taken as they are)."""
+    if isinstance(prompt, list):
+        return prompt
+    if default_template and getattr(m.tokenizer, "chat_template", None) is None:
+        # mlx_lm.generate --use-default-chat-template, where the tokenizer has a default.
+        default = getattr(m.tokenizer, "default_chat_template", None)
+        if default is not None:
+            m.tokenizer.chat_template = default
+    return encode_prompt(
+        m.tokenizer, prompt, chat_template=chat_template, system_prompt=system_prompt,
+        prefill_response=prefill_response, template_args=template_args,
+    )  # fmt: skip
 
 
 def _load(
