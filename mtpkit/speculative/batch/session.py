@@ -8,7 +8,8 @@ Each request's text, usage and drafting counts are its own (`BatchEntry`). What 
 has and a batch does not: the prompt cache (every request is prefilled from its first token)
 and `max_kv_size` (each row's KV cache grows with its prompt and output). A request's `depth`
 (None: 1) is the drafts its row verifies a round; `adaptive` decides per batch width whether
-a round drafts at all (`WidthDrafting`).
+a round drafts at all (`WidthDrafting`), except while a sampled request with a seed is in
+the batch: then every round drafts, so that its text is the same alone or in any batch.
 """
 
 from __future__ import annotations
@@ -92,7 +93,13 @@ class BatchSession:
         that ended this round included, which leave `entries`)."""
         if not self.entries:
             return []
-        new = self.decoder.step()
+        # A seeded sampled row's draws are its own only if its key is split the same way
+        # whatever its batchmates: rounds that draft every time (adaptive drafting decides
+        # by measured time, which no seed repeats).
+        seeded = any(
+            e.request.seed is not None and not e.request.sampling.greedy for e in self.entries
+        )
+        new = self.decoder.step(draft=seeded)
         touched = []
         for entry in self.entries:
             self._feed(entry, new.get(entry.row.uid, []))
