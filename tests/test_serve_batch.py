@@ -8,6 +8,7 @@ batch around it.
 
 from __future__ import annotations
 
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -151,3 +152,35 @@ def test_seeded_samples_are_the_same_alone_and_in_a_batch(server, client) -> Non
         assert all(f.result().choices[0].text for f in others)
     # Another seed draws another text (40 tokens at temperature 1 agreeing is not chance).
     assert sampled(8) != alone
+
+
+def test_sigterm_ends_every_row_and_the_server(server) -> None:
+    """Last in the module: SIGTERM while two rows decode ends both streams with a
+    `shutting_down` error event and `[DONE]`, and the process with status 0."""
+    url = server.url + "/v1/completions"
+    server.wait_idle()
+    streams: list[list[str]] = [[], []]
+    started = [threading.Event(), threading.Event()]
+
+    def stream(i: int) -> None:
+        body = {"prompt": LONG[i], "max_tokens": 3500, "stream": True}
+        with httpx.stream("POST", url, json=body, timeout=TIMEOUT) as r:
+            for line in r.iter_lines():
+                if line:
+                    streams[i].append(line)
+                    started[i].set()
+        started[i].set()
+
+    threads = [threading.Thread(target=stream, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    assert all(s.wait(TIMEOUT) for s in started) and all(streams)
+    assert server.terminate() == 0, server.log_path.read_text()[-4000:]
+    for t in threads:
+        t.join(TIMEOUT)
+    for lines in streams:
+        assert lines[-1] == "data: [DONE]"
+        assert '"shutting_down"' in lines[-2]
+    log = server.log_path.read_text()
+    assert "Traceback" not in log
+    assert "decode concurrency: 4" in log
