@@ -85,6 +85,8 @@ def serve(settings: ServeSettings) -> None:
             engine, capacity=settings.queue_size, load=load,
             concurrency=settings.decode_concurrency, adaptive=settings.adaptive,
         )  # fmt: skip
+        if worker.batch is not None and settings.max_kv_size is not None:
+            log.warning("--max-kv-size applies to one stream only: batched rows keep full caches")
         if settings.decode_concurrency > 1 and worker.batch is None:
             log.warning(
                 "--decode-concurrency %d needs the model's MTP head drafting: decoding one "
