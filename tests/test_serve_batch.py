@@ -8,6 +8,7 @@ batch around it.
 
 from __future__ import annotations
 
+import shutil
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -32,7 +33,7 @@ MAX_TOKENS = 40
 @pytest.fixture(scope="module")
 def server(converted: Path, tmp_path_factory: pytest.TempPathFactory):
     log = tmp_path_factory.mktemp("serve-batch") / "server.log"
-    proc = ServerProcess(converted, log, "--decode-concurrency", "4")
+    proc = ServerProcess(converted, log, "--decode-concurrency", "4", "--allow-model-paths")
     yield proc
     proc.stop()
 
@@ -152,6 +153,24 @@ def test_seeded_samples_are_the_same_alone_and_in_a_batch(server, client) -> Non
         assert all(f.result().choices[0].text for f in others)
     # Another seed draws another text (40 tokens at temperature 1 agreeing is not chance).
     assert sampled(8) != alone
+
+
+def test_another_model_by_path_decodes_alone_while_the_batch_waits(
+    server, client, refs, converted: Path, tmp_path: Path
+) -> None:
+    other = tmp_path / "other-model"
+    shutil.copytree(converted, other)
+    ids = refs.text_ids(LONG[3])
+    ref = refs.agreed(ids, 60)
+    short = refs.agreed(refs.text_ids(LONG[1]), 12)
+    chunks = client.completions.create(
+        model="default_model", prompt=LONG[3], max_tokens=60, stream=True
+    )
+    first = next(iter(chunks))  # its row is in the batch
+    r = client.completions.create(model=str(other), prompt=LONG[1], max_tokens=12)
+    assert r.choices[0].text == short.text and r.model == str(other)
+    text = first.choices[0].text + "".join(c.choices[0].text for c in chunks)
+    assert text == ref.text
 
 
 def test_sigterm_ends_every_row_and_the_server(server) -> None:
