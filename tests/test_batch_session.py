@@ -71,3 +71,15 @@ def test_a_cancelled_request_leaves_and_the_others_finish(engine: Engine) -> Non
         batch.step()
     for i in (0, 2):
         assert entries[i].text == alone(engine, Request(ids[i], max_tokens=24))[0]
+
+
+def test_the_server_batches_only_with_the_head_drafting(engine: Engine, converted: Path) -> None:
+    from mtpkit.serve.worker import Worker
+    from mtpkit.speculative.proposers.choose import DrafterChoice
+
+    assert Worker(engine, capacity=1, concurrency=4).batch is not None
+    assert Worker(engine, capacity=1, concurrency=1).batch is None  # the single stream
+    plain = Engine(engine.m, mtp=False)
+    lookup = Engine(engine.m, drafter=DrafterChoice(prompt_lookup=True))
+    assert Worker(plain, capacity=1, concurrency=4).batch is None
+    assert Worker(lookup, capacity=1, concurrency=4).batch is None
