@@ -24,7 +24,9 @@
 # Environment: DTYPE (scales of the random models, default bfloat16, as published 4-bit
 # checkpoints carry), TRIALS (default 5), MAX_TOKENS (default 128), BENCH_LIMIT (default 330),
 # ACCEPTANCE (default 0,0.8,0.9: the random shapes run with oracle drafts at these
-# acceptances, `mtpkit bench --acceptance`, SYNTHETIC; empty: their random heads), DEPTH (3).
+# acceptances, `mtpkit bench --acceptance`, SYNTHETIC; empty: their random heads), DEPTH (3),
+# PROMPT_TOKENS (unset: the default prompt; N: `--prompt-tokens N`, a context of N tokens,
+# random ids for the random shapes; the files are then bench-<target>-p<N>.json).
 #
 # The README "Performance" table (the targets of issue 18) is, per call while warm:
 #      run(command="bash bench/gpu_bench.sh bench tiny qwen3_5-0.8b train", ...)
@@ -33,6 +35,8 @@
 # Target `train`: bench/bench_train.py --random-shape qwen3_5-0.8b (steps/s, train-head).
 # Target `ab`: bench/ab_modes.py (serial vs built-ahead rounds, qmv routes on/off, 4b with 8
 # layers); `ab-rows2`: its 2-row routes, lm_head-wide only vs every matrix timed (9b);
+# target `plain-steps`: bench/plain_steps.py at 9b and 4b (stock, --no-mtp and the decoder's
+# plain modes, per-token times; issue 31);
 # target `profile`: bench/profile_stages.py at 0.8b and 9b (a round's stages); `profile-tiny`:
 # the same on the bundled example (after target `tiny`, which converts it); `sdpa`:
 # bench/sdpa_shapes.py (attention's cost at key lengths never seen, by head size and mask).
@@ -65,7 +69,11 @@ bench() {
   install
   export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
   local limit=${BENCH_LIMIT:-330} args=(--trials "${TRIALS:-5}" --max-tokens "${MAX_TOKENS:-128}" --depth "${DEPTH:-3}" --json)
-  local oracle=()
+  local oracle=() tag=""
+  # A target past its limit gets SIGABRT first: faulthandler writes where every thread is to
+  # its log (qwen3_5-0.8b and the MoE once sat in "forward and head costs" past any limit).
+  local stuck="timeout -s ABRT -k 15 $limit"
+  [ -n "${PROMPT_TOKENS:-}" ] && args+=(--prompt-tokens "$PROMPT_TOKENS") && tag="-p$PROMPT_TOKENS"
   [ -n "${ACCEPTANCE-0,0.8,0.9}" ] && oracle=(--acceptance "${ACCEPTANCE-0,0.8,0.9}")
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
   git rev-parse HEAD 2>/dev/null >> "$OUT/gpu.txt"
@@ -81,6 +89,12 @@ bench() {
     elif [ "$target" = ab-rows2 ]; then  # 2-row routes: lm_head-wide only vs timed (9b)
       timeout "$limit" python3 bench/ab_modes.py qwen3_5-9b 32 "${TRIALS:-5}" rows2 2>&1 \
         | tee "$OUT/ab-rows2.txt" | tail -12 >&2
+      continue
+    elif [ "$target" = plain-steps ]; then  # per-token times of the plain modes (9b, 4b)
+      for shape in qwen3_5-9b qwen3_5-4b; do
+        timeout "$limit" python3 bench/plain_steps.py "$shape" "${TRIALS:-5}" 2>&1 \
+          | tee -a "$OUT/plain-steps.txt" | grep -A8 "^medians" >&2
+      done
       continue
     elif [ "$target" = sdpa ]; then  # does attention build per new key length? (verify)
       timeout "$limit" python3 bench/sdpa_shapes.py 2>&1 | tee "$OUT/sdpa.txt" >&2
@@ -101,14 +115,14 @@ bench() {
       continue
     elif [ "$target" = tiny ]; then
       python3 -m mtpkit convert mtpkit/examples/tiny-qwen3_5 -o /tmp/mtpkit-tiny --force >&2
-      timeout "$limit" python3 -m mtpkit bench --model /tmp/mtpkit-tiny "${args[@]}" \
-        > "$OUT/bench-$target.json" 2> "$OUT/bench-$target.log"
+      $stuck python3 -X faulthandler -m mtpkit bench --model /tmp/mtpkit-tiny "${args[@]}" \
+        > "$OUT/bench-$target$tag.json" 2> "$OUT/bench-$target$tag.log"
     else
-      timeout "$limit" python3 -m mtpkit bench --random "$target" --dtype "${DTYPE:-bfloat16}" \
-        "${args[@]}" "${oracle[@]}" > "$OUT/bench-$target.json" 2> "$OUT/bench-$target.log"
+      $stuck python3 -X faulthandler -m mtpkit bench --random "$target" --dtype "${DTYPE:-bfloat16}" \
+        "${args[@]}" "${oracle[@]}" > "$OUT/bench-$target$tag.json" 2> "$OUT/bench-$target$tag.log"
     fi
-    echo "rc $? for $target" >&2
-    tail -3 "$OUT/bench-$target.log" >&2
+    echo "rc $? for $target$tag" >&2
+    tail -3 "$OUT/bench-$target$tag.log" >&2
   done
   ls "$OUT"/bench-*.json >/dev/null 2>&1 &&
     python3 bench/bench_table.py "$OUT"/bench-*.json | tee "$OUT/bench-table.md"

@@ -129,3 +129,35 @@ def cut_window(cache: Any) -> None:
         raise ValueError("a sliding-window cache was not left in temporal order")
     cache.keys = cache.keys[..., : cache._idx, :]
     cache.values = cache.values[..., : cache._idx, :]
+
+
+def cache_keys_values(cache: Any) -> tuple[Any, Any]:
+    """The keys and values an mlx-lm KV cache holds, oldest first ([B, H, S, D] each).
+
+    `KVCache` keeps a buffer longer than its `offset`; a `RotatingKVCache` past its window
+    keeps its entries in ring order, and its `_temporal_order` (an mlx-lm internal) puts them
+    back in time order, which a reader of another model's cache (Gemma 4's assistant) needs
+    to tell the newest entries.
+    """
+    keys, values = cache.keys, cache.values
+    reorder = getattr(cache, "_temporal_order", None)
+    if callable(reorder):
+        return reorder(keys), reorder(values)
+    return keys[..., : cache.offset, :], values[..., : cache.offset, :]
+
+
+def eval_private_arrays(model: Any) -> None:
+    """Evaluate the arrays mlx-lm's modules keep outside their parameters (`_freqs` of
+    its `ProportionalRoPE`, Gemma 4's full-attention RoPE): `load` evaluates the parameters
+    only, and a lazy array built on the loading thread cannot be evaluated on another (the
+    server's decoding thread: "There is no Stream(cpu, 0) in current thread")."""
+    import mlx.core as mx
+
+    arrays = [
+        value
+        for module in model.modules()
+        for key, value in module.items()
+        if key.startswith("_") and isinstance(value, mx.array)
+    ]
+    if arrays:
+        mx.eval(arrays)

@@ -16,6 +16,7 @@ import pytest
 from typer.testing import CliRunner
 
 from mtpkit.check.junit import junit_xml
+from mtpkit.check.measure import EARLY_STOP_PROMPTS
 from mtpkit.check.probes import Measurement, Variant, diagnose, single_variants
 from mtpkit.check.verdict import CHECKS, check_checkpoint
 from mtpkit.cli.app import app
@@ -387,8 +388,9 @@ def test_probe_results_reach_the_json(built, monkeypatch):
         "concat_order": "embedding_first",
         "acceptance": 0.5,
     }
-    # One call per prompt and variant; as shipped, the runtime reads its own settings.
-    assert len(seen) == 5 * len(BUILTIN_PROMPTS)
+    # One call per prompt and variant, the two collapsed ones (unusable, far below the
+    # shipped head) stopping early; as shipped, the runtime reads its own settings.
+    assert len(seen) == 3 * len(BUILTIN_PROMPTS) + 2 * EARLY_STOP_PROMPTS
     assert (1, None, None, 0.0) in seen and (1, "pre_norm", None, 0.0) in seen
 
 
@@ -514,3 +516,119 @@ def test_read_prompts(tmp_path):
     listed = tmp_path / "p.json"
     listed.write_text(json.dumps(["a", " ", "b"]))
     assert read_prompts(listed) == ["a", "b"]
+
+
+def test_check_of_a_dense_model_without_a_head_advises_train_head(tmp_path):
+    """Llama ships no head to convert: the fix is train-head, as generate says (issue 32, 9)."""
+    from typer.testing import CliRunner
+
+    from mtpkit.cli.app import app
+    from tests.checkpoints import build_dense_model
+
+    model = build_dense_model(tmp_path / "llama", "llama")
+    result = CliRunner().invoke(app, ["check", str(model), "--no-probe", "--json"])
+    [declared] = [c for c in json.loads(result.stdout)["checks"] if c["name"] == "head_declared"]
+    assert declared["detail"] == (
+        "the config declares no MTP layers (num_nextn_predict_layers) and there are no MTP "
+        f"tensors: not an MTP checkpoint; llama models ship none: train one with `mtpkit "
+        f"train-head {model} -o OUT`"
+    )
+# --------------------------------------------------------------------------- probing prompt by prompt
+
+
+def per_prompt_measure(levels: dict[str, float], ends_at_once: set[str], calls: list[tuple]):
+    """A stand-in for the runtime's measurement of one prompt: None where the text ends
+    before any draft (the same under every variant: greedy verification is lossless)."""
+    variants = {"shipped": SHIPPED, **single_variants(SHIPPED)}
+
+    def measure(model_dir, prompts, *, max_tokens, hidden, concat_order, norm_shift):
+        v = Variant(int(norm_shift), hidden or SHIPPED.hidden, concat_order or SHIPPED.concat_order)
+        key = next((k for k, known in variants.items() if known == v), "other")
+        calls.append((key, prompts[0]))
+        if prompts[0] in ends_at_once:
+            return None
+        i = int(prompts[0].split()[-1])
+        difficulty = random.Random(f"d{i}").uniform(-0.1, 0.1)
+        return min(
+            1.0,
+            max(
+                0.0, levels.get(key, 0.02) + difficulty + random.Random(f"{key}{i}").gauss(0, 0.03)
+            ),
+        )
+
+    return measure
+
+
+def probe_fake(measure, prompts: list[str], log: list[str]):
+    from mtpkit.check.measure import probe_directory
+
+    return probe_directory(
+        Path("model"),
+        SHIPPED,
+        prompts,
+        measure=measure,
+        reserve=[],
+        min_acceptance=0.2,
+        max_tokens=8,
+        zero_centred=True,
+        log=log.append,
+    )
+
+
+HEALTHY_HEAD = {
+    "shipped": 0.66,
+    "norm_shift=-1": 0.0,
+    "norm_shift=+1": 0.51,
+    "hidden": 0.63,
+    "concat_order": 0.05,
+}
+
+
+def test_a_prompt_ended_before_any_draft_is_left_out() -> None:
+    """A prompt the model ends at once says nothing about the head: it is left out of every
+    variant's measurement (it scored 0% for each, which diluted acceptance and gains)."""
+    prompts = [f"prompt {i}" for i in range(16)]
+    ends = {prompts[3], prompts[9]}
+    calls: list[tuple] = []
+    log: list[str] = []
+    d = probe_fake(per_prompt_measure(HEALTHY_HEAD, ends, calls), prompts, log)
+    assert len(d.measurements[0].per_prompt) == 14
+    assert [p for k, p in calls if k != "shipped" and p in ends] == []
+    without: list[tuple] = []
+    alone = probe_fake(
+        per_prompt_measure(HEALTHY_HEAD, set(), without), sorted(set(prompts) - ends), []
+    )
+    assert d.acceptance == pytest.approx(alone.acceptance)
+    assert "2 of the prompts ended before any draft: left out" in log
+
+
+def test_a_collapsed_variant_stops_early_with_the_same_verdict(monkeypatch) -> None:
+    """Variants that collapse a healthy head (swapped inputs, norms without their +1) stop
+    after EARLY_STOP_PROMPTS prompts; every check reads as when they ran on all 16."""
+    import mtpkit.check.measure as measure_module
+
+    prompts = [f"prompt {i}" for i in range(16)]
+    calls: list[tuple] = []
+    d = probe_fake(per_prompt_measure(HEALTHY_HEAD, set(), calls), prompts, [])
+    counts = {k: sum(1 for key, _ in calls if key == k) for k in HEALTHY_HEAD}
+    assert counts == {
+        "shipped": 16,
+        "norm_shift=-1": measure_module.EARLY_STOP_PROMPTS,
+        "norm_shift=+1": 16,
+        "hidden": 16,
+        "concat_order": measure_module.EARLY_STOP_PROMPTS,
+    }
+    monkeypatch.setattr(measure_module, "EARLY_STOP_PROMPTS", 10**6)
+    full = probe_fake(per_prompt_measure(HEALTHY_HEAD, set(), []), prompts, [])
+    assert [(c.name, c.status) for c in d.checks] == [(c.name, c.status) for c in full.checks]
+    assert d.best.variant == full.best.variant == SHIPPED
+    assert all(c.status == "pass" for c in d.checks)
+
+
+def test_an_unusable_variant_that_keeps_up_runs_on_every_prompt() -> None:
+    """A variant below --min-acceptance but not below the shipped head (a weak head) is
+    measured in full: only a variant both unusable and collapsed stops early."""
+    weak = {k: 0.1 for k in [*HEALTHY_HEAD, "other"]}
+    calls: list[tuple] = []
+    probe_fake(per_prompt_measure(weak, set(), calls), [f"prompt {i}" for i in range(16)], [])
+    assert sum(1 for key, _ in calls if key == "concat_order") >= 16

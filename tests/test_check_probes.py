@@ -9,7 +9,9 @@ tensors, a head grafted from another model) each fail with the right check and f
 from __future__ import annotations
 
 import json
+import re
 import shutil
+import sys
 import xml.etree.ElementTree as ET
 from collections.abc import Callable
 from pathlib import Path
@@ -193,3 +195,53 @@ def test_cli_passes_the_raw_example_through_a_conversion(tmp_path, monkeypatch):
     props = {p.get("name"): p.get("value") for p in suite.iter("property")}
     assert props["verdict"] == "pass" and float(props["acceptance"]) >= 0.3
     assert list((tmp_path / "cache").iterdir()) == []  # the temporary conversion is gone
+
+
+README = Path(__file__).resolve().parents[1] / "README.md"
+
+
+def readme_figure(pattern: str) -> str:
+    found = re.findall(pattern, README.read_text())
+    assert len(found) == 1, (pattern, found)
+    return found[0]
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the figures are MLX's CPU's")
+def test_readme_check_figures_are_what_check_prints(tmp_path, monkeypatch):
+    """The figures the README quotes for `mtpkit check mtpkit/examples/tiny-qwen3_5` (the
+    verdict rule's table and the JSON example) are the ones that command prints."""
+    monkeypatch.setenv("MTPKIT_CACHE", str(tmp_path))
+    result = runner.invoke(app, ["check", str(EXAMPLE), "--json"])
+    assert result.exit_code == 0, result.output
+    out = json.loads(result.stdout)
+    details = " ".join(c["detail"] for c in out["checks"])
+
+    def printed(name: str) -> str:
+        return re.search(rf"{re.escape(name)} (\d+\.\d)%", details)[1]
+
+    shipped = f"{100 * out['acceptance']:.1f}"
+    assert readme_figure(r"\(0\.0% vs (\d+\.\d)% on the example\)") == shipped
+    assert printed("norms -1") == "0.0"
+    plus = printed("norms +1")
+    assert readme_figure(r"a few points down \((\d+\.\d)% on the example\)") == plus
+    cost = f"{float(shipped) - float(plus):.1f}"
+    assert readme_figure(r"double shift costs \((\d+\.\d) points on the example") == cost
+    concat = readme_figure(r"swapped inputs collapse a head \((\d+\.\d)% on the example\)")
+    assert concat == printed("the other concat order")
+    hidden = readme_figure(r"\((\d+\.\d% vs \d+\.\d)% on the example, 75\.2%")
+    assert hidden == f"{printed('the other hidden variant')}% vs {shipped}"
+    assert readme_figure(r'"acceptance": (0\.\d+) \| null') == str(out["acceptance"])
+
+
+def test_a_prompt_the_example_ends_at_once_gives_no_acceptance(converted):
+    """The runtime's measurement of a prompt the example's base model ends at its first token
+    (no draft) is None, not 0%: check leaves such prompts out rather than scoring the head
+    0% on them under every variant. The same model and head serve the next prompt."""
+    from mtpkit.check.measure import default_measure
+    from mtpkit.core.prompts import BUILTIN_PROMPTS
+
+    measure = default_measure()
+    kwargs = {"max_tokens": MAX_TOKENS, "hidden": None, "concat_order": None, "norm_shift": 0.0}
+    assert measure(str(converted), [BUILTIN_PROMPTS[4]], **kwargs) is None
+    value = measure(str(converted), [BUILTIN_PROMPTS[7]], **kwargs)
+    assert value is not None and 0.5 < value <= 1.0

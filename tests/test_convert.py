@@ -669,3 +669,49 @@ def test_convert_from_hub(hub, sources, tmp_path):
     assert (out / "tokenizer.json").exists() and (out / "generation_config.json").exists()
     manifest = json.loads((out / "mtp" / "manifest.json").read_text())
     assert manifest["source"] == {"spec": "org/mimo", "revision": "v1", "commit": sha}
+
+
+# --------------------------------------------------------------------------- Gemma 4 targets
+
+
+@pytest.mark.parametrize(
+    ("text_only", "moe", "quant"),
+    [
+        (False, False, {}),
+        (False, False, {"bits": 4}),
+        (True, False, {}),
+        (False, False, {"quant_predicate": "mixed_3_6"}),
+        (False, True, {}),
+        (False, True, {"bits": 4}),
+    ],
+)
+def test_gemma4_target_equals_stock_mlx_lm_convert(text_only, moe, quant, tmp_path):
+    """A Gemma 4 target converts to exactly what `mlx_lm.convert` writes: E2B-like (per-layer
+    inputs, KV-shared layers, a vision tower to drop) and 26B-A4B-like (fused experts split
+    into mlx-lm's `switch_glu`, 8-bit routers when quantized)."""
+    from tests.gemma4_checkpoints import build_target
+
+    # MLX's CPU backend runs MoE layers in float32 only.
+    dtype = "float32" if moe else "bfloat16"
+    src = build_target(tmp_path / "src", text_only=text_only, moe=moe, dtype=dtype)
+    out = convert(str(src), output=tmp_path / "out", quantize=bool(quant), **quant).output
+    stock_kwargs = {STOCK_NAMES.get(k, k): v for k, v in quant.items()}
+    if quant:
+        stock_kwargs["quantize"] = True
+    ref = _stock_convert(src, tmp_path / "ref", **stock_kwargs)
+    mine, theirs = _load(out), _load(ref)
+    a, b = _params(mine), _params(theirs)
+    assert a.keys() == b.keys()
+    for name in a:
+        assert a[name].dtype == b[name].dtype, name
+        assert mx.array_equal(a[name], b[name]).item(), name
+    assert mx.array_equal(mine(TOKENS), theirs(TOKENS)).item()
+    config = json.loads((out / "config.json").read_text())
+    ref_config = json.loads((ref / "config.json").read_text())
+    assert config.get("quantization") == ref_config.get("quantization")
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    ref_index = json.loads((ref / "model.safetensors.index.json").read_text())
+    assert index["weight_map"].keys() == ref_index["weight_map"].keys()
+    assert not any("vision_tower" in k for k in a)
+    if not moe:  # KV-shared layers (4 and 5) compute no K/V
+        assert not any("k_proj" in k and ".layers.5." in k for k in a)

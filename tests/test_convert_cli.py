@@ -324,3 +324,25 @@ def test_a_recipe_applied_to_another_model_gets_a_note(hub, tmp_path):
         app, ["convert", "org/tiny", "--recipe", str(own), "-o", str(tmp_path / "o"), "--quiet"]
     )
     assert result.exit_code == 0 and result.stderr == ""
+EXAMPLE = Path(__file__).resolve().parents[1] / "mtpkit" / "examples" / "tiny-qwen3_5"
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="MLX's CPU backend on Linux")
+def test_quantizing_with_bf16_scales_notes_the_cpu_cost(tmp_path):
+    """On a machine that runs MLX on its CPU, `convert -q` says once that bfloat16 scales are
+    slow there (MLX's CPU quantized matmul) and how to avoid them; float32 scales get no note."""
+    import mlx.core as mx
+
+    if mx.default_device() != mx.cpu:
+        pytest.skip("MLX runs on a GPU here")
+    result = runner.invoke(app, ["convert", str(EXAMPLE), "-o", str(tmp_path / "q"), "-q"])
+    assert result.exit_code == 0, result.output
+    notes = [line for line in result.stderr.splitlines() if line.startswith("note:")]
+    assert len(notes) == 1 and "bfloat16 scales" in notes[0], result.stderr
+    assert "--dtype float32" in notes[0]
+    f32 = ["convert", str(EXAMPLE), "-o", str(tmp_path / "f"), "-q", "--dtype", "float32"]
+    result = runner.invoke(app, f32)
+    assert result.exit_code == 0, result.output
+    assert "note:" not in result.stderr
+    plain = runner.invoke(app, ["convert", str(EXAMPLE), "-o", str(tmp_path / "p")])
+    assert plain.exit_code == 0 and "note:" not in plain.stderr

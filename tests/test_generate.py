@@ -100,6 +100,47 @@ def test_adaptive_depth_goes_deeper_with_a_good_head_and_stops_a_useless_one(
             assert by_depth[1] + by_depth[2] > 2 * by_depth[0] and by_depth[0] >= 1
 
 
+def test_plain_steps_after_drafting_stops_are_queued_ahead(
+    model, converted: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Once adaptive drafting stops a useless head (oracle drafts at acceptance 0), its plain
+    steps run as `--no-mtp`'s (mlx-lm's loop): the first is launched before the next is
+    built, every later one finds its forward queued, up to the last token; no round is
+    built ahead on the premise of a head that never kept a draft. Tokens stay stock's."""
+    from mtpkit.bench.oracle import OracleDrafts
+    from mtpkit.bench.speed import DEFAULT_PROMPT
+    from mtpkit.speculative.adaptive import FIRST_ROUNDS
+
+    prompt = encode_prompt(model.tokenizer, DEFAULT_PROMPT)
+    n = 40
+    stock_model, tokenizer = mlx_lm.load(str(converted))
+    tokenizer.eos_token_ids = []
+    stream = mlx_lm.stream_generate(stock_model, tokenizer, mx.array(prompt), max_tokens=n)
+    reference = [r.token for r in stream]
+    monkeypatch.setattr(model.tokenizer, "eos_token_ids", [])
+    oracle = OracleDrafts(reference, len(prompt), 0.0, model.embedding.weight.shape[0])
+    decoder = MtpDecoder(model, prompt, depth=3, sampling=SamplingSettings(), adaptive=True,
+                         choose_depth=True, draft_filter=oracle)  # fmt: skip
+    decoder.pipeline = None  # looks ahead as on a GPU
+    events: list[str] = []
+    plain_step, launch = decoder.plain_step, mx.async_eval
+
+    def watched_step(ahead: bool = False) -> list[int]:
+        events.append("queued" if decoder._ahead is not None else "built")
+        return plain_step(ahead)
+
+    def watched_launch(*arrays: mx.array) -> None:
+        if events and events[-1] == "built":
+            events.append("launched")  # the step's own forward, before the next is built
+        launch(*arrays)
+
+    monkeypatch.setattr(decoder, "plain_step", watched_step)
+    monkeypatch.setattr(mx, "async_eval", watched_launch)
+    assert list(decoder.tokens(n)) == reference
+    assert decoder.stats.rounds == FIRST_ROUNDS and decoder.stats.pipelined == 0
+    assert events == ["built", "launched"] + ["queued"] * (n - FIRST_ROUNDS - 1)
+
+
 @pytest.mark.parametrize("depth", [1, 3])
 def test_greedy_is_stock_with_the_verify_attention_from_ops(
     model, converted: Path, monkeypatch: pytest.MonkeyPatch, depth: int

@@ -214,7 +214,7 @@ def test_bench_synthetic_acceptance(converted: Path) -> None:
     out = json.loads(result.stdout)
     assert out["synthetic"] and out["acceptances"] == [0.0, 0.5, 1.0]
     assert out["reliable"] is False and "2 trial(s)" in out["unreliable_because"][0]
-    warnings = [line for line in result.stderr.splitlines() if line.startswith("warning:")]
+    warnings = [line for line in result.stderr.splitlines() if line.startswith("Warning:")]
     assert len(warnings) == 1 and "mean little" in warnings[0]
     runs = {(r["depth"], r["synthetic_acceptance"]): r for r in out["runs"]}
     assert runs[(1, 0.0)]["acceptance"] == 0.0 and runs[(2, 1.0)]["acceptance"] == 1.0

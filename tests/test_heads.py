@@ -159,13 +159,16 @@ def test_rounds_look_ahead_by_the_share_of_full_rounds(
     """On a GPU (pipeline None) the next round is launched ahead while most rounds keep every
     draft, built ahead down to BUILD_MIN_FULL (by default at every share; None: never), and
     waits for the verdict below; never where no more tokens are wanted; launched ahead only
-    after three full rounds in a row."""
+    after three full rounds in a row; never before a round of the generation kept every
+    draft (a useless head's judging rounds were each built twice)."""
     from mtpkit.speculative import decode
 
     m = load_model(converted_dir(tmp_path, "qwen3_5"))
     decoder = MtpDecoder(m, PROMPT, depth=1, sampling=SamplingSettings(), adaptive=False)
     assert decoder.pipeline is False  # the CPU: rounds stay serial
     decoder.pipeline = None  # as on a GPU
+    assert decoder._look_ahead(True) is None  # no round has kept every draft yet
+    decoder.full_rounds = 1
     assert decoder._look_ahead(True) == "build"  # the first rounds: launched after verdicts
     for _ in range(3):  # three full rounds in a row: launched ahead from then on
         decoder.full_share += decode.FULL_SMOOTHING * (1 - decoder.full_share)

@@ -298,12 +298,12 @@ def test_present_not_declared(fixtures, tmp_path: Path) -> None:
     del config["num_nextn_predict_layers"]
     (root / "config.json").write_text(json.dumps(config))
     assert codes(root) == ["mtp_present_not_declared"]
-    # convert repairs it, with the `warning:` line the README promises
+    # convert repairs it, with the `Warning:` line the README promises
     out = tmp_path / "mlx"
     result = runner.invoke(app, ["convert", str(root), "-o", str(out), "--quiet"])
     assert result.exit_code == 0, result.output
     assert result.stderr.splitlines() == [
-        "warning: 16 MTP tensors exist but the config does not declare "
+        "Warning: 16 MTP tensors exist but the config does not declare "
         "num_nextn_predict_layers; writing num_nextn_predict_layers=1"
     ]
     assert json.loads((out / "config.json").read_text())["num_nextn_predict_layers"] == 1

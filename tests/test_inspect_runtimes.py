@@ -117,3 +117,28 @@ def test_an_undeclared_head_precision_is_named(flags, tmp_path: Path) -> None:
     report = inspect_checkpoint(str(out))
     row = next(r for r in report["runtimes"] if r["runtime"] == "mlx-vlm")
     assert not row["mtp"] and "mtplx_mtp_quantization" in row["note"]
+
+
+def _notes(report: dict) -> dict[str, str]:
+    return {r["runtime"]: r["note"] for r in report["runtimes"]}
+
+
+def test_a_dense_model_gets_no_qwen3_5_recipe(tmp_path: Path) -> None:
+    """A Llama (no head, no MTP drafter anywhere): mtpkit says how to get a head, vllm-mlx
+    says why not rather than giving the Qwen3.5 drafter recipe (issue 32, 16)."""
+    from tests.checkpoints import build_dense_model
+
+    notes = _notes(inspect_checkpoint(str(build_dense_model(tmp_path / "llama", "llama"))))
+    assert notes["mtpkit"] == "no MTP head: `mtpkit train-head` trains one"
+    assert notes["mlx-vlm"] == notes["vllm-mlx"] == "no MTP drafter for llama"
+
+
+def test_a_headless_conversion_gets_no_drafter_recipe(converted: Path, tmp_path: Path) -> None:
+    headless = _copy(converted, tmp_path, "headless")
+    shutil.rmtree(headless / "mtp")
+    (headless / "mtp.safetensors").unlink()
+    report = inspect_checkpoint(str(headless))
+    notes = _notes(report)
+    assert notes["mlx-vlm"] == notes["vllm-mlx"] == "no usable MTP head"
+    assert "split_mtp" not in json.dumps(report["runtimes"])
+    assert _runs(report)["vllm-mlx"] == (True, False)

@@ -192,7 +192,7 @@ def test_the_metal_twin_is_installed_behind_the_same_self_check(
     monkeypatch.setattr(kernels, "metal_available", lambda: True)
     assert kernels.use_fast_verify(m.model) == []
     err = capsys.readouterr().err
-    warnings = [line for line in err.splitlines() if line.startswith("warning:")]
+    warnings = [line for line in err.splitlines() if line.startswith("Warning:")]
     assert len(warnings) == 1 and "Metal gated-delta-net verify kernel" in warnings[0]
     assert gdn.set_gdn_verify_impl(gdn.stepwise_verify) is gdn.stepwise_verify
     monkeypatch.setattr(kernels, "gdn_verify_metal", gdn.stepwise_verify)

@@ -107,7 +107,7 @@ def test_keep_mtp_bf16_without_quantization_warns(checkpoint, tmp_path: Path) ->
     args = ["convert", str(src), "-o", str(tmp_path / "o"), "--keep-mtp-bf16", "--quiet"]
     result = runner.invoke(app, args)
     assert result.exit_code == 0, result.output
-    assert result.stderr.startswith("warning: nothing is quantized without -q")
+    assert result.stderr.startswith("Warning: nothing is quantized without -q")
 
 
 # --------------------------------------------------------------------------- every command

@@ -301,9 +301,10 @@ def test_a_killed_checkpoint_write_leaves_the_previous_one(llama, tmp_path, monk
     assert resumed.resumed_from == 2
     # A mix of two steps (a file copied from another checkpoint) is refused, not trained on.
     (directory / "head-4.safetensors").rename(directory / "head-2.safetensors")
-    (directory / "state.json").write_text(
-        (directory / "state.json").read_text().replace('"step": 4', '"step": 2')
-    )
+    state = json.loads((directory / "state.json").read_text())
+    state.update(step=2, chunks=4, losses=state["losses"][:2])  # a state.json of step 2
+    state["history"] = [h for h in state["history"] if h["step"] <= 2]
+    (directory / "state.json").write_text(json.dumps(state))
     with pytest.raises(MtpkitError, match="is of step 4 but state.json names step 2"):
         train_head(str(llama), settings=settings, checkpoint_dir=directory, resume=True)
     (directory / "state.json").write_text('{"step": ')
@@ -380,12 +381,26 @@ def test_into_writes_nothing_through_a_link_leaving_the_model(llama, tmp_path) -
     assert (other / "weights.safetensors").read_bytes() == b"another model's head"
 
 
-def test_progress_lines_in_a_log(llama, tmp_path) -> None:
-    """stderr that is not a terminal (CliRunner's, a CI log) gets a line per held-out
-    measurement, the start and the end included, so a long run shows it is alive."""
-    args = [a for a in LLAMA_ARGS if a != "--quiet"]
+@pytest.mark.parametrize("json_output", [False, True], ids=["table", "json"])
+def test_progress_lines_in_a_log(llama, tmp_path, json_output) -> None:
+    """stderr that is not a terminal (CliRunner's, a CI log) gets a line at each quarter of
+    the text generation (a minute or more before the first step) and a line per held-out
+    measurement, the start and the end included, so a long run shows it is alive; with
+    --json too (the JSON goes to stdout, progress to stderr)."""
+    args = [a for a in LLAMA_ARGS if a != "--quiet"] + (["--json"] if json_output else [])
     result = runner.invoke(app, ["train-head", str(llama), "-o", str(tmp_path / "o"), *args])
     assert result.exit_code == 0, result.output
+    if json_output:
+        assert json.loads(result.stdout)["steps"] == 24
+    data = [
+        line
+        for line in result.stderr.splitlines()
+        if line.startswith("generating text to train on:")
+    ]
+    assert len(data) == 4, result.stderr
+    pattern = r"generating text to train on: (\d+)/24 samples \(\d+s elapsed, about \d+s left\)"
+    done = [int(re.fullmatch(pattern, text)[1]) for text in data]
+    assert done == [6, 12, 18, 24], data  # the 24 prompts of the built-in set
     lines = [line for line in result.stderr.splitlines() if line.startswith("step ")]
     assert len(lines) == 3 and "\r" not in result.stderr, result.stderr
     assert re.fullmatch(r"step 0/24: held-out acceptance \d+\.\d%", lines[0]), lines
@@ -412,3 +427,42 @@ def test_checkpoint_dir_keeps_what_train_head_did_not_write(llama, tmp_path) -> 
         assert result.exit_code == 0, result.output
     assert sorted(p.name for p in docs.iterdir()) == ["head-notes.txt", "thesis.tex"]
     assert not (tmp_path / "fresh").exists()
+def test_quiet_shows_no_progress(llama, tmp_path) -> None:
+    """--quiet: neither the text generation nor the steps print anything (with --json
+    stdout holds only the JSON)."""
+    result = runner.invoke(
+        app, ["train-head", str(llama), "-o", str(tmp_path / "o"), *LLAMA_ARGS, "--json"]
+    )
+    assert result.exit_code == 0, result.output
+    assert result.stderr == ""
+    assert json.loads(result.stdout)["steps"] == 24
+
+
+def test_a_base_models_generated_text_fills_every_chunk_of_the_run(converted) -> None:
+    """The README's promise for self-generated text, "the run sees new text in every chunk":
+    a base model's samples are kept past the end-of-text tokens it writes (the next
+    document of its own stream), so the pool holds a run's worth of tokens. Cut at their
+    first end-of-text token they kept about a sixth of that on the example, and a default
+    run went over its pool six times."""
+    from mtpkit.train.data import generate_pool
+
+    m = load_model(converted, with_head=False)
+    steps, batch, length = 4, 8, 32
+    pool = generate_pool(
+        m.model, m.tokenizer, DataSpec(), length=length, seed=0, chunks=steps * batch
+    )
+    assert sum(len(doc) for doc in pool) >= steps * batch * length
+
+
+def test_the_cli_defaults_are_the_measured_ones() -> None:
+    """`train-head`'s option defaults are TrainSettings's, the settings
+    `bench/train_defaults.py` measured on the example (the CLI writes them out so that it
+    imports no MLX before it runs)."""
+    import inspect
+
+    from mtpkit.cli.commands.train_head import train_head_command
+
+    params = inspect.signature(train_head_command.__wrapped__).parameters
+    settings = TrainSettings()
+    for name in ("steps", "lr", "batch_size", "seq_len", "weight_decay", "grad_clip", "seed"):
+        assert params[name].default == getattr(settings, name), name

@@ -93,7 +93,7 @@ def test_declared_layers_must_match_the_weights(
     out = tmp_path / "out"
     result = runner.invoke(app, ["convert", str(path), "-o", str(out), "--quiet"])
     assert result.exit_code == 0, result.output
-    assert "warning: config declares num_nextn_predict_layers=" in result.stderr
+    assert "Warning: config declares num_nextn_predict_layers=" in result.stderr
     assert json.loads((out / "config.json").read_text())["num_nextn_predict_layers"] == 1
     assert inspect_checkpoint(str(out))["problems"] == []
     assert status(check_checkpoint(str(path), probe=False), "head_declared")[0] == "fail"

@@ -20,7 +20,7 @@ import mlx.core as mx
 
 from mtpkit.bench.report import Figure
 from mtpkit.core.errors import MtpkitError
-from mtpkit.runtime.model import library_io
+from mtpkit.runtime.model import library_io, load_backbone, resolve_model_path
 from mtpkit.runtime.upcast import upcast_experts
 
 DEFAULT_DRAFT_TOKENS = 3
@@ -59,17 +59,18 @@ class DraftModelBench:
     """The draft model, loaded once; `run` measures one trial on the stock target."""
 
     def __init__(self, path: str | Path, num_draft_tokens: int = DEFAULT_DRAFT_TOKENS) -> None:
-        import mlx_lm
-
         if num_draft_tokens < 1:
             raise MtpkitError(f"--num-draft-tokens must be at least 1, not {num_draft_tokens}")
         directory = Path(path).expanduser()
         if not (directory / "config.json").is_file():
             raise MtpkitError(f"--draft-model {path} is not a model directory (no config.json)")
-        with library_io():  # never remote code, never a question on stdin
-            self.model, self.tokenizer = mlx_lm.load(
-                str(directory), tokenizer_config={"trust_remote_code": False}
-            )
+        # mtpkit's own loading, as for the model itself: config, headers and tokenizer
+        # validated, a raw checkpoint's head set aside, never remote code.
+        try:
+            with library_io():
+                self.model, self.tokenizer, _ = load_backbone(resolve_model_path(str(directory)))
+        except MtpkitError as e:
+            raise MtpkitError(f"--draft-model {path}: {e}") from None
         upcast_experts([self.model], what=str(directory))
         self.result = DraftModelRun(str(path), num_draft_tokens)
 

@@ -94,6 +94,9 @@ class OracleProposer:
     def caches(self) -> list[Any]:
         return self.inner.caches()
 
+    def attach(self, cache: list[Any]) -> None:
+        self.inner.attach(cache)
+
     def begin(self, prompt: list[int], cached: int) -> None:
         self.position, self.premise, self.prefilling = len(prompt), None, True
         self.inner.begin(prompt, cached)

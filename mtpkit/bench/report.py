@@ -73,7 +73,7 @@ class BenchRun:
     plain_steps: list[int] = field(default_factory=list)
     rounds_by_depth: list[list[int]] = field(default_factory=list)  # adaptive's choices
     oracle: float | None = None  # synthetic: drafts right with this probability
-    drafter: str = "mtp"  # the proposer: the head, "draft-model" or "prompt-lookup"
+    drafter: str = "mtp"  # the proposer: the head, "draft-model", "gemma4-assistant", ...
 
     @property
     def acceptance(self) -> float | None:
@@ -200,7 +200,11 @@ class BenchResult:
         }
 
 
-DRAFTERS = {"draft-model": "draft model", "prompt-lookup": "prompt lookup"}
+DRAFTERS = {
+    "draft-model": "draft model",
+    "gemma4-assistant": "Gemma 4 assistant",
+    "prompt-lookup": "prompt lookup",
+}
 
 
 def _name(r: BenchRun) -> str:
@@ -213,15 +217,18 @@ def _name(r: BenchRun) -> str:
 def print_bench(result: BenchResult) -> None:
     """The table people read (stdout)."""
     from rich.table import Table
+    from rich.text import Text
 
-    from mtpkit.core.console import stdout
+    from mtpkit.core.console import printable, stdout
 
     costs = result.costs
     stdout.print(
-        f"[bold]{result.model}[/bold] on {device_name()}: prompt {result.prompt_tokens} "
-        f"tokens, {result.max_tokens} generated per run, median \\[min-max] of "
-        f"{result.trials} interleaved trials"
-        + (f", experts in {result.moe_dtype}" if result.moe_dtype else "")
+        Text.assemble(
+            (printable(result.model), "bold"),
+            f" on {device_name()}: prompt {result.prompt_tokens} tokens, {result.max_tokens} "
+            f"generated per run, median [min-max] of {result.trials} interleaved trials"
+            + (f", experts in {result.moe_dtype}" if result.moe_dtype else ""),
+        )
     )
     if result.acceptances is not None:
         stdout.print(
@@ -237,7 +244,8 @@ def print_bench(result: BenchResult) -> None:
     table = Table(title_justify="left")
     columns = ("decoding", "tok/s", "vs stock", "acceptance", "by depth", "ms/step", "ceiling")
     for col in (*columns, "of ceiling"):
-        table.add_column(col, justify="left" if col in ("decoding", "by depth") else "right")
+        justify = "left" if col in ("decoding", "by depth") else "right"
+        table.add_column(col, justify=justify, overflow="fold")
     table.add_row("stock mlx-lm", str(result.plain_tps), "1", *[""] * 5)
     table.add_row("--no-mtp", str(result.no_mtp_tps), str(result.no_mtp_speedup), *[""] * 5)
     stock_token = result.stock_token_seconds

@@ -14,13 +14,20 @@ tokens per round from the per-depth acceptance and beta_K the (K+1)-token verify
 
 Every figure is the median of interleaved trials with its range (min-max): each trial runs
 every configuration once, so a disturbance of the machine hits them all alike, and each
-speedup is a ratio to stock decoding within the same trial.
+speedup is a ratio to stock decoding within the same trial. Every timed run starts after a
+collection and runs with Python's collector off (`_quiet`): a collection inside a run (the
+decoder's rounds make more objects than stock's loop, so more collections) timed the
+collector, not the decoding. `prompt_tokens` sets the context: the prompt repeated to that
+many tokens, or random ids for a random-weight model (`prompt_of_length`).
 """
 
 from __future__ import annotations
 
+import contextlib
+import gc
+import random
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -90,6 +97,31 @@ class _ForwardTimer:
                 c.trim(n)
             else:
                 c.cache = list(saved)
+
+
+def prompt_of_length(
+    tokens: list[int], n: int, *, vocab: int | None = None, seed: int = 0
+) -> list[int]:
+    """A prompt of exactly `n` tokens: `tokens` (a real prompt's) repeated and cut, or with
+    `vocab` synthetic, seeded random ids below it (a random-weight model's context)."""
+    if n < 1:
+        raise MtpkitError(f"--prompt-tokens must be at least 1, not {n}")
+    if vocab is not None:
+        draw = random.Random(seed)
+        return [draw.randrange(vocab) for _ in range(n)]
+    return (tokens * (n // len(tokens) + 1))[:n]
+
+
+@contextlib.contextmanager
+def _quiet() -> Iterator[None]:
+    """A timed run: after a full collection, with the collector off (no collection's pause
+    inside the run; what it would free waits for the next run's start)."""
+    gc.collect()
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
 
 
 def measure_costs(m: MtpModel, prompt: list[int], *, max_depth: int, repeats: int = 20) -> Costs:
@@ -232,6 +264,8 @@ def bench(
     pipeline: bool = False,
     drafters: Sequence[DrafterChoice] = (),
     num_draft_tokens: int = 3,
+    prompt_tokens: int | None = None,
+    synthetic: bool = False,
 ) -> BenchResult:
     """Measure plain decoding against MTP decoding at depths 1..max_depth; `progress` gets a
     line per stage and per measured run. `acceptances`: instead of the head's own drafts,
@@ -242,7 +276,8 @@ def bench(
     `num_draft_tokens` a round, as stock's row).
     Under `mlx.launch` every rank measures its part in lockstep (`pipeline` as in
     `mtpkit.speculative.generate.generate`) against mlx-lm's own `sharded_load`, and every rank
-    returns the same runs (the timings are each rank's own: rank 0's are the ones to print)."""
+    returns the same runs (the timings are each rank's own: rank 0's are the ones to print).
+    `prompt_tokens`: the prompt made that long (`prompt_of_length`; `synthetic`: random ids)."""
     if trials < 1 or max_tokens < 1:
         raise MtpkitError(f"trials and max_tokens must be at least 1, not {trials}, {max_tokens}")
     if acceptances is not None and not all(0.0 <= a <= 1.0 for a in acceptances):
@@ -259,13 +294,16 @@ def bench(
     m.tokenizer.eos_token_ids = []  # every run decodes exactly max_tokens tokens
     try:
         tokens = encode_prompt(m.tokenizer, prompt, chat_template=chat_template)
+        if prompt_tokens is not None:
+            vocab = int(m.embedding.weight.shape[0]) if synthetic else None
+            tokens = prompt_of_length(tokens, prompt_tokens, vocab=vocab, seed=seed)
         check_prompt(m, tokens)
         say("forward and head costs")
         costs = measure_costs(m, tokens, max_depth=max_depth, repeats=repeats)
-        factories = {c.name: ProposerFactory(m, c) for c in drafters}
+        factories = {f.name: f for f in (ProposerFactory(m, c) for c in drafters)}
         rows = [
             (name, min(num_draft_tokens, MAX_DEPTH), False)
-            if name == "draft-model"
+            if name in ("draft-model", "gemma4-assistant")
             else (name, AUTO_MAX_DEPTH, True)
             for name in factories
         ]
@@ -334,6 +372,8 @@ def _trials(
     for depth in range(1, max(plan.max_depth, AUTO_MAX_DEPTH) + 1):  # kernel builds, routes
         for name in ["mtp"] * plan.head + list(factories):
             _mtp_run(m, tokens, depth, 8, proposer=factories[name]() if name in factories else None)
+    if plan.head:  # and adaptive drafting's path
+        _mtp_run(m, tokens, AUTO_MAX_DEPTH, 8, adaptive=True)
     if draft is not None:
         draft.check_target(stock_model, stock_tokenizer)
         draft.run(stock_model, stock_tokenizer, tokens, 8)  # warm up
@@ -350,10 +390,13 @@ def _trials(
     }
     for trial in range(plan.trials):
         at = f"trial {trial + 1}/{plan.trials}:"
-        base = _stock_run(stock_model, stock_tokenizer, tokens, plan.max_tokens, m.lockstep.tick)
+        with _quiet():
+            base = _stock_run(
+                stock_model, stock_tokenizer, tokens, plan.max_tokens, m.lockstep.tick
+            )
         say(f"{at} stock mlx-lm {base:.1f} tok/s")
         plain.values.append(base)
-        with untapped(m.final_norm):
+        with untapped(m.final_norm), _quiet():
             rate = _stock_run(m.model, m.tokenizer, tokens, plan.max_tokens, m.lockstep.tick)
             no_mtp.values.append(rate)
         say(f"{at} mtpkit --no-mtp {no_mtp.values[-1]:.1f} tok/s")
@@ -364,16 +407,18 @@ def _trials(
         for config, run in runs.items():
             depth, adaptive, oracle, drafter = config
             proposer = factories[drafter]() if drafter in factories else None
-            rate, step, decoder = _mtp_run(
-                m, tokens, depth, plan.max_tokens, adaptive, filters[oracle], proposer=proposer
-            )
+            with _quiet():
+                rate, step, decoder = _mtp_run(
+                    m, tokens, depth, plan.max_tokens, adaptive, filters[oracle], proposer=proposer
+                )
             _record(run, decoder, rate, base, step)
             accepted = run.acceptances[-1]
             shown = "n/a" if accepted is None else f"{accepted:.1%}"
             say(f"{at} {_name(config)} {rate:.1f} tok/s, acceptance {shown}")
     del stock_model
     for run in runs.values():
-        if not run.adaptive:
+        # The ceiling counts head steps (delta): the head's fixed-depth rows only.
+        if not run.adaptive and run.drafter == "mtp" and run.depth in costs.verify:
             verify = costs.verify[run.depth].median
             run.ceiling_sync = ceiling(run.acceptance_by_depth, verify, costs.delta.median)
     return BenchResult(

@@ -169,8 +169,15 @@ def _inconclusive_detail(c: Comparison, cs: list[Comparison], e: Evidence) -> st
 
 
 def _pass_detail(c: Comparison, cs: list[Comparison], e: Evidence) -> str:
-    summary = ", ".join(f"{VARIANT_NAMES[c.key]} {pct(c.measurement.acceptance)}" for c in cs)
+    summary = ", ".join(f"{VARIANT_NAMES[c.key]} {_measured(c, e)}" for c in cs)
     return f"as shipped {pct(e.a0)}; {summary}"
+
+
+def _measured(c: Comparison, e: Evidence) -> str:
+    """A variant's acceptance, with its prompt count where it stopped early (collapsed)."""
+    n = len(c.measurement.per_prompt)
+    part = f" (first {n} prompts)" if n < len(e.base.per_prompt) else ""
+    return pct(c.measurement.acceptance) + part
 
 
 def _largest_gain(cs: list[Comparison]) -> Comparison:

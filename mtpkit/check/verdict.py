@@ -115,11 +115,18 @@ def _head_declared(ckpt: Checkpoint) -> CheckResult:
             f"{len(mtp)} MTP tensors exist but the config does not declare "
             f"{family.mtp_field()}: add it to config.json (or re-convert with `mtpkit convert`)",
         )
+    # A dense decoder (Llama, Qwen3, ...) ships no head to convert: train one, as generate says.
+    fix = (
+        f"{family.name} models ship none: train one with `mtpkit train-head "
+        f"{ckpt.source.describe()} -o OUT`"
+        if not family.ships_head
+        else "convert from the original repo with `mtpkit convert`"
+    )
     return CheckResult(
         "head_declared",
         FAIL,
         f"the config declares no MTP layers ({family.mtp_field()}) and there are no MTP "
-        "tensors: not an MTP checkpoint; convert from the original repo with `mtpkit convert`",
+        f"tensors: not an MTP checkpoint; {fix}",
     )
 
 

@@ -9,11 +9,15 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import struct
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
+from typing import BinaryIO
 
 from mtpkit.checkpoint.validate import offsets_problem
+from mtpkit.core.errors import CheckpointProblem
 
 # The safetensors format caps headers at 100 MB; anything larger is corrupt by definition.
 MAX_HEADER_BYTES = 100_000_000
@@ -89,7 +93,7 @@ def parse_header(shard: str, file_size: int, read: Callable[[int, int], bytes]) 
         raise HeaderError(f"{shard}: truncated header ({len(raw)} of {length} bytes)")
     try:
         header = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
         raise HeaderError(f"{shard}: header is not JSON ({e.__class__.__name__})") from None
     if not isinstance(header, dict):
         raise HeaderError(f"{shard}: header is not a JSON object")
@@ -145,3 +149,32 @@ def _tensor_info(
             f"{end - begin}"
         )
     return TensorInfo(name, dtype, tuple(shape), shard, data_start + begin, data_start + end)
+
+
+def require_valid_headers(directory: Path, where: str) -> list[str]:
+    """The header of every safetensors file a model directory's loaders read (mlx-lm's
+    `*.safetensors`, the head's `mtp/`), validated as inspect validates them, before MLX reads
+    any: a truncated shard, overlapping ranges or a 2^62 header length is one line naming
+    `corrupt_header`, never MLX's `[load_safetensors]` error or a decode of overlapping bytes.
+    Returns the tensor names the files hold."""
+    names: list[str] = []
+    files = sorted([*directory.glob("*.safetensors"), *(directory / "mtp").glob("*.safetensors")])
+    for path in files:
+        try:
+            with path.open("rb") as f:
+
+                def read(start: int, length: int, f: BinaryIO = f) -> bytes:
+                    f.seek(start)
+                    return f.read(length)
+
+                header = parse_header(
+                    str(path.relative_to(directory)), os.fstat(f.fileno()).st_size, read
+                )
+                names += header.tensors
+        except (HeaderError, OSError) as e:
+            detail = str(e) if isinstance(e, HeaderError) else f"{path.name}: {e.strerror}"
+            raise CheckpointProblem(
+                f"{where} cannot be loaded (corrupt_header): {detail}; `mtpkit inspect {where}` "
+                "lists every problem"
+            ) from None
+    return names

@@ -10,13 +10,16 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from mtpkit.checkpoint.headers import HeaderError, ShardHeader, TensorInfo, parse_header
-from mtpkit.checkpoint.source import Source, is_safe_relpath, open_source
+from mtpkit.checkpoint.source import Source, is_safe_relpath, no_config, open_source
 from mtpkit.checkpoint.validate import (
     config_problems,
     layer_count_problem,
     mtp_field_valid,
     present_layers,
+    quantization_problem,
+    tokenizer_problem,
 )
+from mtpkit.core.config import require_config_object
 from mtpkit.core.errors import NotACheckpoint
 from mtpkit.core.manifest import MANIFEST_PATH, SIDECAR_WEIGHTS, norm_convention
 from mtpkit.families import Family, family_for
@@ -38,9 +41,18 @@ PROBLEM_CODES = {
     "missing_model_type": "config.json has no top-level model_type (loaders need it)",
     "invalid_config": "a config.json value has the wrong type or is out of range",
     "mtp_layer_count_mismatch": "the declared MTP layer count differs from the layers present",
+    "tokenizer_exceeds_vocab": "the tokenizer has ids past the model's vocab_size",
+    "missing_token_ordering": "a Gemma 4 assistant with ordered embeddings lacks token_ordering",
+    "assistant_unpairable": "a Gemma 4 assistant's projections fit no target's hidden size",
 }
 # Problems that mean the head cannot be used as it is (`--require-mtp` exits 3 on these).
-HEAD_UNUSABLE = {"mtp_declared_not_present", "incomplete_experts", "incomplete_mtp"}
+HEAD_UNUSABLE = {
+    "mtp_declared_not_present",
+    "incomplete_experts",
+    "incomplete_mtp",
+    "missing_token_ordering",
+    "assistant_unpairable",
+}
 # Problems that leave some tensors unread: what they hold is unknown, not absent.
 UNREADABLE = {"missing_shard", "corrupt_header", "unsafe_path"}
 
@@ -84,13 +96,19 @@ def read_checkpoint(spec: str, *, revision: str | None = None) -> Checkpoint:
     manifest = source.read_json(MANIFEST_PATH) if source.has(MANIFEST_PATH) else None
     index = source.read_json(INDEX_PATH) if source.has(INDEX_PATH) else None
     weight_map, shards, peer_files, sidecars = _weight_files(source, manifest, index)
-    if drafter:  # every tensor of a standalone drafter is the head's
+    if drafter or family.standalone:  # every tensor of a standalone drafter is the head's
         shards, sidecars = [], shards + sidecars
     ckpt = Checkpoint(source, config, family, "hf", manifest, index, shards, sidecars)
     ckpt.peer_files = peer_files
     for p in config_problems(config, family.mtp_field()):
         ckpt.problem(p.code, p.message)
+    mismatch = tokenizer_problem(config, _local_tokenizer(source), source.describe())
+    if mismatch is not None:
+        ckpt.problem(mismatch.code, mismatch.message)
     copies = _read_headers(ckpt, shards + sidecars)
+    unquantized = quantization_problem(config, ckpt.tensors)
+    if unquantized is not None:
+        ckpt.problem(unquantized.code, unquantized.message)
     _follow_index(ckpt, copies, weight_map)
     _check_index(ckpt, weight_map)
     ckpt.format = MLX_VLM_DRAFTER if drafter else _format(ckpt)
@@ -101,21 +119,34 @@ def read_checkpoint(spec: str, *, revision: str | None = None) -> Checkpoint:
             f'transformers pick the model class by it): add "model_type": '
             f'"{family.name}" or convert from the original repo',
         )
-    if not drafter:  # a drafter's head is mlx-vlm's module tree, not the family's names
+    if family.standalone:  # a model of its own (Gemma 4's assistant): the family checks it
+        if not unread_mtp_shards(ckpt):
+            shapes = {t.name: t.shape for t in ckpt.tensors.values()}
+            for code, message in family.checkpoint_problems(shapes):
+                ckpt.problem(code, message)
+    elif not drafter:  # a drafter's head is mlx-vlm's module tree, not the family's names
         _check_mtp(ckpt)
     return ckpt
 
 
+def _local_tokenizer(source: Source) -> Any:
+    """A local source's tokenizer.json (a Hub repo's is checked where generate downloads it,
+    rather than fetched here for a header-only inspect); None when absent or unreadable."""
+    if source.kind != "local" or not source.has("tokenizer.json"):
+        return None
+    try:
+        return source.read_json("tokenizer.json")
+    except NotACheckpoint:  # not JSON: the tokenizer's own loader names that
+        return None
+
+
 def _read_config(source: Source) -> dict[str, Any]:
     if not source.has("config.json"):
-        raise NotACheckpoint(
-            f"{source.describe()} has no config.json: not a model checkpoint "
-            "(pass the folder that holds config.json and the safetensors files)"
-        )
+        raise no_config(source)
     config = source.read_json("config.json")
     if not isinstance(config, dict):
         raise NotACheckpoint(f"config.json in {source.describe()} is not a JSON object")
-    return config
+    return require_config_object(config, source.describe())
 
 
 def _weight_files(
@@ -183,7 +214,8 @@ def _check_index(ckpt: Checkpoint, weight_map: dict[str, Any]) -> None:
     if ckpt.index is None:
         return
     declared = (ckpt.index.get("metadata") or {}).get("total_size")
-    shards = ckpt.shards
+    # A standalone drafter's shards are all its head's (`sidecars`); the index covers them.
+    shards = ckpt.shards or ckpt.sidecars
     if declared is None or not all(s in ckpt.headers for s in shards):
         return
     actual = sum(
@@ -262,7 +294,7 @@ def _check_mtp(ckpt: Checkpoint) -> None:
         return  # a damaged or missing shard: its problem says so; the head is unknown
     names = [family.head_relative(t.name) or "" for t in mtp if family.duplicate_of(t.name) is None]
     present = family.config_mtp_layers(present_layers(names))
-    if (mismatch := layer_count_problem(family.mtp_field(), declared, present)):
+    if mismatch := layer_count_problem(family.mtp_field(), declared, present):
         ckpt.problem(mismatch.code, mismatch.message)
     if declared and not mtp:
         ckpt.problem(

@@ -60,6 +60,7 @@ def report(ckpt: Checkpoint) -> dict[str, Any]:
             "quantized": any(t.name.endswith(".scales") for t in mtp),
             "tensors": tensors,
         },
+        "pairing": ckpt.family.pairing(),
         "problems": ckpt.problems,
         "runtimes": runtimes(ckpt),
     }

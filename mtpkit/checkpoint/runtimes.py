@@ -31,6 +31,8 @@ def head_layout(ckpt: Checkpoint) -> str:
     """How the head is stored, by whose convention."""
     if ckpt.format == MLX_VLM_DRAFTER:
         return "mlx-vlm drafter (the head alone, mlx-vlm's names)"
+    if ckpt.family.standalone:
+        return "standalone drafter (a model of its own, run beside its target)"
     mtp = ckpt.mtp_tensors
     if not mtp:
         return "none"
@@ -104,6 +106,8 @@ def runtimes(ckpt: Checkpoint) -> list[dict[str, Any]]:
     head = bool(ckpt.mtp_tensors) and not codes & HEAD_UNUSABLE
     if ckpt.format == MLX_VLM_DRAFTER:
         return _drafter_rows()
+    if ckpt.family.standalone:
+        return _assistant_rows(head)
     files = set(ckpt.source.files)
     inline = ckpt.format == "mlx" and any(t.shard in ckpt.shards for t in ckpt.mtp_tensors)
     bits = _head_bits_declared(ckpt)
@@ -115,24 +119,31 @@ def runtimes(ckpt: Checkpoint) -> list[dict[str, Any]]:
             "this",
             True,
             head,
-            "mtpkit generate --mtp" if head else "no usable head (see problems)",
+            "mtpkit generate --mtp"
+            if head
+            else "no head: it drafts with its assistant (--draft-model ASSISTANT)"
+            if ckpt.family.pairing()
+            else _no_head(ckpt, codes),
         ),
     ]
     vlm_ok = head and family in PEER_FAMILIES and peer_file and bits is None
+    if family not in PEER_FAMILIES:
+        vlm_not = (
+            "no head: its assistant drafts (--draft-model ASSISTANT --draft-kind mtp)"
+            if ckpt.family.pairing()
+            else f"no MTP drafter for {family}"
+        )
+    elif not head:
+        vlm_not = "no usable MTP head"
+    else:
+        vlm_not = bits or f"no top-level file with {PEER_PREFIX}* keys (convert with mtpkit)"
     rows.append(
         _row(
             "mlx-vlm",
             "0.7.10",
             True,
             vlm_ok,
-            "--draft-model DIR --draft-kind mtp"
-            if vlm_ok
-            else bits
-            or (
-                f"no top-level file with {PEER_PREFIX}* keys (convert with mtpkit)"
-                if family in PEER_FAMILIES
-                else f"no MTP drafter for {family}"
-            ),
+            "--draft-model DIR --draft-kind mtp" if vlm_ok else vlm_not,
         )
     )
     mtplx_file = next((f for f in MTPLX_FILES if f in files), None)
@@ -165,12 +176,26 @@ def runtimes(ckpt: Checkpoint) -> list[dict[str, Any]]:
             else "no head file it reads (mtp.safetensors)",
         )
     )
-    rows.append(_vllm_mlx_row(ckpt, vlm_ok, inline))
+    splits = head and family in PEER_FAMILIES  # mlx_vlm.split_mtp makes its drafter
+    rows.append(_vllm_mlx_row(ckpt, vlm_ok, inline, None if splits else vlm_not))
     rows.append(_row("LM Studio (mlx-engine)", "-", True, False, "plain decoding through mlx-lm"))
     return rows
 
 
-def _vllm_mlx_row(ckpt: Checkpoint, vlm_ok: bool, inline: bool) -> dict[str, Any]:
+def _no_head(ckpt: Checkpoint, codes: set[str]) -> str:
+    if codes & HEAD_UNUSABLE:
+        return "no usable head (see problems)"
+    return "no MTP head: `mtpkit train-head` trains one"
+
+
+def _vllm_mlx_row(
+    ckpt: Checkpoint, vlm_ok: bool, inline: bool, why_not: str | None
+) -> dict[str, Any]:
+    """vllm-mlx drafts through mlx-vlm's drafters: the `mlx_vlm.split_mtp` recipe where a
+    head of a family mlx-vlm drafts for exists, else `why_not` (no Qwen3.5 recipe for a
+    Llama or a head-less directory)."""
+    if why_not is not None:
+        return _row("vllm-mlx", "0.6.0", not inline, False, OLD_MLX_LM if inline else why_not)
     manifest = ckpt.manifest if isinstance(ckpt.manifest, dict) else {}
     trusted = manifest.get("artifact_schema_version") == ARTIFACT_SCHEMA_VERSION
     note = (
@@ -197,4 +222,26 @@ def _drafter_rows() -> list[dict[str, Any]]:
             "--mllm --mllm-draft-model DIR --mllm-draft-kind mtp (with its model)",
         ),
         _row("mtpkit", "this", False, False, "a drafter alone, not a model: convert the model"),
+    ]
+
+
+def _assistant_rows(usable: bool) -> list[dict[str, Any]]:
+    """A Gemma 4 assistant: a drafter run beside its target, never alone."""
+    return [
+        _row("mlx-lm", "0.32", False, False, "refuses model_type gemma4_assistant"),
+        _row(
+            "mtpkit",
+            "this",
+            usable,
+            usable,
+            "--draft-model DIR beside its target" if usable else "not usable (see problems)",
+        ),
+        _row(
+            "mlx-vlm",
+            "0.7.10",
+            usable,
+            usable,
+            "--draft-model DIR --draft-kind mtp (with its target)",
+        ),
+        _row("LM Studio (mlx-engine)", "-", False, False, "model type not supported (#323)"),
     ]

@@ -19,6 +19,7 @@ from fnmatch import fnmatch
 from pathlib import Path, PurePosixPath
 from typing import Any
 
+from mtpkit.core.config import load_json
 from mtpkit.core.errors import MtpkitError, NotACheckpoint, SourceNotFound
 
 # What the Hub accepts as a repo id (ASCII only: `huggingface_hub.utils.validate_repo_id`),
@@ -64,7 +65,9 @@ class Source:
         if not self.has(name):
             return None
         try:
-            return json.loads(self.local_file(name).read_text(encoding="utf-8"))
+            return load_json(
+                self.local_file(name).read_text(encoding="utf-8"), f"{name} in {self.describe()}"
+            )
         except (UnicodeDecodeError, json.JSONDecodeError) as e:
             raise NotACheckpoint(f"{name} in {self.describe()} is not valid JSON: {e}") from None
 
@@ -138,7 +141,9 @@ class HubSource(Source):
             for n in sorted(self.files)
             if patterns is None or any(fnmatch(n, p) for p in patterns)
         ]
-        if "config.json" in self.files and "config.json" not in wanted:
+        if "config.json" not in self.files:  # a dataset, a code repo, an empty one
+            raise no_config(self)
+        if "config.json" not in wanted:
             wanted.insert(0, "config.json")
         paths = [self.local_file(name) for name in wanted]
         return paths[0].parents[len(PurePosixPath(wanted[0]).parts) - 1]
@@ -161,6 +166,15 @@ class HubSource(Source):
         if response.status_code == 200:  # server ignored Range: keep only what was asked
             body = body[start : start + length]
         return body
+
+
+def no_config(source: Source) -> NotACheckpoint:
+    """What every command says of a source without config.json (inspect, check, generate,
+    bench and train-head alike)."""
+    return NotACheckpoint(
+        f"{source.describe()} has no config.json: not a model checkpoint "
+        "(pass the folder that holds config.json and the safetensors files)"
+    )
 
 
 class hub_errors:

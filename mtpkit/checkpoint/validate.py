@@ -7,6 +7,7 @@
   library requires (it rejects overlapping or gapped `data_offsets`); `headers.py` raises
   `corrupt_header` on what `offsets_problem` finds.
 - Head weights: NaN or Inf in the MTP head's floating-point tensors (`head_not_finite`).
+- The tokenizer against the model: ids past `vocab_size` (`tokenizer_exceeds_vocab`).
 
 inspect, convert and check report these through their own problem lists and checks; CLI option
 values are checked in `options.py`.
@@ -28,6 +29,7 @@ from mtpkit.core.errors import InvalidConfig, more_of
 # Stable problem codes added by this layer (documented in README.md).
 LAYER_COUNT_MISMATCH = "mtp_layer_count_mismatch"
 HEAD_NOT_FINITE = "head_not_finite"
+TOKENIZER_EXCEEDS_VOCAB = "tokenizer_exceeds_vocab"
 
 # Config fields (in `text_config` when there is one) and the least value each may take.
 # Absent fields are mlx-lm's business; present ones must be integers in range.
@@ -258,3 +260,67 @@ def require_valid_config(config: dict[str, Any], mtp_field: str, where: str) -> 
             f"config.json in {where}: {message}{more} ({INVALID_CONFIG}): fix config.json or "
             "convert from the original checkpoint"
         )
+
+
+def tokenizer_size(tokenizer: Any) -> int | None:
+    """How many ids a `tokenizer.json` can produce (its largest id + 1: the vocabulary's and
+    the added tokens'), or None when it does not say."""
+    if not isinstance(tokenizer, dict):
+        return None
+    model = tokenizer.get("model")
+    vocab = model.get("vocab") if isinstance(model, dict) else None
+    ids = []
+    if isinstance(vocab, dict):  # BPE, WordPiece, WordLevel: token -> id
+        ids += [i for i in vocab.values() if isinstance(i, int) and not isinstance(i, bool)]
+    elif isinstance(vocab, list) and vocab:  # Unigram: [token, score] pairs, ids in order
+        ids.append(len(vocab) - 1)
+    for token in tokenizer.get("added_tokens") or []:
+        if isinstance(token, dict) and isinstance(token.get("id"), int):
+            ids.append(token["id"])
+    return max(ids) + 1 if ids else None
+
+
+def tokenizer_problem(config: dict[str, Any], tokenizer: Any, where: str) -> Problem | None:
+    """A tokenizer whose ids reach past the model's `vocab_size` (`tokenizer_exceeds_vocab`):
+    those ids index past the embedding table, and MLX reads whatever lies there."""
+    size = tokenizer_size(tokenizer)
+    found = _field(config, "vocab_size")
+    vocab = as_count(found[1]) if found is not None else None
+    if size is None or vocab is None or size <= vocab:
+        return None
+    return Problem(
+        TOKENIZER_EXCEEDS_VOCAB,
+        f"tokenizer.json in {where} has ids up to {size - 1} but config.json's {found[0]} is "
+        f"{vocab}: ids past {vocab - 1} index past the embedding table; use the model's own "
+        "tokenizer files",
+    )
+
+
+def require_tokenizer_fits(config: dict[str, Any], directory: Path, where: str) -> None:
+    """Raise `InvalidConfig` for a model directory whose tokenizer.json reaches past its
+    vocabulary (`tokenizer_problem`), before a model is loaded to decode with it."""
+    import json
+
+    try:
+        tokenizer = json.loads((directory / "tokenizer.json").read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError):  # absent or unreadable: the loader says
+        return
+    problem = tokenizer_problem(config, tokenizer, where)
+    if problem is not None:
+        raise InvalidConfig(f"{problem.message} ({problem.code})")
+
+
+def quantization_problem(config: dict[str, Any], names: Iterable[str]) -> Problem | None:
+    """Quantized tensors (`*.scales`) under a config.json without its `quantization` block:
+    mlx-lm would build float layers and refuse every scale and bias as an unknown parameter."""
+    if config.get("quantization") or config.get("quantization_config"):
+        return None
+    scales = sorted(n for n in names if n.endswith(".scales"))
+    if not scales:
+        return None
+    return Problem(
+        INVALID_CONFIG,
+        f"config.json has no quantization block but {len(scales)} tensors are quantized "
+        f"({scales[0]}{more_of(scales)}): restore its quantization block (bits, group_size, "
+        "mode) from the conversion, or convert from the original checkpoint",
+    )

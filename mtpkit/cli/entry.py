@@ -39,3 +39,7 @@ def main() -> None:
 
         print(f"Error: {signals.message(e)}", file=sys.stderr, flush=True)
         raise SystemExit(signals.exit_code(e)) from None
+    except BrokenPipeError:  # help or usage text to a reader that went away (`| head -1`)
+        from mtpkit.core.console import closed_pipe_exit_code
+
+        raise SystemExit(closed_pipe_exit_code()) from None

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import functools
 import json
-import math
 import os
 import sys
 from collections.abc import Callable, Iterable
@@ -16,6 +15,7 @@ from typing import Annotated, Any
 
 import typer
 
+from mtpkit.cli.values import among, ranged
 from mtpkit.core import signals
 from mtpkit.core.choices import (
     BITS,
@@ -29,7 +29,7 @@ from mtpkit.core.choices import (
     QUANT_PREDICATES,
 )
 from mtpkit.core.choices import require_depth as require_depth  # the commands' depth check
-from mtpkit.core.console import quiet_libraries
+from mtpkit.core.console import closed_pipe_exit_code, quiet_libraries
 from mtpkit.core.environment import check_environment
 from mtpkit.core.errors import MtpkitError, one_line
 
@@ -111,21 +111,25 @@ def number(choice: Enum | None) -> int | None:
     return None if choice is None else int(choice.value)
 
 
-def one_source(ctx: typer.Context, source: str | None, model: str | None) -> str:
-    """The model named as SOURCE or with --model (mlx-lm's spelling): once, and not twice
-    differently; otherwise a usage error (exit 2)."""
+def one_source(
+    ctx: typer.Context, source: str | None, model: str | None, *, name: str = "SOURCE"
+) -> str:
+    """The model named as the argument `name` (SOURCE; train-head's MODEL) or with --model
+    (mlx-lm's spelling): once, and not twice differently; otherwise a usage error (exit 2)
+    that names the argument as the usage line does."""
     if source is not None and model is not None and source != model:
-        ctx.fail(f"got SOURCE {source!r} and --model {model!r}: name the model once")
+        ctx.fail(f"got {name} {source!r} and --model {model!r}: name the model once")
     chosen = source if source is not None else model
     if chosen is None:
-        ctx.fail("Missing argument 'SOURCE' (or --model SOURCE).")
+        ctx.fail(f"Missing argument '{name}' (or --model {name}).")
     return chosen
 
 
 def friendly_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
     """Any error becomes one `Error: ...` line on stderr and exit 1 (MTPKIT_DEBUG=1: the
     traceback): a user-fixable one with its message, anything else with its type and first
-    line; with --json, stdout gets `{"error": ..., "exit_code": ...}` as well, so a script
+    line, either way one printable line (`one_line`); a closed stdout ends quietly with the
+    code of a SIGPIPE'd Unix tool (141); with --json, stdout gets `{"error": ..., "exit_code": ...}` as well, so a script
     reading stdout sees why. Typer's own exits and usage errors (exit 2) pass through."""
 
     @functools.wraps(fn)
@@ -136,6 +140,8 @@ def friendly_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
             return fn(*args, **kwargs)
         except (typer.Exit, typer.Abort, typer.TyperException):
             raise
+        except BrokenPipeError:  # the reader of stdout went away: end quietly, as Unix tools do
+            raise typer.Exit(closed_pipe_exit_code()) from None
         except KeyboardInterrupt as e:  # Ctrl-C, SIGTERM, SIGHUP: cleanup has run on the way
             if os.environ.get("MTPKIT_DEBUG") == "1":
                 raise
@@ -167,13 +173,19 @@ QuantizeOpt = Annotated[
 ]
 BitsOpt = Annotated[
     Bits | None,
-    typer.Option("--q-bits", "--bits", help="Bits per weight (implies -q; default: the mode's)."),
+    typer.Option(
+        "--q-bits",
+        "--bits",
+        **among(Bits),
+        help="Bits per weight (implies -q; default: the mode's).",
+    ),
 ]
 GroupSizeOpt = Annotated[
     GroupSize | None,
     typer.Option(
         "--q-group-size",
         "--group-size",
+        **among(GroupSize),
         help="Quantization group size (default: the mode's; also --mtp-bits').",
     ),
 ]
@@ -181,6 +193,7 @@ QuantModeOpt = Annotated[
     QuantMode | None,
     typer.Option(
         "--q-mode",
+        **among(QuantMode),
         help="Quantization mode (implies -q): affine (default), or mxfp4/nvfp4/mxfp8 with "
         "their fixed bits and group size.",
     ),
@@ -189,6 +202,7 @@ QuantPredicateOpt = Annotated[
     QuantPredicate | None,
     typer.Option(
         "--quant-predicate",
+        **among(QuantPredicate),
         help="mlx-lm's mixed-bit recipe (implies -q; affine only); the head follows its rule "
         "for the layer after the last unless --mtp-bits or --keep-mtp-bf16 says otherwise.",
     ),
@@ -202,34 +216,29 @@ KeepMtpBf16Opt = Annotated[
 ]
 MtpBitsOpt = Annotated[
     Bits | None,
-    typer.Option("--mtp-bits", help="Quantize the MTP head at this many bits (affine)."),
+    typer.Option(
+        "--mtp-bits", **among(Bits), help="Quantize the MTP head at this many bits (affine)."
+    ),
 ]
 DtypeOpt = Annotated[
-    Dtype | None, typer.Option("--dtype", help="The dtype of unquantized weights.")
+    Dtype | None, typer.Option("--dtype", **among(Dtype), help="The dtype of unquantized weights.")
 ]
 LayoutOpt = Annotated[
     Layout | None,
     typer.Option(
         "--layout",
+        **among(Layout),
         help="sidecar (default: head in mtp/) or inline (also in the model shards, "
         "Qwen3.5/3.6 only).",
     ),
 ]
 
 
-def finite(value: float) -> float:
-    """A number option must be a number: `nan` and `inf` are usage errors (exit 2)."""
-    if not math.isfinite(value):
-        raise typer.BadParameter(f"{value} is not a finite number")
-    return value
-
-
 TempOpt = Annotated[
     float,
     typer.Option(
         "--temp",
-        min=0.0,
-        callback=finite,
+        **ranged(float, min=0.0),
         metavar="T",
         help="Sampling temperature; 0 is greedy.",
     ),
@@ -238,8 +247,7 @@ TopPOpt = Annotated[
     float,
     typer.Option(
         "--top-p",
-        min=0.0,
-        max=1.0,
+        **ranged(float, min=0.0, max=1.0),
         metavar="P",
         help="Nucleus sampling: keep this much probability mass (1, the default, is off; so is 0).",
     ),
@@ -248,22 +256,23 @@ MinPOpt = Annotated[
     float,
     typer.Option(
         "--min-p",
-        min=0.0,
-        max=1.0,
+        **ranged(float, min=0.0, max=1.0),
         metavar="P",
         help="Drop tokens below this fraction of the top token's probability (0: off).",
     ),
 ]
 TopKOpt = Annotated[
-    int, typer.Option("--top-k", min=0, metavar="K", help="Sample among the top K (0: off).")
+    int,
+    typer.Option(
+        "--top-k", **ranged(int, min=0), metavar="K", help="Sample among the top K (0: off)."
+    ),
 ]
 DepthOpt = Annotated[
     int | None,
     typer.Option(
         "--depth",
         "--num-draft-tokens",
-        min=MIN_DEPTH,
-        max=MAX_DEPTH,
+        **ranged(int, min=MIN_DEPTH, max=MAX_DEPTH),
         metavar="K",
         help=f"Draft tokens per step, {MIN_DEPTH}..{MAX_DEPTH} (the head chained). Default: "
         "chosen each round by adaptive drafting (1-3), or 1 with --no-adaptive.",
@@ -364,7 +373,8 @@ DrafterModelOpt = Annotated[
         "--draft-model",
         metavar="DIR",
         help="Draft with this separate model (a local MLX directory or a Hub repo of the same "
-        "tokenizer) instead of the MTP head; hybrid targets and draft models included.",
+        "tokenizer) instead of the MTP head; hybrid targets and draft models included; for a "
+        "Gemma 4 target, its MTP assistant.",
     ),
 ]
 PromptLookupOpt = Annotated[
@@ -396,7 +406,10 @@ PromptLookupMaxOpt = Annotated[
     ),
 ]
 MaxTokensOpt = Annotated[
-    int, typer.Option("--max-tokens", "-m", min=1, metavar="N", help="Tokens to generate.")
+    int,
+    typer.Option(
+        "--max-tokens", "-m", **ranged(int, min=1), metavar="N", help="Tokens to generate."
+    ),
 ]
 
 
@@ -428,11 +441,15 @@ TimeoutOpt = Annotated[
     float,
     typer.Option(
         "--timeout",
-        min=1,
+        **ranged(float, min=1),
         metavar="SECONDS",
         help="Under mlx.launch: seconds a rank waits for the others before ending with an error.",
     ),
 ]
+
+
+# A seed is MLX's: an unsigned 64-bit integer (`mx.random.seed`).
+SEED_MAX = 2**64 - 1
 
 
 # Options of `generate`: mlx_lm.generate's names and meanings.
@@ -481,7 +498,7 @@ MaxKvSizeOpt = Annotated[
     int | None,
     typer.Option(
         "--max-kv-size",
-        min=1,
+        **ranged(int, min=1),
         metavar="N",
         help="Keep at most N tokens in each attention cache (rotating, as mlx-lm's).",
     ),
@@ -517,7 +534,9 @@ MtpOpt = Annotated[
 ]
 GenerateHiddenOpt = Annotated[
     Hidden | None,
-    typer.Option("--hidden", help="Hidden state fed to the head (default: the manifest's)."),
+    typer.Option(
+        "--hidden", **among(Hidden), help="Hidden state fed to the head (default: the manifest's)."
+    ),
 ]
 AdaptiveOpt = Annotated[
     bool,
@@ -535,7 +554,10 @@ ChatTemplateOpt = Annotated[
     ),
 ]
 SampleSeedOpt = Annotated[
-    int | None, typer.Option("--seed", metavar="N", help="Random seed for sampling.")
+    int | None,
+    typer.Option(
+        "--seed", **ranged(int, min=0, max=SEED_MAX), metavar="N", help="Random seed for sampling."
+    ),
 ]
 
 
@@ -548,6 +570,7 @@ RandomShapeOpt = Annotated[
     RandomShape | None,
     typer.Option(
         "--random",
+        **among(RandomShape),
         help="Instead of --model, build a random-weight 4-bit model of this shape in a "
         "temporary directory.",
     ),
@@ -556,7 +579,7 @@ RandomLayersOpt = Annotated[
     int | None,
     typer.Option(
         "--random-layers",
-        min=4,
+        **ranged(int, min=4),
         metavar="N",
         help="With --random: build only N layers (a multiple of 4), for a quicker build "
         "of the same widths.",
@@ -566,6 +589,7 @@ ScaleDtypeOpt = Annotated[
     ScaleDtype | None,
     typer.Option(
         "--dtype",
+        **among(ScaleDtype),
         help="With --random: the dtype of the quantization scales and unquantized weights "
         "(default float32, which runs ~10x faster on Linux CPUs; published 4-bit models "
         "carry bfloat16).",
@@ -576,17 +600,22 @@ BenchPromptOpt = Annotated[
 ]
 BenchMaxTokensOpt = Annotated[
     int,
-    typer.Option("--max-tokens", "-m", min=1, metavar="N", help="Tokens per run."),
+    typer.Option("--max-tokens", "-m", **ranged(int, min=1), metavar="N", help="Tokens per run."),
 ]
 BenchDepthOpt = Annotated[
     int,
-    typer.Option("--depth", min=MIN_DEPTH, max=MAX_DEPTH, metavar="K", help="Measure depths 1..K."),
+    typer.Option(
+        "--depth",
+        **ranged(int, min=MIN_DEPTH, max=MAX_DEPTH),
+        metavar="K",
+        help="Measure depths 1..K.",
+    ),
 ]
 TrialsOpt = Annotated[
     int,
     typer.Option(
         "--trials",
-        min=1,
+        **ranged(int, min=1),
         metavar="N",
         help="Interleaved trials; each figure is their median and range.",
     ),

@@ -7,8 +7,9 @@ import sys
 from typing import Any
 
 from rich.table import Table
+from rich.text import Text
 
-from mtpkit.core.console import stdout
+from mtpkit.core.console import printable, stdout
 
 STATUS_STYLE = {"pass": "green", "warn": "yellow", "fail": "bold red", "skip": "dim"}
 
@@ -31,7 +32,7 @@ def print_inspect(result: dict[str, Any], *, show_tensors: bool = True) -> None:
     mtp = result["mtp"]
     summary = Table(show_header=False, box=None, pad_edge=False)
     summary.add_column(style="bold")
-    summary.add_column()
+    summary.add_column(overflow="fold")
     where = result["source"] + (f"@{result['revision']}" if result["revision"] else "")
     summary.add_row(
         "source", where + (f" ({result['commit'][:12]})" if result.get("commit") else "")
@@ -57,11 +58,13 @@ def print_inspect(result: dict[str, Any], *, show_tensors: bool = True) -> None:
         summary.add_row("quantized", "yes" if mtp["quantized"] else "no")
     summary.add_row("norm convention", mtp["norm_convention"])
     summary.add_row("concat order", mtp["concat_order"])
+    for key, value in pairing_rows(result.get("pairing")):
+        summary.add_row(key, value)
     stdout.print(summary)
     if show_tensors and mtp["tensors"]:
         table = Table(title="MTP tensors", title_justify="left")
         for col in ("name", "shape", "dtype", "bytes", "shard"):
-            table.add_column(col, justify="right" if col == "bytes" else "left")
+            table.add_column(col, justify="right" if col == "bytes" else "left", overflow="fold")
         for t in mtp["tensors"]:
             name = t["name"] + (f"  (copy of {t['duplicate_of']})" if "duplicate_of" in t else "")
             table.add_row(
@@ -73,7 +76,7 @@ def print_inspect(result: dict[str, Any], *, show_tensors: bool = True) -> None:
     if result["problems"]:
         table = Table(title="Problems", title_justify="left")
         table.add_column("code", style="red")
-        table.add_column("message")
+        table.add_column("message", overflow="fold")
         for p in result["problems"]:
             table.add_row(p["code"], p["message"])
         stdout.print(table)
@@ -81,11 +84,37 @@ def print_inspect(result: dict[str, Any], *, show_tensors: bool = True) -> None:
         stdout.print("no problems found")
 
 
+def pairing_rows(pairing: dict[str, Any] | None) -> list[tuple[str, str]]:
+    """Inspect's lines on a Gemma 4 target or assistant: what pairs the two."""
+    if not pairing:
+        return []
+    if pairing["role"] == "assistant":
+        return [
+            ("pairs with", f"a target of hidden size {pairing['backbone_hidden_size']}, "
+             f"vocabulary {pairing['vocab_size']}"),
+            ("reads K/V of", ", ".join(pairing["layer_types"])
+             + " (" + ", ".join(f"{k} head {v}" for k, v in pairing["head_dim"].items()) + ")"),
+            ("output head", pairing["output_head"]
+             + (f" ({pairing['num_centroids']} centroids, top {pairing['centroid_top_k']})"
+                if pairing["ordered_embeddings"] else "")),
+        ]  # fmt: skip
+    wants = pairing["assistant"]
+    sources = ", ".join(f"{k} layer {v}" for k, v in pairing["kv_source_layers"].items())
+    return [
+        ("assistant reads", sources),
+        ("assistants that pair",
+         f"backbone_hidden_size {wants['backbone_hidden_size']}, vocabulary "
+         f"{wants['vocab_size']}, head sizes "
+         + ", ".join(f"{k} {v}" for k, v in wants["head_dim"].items())
+         + f", query heads a multiple of {wants['attention_heads_multiple_of']}"),
+    ]  # fmt: skip
+
+
 def print_runtimes(rows: list[dict[str, Any]]) -> None:
     """Which MLX runtimes run the directory, and with its head or plainly."""
     table = Table(title="Runs in", title_justify="left")
     for col in ("runtime", "version", "runs", "MTP", "how / why not"):
-        table.add_column(col)
+        table.add_column(col, overflow="fold")
     for r in rows:
         table.add_row(
             r["runtime"], r["version"], "yes" if r["runs"] else "no",
@@ -100,10 +129,9 @@ def print_check(result: dict[str, Any]) -> None:
     table = Table(title=f"mtpkit check {where}", title_justify="left")
     table.add_column("check")
     table.add_column("status")
-    table.add_column("detail")
+    table.add_column("detail", overflow="fold")
     for c in result["checks"]:
-        style = STATUS_STYLE[c["status"]]
-        table.add_row(c["name"], f"[{style}]{c['status']}[/{style}]", c["detail"])
+        table.add_row(c["name"], Text(c["status"], style=STATUS_STYLE[c["status"]]), c["detail"])
     stdout.print(table)
     line = f"verdict: {result['verdict']}"
     if result.get("acceptance") is not None:
@@ -119,8 +147,7 @@ def print_check(result: dict[str, Any]) -> None:
         line += " (no probes run)"
     if result.get("moe_dtype"):
         line += f"; experts ran in {result['moe_dtype']}"
-    style = STATUS_STYLE[result["verdict"]]
-    stdout.print(f"[{style}]{line}[/{style}]")
+    stdout.print(Text(printable(line), style=STATUS_STYLE[result["verdict"]]))
 
 
 def _pct(x: float) -> str:
@@ -155,7 +182,11 @@ def print_convert(result: Any) -> None:
 FRAME = "=" * 10
 
 
-DRAFTER_NAMES = {"draft-model": "draft model", "prompt-lookup": "prompt lookup"}
+DRAFTER_NAMES = {
+    "draft-model": "draft model",
+    "prompt-lookup": "prompt lookup",
+    "gemma4-assistant": "Gemma 4 assistant",
+}
 
 
 def print_generate(result: Any) -> None:

@@ -36,7 +36,7 @@ from mtpkit.convert.destination import (
 )
 from mtpkit.convert.plan import Converter, Plan, Settings, check_conv1d, refuse_problems
 from mtpkit.convert.recipes import load_recipe, recipe_note
-from mtpkit.convert.records import build_manifest, output_config
+from mtpkit.convert.records import build_manifest, drafter_record, output_config
 from mtpkit.convert.rules import job_computer
 from mtpkit.convert.writer import (
     shard_jobs,
@@ -188,6 +188,8 @@ def _convert_into(
         config = output_config(ckpt, plan, settings, layers)
         backbone_quant = settings.backbone_record() or source_quantization(ckpt)
         manifest = build_manifest(ckpt, plan, settings, layers, backbone_quant=backbone_quant)
+        if ckpt.family.standalone:
+            manifest["drafter"] = drafter_record(ckpt, plan)
         declare_head(ckpt, plan, config, manifest)
         with new_directory(out, force=force) as tmp:
             _write_output(tmp, ckpt, converter, plan, config, manifest, quiet=quiet)
@@ -350,7 +352,8 @@ def _write_output(
     meta = tensor_meta(plan.backbone + plan.head)
     write_job_files(files, job_computer(), meta, bar.update if bar is not None else None, renames)
     write_index(tmp / "model.safetensors.index.json", weight_map, total_size, plan.total_parameters)
-    if plan.head_jobs:
+    if plan.head_jobs or ckpt.family.standalone:
+        (tmp / MANIFEST_PATH).parent.mkdir(exist_ok=True)
         write_manifest(tmp / MANIFEST_PATH, manifest)
     if bar is not None:
         bar.close()

@@ -217,12 +217,17 @@ class Converter:
         self.settings = settings
         self.head_only = head_only
         self.raw = ckpt.format == "hf"
-        self.model = build_model(_model_config(ckpt.config))
+        # A standalone drafter (Gemma 4's assistant) is a model of its own that mlx-lm does
+        # not build: its family's module is the model converted, as a whole.
+        standalone = self.family.standalone
+        self.model = (
+            self.family.build_model() if standalone else build_model(_model_config(ckpt.config))
+        )
         self.backbone_tree = ModuleTree.of(self.model)
         head_names = [
             self.family.rename_head(t.name)
             for t in ckpt.mtp_tensors
-            if self.family.duplicate_of(t.name) is None
+            if self.family.duplicate_of(t.name) is None and not standalone
         ]
         self.has_head = bool(head_names)
         self.head_layers = head_layer_count(self.family.head_prefix, head_names)
@@ -259,6 +264,8 @@ class Converter:
     # -- which tensors --------------------------------------------------------------------
     def route(self, name: str, shard: str) -> str | None:
         """`backbone`, `head`, or None (dropped) for a source tensor."""
+        if self.family.standalone:
+            return "backbone" if self.family.rename_backbone(name) is not None else None
         if shard in self.ckpt.sidecars or self.family.is_mtp_tensor(name):
             return None if self.family.duplicate_of(name) is not None else "head"
         if self.head_only:

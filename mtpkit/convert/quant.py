@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import copy
 import math
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
@@ -93,6 +95,10 @@ class ModuleTree:
 
 
 Predicate = Callable[[str, nn.Module], "bool | dict[str, Any]"]
+# MLX quantizes an nvfp4 layer of any width its group (16) divides, but its QuantizedLinear and
+# QuantizedEmbedding fail at the first call (`[reshape] Cannot reshape array of size 6 into
+# shape (1,4)`) unless the width is a multiple of 32 (MLX 0.32).
+NVFP4_WIDTH = 32
 
 
 def quant_decision(
@@ -113,9 +119,19 @@ def quant_decision(
     verdict: bool | dict[str, Any] = True if predicate is None else predicate(path, module)
     if verdict is False:
         return None, None
-    if isinstance(verdict, dict):
-        return QuantSpec.of_params(verdict, spec), dict(verdict)
-    return spec, None
+    chosen, recorded = (
+        (QuantSpec.of_params(verdict, spec), dict(verdict))
+        if isinstance(verdict, dict)
+        else (spec, None)
+    )
+    width = module.weight.shape[-1]
+    if chosen.mode == "nvfp4" and width % NVFP4_WIDTH:
+        raise MtpkitError(
+            f"--q-mode nvfp4 cannot quantize {path} (input width {width}): MLX runs nvfp4 "
+            f"layers only on widths that are multiples of {NVFP4_WIDTH}, so nothing could run "
+            "the result; use --q-mode mxfp4 or -q (affine), which leave such layers unquantized"
+        )
+    return chosen, recorded
 
 
 def mixed_predicate(recipe: str, model: nn.Module, group_size: int | None) -> Predicate:
@@ -229,3 +245,46 @@ def quantization_paths(
         spec = infer_spec(tuple(weight.shape), tuple(scales.shape), in_dims, scales.dtype)
         paths[path] = spec.as_config()
     return paths
+
+
+# --------------------------------------------------------------------------- CPU note
+
+# MLX's CPU backend runs a quantized matmul with bfloat16 or float16 scales on a slow path,
+# while dense bfloat16 matmuls run as fast as float32 ones. Measured with MLX 0.32.4 on this
+# project's x86-64 Linux CPU, one row times a 4-bit 128x1024 matrix: 0.6 ms with float32
+# scales, 5.4 ms with bfloat16, 16 ms with float16 (1024x4096: 11 ms vs 113 ms in bfloat16);
+# `mtpkit check` of the example's 4-bit conversion took 52.8 s against 16.7 s.
+SLOW_CPU_SCALES = {"BF16": "bfloat16", "F16": "float16"}
+
+
+def scales_dtype(model_dir: Path) -> str | None:
+    """The safetensors dtype of the first quantized layer's scales in `model_dir`, if any."""
+    from mtpkit.checkpoint.headers import parse_header
+
+    for shard in sorted(model_dir.glob("*.safetensors")):
+        with open(shard, "rb") as f:
+
+            def read(start: int, length: int) -> bytes:
+                f.seek(start)
+                return f.read(length)
+
+            header = parse_header(shard.name, shard.stat().st_size, read)
+        for name, info in header.tensors.items():
+            if name.endswith(".scales"):
+                return info.dtype
+    return None
+
+
+def cpu_scales_note(model_dir: Path) -> str | None:
+    """A `note:` line when this machine runs MLX on its CPU (Linux without a GPU backend)
+    and the quantized layers in `model_dir` have bfloat16 or float16 scales."""
+    if not sys.platform.startswith("linux") or mx.default_device() != mx.cpu:
+        return None
+    dtype = SLOW_CPU_SCALES.get(scales_dtype(model_dir) or "")
+    if dtype is None:
+        return None
+    return (
+        f"note: the quantized layers have {dtype} scales, which MLX's CPU backend (this "
+        "machine's) multiplies up to 10x slower than float32 ones; to run the model here, "
+        "convert with --dtype float32 (Apple silicon and GPUs run it as it is)"
+    )

@@ -107,3 +107,25 @@ def set_quantization(
         quant.update(plan.head_quant)
         config["quantization"] = quant
         config["quantization_config"] = quant
+
+
+def drafter_record(ckpt: Checkpoint, plan: Plan) -> dict[str, Any]:
+    """The manifest's record of a standalone drafter (Gemma 4's assistant): what it is, the
+    dtypes written, and what was done to its tied head and integer buffers."""
+    floats = sorted(
+        {
+            dtype_name(a.dtype)
+            for n, a in plan.backbone
+            if is_floating(a.dtype) and not n.endswith((".scales", ".biases"))
+        }
+    )
+    integers = {n: dtype_name(a.dtype) for n, a in plan.backbone if not is_floating(a.dtype)}
+    integers = {n: d for n, d in integers.items() if not n.endswith(".weight")}
+    return {
+        "family": ckpt.family.name,
+        "dtype": floats[0] if len(floats) == 1 else floats,
+        "quantized": any(n.endswith(".scales") for n, _ in plan.backbone),
+        "integer_buffers": integers,
+        "tied_head": "dropped" if "lm_head.weight" in plan.dropped else "absent",
+        "pairing": ckpt.family.pairing(),
+    }

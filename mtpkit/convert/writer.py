@@ -27,6 +27,7 @@ from typing import Any, TypeVar
 import mlx.core as mx
 
 from mtpkit.convert.rules import Job
+from mtpkit.core.config import load_json, require_config_object
 
 T = TypeVar("T")
 
@@ -229,7 +230,8 @@ def decode_floats(obj: Any) -> Any:
 
 def read_config(path: Path) -> dict[str, Any]:
     """A config.json as mlx-lm's load_config reads it (tagged floats decoded)."""
-    return decode_floats(json.loads(path.read_text()))
+    config = load_json(path.read_text(), str(path))
+    return decode_floats(require_config_object(config, str(path.parent)))
 
 
 def write_config(path: Path, config: dict[str, Any]) -> None:

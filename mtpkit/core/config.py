@@ -7,6 +7,7 @@ config problems under that code).
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from mtpkit.core.errors import InvalidConfig
@@ -39,3 +40,30 @@ def require_count(config: dict[str, Any], key: str, default: int | None = None) 
             "fix config.json"
         )
     return count
+
+
+def load_json(text: str | bytes, what: str) -> Any:
+    """`json.loads` of a file that came with a checkpoint: nesting past Python's recursion
+    limit (a config nested 100,000 deep) is one error naming the file, not a RecursionError.
+    Other JSON errors are the caller's to name."""
+    try:
+        return json.loads(text)
+    except RecursionError:
+        raise InvalidConfig(
+            f"{what} is nested too deeply to read (past Python's recursion limit): replace it "
+            "with the original checkpoint's"
+        ) from None
+
+
+def require_config_object(config: Any, where: str) -> dict[str, Any]:
+    """config.json's shape every reader relies on: a JSON object, and a wrapper's
+    `text_config` an object too (a list there is `invalid_config`, not an AttributeError)."""
+    if not isinstance(config, dict):
+        raise InvalidConfig(f"config.json in {where} is not a JSON object ({INVALID_CONFIG})")
+    text = config.get("text_config")
+    if text is not None and not isinstance(text, dict):
+        raise InvalidConfig(
+            f"config.json in {where}: text_config is a {type(text).__name__}, not an object "
+            f"({INVALID_CONFIG}): fix config.json or convert from the original checkpoint"
+        )
+    return config

@@ -7,6 +7,7 @@ never an `unexpected` error from deep inside huggingface_hub or MLX.
   MTPKIT_HUB_TIMEOUT (seconds an upload's request may wait for each step).
 - Switches: MTPKIT_KERNELS, MTPKIT_QMV, HF_HUB_OFFLINE, HF_HUB_DISABLE_PROGRESS_BARS
   (1/0, true/false, yes/no, on/off, as huggingface_hub spells them).
+- URLs: HF_ENDPOINT (the Hub's address) must be an http:// or https:// URL with a host.
 - Directories: MTPKIT_CACHE (check's converted copies) and TMPDIR (scratch space: MLX and
   `tempfile` fail without it) must be directories, or for MTPKIT_CACHE creatable.
 """
@@ -16,6 +17,7 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from pathlib import Path
+from urllib.parse import urlparse
 
 from mtpkit.core.errors import MtpkitError
 
@@ -45,6 +47,14 @@ def check_environment(env: Mapping[str, str] | None = None) -> None:
         if value is not None and value.strip().lower() not in SWITCH_WORDS:
             raise EnvironmentProblem(
                 f"{name}={value!r} is not a switch: set it to 1 or 0 (true/false), or unset it"
+            )
+    endpoint = env.get("HF_ENDPOINT", "").strip()
+    if endpoint:
+        parsed = urlparse(endpoint)
+        if parsed.scheme not in ("http", "https") or not parsed.netloc:
+            raise EnvironmentProblem(
+                f"HF_ENDPOINT={env['HF_ENDPOINT']!r} is not an http:// or https:// URL: set it "
+                "to e.g. https://huggingface.co, or unset it"
             )
     _check_directory(env, "TMPDIR", create=False)
     _check_directory(env, "MTPKIT_CACHE", create=True)

@@ -31,14 +31,32 @@ class InvalidConfig(MtpkitError):
     """A config value that decides how the tensors are named is not a usable integer."""
 
 
+# The longest `Error:` line: MLX's load errors list every missing parameter (300,000 lines for
+# a header of junk tensors); the head of such a list names the cause.
+MAX_MESSAGE = 600
+
+
 def one_line(error: BaseException) -> str:
-    """The message of `Error: ...` for any exception: a user-fixable error's own message, else
-    the exception's type and the first line of its text (MTPKIT_DEBUG=1 shows the rest)."""
+    """The message of `Error: ...` for any exception, always one printable line of at most
+    about MAX_MESSAGE characters: a user-fixable error's own message (with the lines of a
+    library message it quotes joined), else the exception's type and the first line of its
+    text (MTPKIT_DEBUG=1 shows the rest, and where)."""
     if isinstance(error, MtpkitError):
-        return str(error)
+        return shortened(str(error))
     lines = [line.strip() for line in str(error).splitlines() if line.strip()]
     text = f"{type(error).__name__}: {lines[0]}" if lines else type(error).__name__
-    return f"unexpected {text} (MTPKIT_DEBUG=1 shows where)"
+    return f"unexpected {shortened(text)} (MTPKIT_DEBUG=1 shows where)"
+
+
+def shortened(text: str, limit: int = MAX_MESSAGE) -> str:
+    """`text` as one line: its lines joined with spaces, control characters escaped
+    (`printable`), and past `limit` characters cut with a count of what was left out."""
+    from mtpkit.core.console import printable
+
+    line = printable(" ".join(part.strip() for part in text.splitlines() if part.strip()))
+    if len(line) <= limit:
+        return line
+    return f"{line[:limit]}... (+{len(line) - limit} characters; MTPKIT_DEBUG=1 shows all)"
 
 
 def more_of(items: Sized) -> str:

@@ -117,12 +117,11 @@ def encode_messages(
         from mtpkit.mlxlm import chat_as_text
 
         return list(tokenizer.encode(chat_as_text(messages)))
-    return list(
-        tokenizer.apply_chat_template(
-            messages, add_generation_prompt=add_generation_prompt, tokenize=True,
-            **(template_args or {}),
-        )
-    )  # fmt: skip
+    from mtpkit.core.templates import apply_chat_template
+
+    return apply_chat_template(
+        tokenizer, messages, add_generation_prompt=add_generation_prompt, **(template_args or {})
+    )
 
 
 def encode_prompt(
@@ -145,14 +144,11 @@ def encode_prompt(
         prefill = prefill_response is not None
         if prefill:
             messages.append({"role": "assistant", "content": prefill_response})
-        return list(
-            tokenizer.apply_chat_template(
-                messages,
-                add_generation_prompt=not prefill,
-                continue_final_message=prefill,
-                tokenize=True,
-                **(template_args or {}),
-            )
+        from mtpkit.core.templates import apply_chat_template
+
+        return apply_chat_template(
+            tokenizer, messages, add_generation_prompt=not prefill, continue_final_message=prefill,
+            **(template_args or {}),
         )
     bos = getattr(tokenizer, "bos_token", None)
     add_special = bos is None or not prompt.startswith(bos)

@@ -118,6 +118,9 @@ class Family(ConvertHooks):
     # Whether published checkpoints of the family carry an MTP head (dense decoders such as
     # Llama get theirs from `mtpkit train-head`).
     ships_head: ClassVar[bool] = True
+    # A standalone drafter (Gemma 4's assistant): every tensor of its checkpoint is the
+    # drafter's, and it runs beside a target model rather than inside one.
+    standalone: ClassVar[bool] = False
 
     # -- the rename table: raw root -> head name -------------------------------------------
     # Where mtpkit's sidecar keeps the head's tensors, before the head-relative name.
@@ -303,6 +306,20 @@ class Family(ConvertHooks):
         which modules mlx-lm can quantize. Nothing is computed."""
         head = self.build_head(layers, names, args=self.head_args(model))
         return rooted(head, self.head_prefix)
+
+    # -- pairing with a drafter of its own (inspect's `pairing`) ------------------------------
+    def pairing(self) -> dict[str, Any] | None:
+        """What pairs this model with a standalone drafter (Gemma 4 and its assistant), or
+        None for a family without one."""
+        return None
+
+    def build_model(self) -> Any:
+        """A standalone drafter's whole model (mlx-lm builds every other family's)."""
+        raise NotImplementedError(f"{self.name} is not a standalone drafter")
+
+    def checkpoint_problems(self, shapes: dict[str, tuple[int, ...]]) -> list[tuple[str, str]]:
+        """A standalone drafter's (code, message) problems, from its tensor shapes."""
+        return []
 
     # -- checks ----------------------------------------------------------------------------
     def missing_mtp_tensors(self, names: Iterable[str]) -> list[str]:

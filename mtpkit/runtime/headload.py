@@ -10,7 +10,6 @@ the family (`mtpkit.families`).
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -21,6 +20,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from mtpkit.convert.rules import shift_norm, stack_experts
+from mtpkit.core.config import load_json
 from mtpkit.core.errors import MtpkitError
 from mtpkit.families import Family, family_for, supported
 from mtpkit.families.head import CONCAT_ORDERS, EMBEDDING_FIRST, HIDDEN_FIRST, MtpHead
@@ -156,7 +156,9 @@ def read_head_weights(model_dir: Path, config: dict[str, Any]) -> HeadWeights | 
     """
     family = family_for(config)
     manifest_path = model_dir / "mtp" / "manifest.json"
-    manifest = json.loads(manifest_path.read_text()) if manifest_path.exists() else None
+    manifest = (
+        load_json(manifest_path.read_text(), str(manifest_path)) if manifest_path.exists() else None
+    )
     for rel in SIDECAR_FILES:
         if (model_dir / rel).exists():
             return _read_sidecar(model_dir, rel, family, manifest)

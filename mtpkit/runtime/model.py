@@ -22,11 +22,12 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
+from mtpkit.checkpoint.headers import require_valid_headers
 from mtpkit.checkpoint.source import HubSource, open_source
 from mtpkit.core.choices import DEFAULT_HIDDEN, HIDDEN_VARIANTS, POST_NORM
 from mtpkit.core.errors import MtpkitError
 from mtpkit.families import BackboneParts, backbone_parts
-from mtpkit.mlxlm import stock_model_classes
+from mtpkit.mlxlm import eval_private_arrays, stock_model_classes
 from mtpkit.runtime.headload import HeadWeights, MtpHead, load_head
 from mtpkit.runtime.kernels.attention import few_query_attention
 from mtpkit.runtime.kernels.gdn_verify import use_fast_verify
@@ -221,6 +222,8 @@ def resolve_model_path(spec: str, revision: str | None = None) -> Path:
     if not (path / "config.json").exists():
         raise MtpkitError(f"{spec} has no config.json: pass a model directory")
     _validate_config(path, spec)
+    names = require_valid_headers(path, spec)
+    _require_quantization(path, spec, names)
     weights = any(path.glob("*.safetensors"))  # without any, the loader's own error says so
     if weights and not any(any(path.glob(pattern)) for pattern in TOKENIZER_FILES):
         raise MtpkitError(
@@ -230,26 +233,41 @@ def resolve_model_path(spec: str, revision: str | None = None) -> Path:
     return path
 
 
+def _require_quantization(path: Path, spec: str, names: list[str]) -> None:
+    """Quantized tensors need config.json's quantization block (`quantization_problem`)."""
+    import json
+
+    from mtpkit.checkpoint.validate import quantization_problem
+    from mtpkit.core.errors import InvalidConfig
+
+    problem = quantization_problem(json.loads((path / "config.json").read_text()), names)
+    if problem is not None:
+        raise InvalidConfig(f"{spec}: {problem.message} ({problem.code})")
+
+
 def _validate_config(path: Path, spec: str) -> None:
     """config.json's values checked where inspect and convert check them, before mlx-lm
     builds a model from them (a word for a size, a string for `quantization`)."""
     import json
 
-    from mtpkit.checkpoint.validate import require_valid_config
+    from mtpkit.checkpoint.validate import require_tokenizer_fits, require_valid_config
+    from mtpkit.core.config import load_json, require_config_object
     from mtpkit.core.errors import UnsupportedFamily
     from mtpkit.families import family_for
 
     try:
-        config = json.loads((path / "config.json").read_text(encoding="utf-8"))
+        config = load_json((path / "config.json").read_text(encoding="utf-8"), f"config.json in {spec}")
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise MtpkitError(f"config.json in {spec} is not valid JSON ({type(e).__name__})") from None
     if not isinstance(config, dict):
         raise MtpkitError(f"config.json in {spec} is not a JSON object")
+    require_config_object(config, spec)
     try:
         field = family_for(config).mtp_field()
     except UnsupportedFamily:  # a model mtpkit has no family for: mlx-lm decides
         field = "num_nextn_predict_layers"
     require_valid_config(config, field, spec)
+    require_tokenizer_fits(config, path, spec)
 
 
 def head_tensor_filter(config: dict[str, Any]) -> Callable[[str], bool]:
@@ -421,6 +439,7 @@ def assemble(
     """A loaded backbone and head made ready to decode: experts upcast where MLX needs it,
     the final norm and the gated-delta-net layers tapped."""
     upcast_experts([model, head], what=str(path))
+    eval_private_arrays(model)  # usable from another thread (the server's decoding thread)
     if hidden is None:
         manifest = head_weights.manifest if head_weights is not None else None
         hidden = (manifest or {}).get("hidden") or DEFAULT_HIDDEN

@@ -15,37 +15,25 @@ from mtpkit.serve.settings import ServeSettings
 from mtpkit.speculative.accept import SamplingSettings
 from mtpkit.speculative.session import Engine, Request, check_prompt
 
-# mlx_lm.server's `convert_chat` prefixes, for a tokenizer without a chat template.
-ROLE_PREFIXES = {"system": "ASSISTANT's RULE: ", "user": "USER: ", "assistant": "ASSISTANT: "}
-
 
 class BadPrompt(MtpkitError):
     """The messages or prompt cannot be encoded."""
-
-
-def has_template(tokenizer: Any) -> bool:
-    return bool(getattr(tokenizer, "chat_template", None)) or bool(
-        getattr(tokenizer, "has_chat_template", False)
-    )
 
 
 def encode_messages(
     tokenizer: Any, messages: list[ChatMessage], template_args: dict[str, Any]
 ) -> list[int]:
     """The prompt of a conversation, ending where the assistant's answer begins."""
+    from mtpkit.core.prompts import encode_messages as encode_conversation
+    from mtpkit.core.templates import ChatTemplateError
+
     plain = [{"role": m.role, "content": m.text()} for m in messages]
-    if not has_template(tokenizer):
-        text = "".join(f"{ROLE_PREFIXES.get(m['role'], '')}{m['content']}\n" for m in plain)
-        return list(tokenizer.encode((text + ROLE_PREFIXES["assistant"]).rstrip()))
-    try:
-        ids = tokenizer.apply_chat_template(
-            plain, add_generation_prompt=True, tokenize=True, **template_args
-        )
-    except Exception as e:  # a template's raise_exception (e.g. roles out of order)
+    try:  # the template bounded in time and size; none: mlx_lm.server's rendering
+        return encode_conversation(tokenizer, plain, template_args=template_args)
+    except ChatTemplateError as e:  # a template's raise_exception (e.g. roles out of order)
+        raise BadPrompt(str(e)) from None
+    except Exception as e:  # a template that fails otherwise is the request's problem
         raise BadPrompt(f"the chat template refused the messages: {e}") from None
-    if hasattr(ids, "keys"):  # a BatchEncoding (transformers 5 returns one)
-        ids = ids["input_ids"]
-    return list(ids)
 
 
 def encode_completion_prompt(tokenizer: Any, prompt: str | list[str] | list[int]) -> list[int]:

@@ -26,7 +26,11 @@ or always with `pipeline=BUILD_AHEAD`). Both only on a GPU (on a CPU the
 host's build and a discarded round's compute take the cores that decode). Random draws of a
 discarded round are independent of everything kept, so sampling stays exact. Plain steps
 that are certain to be followed by another plain step are queued one ahead, as in mlx-lm's
-loop.
+loop: the first of them (after a round) is launched before the next is built, as mlx-lm
+launches its first step. No round is looked ahead before one of this generation has kept
+every draft: at a head's first verdicts a round built ahead on a false premise costs a
+round's host time, which on a GPU that decodes host-bound is most of a round (a useless head
+had every one of the rounds adaptive drafting judges it by built twice).
 """
 
 from __future__ import annotations
@@ -226,6 +230,7 @@ class MtpDecoder:
             raise ValueError(f"cached must be in [0, {len(prompt)}), not {cached}")
         self.cached = cached
         if proposer is not None:
+            proposer.attach(self.cache)
             proposer.begin(prompt, cached)
         # The last confirmed token: the backbone has not consumed it yet.
         self.last_token = prompt[-1]
@@ -247,6 +252,7 @@ class MtpDecoder:
         discardable = self.lockstep.all_true(can_discard(self.cache))
         self.pipeline = self.lockstep.share_choice(pipeline) if discardable else False
         self.full_share = FULL_SHARE_START  # smoothed share of rounds that kept every draft
+        self.full_rounds = 0  # rounds that kept every draft
         self.draft_filter = draft_filter
         self.after_prefill: Callable[[], None] | None = None  # a session keeps the state
         self.prefill_step_size = 2048  # tokens per prefill forward (mlx-lm's default)
@@ -336,6 +342,8 @@ class MtpDecoder:
         if not may_look_ahead or not self.adaptive.want_draft() or self.pipeline is False:
             return None
         if self.pipeline is None:
+            if not self.full_rounds:  # no premise held yet: a head may keep none at all
+                return None
             if self.full_share >= PIPELINE_MIN_FULL:
                 return LAUNCH_AHEAD
             building = BUILD_MIN_FULL is not None and self.full_share >= BUILD_MIN_FULL
@@ -365,6 +373,7 @@ class MtpDecoder:
         v = self.read_round_verdict(r)
         full = v.accepted == r.depth
         self.full_share += FULL_SMOOTHING * (full - self.full_share)
+        self.full_rounds += full
         if queued is not None and full:
             if not queued.launched:
                 queued.undo = None  # its saved arrays go: KV buffers may be updated in place
@@ -402,6 +411,8 @@ class MtpDecoder:
             self._ahead = None
         else:
             y, hidden = self._plain_forward(mx.array([self.last_token]))
+            if ahead:  # on the device while the next is built (mlx-lm's first step)
+                mx.async_eval(y, hidden)
         if ahead:
             self._ahead = self._plain_forward(y)
             mx.async_eval(*self._ahead)
@@ -415,9 +426,11 @@ class MtpDecoder:
         return [token]
 
     # -- the loop -------------------------------------------------------------------------
-    def step(self, may_look_ahead: bool) -> list[int]:
+    def step(self, left: int) -> list[int]:
         """A drafting round or a plain step, as adaptive drafting and the proposer decide.
-        `may_look_ahead`: more tokens are wanted after this step's first."""
+        `left`: the tokens still wanted, this step's among them (a queued round pays only if
+        tokens past this round's are wanted, a queued plain step if any past this one's)."""
+        may_look_ahead = left > self.depth + 1
         self.lockstep.tick()
         t0 = time.perf_counter()
         drafting = self.use_mtp and self.adaptive.want_draft() and self._ahead is None
@@ -435,7 +448,7 @@ class MtpDecoder:
             self.adaptive.record_round(len(new), time.perf_counter() - t0, self.round_depth)
             return new
         ahead = not self.use_mtp or self.adaptive.plain_ahead() > 0
-        new = self.plain_step(ahead=ahead and may_look_ahead)
+        new = self.plain_step(ahead=ahead and left > 1)
         self.adaptive.record_plain(time.perf_counter() - t0)
         return new
 
@@ -465,9 +478,7 @@ class MtpDecoder:
                 with mx.stream(generation_stream):
                     while produced < max_tokens:
                         rounds = self.stats.rounds
-                        # A queued round pays only if tokens past this round's are wanted.
-                        left = max_tokens - produced
-                        new = self.step(may_look_ahead=left > self.depth + 1)
+                        new = self.step(max_tokens - produced)
                         drafted = self.stats.last_accepted if self.stats.rounds > rounds else 0
                         if first_done is None:
                             first_done, first_count = time.perf_counter(), len(new)

@@ -12,6 +12,7 @@ damaged checkpoint or one whose files disagree on the step.
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 from pathlib import Path
@@ -21,7 +22,7 @@ import mlx.core as mx
 import mlx.optimizers as optim
 from mlx.utils import tree_flatten, tree_unflatten
 
-from mtpkit.core.errors import MtpkitError
+from mtpkit.core.errors import MtpkitError, more_of
 from mtpkit.families.head import MtpHead
 
 STATE_FILE = "state.json"
@@ -36,6 +37,13 @@ class CheckpointError(MtpkitError):
     """No checkpoint to resume from, one made by another run, or a damaged one."""
 
 
+def finite(tensor: mx.array) -> bool:
+    """Whether a tensor holds no NaN or Inf (integer tensors always do)."""
+    if not mx.issubdtype(tensor.dtype, mx.floating):
+        return True
+    return bool(mx.isfinite(tensor).all().item())
+
+
 def part_file(directory: Path, part: str, step: int) -> Path:
     return directory / f"{part}-{step}.safetensors"
 
@@ -46,13 +54,25 @@ def save_checkpoint(
     """Head, optimizer and run `state` (with its `step`) into `directory`, as one unit."""
     directory.mkdir(parents=True, exist_ok=True)
     step = int(state["step"])
-    for part, tree in (("head", head.parameters()), ("optimizer", opt.state)):
-        final = part_file(directory, part, step)
-        tmp = directory / f".{part}-{step}.tmp.safetensors"  # mlx adds a missing suffix
-        mx.save_safetensors(str(tmp), dict(tree_flatten(tree)), {"step": str(step)})
-        os.replace(tmp, final)
     tmp = directory / f".{STATE_FILE}.tmp"
-    tmp.write_text(json.dumps(state, indent=1) + "\n")
+    try:
+        for part, tree in (("head", head.parameters()), ("optimizer", opt.state)):
+            final = part_file(directory, part, step)
+            tmp = directory / f".{part}-{step}.tmp.safetensors"  # mlx adds a missing suffix
+            mx.save_safetensors(str(tmp), dict(tree_flatten(tree)), {"step": str(step)})
+            os.replace(tmp, final)
+        tmp = directory / f".{STATE_FILE}.tmp"
+        tmp.write_text(json.dumps(state, indent=1) + "\n")
+    except (OSError, RuntimeError) as e:  # a full disk: MLX's writer raises RuntimeError
+        # This step's files are not a checkpoint until state.json names them: remove them.
+        tmp.unlink(missing_ok=True)
+        for part in PARTS:
+            part_file(directory, part, step).unlink(missing_ok=True)
+        reason = e.strerror if isinstance(e, OSError) and e.strerror else str(e).splitlines()[0]
+        raise CheckpointError(
+            f"writing the checkpoint of step {step} into {directory} failed ({reason}); the "
+            "previous checkpoint is kept: free some space, or pass another --checkpoint-dir"
+        ) from None
     os.replace(tmp, directory / STATE_FILE)  # the new checkpoint exists from here on
     for entry in directory.iterdir():  # earlier steps', and what a killed save left
         match = PART_FILE.match(entry.name)
@@ -86,25 +106,63 @@ def read_state(directory: Path) -> dict[str, Any]:
         raise CheckpointError(f"--resume: no checkpoint in {directory} (no {STATE_FILE})")
     try:
         state = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
         raise CheckpointError(
             f"--resume: {path} is damaged ({type(e).__name__}): delete {directory} and train "
             "from the start"
         ) from None
-    step = state.get("step") if isinstance(state, dict) else None
-    if (
-        not isinstance(state, dict)
-        or not isinstance(step, int)
-        or isinstance(step, bool)
-        or step < 1
-        or not isinstance(state.get("chunks"), int)
-        or not isinstance(state.get("settings", {}), dict)
-    ):
+    fault = state_fault(state)
+    if fault is not None:
         raise CheckpointError(
-            f"--resume: {path} is damaged (no step, data position or settings): delete "
-            f"{directory} and train from the start"
+            f"--resume: {path} is damaged ({fault}): delete {directory} and train from the start"
         )
     return state
+
+
+def _count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _number_or_none(value: Any) -> bool:
+    return value is None or (
+        isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+    )
+
+
+def state_fault(state: Any) -> str | None:
+    """What is wrong with a `state.json` as `save_checkpoint` writes it, or None: a step >= 1,
+    the chunks its batches consumed (step x batch_size, so a resume skips exactly those and no
+    10**12 of them), the settings, one finite loss per step and evaluations of earlier steps."""
+    if not isinstance(state, dict):
+        return "not a JSON object"
+    step, settings = state.get("step"), state.get("settings")
+    if not _count(step) or step < 1:
+        return f"step {step!r} is not a positive whole number"
+    if not isinstance(settings, dict) or not _count(settings.get("batch_size")):
+        return "no settings with a batch size"
+    if not isinstance(state.get("model"), str):
+        return "no model"
+    if state.get("chunks") != step * settings["batch_size"]:
+        return (
+            f"chunks {state.get('chunks')!r} is not step x batch_size "
+            f"({step} x {settings['batch_size']})"
+        )
+    losses = state.get("losses")
+    if not isinstance(losses, list) or len(losses) != step:
+        return f"losses is not a list of {step} numbers"
+    if not all(_number_or_none(x) and x is not None for x in losses):
+        return "a loss is not a finite number"
+    history = state.get("history")
+    if not isinstance(history, list) or not all(
+        isinstance(h, dict)
+        and _count(h.get("step"))
+        and h["step"] <= step
+        and _number_or_none(h.get("loss"))
+        and _number_or_none(h.get("heldout_acceptance"))
+        for h in history
+    ):
+        return "history is not a list of {step, loss, heldout_acceptance} of earlier steps"
+    return None
 
 
 def _load_part(directory: Path, part: str, step: int) -> dict[str, mx.array]:
@@ -154,6 +212,12 @@ def load_checkpoint(
     step = state["step"]
     weights = _load_part(directory, "head", step)
     optimizer = _load_part(directory, "optimizer", step)
+    unusable = [k for k, v in (*weights.items(), *optimizer.items()) if not finite(v)]
+    if unusable:
+        raise CheckpointError(
+            f"--resume: the checkpoint in {directory} holds NaN or Inf ({unusable[0]}"
+            f"{more_of(unusable)}): delete {directory} and train from the start"
+        )
     try:
         head.load_weights(list(weights.items()), strict=True)
     except ValueError as e:

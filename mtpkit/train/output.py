@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +33,7 @@ from mtpkit.convert.destination import (
     remove_stale,
 )
 from mtpkit.convert.writer import read_config, write_config
-from mtpkit.core.errors import MtpkitError
+from mtpkit.core.errors import MtpkitError, more_of
 from mtpkit.core.manifest import HEAD_WEIGHTS_PATH, MANIFEST_PATH, head_manifest, write_manifest
 from mtpkit.core.peers import (
     PEER_HEAD_FILE,
@@ -66,6 +67,7 @@ def check_destination(
     source = local_source_dir(model) if model is not None else None
     if output is not None:
         claim_output(output, force=force, sources=[source])
+        require_writable(output.absolute().parent, f"-o {output}")
     if source is not None:
         refuse_inline_head(source, "MODEL")
     if into is not None:
@@ -77,6 +79,23 @@ def check_destination(
         if has_head(into) and not force:
             raise OutputError(f"--into {into} already has an MTP head: pass --force to replace it")
         refuse_inline_head(into, "--into")
+
+
+def require_writable(directory: Path, what: str) -> None:
+    """Fail before training, not after it, where the run will write (`-o`'s parent, the
+    checkpoint directory): a file in the way, or a directory that takes no new file (read-only,
+    not permitted; probed by creating one, which also catches a read-only filesystem as root)."""
+    existing = next(p for p in (directory, *directory.parents) if p.exists() or p == p.parent)
+    if not existing.is_dir():
+        raise OutputError(f"{what}: {existing} is a file, not a directory: choose another place")
+    try:
+        with tempfile.TemporaryFile(dir=existing):
+            pass
+    except OSError as e:
+        raise OutputError(
+            f"{what}: nothing can be written in {existing} ({e.strerror}): choose a "
+            "directory you can write"
+        ) from None
 
 
 def has_head(model_dir: Path) -> bool:
@@ -225,6 +244,13 @@ def write_trained_head(
         )
     declared, dropped = _declared_config(into if into is not None else model, family, hidden)
     tensors = head_tensors(head, family, dtype)
+    unusable = [k for k, v in tensors.items() if not mx.isfinite(v).all().item()]
+    if unusable:  # the last guard: a head that never drafts right replaces nothing
+        raise OutputError(
+            f"the trained head holds NaN or Inf in {dtype} ({unusable[0]}{more_of(unusable)}): "
+            f"nothing was written{' and ' + str(into) + ' keeps its head' if into else ''}; "
+            "train again with a lower --lr"
+        )
     manifest = training_manifest(
         family, config, tensors, dtype=dtype, hidden=hidden, training=training
     )

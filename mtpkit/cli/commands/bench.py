@@ -24,6 +24,7 @@ from mtpkit.cli.options import (
     value,
 )
 from mtpkit.cli.ranks import DEFAULT_TIMEOUT, command_facts, on_ranks
+from mtpkit.cli.values import ranged
 
 DraftModelOpt = Annotated[
     str | None,
@@ -37,7 +38,20 @@ DraftModelOpt = Annotated[
 NumDraftTokensOpt = Annotated[
     int,
     typer.Option(
-        "--num-draft-tokens", min=1, metavar="N", help="With --draft-model: drafts per step."
+        "--num-draft-tokens",
+        **ranged(int, min=1),
+        metavar="N",
+        help="With --draft-model: drafts per step.",
+    ),
+]
+PromptTokensOpt = Annotated[
+    int | None,
+    typer.Option(
+        "--prompt-tokens",
+        min=1,
+        metavar="N",
+        help="Decode after a context of N tokens: the prompt repeated to N tokens (with "
+        "--random: N random token ids).",
     ),
 ]
 AcceptanceOpt = Annotated[
@@ -70,6 +84,7 @@ def bench_command(
     random_layers: RandomLayersOpt = None,
     dtype: ScaleDtypeOpt = None,
     prompt: BenchPromptOpt = None,
+    prompt_tokens: PromptTokensOpt = None,
     max_tokens: BenchMaxTokensOpt = 128,
     max_depth: BenchDepthOpt = 3,
     trials: TrialsOpt = 5,
@@ -108,7 +123,7 @@ def bench_command(
     from mtpkit.bench.shapes import random_model_dir
     from mtpkit.bench.speed import DEFAULT_PROMPT, bench, print_bench
     from mtpkit.cli.output import print_json
-    from mtpkit.core.console import log
+    from mtpkit.core.console import log, warn
     from mtpkit.runtime.model import library_io
 
     def progress(line: str) -> None:
@@ -119,7 +134,8 @@ def bench_command(
     drafters = [DrafterChoice(draft_model=draft_model)] if draft_model is not None else []
     drafters += [DrafterChoice(prompt_lookup=True)] if prompt_lookup else []
     draft = None
-    if draft_model is not None:
+    if draft_model is not None and not _is_assistant(draft_model):
+        # Stock mlx-lm's row: it cannot load a Gemma 4 assistant (mtpkit's row alone then).
         from mtpkit.bench.draft import DraftModelBench
 
         progress(f"loading the draft model {draft_model}")
@@ -144,6 +160,8 @@ def bench_command(
             result = bench(
                 str(built) if built else model,
                 prompt=prompt or DEFAULT_PROMPT,
+                prompt_tokens=prompt_tokens,
+                synthetic=shape is not None,
                 max_tokens=max_tokens,
                 max_depth=max_depth,
                 trials=trials,
@@ -164,7 +182,7 @@ def bench_command(
         result.dtype = scales
     notes = result.reliability()
     if notes:
-        log(f"warning: these figures mean little: {'; '.join(notes)}")
+        warn(f"these figures mean little: {'; '.join(notes)}")
     if json_output:
         print_json(result.to_json())
         return
@@ -226,3 +244,9 @@ def parse_acceptances(text: str | None) -> list[float] | None:
             param_hint="--acceptance",
         )
     return values
+
+
+def _is_assistant(spec: str) -> bool:
+    from mtpkit.runtime.assistant import assistant_directory
+
+    return assistant_directory(spec) is not None

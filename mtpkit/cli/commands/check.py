@@ -15,6 +15,7 @@ from mtpkit.cli.options import (
     friendly_errors,
     one_source,
 )
+from mtpkit.cli.values import ranged
 
 
 @friendly_errors
@@ -37,9 +38,8 @@ def check_command(
         float,
         typer.Option(
             "--min-acceptance",
-            min=0.0,
+            **ranged(float, min=0.0, max=1.0),
             metavar="X",
-            max=1.0,
             help="Fail when greedy acceptance as shipped is below this.",
         ),
     ] = 0.2,
@@ -64,22 +64,51 @@ def check_command(
     max_tokens: Annotated[
         int,
         typer.Option(
-            "--max-tokens", "-m", min=1, metavar="N", help="Tokens generated per probe prompt."
+            "--max-tokens",
+            "-m",
+            **ranged(int, min=1),
+            metavar="N",
+            help="Tokens generated per probe prompt.",
         ),
     ] = 48,
+    target: Annotated[
+        str | None,
+        typer.Option(
+            "--target",
+            metavar="TARGET",
+            help="The model a Gemma 4 assistant drafts for (checking an assistant).",
+        ),
+    ] = None,
 ) -> None:
     """Check an MTP checkpoint for CI: structure, quantization, manifest and acceptance.
 
     Structural checks read only config, index, manifest and headers. The probes generate greedily with the head, then re-run it with its norms shifted by -1 and +1, with the other hidden-state variant and with the other concat order, to name a double or missing norm shift or a mismatched convention with its fix.
 
+    A Gemma 4 assistant is checked with its target (--target): its structure, the pairing, and the acceptance it reaches drafting for the target.
+
     On a CPU, bf16/fp16 MoE experts run in float32 (reported as moe_dtype). Exit 0 on pass, 3 on fail, 1 on an error.
     """
     from mtpkit.check.verdict import check_checkpoint
-    from mtpkit.cli.output import print_check, print_json
     from mtpkit.core.console import log
 
+    spec = one_source(ctx, source, model)
+    if target is not None or _is_assistant(spec, revision):
+        from mtpkit.check.assistant import check_assistant
+        from mtpkit.core.prompts import read_prompts
+
+        result = check_assistant(
+            spec, target=target, revision=revision, probe=probe,
+            prompts=read_prompts(prompts) if prompts else None,
+            min_acceptance=min_acceptance, max_tokens=max_tokens, log=log,
+        )  # fmt: skip
+        if junit is not None:
+            from mtpkit.check.junit import write_junit
+
+            write_junit(result, junit, spec)
+        _print(result, json_output)
+        return
     result = check_checkpoint(
-        one_source(ctx, source, model),
+        spec,
         revision=revision,
         probe=probe,
         prompts_file=prompts,
@@ -88,9 +117,28 @@ def check_command(
         junit=junit,
         log=log,
     )
+    _print(result, json_output)
+
+
+def _print(result: dict, json_output: bool) -> None:
+    from mtpkit.cli.output import print_check, print_json
+
     if json_output:
         print_json(result)
     else:
         print_check(result)
     if result["verdict"] != "pass":
         raise typer.Exit(EXIT_FAILED_REQUIREMENT)
+
+
+def _is_assistant(spec: str, revision: str | None) -> bool:
+    """Whether `spec` is a Gemma 4 assistant (checked with its target, not as a head)."""
+    from mtpkit.checkpoint.source import open_source
+    from mtpkit.core.errors import MtpkitError
+    from mtpkit.runtime.assistant import is_assistant
+
+    try:
+        config = open_source(spec, revision=revision).read_json("config.json")
+    except (MtpkitError, OSError, ValueError):
+        return False  # the head's check reports an unreadable source (and its --junit)
+    return isinstance(config, dict) and is_assistant(config)

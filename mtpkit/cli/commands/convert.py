@@ -32,6 +32,7 @@ from mtpkit.cli.options import (
     one_source,
     value,
 )
+from mtpkit.cli.values import among
 from mtpkit.convert.recipes import recipe_names
 from mtpkit.core.errors import MtpkitError
 from mtpkit.publish.card import HUB_REPO
@@ -53,6 +54,7 @@ HiddenOpt = Annotated[
     Hidden | None,
     typer.Option(
         "--hidden",
+        **among(Hidden),
         help="Hidden state the head expects, recorded in the manifest: post_norm "
         "(default) or pre_norm.",
     ),
@@ -147,7 +149,7 @@ def convert_command(
     """
     from mtpkit.convert.grafting import graft
     from mtpkit.convert.pipeline import convert
-    from mtpkit.core.console import log
+    from mtpkit.core.console import log, warn
 
     if dequantize:
         raise MtpkitError(
@@ -197,8 +199,8 @@ def convert_command(
         result = graft(source, into=into, **common)
     else:
         if keep_mtp_bf16 and not quantizing and recipe is None:
-            log(
-                "warning: nothing is quantized without -q: --keep-mtp-bf16 only keeps the head "
+            warn(
+                "nothing is quantized without -q: --keep-mtp-bf16 only keeps the head "
                 "in bfloat16 (float16 with --dtype float16)"
             )
         result = convert(
@@ -212,6 +214,12 @@ def convert_command(
             recipe=recipe,
             **common,
         )
+        if quantizing or recipe is not None:
+            from mtpkit.convert.quant import cpu_scales_note
+
+            note = cpu_scales_note(result.output)
+            if note is not None:
+                log(note)
     _publish_and_report(result, repo_state, replace_repo, quiet or json_output, json_output)
 
 
@@ -221,10 +229,10 @@ def _publish_and_report(
     """Warnings on stderr, the upload (`--upload-repo`), then the result on stdout."""
     from mtpkit.cli.commands.upload import published_line
     from mtpkit.cli.output import print_convert, print_json
-    from mtpkit.core.console import log
+    from mtpkit.core.console import log, warn
 
     for warning in result.warnings:
-        log(f"warning: {warning}")
+        warn(warning)
     published = None
     if repo_state is not None:
         from mtpkit.publish.upload import upload

@@ -112,7 +112,7 @@ def generate_command(
 ) -> None:
     """Generate text, drafting tokens with the model's MTP head (or --draft-model, --prompt-lookup) and verifying them losslessly.
 
-    Greedy output is token for token the model's own (as stock mlx-lm's); at --temp > 0 exact rejection sampling keeps the model's distribution. The head drafts by default; --draft-model DIR drafts with a separate model of the same tokenizer (checked before decoding), --prompt-lookup with n-grams of the prompt and output. As mlx_lm.generate prints it: the text between ========== lines, then Prompt:, Generation: and Peak memory: lines, and mtpkit's MTP: line (--verbose False: the text only).
+    Greedy output is token for token the model's own (as stock mlx-lm's); at --temp > 0 exact rejection sampling keeps the model's distribution. The head drafts by default; --draft-model DIR drafts with a separate model of the same tokenizer (checked before decoding) or, for a Gemma 4 target, its MTP assistant (reading the target's KV cache; checked to pair), --prompt-lookup with n-grams of the prompt and output. As mlx_lm.generate prints it: the text between ========== lines, then Prompt:, Generation: and Peak memory: lines, and mtpkit's MTP: line (--verbose False: the text only).
     """
     import sys
 
@@ -137,6 +137,7 @@ def generate_command(
     verbose_output = verbose == "True" and not json_output
 
     from mtpkit.cli.output import FRAME, print_generate, print_json
+    from mtpkit.core.console import warn
     from mtpkit.speculative.generate import generate
 
     framed = []  # mlx-lm's opening frame, printed with the first text (not before an error)
@@ -147,9 +148,6 @@ def generate_command(
             framed.append(True)
         sys.stdout.write(segment)
         sys.stdout.flush()
-
-    def warn(message: str) -> None:
-        typer.echo(f"Warning: {message}", err=True)
 
     # Under mlx.launch: rank 0 prints, the others are silent; all must run the same command.
     facts = command_facts(ctx, per_rank=("model", "json_output", "verbose", "timeout"))

@@ -7,10 +7,15 @@ from typing import Annotated
 
 import typer
 
-from mtpkit.cli.options import JsonOpt, ModelOpt, QuietOpt, friendly_errors, one_source
+from mtpkit.cli.options import SEED_MAX, JsonOpt, QuietOpt, friendly_errors, one_source
+from mtpkit.cli.values import ranged
 from mtpkit.core.choices import MAX_DEPTH, MIN_DEPTH
 
 # The options, named here to keep the command's signature short.
+ModelOpt = Annotated[
+    str | None,
+    typer.Option("--model", metavar="MODEL", help="The same as MODEL (mlx-lm's spelling)."),
+]
 OutputOpt = Annotated[
     Path | None,
     typer.Option(
@@ -26,33 +31,49 @@ IntoOpt = Annotated[
 ForceOpt = Annotated[
     bool, typer.Option("--force", help="Replace an existing OUT, or DIR's existing head.")
 ]
-StepsOpt = Annotated[int, typer.Option("--steps", metavar="N", min=1, help="Optimizer steps.")]
+StepsOpt = Annotated[
+    int, typer.Option("--steps", metavar="N", **ranged(int, min=1), help="Optimizer steps.")
+]
 LrOpt = Annotated[
-    float, typer.Option("--lr", metavar="X", min=0.0, help="Peak learning rate (AdamW).")
+    float,
+    typer.Option("--lr", metavar="X", **ranged(float, min=0.0), help="Peak learning rate (AdamW)."),
 ]
 BatchSizeOpt = Annotated[
-    int, typer.Option("--batch-size", metavar="N", min=1, help="Chunks per step.")
+    int, typer.Option("--batch-size", metavar="N", **ranged(int, min=1), help="Chunks per step.")
 ]
-SeqLenOpt = Annotated[int, typer.Option("--seq-len", metavar="N", min=4, help="Tokens per chunk.")]
+SeqLenOpt = Annotated[
+    int, typer.Option("--seq-len", metavar="N", **ranged(int, min=4), help="Tokens per chunk.")
+]
 WeightDecayOpt = Annotated[
-    float, typer.Option("--weight-decay", metavar="X", min=0.0, help="AdamW weight decay.")
+    float,
+    typer.Option(
+        "--weight-decay", metavar="X", **ranged(float, min=0.0), help="AdamW weight decay."
+    ),
 ]
 GradClipOpt = Annotated[
     float,
     typer.Option(
-        "--grad-clip", metavar="X", min=0.0, help="Clip the gradient's global norm (0: off)."
+        "--grad-clip",
+        metavar="X",
+        **ranged(float, min=0.0),
+        help="Clip the gradient's global norm (0: off).",
     ),
 ]
 SeedOpt = Annotated[
-    int, typer.Option("--seed", metavar="N", help="Seed of the data, sampling and order.")
+    int,
+    typer.Option(
+        "--seed",
+        **ranged(int, min=0, max=SEED_MAX),
+        metavar="N",
+        help="Seed of the data, sampling and order.",
+    ),
 ]
 DepthOpt = Annotated[
     int,
     typer.Option(
         "--depth",
         metavar="K",
-        min=MIN_DEPTH,
-        max=MAX_DEPTH,
+        **ranged(int, min=MIN_DEPTH, max=MAX_DEPTH),
         help="Rollout steps trained (1: NextN only).",
     ),
 ]
@@ -77,7 +98,7 @@ SamplesOpt = Annotated[
     int | None,
     typer.Option(
         "--samples-per-prompt",
-        min=1,
+        **ranged(int, min=1),
         metavar="N",
         help="Generated samples per prompt, or unconditioned samples for a base model"
         " (default: enough that no chunk repeats).",
@@ -87,7 +108,7 @@ TemperatureOpt = Annotated[
     float,
     typer.Option(
         "--temperature",
-        min=0.0,
+        **ranged(float, min=0.0),
         metavar="T",
         help="Sampling temperature of generation (half the samples continue greedily).",
     ),
@@ -102,11 +123,17 @@ ChatTemplateOpt = Annotated[
 EvalEveryOpt = Annotated[
     int,
     typer.Option(
-        "--eval-every", metavar="N", min=1, help="Steps between held-out acceptance measurements."
+        "--eval-every",
+        metavar="N",
+        **ranged(int, min=1),
+        help="Steps between held-out acceptance measurements.",
     ),
 ]
 CheckpointEveryOpt = Annotated[
-    int, typer.Option("--checkpoint-every", metavar="N", min=1, help="Steps between checkpoints.")
+    int,
+    typer.Option(
+        "--checkpoint-every", metavar="N", **ranged(int, min=1), help="Steps between checkpoints."
+    ),
 ]
 CheckpointDirOpt = Annotated[
     Path | None,
@@ -136,10 +163,11 @@ def train_head_command(
     output: OutputOpt = None,
     into: IntoOpt = None,
     force: ForceOpt = False,
-    steps: StepsOpt = 400,
-    lr: LrOpt = 2e-3,
+    # TrainSettings's defaults (written out: the CLI imports no MLX before it runs).
+    steps: StepsOpt = 500,
+    lr: LrOpt = 3e-3,
     batch_size: BatchSizeOpt = 8,
-    seq_len: SeqLenOpt = 128,
+    seq_len: SeqLenOpt = 64,
     weight_decay: WeightDecayOpt = 0.0,
     grad_clip: GradClipOpt = 1.0,
     seed: SeedOpt = 0,
@@ -204,7 +232,7 @@ def train_head_command(
         force=force,
         checkpoint_dir=checkpoint_dir,
         resume=resume,
-        quiet=quiet or json_output,
+        quiet=quiet,  # --json keeps progress: it goes to stderr, the JSON to stdout
     )
     from mtpkit.cli.output import print_json, print_train
 
@@ -226,4 +254,4 @@ def _model_and_destination(
         ctx.fail(
             "pass -o DIR (a copy with the new head) or --into DIR (install it there), one of them"
         )
-    return one_source(ctx, model, model_option)
+    return one_source(ctx, model, model_option, name="MODEL")

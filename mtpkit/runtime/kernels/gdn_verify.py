@@ -309,7 +309,7 @@ def use_fast_verify(model: nn.Module) -> list[str]:
         impl, backend = gdn_verify_metal, "Metal"
     else:
         return []
-    from mtpkit.core.console import log
+    from mtpkit.core.console import warn
 
     installed = []
     if tap_gated_delta_layers(model):
@@ -323,11 +323,9 @@ def use_fast_verify(model: nn.Module) -> list[str]:
             set_gdn_verify_impl(impl)
             installed.append("gdn_verify")
         else:
-            log(
-                f"warning: the {backend} gated-delta-net verify kernel {detail}; using the reference"
-            )
+            warn(f"the {backend} gated-delta-net verify kernel {detail}; using the reference")
     qmv_choice = switch("MTPKIT_QMV")  # None: measured routes
-    if cuda and qmv_choice is not False and _qmv_checked(log):
+    if cuda and qmv_choice is not False and _qmv_checked(warn):
         if routing.route_quantized_layers(model, measure=qmv_choice is None):
             installed.append("qmv")
     return installed
@@ -336,7 +334,7 @@ def use_fast_verify(model: nn.Module) -> list[str]:
 _QMV_VERDICT: list[bool] = []
 
 
-def _qmv_checked(log: Callable[[str], None]) -> bool:
+def _qmv_checked(warn: Callable[[str], None]) -> bool:
     """The multi-row matmul's self-check, once per process (a kernel that fails to build or
     to agree leaves MLX's matmul, with one warning line)."""
     if not _QMV_VERDICT:
@@ -348,6 +346,6 @@ def _qmv_checked(log: Callable[[str], None]) -> bool:
             detail = f"differs from MLX's by {error:.1e} (relative)"
         ok = error <= qmv.SELF_CHECK_TOLERANCE
         if not ok:
-            log(f"warning: the CUDA multi-row quantized matmul {detail}; using MLX's")
+            warn(f"the CUDA multi-row quantized matmul {detail}; using MLX's")
         _QMV_VERDICT.append(ok)
     return _QMV_VERDICT[0]

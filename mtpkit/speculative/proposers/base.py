@@ -53,6 +53,11 @@ class Proposer(Protocol):
         launched is taken back by restoring them."""
         ...
 
+    def attach(self, cache: list[Any]) -> None:
+        """The target's cache of this sequence, as the decoder rolls it back after each
+        verdict (a drafter that reads it: Gemma 4's assistant)."""
+        ...
+
     def begin(self, prompt: list[int], cached: int) -> None:
         """A new sequence: `prompt`, whose first `cached` tokens this proposer has already
         seen (a session's prompt cache restored its state with the target's)."""
@@ -124,6 +129,9 @@ class ProposerBase:
 
     def caches(self) -> list[Any]:
         return []
+
+    def attach(self, cache: list[Any]) -> None:
+        return None
 
     def begin(self, prompt: list[int], cached: int) -> None:
         return None

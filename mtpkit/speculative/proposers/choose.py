@@ -44,17 +44,31 @@ class ProposerFactory:
         self.m, self.choice = m, choice
         self.vocab = m.embedding.weight.shape[0] if hasattr(m.embedding, "weight") else None
         self.draft = None
+        self.assistant = None
         if choice.draft_model is not None:
-            from mtpkit.speculative.proposers.draft_model import check_compatible, load_draft_model
-
-            self.draft = load_draft_model(choice.draft_model)
-            check_compatible(m, self.draft)
+            self._load_draft_model(choice.draft_model)
         if choice.prompt_lookup:  # the option check, before any decoding
             self._prompt_lookup()
 
+    def _load_draft_model(self, spec: str | Path) -> None:
+        """A Gemma 4 assistant (checked to pair with the target), else a draft model
+        (checked to share its tokenizer)."""
+        from mtpkit.runtime.assistant import assistant_directory, check_pairs, load_assistant
+
+        where = assistant_directory(spec)
+        if where is not None:
+            self.assistant = load_assistant(where)
+            names = (str(spec), self.m.path.name)
+            check_pairs(self.assistant.config, self.m.config, names)
+            return
+        from mtpkit.speculative.proposers.draft_model import check_compatible, load_draft_model
+
+        self.draft = load_draft_model(spec)
+        check_compatible(self.m, self.draft)
+
     @property
     def name(self) -> str:
-        return self.choice.name
+        return "gemma4-assistant" if self.assistant is not None else self.choice.name
 
     def _target_vocab(self) -> int:
         """The width of the target's logits (a probe of one token through its output head)."""
@@ -70,6 +84,15 @@ class ProposerFactory:
         return PromptLookupProposer(self._target_vocab(), c.prompt_lookup_min, c.prompt_lookup_max)
 
     def __call__(self) -> Proposer:
+        if self.assistant is not None:
+            from mlx.utils import tree_flatten
+
+            from mtpkit.speculative.proposers.gemma4_assistant import AssistantProposer
+
+            size = sum(v.nbytes for _, v in tree_flatten(self.assistant.parameters()))
+            return AssistantProposer(
+                self.m, self.assistant, size / max(1, _parameter_bytes(self.m))
+            )
         if self.draft is not None:
             from mtpkit.speculative.proposers.draft_model import DraftModelProposer
 

@@ -1,0 +1,60 @@
+"""`mtpkit bench --prompt-tokens N` (decoding after a long context) and what bench keeps out of
+its timed runs (issue 31)."""
+
+from __future__ import annotations
+
+import gc
+import json
+from pathlib import Path
+
+from typer.testing import CliRunner
+
+from mtpkit.bench import speed
+from mtpkit.bench.speed import prompt_of_length
+from mtpkit.cli.app import app
+
+runner = CliRunner()
+
+
+def test_a_prompt_of_n_tokens_repeats_the_real_one_or_draws_synthetic_ids() -> None:
+    real = [5, 6, 7]
+    assert prompt_of_length(real, 8) == [5, 6, 7, 5, 6, 7, 5, 6]
+    assert prompt_of_length(real, 2) == [5, 6]
+    synthetic = prompt_of_length(real, 4096, vocab=300, seed=1)
+    assert len(synthetic) == 4096 and all(0 <= t < 300 for t in synthetic)
+    assert len(set(synthetic)) > 200  # random ids, not the prompt repeated
+    assert synthetic == prompt_of_length(real, 4096, vocab=300, seed=1)  # seeded
+
+
+def test_bench_decodes_after_the_context_asked_with_the_collector_off(
+    converted: Path, monkeypatch
+) -> None:
+    """--prompt-tokens sets the prompt's length the JSON reports; every timed run (stock,
+    --no-mtp, each MTP configuration) runs with Python's collector off, and it is on again
+    after bench."""
+    collector_on: list[bool] = []
+    stock_run, mtp_run = speed._stock_run, speed._mtp_run
+
+    def stock(*args, **kwargs):
+        collector_on.append(gc.isenabled())
+        return stock_run(*args, **kwargs)
+
+    def mtp(*args, **kwargs):
+        collector_on.append(gc.isenabled())
+        return mtp_run(*args, **kwargs)
+
+    monkeypatch.setattr(speed, "_stock_run", stock)
+    monkeypatch.setattr(speed, "_mtp_run", mtp)
+    args = ["bench", "--model", str(converted), "--prompt-tokens", "300", "--trials", "1"]
+    result = runner.invoke(app, [*args, "--max-tokens", "8", "--depth", "1", "--json"])
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["prompt_tokens"] == 300
+    warm_ups = 1 + 3 + 1  # stock, each depth to AUTO_MAX_DEPTH, adaptive drafting
+    timed = collector_on[warm_ups:]
+    assert len(timed) == 2 + 2 and not any(timed)  # stock, --no-mtp, depth 1, adaptive
+    assert gc.isenabled()
+
+
+def test_prompt_tokens_below_one_is_a_usage_error() -> None:
+    result = runner.invoke(app, ["bench", "--model", "m", "--prompt-tokens", "0"])
+    assert result.exit_code == 2
