@@ -12,8 +12,8 @@ text chunk) and decode tokens/s (completion tokens after the first / time from t
 chunk to the last); per round of concurrent requests: all their tokens / its wall time
 (throughput). The medians, mtpkit's over mlx-lm's, and whether the two servers' texts were equal (greedy) are printed,
 and written as JSON with `--json FILE`. mlx_lm.server batches concurrent requests; mtpkit
-serve decodes one at a time (its queue), so with several clients the per-request rates
-compare a batch against a queue.
+serve decodes one at a time (its queue) unless given `--serve-args "--decode-concurrency N"`,
+so by default with several clients the per-request rates compare a batch against a queue.
 """
 
 from __future__ import annotations

@@ -28,7 +28,7 @@ MLX_LM_SERVER_DEFAULTS = {
 FLAGS = [
     "--model", "--draft-model", "--num-draft-tokens", "--chat-template", "--trust-remote-code",
     "--allowed-origins", "--depth", "--no-mtp", "--prompt-lookup", "--api-key",
-    "--allow-model-paths", "--queue-size", "--max-kv-size",
+    "--allow-model-paths", "--queue-size", "--max-kv-size", "--decode-concurrency",
 ]  # fmt: skip
 
 
@@ -74,6 +74,7 @@ def test_a_missing_model_is_one_error_line(tmp_path: Path) -> None:
         ["--port", "70000"],
         ["--log-level", "LOUD"],
         ["--queue-size", "0"],
+        ["--decode-concurrency", "0"],
     ],
 )
 def test_usage_errors_exit_2(args: list[str], tmp_path: Path) -> None:

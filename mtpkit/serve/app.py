@@ -75,7 +75,7 @@ def create_app(settings: ServeSettings, worker: Worker) -> FastAPI:
     async def health() -> dict[str, Any]:
         return {
             "status": "ok",
-            "decoding": worker.current is not None,
+            "decoding": worker.decoding,
             "queued": worker.jobs.qsize(),
             "finished": worker.finished,
             "cancelled": worker.cancelled,

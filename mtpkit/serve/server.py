@@ -81,7 +81,17 @@ def serve(settings: ServeSettings) -> None:
     try:
         engine = load_engine(settings)
         load = (lambda path: load_other(settings, path)) if settings.allow_model_paths else None
-        worker = Worker(engine, capacity=settings.queue_size, load=load)
+        worker = Worker(
+            engine, capacity=settings.queue_size, load=load,
+            concurrency=settings.decode_concurrency, adaptive=settings.adaptive,
+        )  # fmt: skip
+        if worker.batch is not None and settings.max_kv_size is not None:
+            log.warning("--max-kv-size applies to one stream only: batched rows keep full caches")
+        if settings.decode_concurrency > 1 and worker.batch is None:
+            log.warning(
+                "--decode-concurrency %d needs the model's MTP head drafting: decoding one "
+                "request at a time", settings.decode_concurrency,
+            )  # fmt: skip
         config = uvicorn.Config(
             create_app(settings, worker), log_level=settings.log_level.lower(), lifespan="off",
             timeout_graceful_shutdown=GRACEFUL_SHUTDOWN,
@@ -89,8 +99,8 @@ def serve(settings: ServeSettings) -> None:
         server = _Server(config, worker)
         host, port = sock.getsockname()[:2]
         log.info(
-            "serving %s on http://%s:%d (drafter: %s)", settings.model, host, port,
-            engine.drafter_name,
+            "serving %s on http://%s:%d (drafter: %s, decode concurrency: %d)", settings.model,
+            host, port, engine.drafter_name, settings.decode_concurrency if worker.batch else 1,
         )  # fmt: skip
         worker.start()
         try:

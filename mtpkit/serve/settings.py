@@ -41,4 +41,7 @@ class ServeSettings:
     api_key: str | None = None
     allow_model_paths: bool = False
     queue_size: int = DEFAULT_QUEUE_SIZE
+    # Requests decoded together (mlx_lm.server's --decode-concurrency); 1: one stream at a
+    # time, with the prompt cache.
+    decode_concurrency: int = 1
     allowed_origins: tuple[str, ...] = ("*",)

@@ -4,8 +4,10 @@ queue, one after another. The HTTP side submits a job and reads its events from 
 queue the worker fills through the event loop (`call_soon_threadsafe`).
 
 A job cancelled while it waits is skipped; one cancelled while it decodes stops before the
-next step (`Session.cancel`). Batched decoding of several jobs at once would replace
-`_decode` and keep this queue.
+next step (`Session.cancel`). With `concurrency` above 1 (`--decode-concurrency`), up to that
+many jobs decode together in a `BatchSession`: a job joins between rounds when a row is free
+and leaves when it ends, the others going on; a job for another model (by path) decodes alone
+while the batch waits.
 """
 
 from __future__ import annotations
@@ -17,10 +19,14 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from mtpkit.core.errors import MtpkitError, one_line
 from mtpkit.serve.schemas import Mtp, Outcome, PromptTokensDetails, Usage
 from mtpkit.speculative.session import CANCELLED, STOP, Engine, Request, Session
+
+if TYPE_CHECKING:
+    from mtpkit.speculative.batch.session import BatchEntry, BatchSession
 
 log = logging.getLogger("mtpkit.serve")
 
@@ -72,13 +78,22 @@ class Worker:
     """The decoding thread and its bounded queue (`capacity` waiting jobs)."""
 
     def __init__(
-        self, engine: Engine, *, capacity: int, load: Callable[[str], Engine] | None = None
-    ) -> None:
+        self, engine: Engine, *, capacity: int, load: Callable[[str], Engine] | None = None,
+        concurrency: int = 1, adaptive: bool = True,
+    ) -> None:  # fmt: skip
         self.engine = engine
         self.served_engine = engine
         self.load = load  # loads another model by path; None: refused before queuing
         self.jobs: queue.Queue[Job | None] = queue.Queue(maxsize=capacity)
         self.current: Job | None = None
+        # Batched decoding: only with the model's own head drafting (the batch drafts with it).
+        self.batch: BatchSession | None = None
+        if concurrency > 1 and batchable(engine):
+            from mtpkit.speculative.batch.session import BatchSession
+
+            self.batch = BatchSession(engine, adaptive=adaptive)
+        self.concurrency = concurrency
+        self.active: dict[BatchEntry, Job] = {}  # the batch's jobs
         self.finished = 0  # jobs answered (/health reports them)
         self.cancelled = 0  # decodes stopped because their client left or the server stops
         self.stopping = threading.Event()
@@ -101,6 +116,12 @@ class Worker:
         current = self.current
         if current is not None:
             current.cancel()
+        for job in list(self.active.values()):
+            job.cancel()
+
+    @property
+    def decoding(self) -> bool:
+        return self.current is not None or bool(self.active)
 
     def stop(self) -> None:
         """Shut down and wait for the thread to end."""
@@ -116,24 +137,107 @@ class Worker:
         self.thread.join()
 
     def _run(self) -> None:
+        if self.batch is not None:
+            self._run_batched(self.batch)
+            return
         while (job := self.jobs.get()) is not None:
+            if self._skipped(job):
+                continue
+            self._alone(job)
+
+    def _skipped(self, job: Job) -> bool:
+        """Answer a job that will not decode (the server stops, its client left)."""
+        if self.stopping.is_set():
+            job.put(Failed(503, "the server is shutting down", "shutting_down"))
+            return True
+        if job.cancelled.is_set():  # its client left while it waited
+            self.cancelled += 1
+            job.put(Failed(503, "the request was cancelled", "cancelled"))
+            return True
+        return False
+
+    def _alone(self, job: Job) -> None:
+        """Decode one job as a single stream, its failure its own answer."""
+        self.current = job
+        try:
+            self._decode(job)
+        except MtpkitError as e:
+            job.put(Failed(400, str(e)))
+        except Exception as e:  # the server lives on; this request gets a 500
+            log.exception("decoding failed")
+            job.put(Failed(500, one_line(e), "internal_error"))
+        finally:
+            self.current = None
+
+    def _run_batched(self, batch: BatchSession) -> None:
+        """Rounds over the batch's jobs; between rounds, waiting jobs join while a row is
+        free (the thread sleeps on the queue only while the batch is empty)."""
+        while True:
+            while len(self.active) < self.concurrency:
+                try:
+                    job = self.jobs.get(block=not self.active)
+                except queue.Empty:
+                    break
+                if job is None:  # stop(): the batch's jobs were cancelled by begin_shutdown
+                    self._batch_round(batch)
+                    return
+                if self._skipped(job):
+                    continue
+                if job.model is not None:  # another model: decoded alone, the batch waits
+                    self._alone(job)
+                    continue
+                self._join(batch, job)
+            self._batch_round(batch)
+
+    def _join(self, batch: BatchSession, job: Job) -> None:
+        try:
+            entry = batch.add(job.build(self.served_engine), tag=job)
+        except MtpkitError as e:
+            job.put(Failed(400, str(e)))
+            return
+        except Exception as e:
+            log.exception("prefill failed")
+            job.put(Failed(500, one_line(e), "internal_error"))
+            return
+        self.active[entry] = job
+        self._deliver(batch, entry)
+
+    def _batch_round(self, batch: BatchSession) -> None:
+        """Cancel the rows whose clients left, then one round; every job with news gets it."""
+        for entry, job in list(self.active.items()):
+            if job.cancelled.is_set():
+                batch.cancel(entry)
+                self._deliver(batch, entry)
+        try:
+            touched = batch.step()
+        except Exception as e:  # the batch's caches are not to be trusted: all rows end
+            log.exception("batched decoding failed")
+            for job in self.active.values():
+                job.put(Failed(500, one_line(e), "internal_error"))
+            self.active.clear()
+            batch.reset()
+            return
+        for entry in touched:
+            self._deliver(batch, entry)
+
+    def _deliver(self, batch: BatchSession, entry: BatchEntry) -> None:
+        """Hand the entry's text to its job; once it ended, its outcome (or its failure)."""
+        job = entry.tag
+        for event in batch.take_events(entry):
+            if event.text and entry.finish_reason != CANCELLED:
+                job.put(event)
+        if not entry.done:
+            return
+        self.active.pop(entry, None)
+        if entry.finish_reason == CANCELLED:
+            self.cancelled += 1
             if self.stopping.is_set():
                 job.put(Failed(503, "the server is shutting down", "shutting_down"))
-                continue
-            if job.cancelled.is_set():  # its client left while it waited
-                self.cancelled += 1
+            else:
                 job.put(Failed(503, "the request was cancelled", "cancelled"))
-                continue
-            self.current = job
-            try:
-                self._decode(job)
-            except MtpkitError as e:
-                job.put(Failed(400, str(e)))
-            except Exception as e:  # the server lives on; this request gets a 500
-                log.exception("decoding failed")
-                job.put(Failed(500, one_line(e), "internal_error"))
-            finally:
-                self.current = None
+            return
+        self.finished += 1
+        job.put(outcome(self.served_engine, entry, entry.generated))
 
     def _engine_for(self, job: Job) -> Engine:
         """The engine of the job's model: the served one, or another loaded by path (the
@@ -170,7 +274,12 @@ class Worker:
         job.put(outcome(engine, session, tokens))
 
 
-def outcome(engine: Engine, session: Session, generated: int) -> Outcome:
+def batchable(engine: Engine) -> bool:
+    """Whether `engine` can decode a batch: it drafts with the model's own MTP head."""
+    return engine.drafts and engine.m.head is not None and engine.drafter_name == "mtp"
+
+
+def outcome(engine: Engine, session: Session | BatchEntry, generated: int) -> Outcome:
     """Usage and the mtp object of a finished session that yielded `generated` tokens."""
     stats, request = session.stats, session.request
     # As mlx_lm.server counts: the EOS that ended generation is a completion token.

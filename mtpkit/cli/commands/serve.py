@@ -102,13 +102,23 @@ def serve_command(
         int,
         typer.Option(min=1, metavar="N", help="Requests that may wait; more get 503 Retry-After."),
     ] = 64,
+    decode_concurrency: Annotated[
+        int,
+        typer.Option(
+            min=1,
+            metavar="N",
+            help="Requests decoded together in one batch, each row drafting with the MTP "
+            "head (mlx_lm.server's flag; its default 32 applies only where it does not "
+            "speculate). 1: one at a time, with the prompt cache.",
+        ),
+    ] = 1,
     allowed_origins: Annotated[
         str, typer.Option(metavar="ORIGINS", help="CORS origins, comma-separated.")
     ] = "*",
 ) -> None:
     """Serve a model over the OpenAI API (/v1/chat/completions, /v1/completions, /v1/models, /health), drafting with its MTP head.
 
-    mlx_lm.server's options mean what they mean there; every answer is the model's own (greedy: token for token stock mlx-lm's) and carries an `mtp` object (drafter, depth, drafted, accepted, acceptance). One thread decodes; requests wait in a queue of --queue-size. Stops cleanly on SIGTERM or Ctrl-C.
+    mlx_lm.server's options mean what they mean there; every answer is the model's own (greedy: token for token stock mlx-lm's) and carries an `mtp` object (drafter, depth, drafted, accepted, acceptance). One thread decodes (up to --decode-concurrency requests together); requests wait in a queue of --queue-size. Stops cleanly on SIGTERM or Ctrl-C.
     """
     from mtpkit.serve import ServeSettings, serve
 
@@ -128,7 +138,7 @@ def serve_command(
             chat_template_args=_json_object(chat_template_args),
             prompt_cache_size=prompt_cache_size, max_kv_size=max_kv_size,
             log_level=log_level.value, api_key=api_key, allow_model_paths=allow_model_paths,
-            queue_size=queue_size,
+            queue_size=queue_size, decode_concurrency=decode_concurrency,
             allowed_origins=tuple(o.strip() for o in allowed_origins.split(",") if o.strip()),
         )
     )  # fmt: skip

@@ -1,5 +1,6 @@
 """Batched MTP decoding: several requests in one round, each row accepting and rolling back
-on its own (`decode`), the head's batched drafts (`head`), per-row rollback (`rollback`)."""
+on its own (`decode`), the head's batched drafts (`head`), per-row rollback (`rollback`),
+requests joining and leaving a batch (`session`)."""
 
 from mtpkit.core.exports import lazy_exports
 
@@ -7,6 +8,8 @@ _EXPORTS = {
     "BatchDecoder": "decode",
     "Row": "decode",
     "BatchUnsupported": "rollback",
+    "BatchEntry": "session",
+    "BatchSession": "session",
 }
 __getattr__ = lazy_exports(__name__, _EXPORTS)
 __all__ = sorted(_EXPORTS)

@@ -194,14 +194,14 @@ class BatchDecoder:
         self.head.filter(keep)
 
     # -- a step: a drafting round or a plain batched step -------------------------------
-    def step(self) -> dict[int, list[int]]:
+    def step(self, draft: bool = False) -> dict[int, list[int]]:
         """One drafting round over every row (or, as `policy` decides, a plain batched
-        step); returns each row's new tokens by uid (an EOS and tokens past `max_tokens`
-        left out). Finished rows leave the batch."""
+        step; `draft`: a round whatever it decides); returns each row's new tokens by uid
+        (an EOS and tokens past `max_tokens` left out). Finished rows leave the batch."""
         if not self.rows:
             return {}
         width = len(self.rows)
-        drafting = self.policy is None or self.policy.want_draft(width)
+        drafting = draft or self.policy is None or self.policy.want_draft(width)
         start = time.perf_counter()
         new = self._round() if drafting else self._plain_step()
         if self.policy is not None:

@@ -1,0 +1,158 @@
+"""Requests decoding together: `BatchSession` is the continuous-batching layer over a
+`BatchDecoder`, what `Session` is for one stream. A request joins (`add`: prefilled alone,
+then merged into the batch) whenever its caller likes, each `step` is one round over every
+row, and a request leaves without stopping the others: finished (an EOS or its
+`max_tokens`), stopped (a stop string, `TextStream`), or cancelled (`cancel`).
+
+Each request's text, usage and drafting counts are its own (`BatchEntry`). What one stream
+has and a batch does not: the prompt cache (every request is prefilled from its first token)
+and `max_kv_size` (each row's KV cache grows with its prompt and output). A request's `depth`
+(None: 1) is the drafts its row verifies a round; `adaptive` decides per batch width whether
+a round drafts at all (`WidthDrafting`), except while a sampled request with a seed is in
+the batch: then every round drafts, so that its text is the same alone or in any batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from mtpkit.core.choices import MAX_DEPTH
+from mtpkit.speculative.batch.decode import CANCELLED, LENGTH, STOP, BatchDecoder, Row
+from mtpkit.speculative.decode import Stats
+from mtpkit.speculative.session import Engine, Request, TokenEvent, check_prompt
+from mtpkit.speculative.text import TextStream
+
+
+@dataclass(eq=False)
+class BatchEntry:
+    """One request in a `BatchSession`: its row, its text, and why it ended (`stop`,
+    `length`, `cancelled`; None while it decodes). `tag` is the caller's (the server's job)."""
+
+    request: Request
+    text_stream: TextStream
+    row: Row | None = None
+    tag: Any = None
+    generated: int = 0  # tokens handed to the text stream (an EOS excluded)
+    finish_reason: str | None = None
+    events: list[TokenEvent] = field(default_factory=list)  # not yet taken by `step`/`add`
+
+    @property
+    def done(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def text(self) -> str:
+        return self.text_stream.text
+
+    @property
+    def stats(self) -> Stats:
+        """The request's own counts, in the shape one stream reports them."""
+        row = self.row
+        stats = Stats(prompt_tokens=len(self.request.prompt), proposer="mtp")
+        if row is not None:
+            stats.depth, stats.drafted, stats.accepted = row.depth, row.drafted, row.accepted
+            stats.rounds, stats.generated = row.rounds, list(row.tokens)
+            stats.draft_log = list(row.draft_log)
+        return stats
+
+
+class BatchSession:
+    """Requests on one engine decoding in one batch (see the module's text). The engine must
+    draft with its MTP head. Usage: `add` requests, then `step` while `entries` is not
+    empty; each call returns the entries that have new events (`take_events`)."""
+
+    def __init__(self, engine: Engine, *, adaptive: bool = True) -> None:
+        self.engine = engine
+        # Rows choose their depth up to the deepest the head drafts; a round drafts the
+        # deepest row's count for all.
+        self.decoder = BatchDecoder(engine.m, depth=MAX_DEPTH, adaptive=adaptive)
+        self.entries: list[BatchEntry] = []  # joined and not yet done
+
+    def add(self, request: Request, tag: Any = None) -> BatchEntry:
+        """Prefill `request` and merge it into the batch; its first token's event is in the
+        entry's `events`. An entry done at once (max_tokens 0, an EOS or a stop string
+        first) never joins."""
+        check_prompt(self.engine.m, request.prompt)
+        entry = BatchEntry(request, TextStream(self.engine.m.tokenizer, request.stop), tag=tag)
+        if request.max_tokens <= 0:
+            self._end(entry, LENGTH)
+            return entry
+        depth = 1 if request.depth is None else request.depth
+        entry.row = self.decoder.add(
+            request.prompt, max_tokens=request.max_tokens, sampling=request.sampling,
+            seed=request.seed, depth=depth,
+        )  # fmt: skip
+        self._feed(entry, list(entry.row.tokens))
+        if not entry.done:
+            self.entries.append(entry)
+        return entry
+
+    def step(self) -> list[BatchEntry]:
+        """One round over every request in the batch; the entries with new events (those
+        that ended this round included, which leave `entries`)."""
+        if not self.entries:
+            return []
+        # A seeded sampled row's draws are its own only if its key is split the same way
+        # whatever its batchmates: rounds that draft every time (adaptive drafting decides
+        # by measured time, which no seed repeats).
+        seeded = any(
+            e.request.seed is not None and not e.request.sampling.greedy for e in self.entries
+        )
+        new = self.decoder.step(draft=seeded)
+        touched = []
+        for entry in self.entries:
+            self._feed(entry, new.get(entry.row.uid, []))
+            if entry.events:
+                touched.append(entry)
+        self.entries = [e for e in self.entries if not e.done]
+        return touched
+
+    def cancel(self, entry: BatchEntry) -> None:
+        """End `entry` now (its client left): its row leaves the batch, the others go on."""
+        if entry.done:
+            return
+        if entry.row is not None and not entry.row.done:
+            self.decoder.remove(entry.row)
+        self._end(entry, CANCELLED)
+        self.entries = [e for e in self.entries if e is not entry]
+
+    def reset(self) -> None:
+        """Drop every request and the batch's caches (after a failed round, whose caches
+        are not to be trusted)."""
+        decoder = self.decoder
+        self.decoder = BatchDecoder(
+            decoder.m, depth=decoder.depth, adaptive=decoder.policy is not None
+        )
+        self.entries = []
+
+    @staticmethod
+    def take_events(entry: BatchEntry) -> list[TokenEvent]:
+        events, entry.events = entry.events, []
+        return events
+
+    def _feed(self, entry: BatchEntry, tokens: list[int]) -> None:
+        """Hand the row's new tokens to its text stream, up to a stop string; end the entry
+        when its row is done."""
+        row = entry.row
+        for token in tokens:
+            piece = entry.text_stream.add(token)
+            entry.generated += 1
+            entry.events.append(TokenEvent(token, piece))
+            if entry.text_stream.stopped:
+                if not row.done:
+                    row.finish = STOP  # a stop string: the row leaves as if finished
+                    self.decoder.remove(row)
+                self._end(entry, STOP)
+                return
+        if row.done:
+            self._end(entry, LENGTH if row.finish == LENGTH else STOP)
+
+    def _end(self, entry: BatchEntry, reason: str) -> None:
+        entry.finish_reason = reason
+        tail = entry.text_stream.finish() if reason != CANCELLED else ""
+        if entry.events:
+            entry.events[-1].text += tail
+            entry.events[-1].finish_reason = reason
+        else:
+            entry.events.append(TokenEvent(None, tail, finish_reason=reason))

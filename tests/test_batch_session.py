@@ -1,0 +1,85 @@
+"""`BatchSession` from Python: requests joining a batch between rounds and leaving it
+(finished, at a stop string, cancelled) each get the text and finish reason the same
+request gets alone (`Session`, the single-stream path), whatever their batchmates do."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from mtpkit.speculative.batch.session import BatchSession
+from mtpkit.speculative.session import Engine, Request
+
+PROMPTS = ["def main(argv):", "for i in range(10):", "x =", "class Parser(object):\n    def"]
+
+
+@pytest.fixture(scope="module")
+def engine(converted: Path) -> Engine:
+    return Engine.load(converted, mtp=True, prompt_cache_size=0)
+
+
+def alone(engine: Engine, request: Request) -> tuple[str, str, int]:
+    session = engine.session(request)
+    tokens = sum(e.token is not None for e in session)
+    return session.text, session.finish_reason, tokens
+
+
+def test_joins_leaves_and_stops_match_single_streams(engine: Engine) -> None:
+    ids = [engine.m.tokenizer.encode(p) for p in PROMPTS]
+    full = alone(engine, Request(ids[1], max_tokens=30))[0]
+    stop = full[len(full) // 3 : len(full) // 3 + 4]
+    requests = [
+        Request(ids[0], max_tokens=30),
+        Request(ids[1], max_tokens=30, stop=(stop,)),
+        Request(ids[2], max_tokens=12),
+        Request(ids[3], max_tokens=30),
+        Request(ids[0], max_tokens=0),
+    ]
+    batch = BatchSession(engine, adaptive=False)
+    entries = [batch.add(r) for r in requests[:2]]
+    texts = {id(e): "" for e in entries}
+    for _ in range(3):  # the others join while the first two decode
+        for entry in batch.step():
+            texts[id(entry)] += "".join(e.text for e in batch.take_events(entry))
+    assert len(batch.entries) == 2
+    for request in requests[2:]:
+        entry = batch.add(request)
+        texts[id(entry)] = "".join(e.text for e in batch.take_events(entry))
+        entries.append(entry)
+    while batch.entries:
+        for entry in batch.step():
+            texts[id(entry)] += "".join(e.text for e in batch.take_events(entry))
+    for request, entry in zip(requests, entries, strict=True):
+        text, reason, tokens = alone(engine, request)
+        assert (entry.text, entry.finish_reason, entry.generated) == (text, reason, tokens)
+        assert texts[id(entry)] == text  # the events carry the whole text, once
+    assert entries[1].text == full[: full.index(stop)] and entries[1].finish_reason == "stop"
+    assert entries[4].finish_reason == "length" and entries[4].text == ""
+    assert entries[0].stats.drafted > 0 and entries[0].stats.accepted <= entries[0].stats.drafted
+
+
+def test_a_cancelled_request_leaves_and_the_others_finish(engine: Engine) -> None:
+    ids = [engine.m.tokenizer.encode(p) for p in PROMPTS[:3]]
+    batch = BatchSession(engine)
+    entries = [batch.add(Request(i, max_tokens=24)) for i in ids]
+    batch.step()
+    batch.cancel(entries[1])
+    assert entries[1].finish_reason == "cancelled"
+    assert len(batch.decoder.rows) == 2 and entries[1] not in batch.entries
+    while batch.entries:
+        batch.step()
+    for i in (0, 2):
+        assert entries[i].text == alone(engine, Request(ids[i], max_tokens=24))[0]
+
+
+def test_the_server_batches_only_with_the_head_drafting(engine: Engine, converted: Path) -> None:
+    from mtpkit.serve.worker import Worker
+    from mtpkit.speculative.proposers.choose import DrafterChoice
+
+    assert Worker(engine, capacity=1, concurrency=4).batch is not None
+    assert Worker(engine, capacity=1, concurrency=1).batch is None  # the single stream
+    plain = Engine(engine.m, mtp=False)
+    lookup = Engine(engine.m, drafter=DrafterChoice(prompt_lookup=True))
+    assert Worker(plain, capacity=1, concurrency=4).batch is None
+    assert Worker(lookup, capacity=1, concurrency=4).batch is None
