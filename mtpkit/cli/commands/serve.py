@@ -142,3 +142,21 @@ def serve_command(
             allowed_origins=tuple(o.strip() for o in allowed_origins.split(",") if o.strip()),
         )
     )  # fmt: skip
+    _exit_now_in_a_console()
+
+
+def _exit_now_in_a_console() -> None:
+    """The server has stopped and answered everything: a console process ends here, without
+    the interpreter's finalization. Under load, MLX's native threads torn down at that point
+    sometimes aborted the process ("terminate called without an active exception", exit
+    -6) after a clean stop. Not under a test runner calling the command in-process."""
+    import os
+    import sys
+    from pathlib import Path
+
+    if Path(sys.argv[0]).name not in ("mtpkit", "__main__.py"):
+        return
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
