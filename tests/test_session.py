@@ -161,3 +161,13 @@ def test_generate_decodes_once_with_no_warm_up(
     )
     generate(converted, PROMPT, max_tokens=8, chat_template=False)
     assert len(prefills) == 1
+
+
+def test_a_seed_out_of_range_is_one_error_from_python(converted: Path) -> None:
+    """The Python API refuses what the command line refuses (issue 32, item 5)."""
+    from mtpkit.core.errors import MtpkitError
+    from mtpkit.speculative.generate import generate
+
+    for seed in (-1, 2**64, 1.5):
+        with pytest.raises(MtpkitError, match="the seed must be an integer"):
+            generate(converted, PROMPT, max_tokens=4, seed=seed)  # type: ignore[arg-type]

@@ -36,6 +36,7 @@ from mtpkit.speculative.session import (
     Request,
     Session,
     check_prompt,
+    check_seed,
 )
 
 # A head that drafted this many tokens and had none accepted is likely broken (NaN, wrong
@@ -185,6 +186,7 @@ def generate(
     --chat-template-config.
     """
     loads = not isinstance(model, MtpModel)
+    check_seed(seed)
     if mtp is True and options.plain_only():
         raise GenerateError(f"{options.plain_only_reason()}: add --no-mtp")
     if seed is not None and loads:  # as mlx_lm.generate: loading draws from the generator

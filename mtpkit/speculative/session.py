@@ -41,6 +41,14 @@ class PromptTooLong(MtpkitError):
     """The prompt does not fit the model's context."""
 
 
+def check_seed(seed: int | None) -> None:
+    """A seed MLX's generator takes: an integer in [0, 2**64)."""
+    if seed is not None and (
+        isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**64
+    ):
+        raise GenerateError(f"the seed must be an integer from 0 to 2**64 - 1, not {seed!r}")
+
+
 def check_prompt(m: MtpModel, prompt: list[int]) -> None:
     if not prompt:
         raise GenerateError("the prompt is empty")
@@ -139,6 +147,7 @@ class Session:
         if request.max_tokens < 0:
             raise GenerateError(f"max_tokens must be at least 0, not {request.max_tokens}")
         self.engine, self.request = engine, request
+        check_seed(request.seed)
         if request.seed is not None:
             mx.random.seed(request.seed)
         name = engine.drafter_name
