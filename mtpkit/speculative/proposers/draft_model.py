@@ -91,7 +91,7 @@ def check_compatible(m: MtpModel, draft: DraftModel) -> None:
     if problem is not None:
         raise IncompatibleDraftModel(
             f"--draft-model {draft.path.name} cannot draft for {m.path.name}: it has "
-            f"{problem}; use a draft model of the same tokenizer (the same model family)"
+            f"{problem}; a draft model must share the model's tokenizer (take one of the same family)"
         )
 
 
