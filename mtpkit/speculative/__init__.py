@@ -1,5 +1,7 @@
-"""Speculative decoding with the head: accept (`accept`), the draft/verify/accept round and its
-loop (`decode`), prompt-to-text generation (`generate`)."""
+"""Speculative decoding: the drafters behind one protocol (`proposers/`), accepting on the
+device (`accept`), adaptive drafting (`adaptive`), the draft/verify/accept round and its loop
+(`decode`), batched rows (`batch/`), plain decoding (`plain`), a loaded model serving requests
+(`session`, with its `prompt_cache` and `text`), prompt-to-text generation (`generate`)."""
 
 from mtpkit.core.exports import lazy_exports
 
@@ -8,6 +10,10 @@ _EXPORTS = {
     "MtpDecoder": "decode",
     "SamplingSettings": "decode",
     "Stats": "decode",
+    "Engine": "session",
+    "Request": "session",
+    "Session": "session",
+    "TokenEvent": "session",
     "GenerationResult": "generate",
     "measure_acceptance": "generate",
 }
