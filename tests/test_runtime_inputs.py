@@ -297,7 +297,9 @@ def test_bench_draft_model_is_loaded_as_the_model_is(checkpoint, converted, tmp_
     assert last_error(runner.invoke(app, [*bench, str(custom)])).startswith(
         f"Error: --draft-model {custom}: {custom} has no tokenizer files"
     )
-    target, raw = checkpoint("qwen3_5"), checkpoint("deepseek_v3", dtype="float32")
+    # A raw checkpoint of the target's tokenizer (another family's would now be refused by
+    # the tokenizer check, before any decoding).
+    target, raw = checkpoint("qwen3_5"), checkpoint("qwen3_5", seed=1)
     result = runner.invoke(
         app,
         ["bench", "--model", str(target), "-m", "2", "--trials", "1", "--draft-model", str(raw)],
