@@ -316,7 +316,7 @@ def test_a_recipe_applied_to_another_model_gets_a_note(hub, tmp_path):
         )
         assert result.exit_code == 0, result.output
         assert result.stderr.splitlines() == [
-            f"warning: recipe big was written for Qwen/Qwen3.5-27B, and {source} is another "
+            f"Warning: recipe big was written for Qwen/Qwen3.5-27B, and {source} is another "
             "model: its settings apply as they are"
         ]
     own = _recipe(tmp_path / "own.toml", "org/tiny")

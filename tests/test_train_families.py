@@ -45,7 +45,12 @@ def test_every_family_with_a_head_has_a_model_to_train() -> None:
     assert shipped and all(fixture_layout(name) for name in shipped)
 
 
-@pytest.mark.parametrize("family", FAMILY_NAMES)
+# Gemma 4 drafts with a separate assistant checkpoint (issue 29), which train-head does not
+# train, and the assistant is itself a drafter: neither is a model to give a head to.
+TRAINABLE = [name for name in FAMILY_NAMES if not name.startswith("gemma4")]
+
+
+@pytest.mark.parametrize("family", TRAINABLE)
 def test_train_head_output_passes_check(
     family: str, checkpoint: CheckpointFactory, tmp_path: Path
 ) -> None:
