@@ -97,11 +97,19 @@ def rank_number() -> int | None:
     return None
 
 
+REFUSAL_WAIT = 60.0  # how long another rank waits for rank 0's line before it exits anyway
+
+
 def refuse_on_ranks(message: str) -> NoReturn:
     """End every rank with exit 1, rank 0 with the line `Error: message` (each rank would
-    say the same)."""
+    say the same). The other ranks exit after rank 0: mlx.launch ends every rank once one
+    exits, so one that left first could end rank 0 before its line was written. They wait
+    silently for that SIGTERM (or REFUSAL_WAIT seconds)."""
     if rank_number() == 0:
         _exit_with(f"Error: {message}")
+    for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(signum, lambda *_: os._exit(1))
+    threading.Event().wait(REFUSAL_WAIT)
     os._exit(1)
 
 
