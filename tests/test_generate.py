@@ -17,6 +17,7 @@ from mtpkit.core.prompts import encode_prompt
 from mtpkit.runtime.model import load_model
 from mtpkit.speculative.decode import MtpDecoder, SamplingSettings
 from mtpkit.speculative.generate import generate, measure_acceptance
+from tests.stock import stock_tokens
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "mtpkit" / "examples" / "tiny-qwen3_5"
 
@@ -30,19 +31,6 @@ def heldout_prompts(n: int, words: int = 8) -> list[str]:
 @pytest.fixture(scope="module")
 def model(converted: Path):
     return load_model(converted)
-
-
-def stock_tokens(path: Path, prompt: list[int], max_tokens: int) -> list[int]:
-    """Greedy tokens of stock mlx-lm on a fresh, untouched load (EOS excluded)."""
-    stock_model, tokenizer = mlx_lm.load(str(path))
-    out = []
-    for r in mlx_lm.stream_generate(
-        stock_model, tokenizer, mx.array(prompt), max_tokens=max_tokens
-    ):
-        if r.finish_reason == "stop":
-            break
-        out.append(r.token)
-    return out
 
 
 def test_example_is_a_raw_checkpoint_with_a_head(model) -> None:

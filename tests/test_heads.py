@@ -21,6 +21,7 @@ from mtpkit.runtime.headload import EMBEDDING_FIRST, HIDDEN_FIRST, build_head, s
 from mtpkit.speculative.generate import MtpDecoder, SamplingSettings, generate, load_model
 from tests.checkpoints import MLX_LAYOUTS, RAW_WITH_MTP, build_checkpoint, dtype_for
 from tests.injected import accepted_per_round, inject_drafts, planned_per_round
+from tests.stock import stock_tokens
 
 PROMPT = list(range(5, 21))
 
@@ -31,16 +32,6 @@ def converted_dir(tmp: Path, layout: str, **convert_args) -> Path:
         return src
     out = tmp / "mlx"
     convert(str(src), output=out, **convert_args)
-    return out
-
-
-def stock_tokens(path: Path, prompt: list[int], max_tokens: int) -> list[int]:
-    model, tokenizer = mlx_lm.load(str(path))
-    out = []
-    for r in mlx_lm.stream_generate(model, tokenizer, mx.array(prompt), max_tokens=max_tokens):
-        if r.finish_reason == "stop":
-            break
-        out.append(r.token)
     return out
 
 

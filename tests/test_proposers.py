@@ -30,6 +30,7 @@ from mtpkit.speculative.proposers.prompt_lookup import PromptLookupProposer, fin
 from tests.checkpoints import RAW_LAYOUTS, build_checkpoint, build_dense_model
 from tests.fixtures import RAW_DRAFTS
 from tests.injected import accepted_per_round, inject_drafts, planned_per_round
+from tests.stock import stock_tokens as stock
 from tests.test_generate_sampling import CHI2_999, chi_square
 
 PROMPT = list(range(5, 21))
@@ -90,12 +91,8 @@ def hybrid_draft(tmp: Path, target: Path, family: str) -> Path:
 
 
 def stock_tokens(path: Path, prompt: list[int], n: int) -> list[int]:
-    model, tokenizer = mlx_lm.load(str(path))
-    tokenizer.eos_token_ids = []
-    return [
-        r.token for r in mlx_lm.stream_generate(model, tokenizer, mx.array(prompt), max_tokens=n)
-    ]
-
+    """Stock mlx-lm's greedy tokens, no token ending them (the draft pairs never stop)."""
+    return stock(path, prompt, n, eos=False)
 
 def draft_decoder(target: Path, draft: Path, depth: int, **kwargs) -> MtpDecoder:
     m = load_model(target, with_head=False)

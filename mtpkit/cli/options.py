@@ -468,12 +468,15 @@ GenerateModelOpt = Annotated[
 # mlx_lm.generate's default prompt (DEFAULT_PROMPT).
 DEFAULT_PROMPT = "hello"
 PromptOpt = Annotated[
-    str,
+    list[str] | None,
     typer.Option(
         "--prompt",
         "-p",
         metavar="TEXT",
-        help="The prompt; - reads stdin; \\n and \\t are read as newline and tab (as mlx-lm).",
+        show_default=DEFAULT_PROMPT,
+        help="The prompt; - reads stdin; \\n and \\t are read as newline and tab (as mlx-lm). "
+        "Given more than once: the prompts decode together in one batch (with MTP, each "
+        "request accepting on its own; --no-mtp: mlx-lm's batch_generate).",
     ),
 ]
 SystemPromptOpt = Annotated[

@@ -191,16 +191,16 @@ def generate(
         raise GenerateError(f"{options.plain_only_reason()}: add --no-mtp")
     if seed is not None and loads:  # as mlx_lm.generate: loading draws from the generator
         mx.random.seed(seed)
-    m = _load(model, mtp=mtp, hidden=hidden, pipeline=pipeline, drafter=drafter,
+    m = load_target(model, mtp=mtp, hidden=hidden, pipeline=pipeline, drafter=drafter,
               adapter_path=adapter_path)  # fmt: skip
-    use_mtp = bool(mtp) if not drafter.uses_head else _use_head(m, mtp, warn)
+    use_mtp = bool(mtp) if not drafter.uses_head else use_head(m, mtp, warn)
     if use_mtp and options.plain_only():  # --mtp auto with a head: say why it is plain
         (warn or (lambda s: print(f"Warning: {s}", file=sys.stderr)))(
             f"{options.plain_only_reason()}: decoding without drafting"
         )
         use_mtp = False
     add_eos_tokens(m, extra_eos_tokens)
-    tokens = _prompt_tokens(
+    tokens = prompt_tokens(
         m, prompt, chat_template=chat_template, system_prompt=system_prompt,
         prefill_response=prefill_response, template_args=chat_template_args,
         default_template=default_chat_template,
@@ -215,7 +215,7 @@ def generate(
             m, tokens, max_tokens=max_tokens, sampling=sampling, max_kv_size=max_kv_size,
             options=options,
         )  # fmt: skip
-        text = _detokenize(m.tokenizer, it, on_token)
+        text = detokenize(m.tokenizer, it, on_token)
         return _result(m, text, stats_fn(), False, max_tokens)
     require_depth(resolve_depth(depth, adaptive)[0])
     if not loads and seed is not None:
@@ -232,9 +232,10 @@ def generate(
     return result
 
 
-def _prompt_tokens(
-    m: MtpModel, prompt: str | list[int], *, chat_template: bool, system_prompt: str | None,
-    prefill_response: str | None, template_args: dict[str, Any] | None, default_template: bool,
+def prompt_tokens(
+    m: MtpModel, prompt: str | list[int], *, chat_template: bool = True,
+    system_prompt: str | None = None, prefill_response: str | None = None,
+    template_args: dict[str, Any] | None = None, default_template: bool = False,
 ) -> list[int]:  # fmt: skip
     """The prompt's token ids as mlx_lm.generate builds them (ids are taken as they are)."""
     if isinstance(prompt, list):
@@ -250,7 +251,7 @@ def _prompt_tokens(
     )  # fmt: skip
 
 
-def _load(
+def load_target(
     model: str | Path | MtpModel, *, mtp: bool | str, hidden: str | None, pipeline: bool,
     drafter: DrafterChoice, adapter_path: str | None = None,
 ) -> MtpModel:  # fmt: skip
@@ -333,7 +334,7 @@ def add_eos_tokens(m: MtpModel, tokens: Sequence[str]) -> None:
             ) from None
 
 
-def _use_head(m: MtpModel, mtp: bool | str, warn: Callable[[str], None] | None) -> bool:
+def use_head(m: MtpModel, mtp: bool | str, warn: Callable[[str], None] | None) -> bool:
     """Whether to draft: `mtp` True needs a head, "auto" falls back to plain with a warning."""
     if not mtp or m.has_head:
         return bool(mtp)
@@ -362,7 +363,7 @@ def family_or_none(config: dict[str, Any]) -> Family | None:
         return None
 
 
-def _detokenize(
+def detokenize(
     tokenizer: Any, tokens: Iterator[int], on_token: Callable[[str], None] | None
 ) -> str:
     """The text of `tokens`, handing each decoded segment to `on_token` as it comes."""

@@ -72,7 +72,7 @@ CONTEXT = {"allow_extra_args": True}
 def generate_command(
     ctx: typer.Context,
     model: GenerateModelOpt,
-    prompt: PromptOpt = DEFAULT_PROMPT,
+    prompt: PromptOpt = None,
     max_tokens: MaxTokensOpt = 256,
     mtp: MtpOpt = None,
     depth: DepthOpt = None,
@@ -127,7 +127,11 @@ def generate_command(
     )  # fmt: skip
     if trust_remote_code:
         typer.echo(REMOTE_CODE_NOTE, err=True)
-    text = prompt.replace("\\n", "\n").replace("\\t", "\t")  # as mlx_lm.generate reads it
+    if len(prompt or ()) > 1:
+        _generate_several(ctx, prompt, mode, template_args)
+        return
+    text = (prompt or [DEFAULT_PROMPT])[0]
+    text = text.replace("\\n", "\n").replace("\\t", "\t")  # as mlx_lm.generate reads it
     if text == "-" and rank_number() is not None:
         refuse_on_ranks(
             "--prompt - reads standard input, which mlx.launch hands every rank without ever "
@@ -190,6 +194,36 @@ def generate_command(
         print_generate(result)
     else:
         sys.stdout.write("\n")
+
+
+def _generate_several(
+    ctx: typer.Context, prompts: list[str], mode: bool | str, template_args: dict | None
+) -> None:
+    """Several --prompt: one batch (`generate_batch.py`), after refusing what only one
+    stream does."""
+    from mtpkit.cli.commands.generate_batch import generate_several, refuse_one_stream_options
+    from mtpkit.core.console import warn
+
+    refuse_one_stream_options(ctx)
+    texts = [p.replace("\\n", "\n").replace("\\t", "\t") for p in prompts]
+    if texts.count("-") > 1:
+        ctx.fail("--prompt - reads standard input once: pass the other prompts as text")
+    texts = [read_stdin_prompt() if t == "-" else t for t in texts]
+    p = ctx.params
+    if p["trust_remote_code"]:
+        typer.echo(REMOTE_CODE_NOTE, err=True)
+    generate_several(
+        p["model"], texts, json_output=p["json_output"],
+        verbose=p["verbose"] == "True" and not p["json_output"], warn=warn,
+        max_tokens=p["max_tokens"], mtp=mode, depth=p["depth"], temp=p["temp"],
+        top_p=p["top_p"], top_k=p["top_k"], min_p=p["min_p"],
+        min_tokens_to_keep=p["min_tokens_to_keep"], seed=p["seed"], hidden=value(p["hidden"]),
+        adaptive=p["adaptive"], extra_eos_tokens=p["extra_eos_token"] or (),
+        adapter_path=p["adapter_path"],
+        chat_template=p["chat_template"] and not p["ignore_chat_template"],
+        system_prompt=p["system_prompt"], prefill_response=p["prefill_response"],
+        template_args=template_args, default_template=p["use_default_chat_template"],
+    )  # fmt: skip
 
 
 def _mtp_mode(

@@ -1,0 +1,225 @@
+"""`mtpkit generate -p A -p B ...`: several prompts decoded together in one batch.
+
+With the MTP head, the prompts are requests of one `BatchSession` (each row drafting,
+accepting and rolling back on its own, `speculative/batch/decode.py`); without it
+(`--no-mtp`, or `--mtp auto` on a model with no head) they go to stock mlx-lm's own
+`batch_generate`, unchanged. Each request's text and counts are its own
+(`GenerationResult`, as one stream reports them); the batch adds the aggregate rates.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+
+from mtpkit.core.choices import TOP_P_OFF, require_depth
+from mtpkit.runtime.model import GenerateError, MtpModel
+from mtpkit.speculative.accept import SamplingSettings
+from mtpkit.speculative.batch.session import BatchEntry, BatchSession
+from mtpkit.speculative.generate import (
+    GenerationResult,
+    add_eos_tokens,
+    detokenize,
+    load_target,
+    prompt_tokens,
+    use_head,
+)
+from mtpkit.speculative.session import HEAD, STOP, Engine, Request, check_prompt, check_seed
+
+
+@dataclass
+class BatchGenerationResult:
+    """Every request's result, in the prompts' order, and the batch's aggregate rates
+    (prompt tokens over the prefills' time; tokens after each request's first over the
+    decoding time, as mlx-lm's `batch_generate` counts them)."""
+
+    results: list[GenerationResult]
+    prompt_tps: float
+    decode_tps: float | None
+    peak_memory_gb: float
+    mtp: bool
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "batch": len(self.results),
+            "mtp": self.mtp,
+            "prompt_tps": self.prompt_tps,
+            "decode_tps": self.decode_tps,
+            "peak_memory_gb": self.peak_memory_gb,
+            "requests": [r.to_json() for r in self.results],
+        }
+
+
+def generate_batch(
+    model: str | Path | MtpModel,
+    prompts: Sequence[str | list[int]],
+    *,
+    max_tokens: int = 256,
+    mtp: bool | str = True,
+    depth: int | None = None,
+    temp: float = 0.0,
+    top_p: float = TOP_P_OFF,
+    top_k: int = 0,
+    min_p: float = 0.0,
+    min_tokens_to_keep: int = 1,
+    seed: int | None = None,
+    hidden: str | None = None,
+    adaptive: bool = True,
+    extra_eos_tokens: Sequence[str] = (),
+    warn: Callable[[str], None] | None = None,
+    adapter_path: str | None = None,
+    **template: Any,
+) -> BatchGenerationResult:
+    """Decode `prompts` together. `mtp` True drafts with the head (required), "auto" drafts
+    when there is one, False decodes with stock `batch_generate`. Request i samples with
+    seed `seed + i` (its own key, so its text is the same in any batch); `depth`: the drafts
+    each row verifies a round (None: 1); `adaptive`
+    decides per batch width whether a round drafts. `template`: `generate`'s chat-template
+    arguments (chat_template, system_prompt, prefill_response, template_args,
+    default_template)."""
+    check_seed(seed)
+    if depth is not None:
+        require_depth(depth)
+    if not prompts:
+        raise GenerateError("no prompt to decode")
+    m = load_target(model, mtp=mtp, hidden=hidden, pipeline=False, drafter=HEAD,
+                    adapter_path=adapter_path)  # fmt: skip
+    drafts = use_head(m, mtp, warn)
+    add_eos_tokens(m, extra_eos_tokens)
+    encoded = [prompt_tokens(m, p, **template) for p in prompts]
+    for tokens in encoded:
+        check_prompt(m, tokens)
+    sampling = SamplingSettings(temp, top_p, top_k, min_p, min_tokens_to_keep)
+    mx.reset_peak_memory()
+    if not drafts:
+        return _stock_batch(m, encoded, max_tokens, sampling, seed)
+    return _mtp_batch(m, encoded, max_tokens, sampling, seed, depth, adaptive)
+
+
+def _mtp_batch(
+    m: MtpModel, prompts: list[list[int]], max_tokens: int, sampling: SamplingSettings,
+    seed: int | None, depth: int | None, adaptive: bool,
+) -> BatchGenerationResult:  # fmt: skip
+    """Every prompt joins one `BatchSession` before the first round; rounds run until the
+    last request ends."""
+    session = BatchSession(Engine(m, mtp=True, prompt_cache_size=0), adaptive=adaptive)
+    start = time.perf_counter()
+    entries = [
+        session.add(
+            Request(
+                p,
+                max_tokens,
+                sampling,
+                seed=None if seed is None else seed + i,
+                depth=depth,
+                adaptive=adaptive,
+            ),
+        )  # fmt: skip
+        for i, p in enumerate(prompts)
+    ]
+    decode_start = time.perf_counter()
+    ended = {id(e): decode_start for e in entries if e.done}
+    while session.entries:
+        for entry in session.step():
+            if entry.done:
+                ended[id(entry)] = time.perf_counter()
+    end = time.perf_counter()
+    results = [_entry_result(m, e, ended[id(e)] - decode_start, max_tokens) for e in entries]
+    after_first = sum(max(len(r.tokens) - 1, 0) for r in results)
+    return BatchGenerationResult(
+        results,
+        prompt_tps=sum(map(len, prompts)) / max(decode_start - start, 1e-9),
+        decode_tps=after_first / (end - decode_start) if after_first else None,
+        peak_memory_gb=mx.get_peak_memory() / 1e9,
+        mtp=True,
+    )
+
+
+def _entry_result(
+    m: MtpModel, entry: BatchEntry, decode_time: float, max_tokens: int
+) -> GenerationResult:
+    """One request's result as one stream reports it: its own text, tokens and drafting
+    counts, its decode rate over the time it decoded in the batch."""
+    stats = entry.stats
+    tokens = list(stats.generated)
+    finish = STOP if entry.finish_reason == STOP else "length"
+    after_first = len(tokens) - 1
+    acceptance = stats.accepted / stats.drafted if stats.drafted else None
+    return GenerationResult(
+        text=entry.text,
+        tokens=tokens,
+        prompt_tokens=len(entry.request.prompt),
+        drafted=stats.drafted,
+        accepted=stats.accepted,
+        acceptance_by_depth=[acceptance],
+        decode_tps=after_first / decode_time if after_first > 0 and decode_time > 0 else None,
+        prompt_tps=0.0,  # the prefills are the batch's (`BatchGenerationResult.prompt_tps`)
+        peak_memory_gb=mx.get_peak_memory() / 1e9,
+        mtp=True,
+        depth=stats.depth,
+        moe_dtype=m.moe_dtype,
+        rounds_by_depth=[stats.rounds],
+        drafter=stats.proposer,
+        finish_reason=finish,
+        generation_tokens=len(tokens) + (finish == STOP and len(tokens) < max_tokens),
+    )
+
+
+def _stock_batch(
+    m: MtpModel, prompts: list[list[int]], max_tokens: int, sampling: SamplingSettings,
+    seed: int | None,
+) -> BatchGenerationResult:  # fmt: skip
+    """Stock mlx-lm's `batch_generate` over the prompts, its own figures; each text is
+    detokenized as one stream's is (mlx-lm's streaming detokenizer)."""
+    import mlx_lm
+    from mlx_lm.sample_utils import make_sampler
+
+    if seed is not None:
+        mx.random.seed(seed)
+    sampler = make_sampler(
+        sampling.temp, top_p=sampling.top_p, min_p=sampling.min_p,
+        min_tokens_to_keep=sampling.min_tokens_to_keep, top_k=sampling.top_k,
+    )  # fmt: skip
+    response = mlx_lm.batch_generate(
+        m.model, m.tokenizer, prompts, max_tokens=max_tokens, sampler=sampler,
+        return_token_ids=True,
+    )  # fmt: skip
+    stats = response.stats
+    results = []
+    for prompt, tokens in zip(prompts, response.token_ids, strict=True):
+        text = detokenize(m.tokenizer, iter(tokens), None)  # as one stream's text reads
+        finish = STOP if len(tokens) < max_tokens else "length"
+        results.append(
+            GenerationResult(
+                text=text,
+                tokens=list(tokens),
+                prompt_tokens=len(prompt),
+                drafted=0,
+                accepted=0,
+                acceptance_by_depth=[],
+                decode_tps=None,
+                prompt_tps=0.0,
+                peak_memory_gb=stats.peak_memory,
+                mtp=False,
+                depth=0,
+                moe_dtype=m.moe_dtype,
+                drafter="none",
+                finish_reason=finish,
+                generation_tokens=len(tokens) + (finish == STOP),
+            )  # fmt: skip
+        )
+    return BatchGenerationResult(
+        results,
+        prompt_tps=float(stats.prompt_tps),
+        decode_tps=float(stats.generation_tps) or None,
+        peak_memory_gb=float(stats.peak_memory),
+        mtp=False,
+    )
+
+
+__all__ = ["BatchGenerationResult", "generate_batch"]
