@@ -53,3 +53,20 @@ def test_batch_table_and_bad_widths(mimo: Path) -> None:
     bad = runner.invoke(app, [*base, "--batch", "0,2"])
     assert bad.exit_code == 2
     assert "positive integers" in bad.output
+
+
+def test_batch_rows_take_the_prompts_in_turn_at_a_context_length(mimo: Path) -> None:
+    """Several --prompt are the rows (in turn); --prompt-tokens makes each that long."""
+    args = ["bench", "--model", str(mimo), "--batch", "3", "-p", "one prompt", "-p",
+            "another, longer prompt of more words", "--trials", "1", "--max-tokens", "4"]  # fmt: skip
+    result = runner.invoke(app, [*args, "--json"])
+    assert result.exit_code == 0, result.output
+    assert len(json.loads(result.stdout)["prompt_tokens"]) == 2  # two lengths
+    long = runner.invoke(app, [*args, "--prompt-tokens", "40"])
+    assert long.exit_code == 0, long.output
+    header = long.stdout.splitlines()[0]
+    assert header.startswith(f"{mimo} on ") and "prompt 40 tokens" in header, header
+    assert "[bold]" not in header
+    single = runner.invoke(app, ["bench", "--model", str(mimo), "-p", "a", "-p", "b"])
+    assert single.exit_code == 2
+    assert "several --prompt are the rows of --batch" in single.output

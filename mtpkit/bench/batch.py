@@ -23,12 +23,14 @@ import mlx.core as mx
 
 from mtpkit.bench.oracle import OracleDrafts
 from mtpkit.bench.report import Figure, device_name
+from mtpkit.bench.speed import prompt_of_length
 from mtpkit.core.errors import MtpkitError
 from mtpkit.core.prompts import encode_prompt
 from mtpkit.runtime.model import MtpModel, NoMtpHead, library_io, load_model
 from mtpkit.runtime.upcast import upcast_experts
 from mtpkit.speculative.accept import Verdict
 from mtpkit.speculative.batch import BatchDecoder, Row
+from mtpkit.speculative.session import check_prompt
 
 # (oracle acceptance or None for the head's drafts, adaptive drafting): one MTP run a trial.
 Config = tuple[float | None, bool]
@@ -49,7 +51,7 @@ class WidthRun:
 @dataclass
 class BatchBenchResult:
     model: str
-    prompt_tokens: int
+    prompt_tokens: list[int]  # the prompts' lengths (one unless they differ)
     max_tokens: int
     trials: int
     depth: int
@@ -150,7 +152,9 @@ def bench_batch(
     model: str | Path,
     *,
     widths: list[int],
-    prompt: str,
+    prompts: list[str],
+    prompt_tokens: int | None = None,
+    synthetic: bool = False,
     max_tokens: int = 128,
     trials: int = 3,
     depth: int = 1,
@@ -159,8 +163,10 @@ def bench_batch(
     seed: int = 0,
     progress: Callable[[str], None] | None = None,
 ) -> BatchBenchResult:
-    """Batched MTP against stock mlx-lm's batched decoding at each width (module's text)."""
-    if trials < 1 or max_tokens < 2 or not widths or min(widths) < 1:
+    """Batched MTP against stock mlx-lm's batched decoding at each width (module's text).
+    Row i decodes `prompts[i % len(prompts)]`; `prompt_tokens`: each prompt made that long
+    (`prompt_of_length`; `synthetic`: random ids, a random-weight model's context)."""
+    if trials < 1 or max_tokens < 2 or not widths or min(widths) < 1 or not prompts:
         raise MtpkitError("--batch takes widths of at least 1; trials >= 1, max-tokens >= 2")
     say = progress or (lambda s: None)
     m = load_model(model)
@@ -176,25 +182,38 @@ def bench_batch(
     eos = m.tokenizer.eos_token_ids
     m.tokenizer.eos_token_ids = stock_tokenizer.eos_token_ids = []  # every row runs max_tokens
     try:
-        tokens = encode_prompt(m.tokenizer, prompt, chat_template=chat_template)
-        reference = [
-            r.token
-            for r in mlx_lm.stream_generate(
-                stock_model, stock_tokenizer, mx.array(tokens), max_tokens=max_tokens + 8
-            )
-        ]
         vocab = int(m.embedding.weight.shape[0])
+        encoded = [encode_prompt(m.tokenizer, p, chat_template=chat_template) for p in prompts]
+        if prompt_tokens is not None:
+            encoded = [
+                prompt_of_length(
+                    t, prompt_tokens, vocab=vocab if synthetic else None, seed=seed + i
+                )
+                for i, t in enumerate(encoded)
+            ]
+        for tokens in encoded:
+            check_prompt(m, tokens)
+        references = [  # each prompt's greedy tokens: what the oracle's right drafts are
+            [r.token for r in mlx_lm.stream_generate(
+                stock_model, stock_tokenizer, mx.array(t), max_tokens=max_tokens + 8)]
+            for t in encoded
+        ]  # fmt: skip
+
+        def rows(width: int) -> list[list[int]]:
+            return [encoded[i % len(encoded)] for i in range(width)]
+
         kinds: list[float | None] = list(acceptances) if acceptances is not None else [None]
         runs = [WidthRun(w) for w in widths]
         for run in runs:  # warm up every width: kernel builds fall outside the trials
-            stock_batch_tps(stock_model, stock_tokenizer, [tokens] * run.width, 8)
-            mtp_batch_run(m, [tokens] * run.width, depth, 8)
-        result = BatchBenchResult(str(model), len(tokens), max_tokens, trials, depth, kinds, runs)
+            stock_batch_tps(stock_model, stock_tokenizer, rows(run.width), 8)
+            mtp_batch_run(m, rows(run.width), depth, 8)
+        lengths = sorted({len(t) for t in encoded})
+        result = BatchBenchResult(str(model), lengths, max_tokens, trials, depth, kinds, runs)
         for trial in range(trials):
             at = f"trial {trial + 1}/{trials}:"
             for run in runs:
-                prompts = [tokens] * run.width
-                base = stock_batch_tps(stock_model, stock_tokenizer, prompts, max_tokens)
+                batch = rows(run.width)
+                base = stock_batch_tps(stock_model, stock_tokenizer, batch, max_tokens)
                 run.stock_tps.values.append(base)
                 say(f"{at} batch {run.width} stock mlx-lm {base:.1f} tok/s")
                 for config in result.configs:
@@ -202,11 +221,13 @@ def bench_batch(
                     oracles = None
                     if a is not None:
                         oracles = [
-                            OracleDrafts(reference, len(tokens), a, vocab, seed + i)
+                            OracleDrafts(
+                                references[i % len(encoded)], len(batch[i]), a, vocab, seed + i
+                            )
                             for i in range(run.width)
                         ]
                     rate, accepted, plain = mtp_batch_run(
-                        m, prompts, depth, max_tokens, oracles, adaptive
+                        m, batch, depth, max_tokens, oracles, adaptive
                     )
                     run.mtp_tps.setdefault(config, Figure()).values.append(rate)
                     ratio = rate / base if base else 0.0
@@ -230,14 +251,18 @@ def _name(config: Config) -> str:
 def print_batch_bench(result: BatchBenchResult) -> None:
     """The table people read (stdout)."""
     from rich.table import Table
+    from rich.text import Text
 
-    from mtpkit.core.console import stdout
+    from mtpkit.core.console import printable, stdout
 
     stdout.print(
-        f"[bold]{result.model}[/bold] on {device_name()}: batched decoding, prompt "
-        f"{result.prompt_tokens} tokens, {result.max_tokens} generated per request, MTP depth "
-        f"{result.depth}, median \\[min-max] of {result.trials} interleaved trials; stock is "
-        "mlx-lm's batch_generate at the same width"
+        Text.assemble(
+            (printable(result.model), "bold"),
+            f" on {device_name()}: batched decoding, prompt "
+            f"{'/'.join(map(str, result.prompt_tokens))} tokens, {result.max_tokens} generated "
+            f"per request, MTP depth {result.depth}, median [min-max] of {result.trials} "
+            "interleaved trials; stock is mlx-lm's batch_generate at the same width",
+        )
     )
     if any(a is not None for a in result.acceptances):
         stdout.print("SYNTHETIC: oracle drafts per row, right with the probability shown")

@@ -599,7 +599,14 @@ ScaleDtypeOpt = Annotated[
     ),
 ]
 BenchPromptOpt = Annotated[
-    str | None, typer.Option("--prompt", "-p", metavar="TEXT", help="The prompt.")
+    list[str] | None,
+    typer.Option(
+        "--prompt",
+        "-p",
+        metavar="TEXT",
+        help="The prompt. With --batch, given more than once: row i decodes the i-th prompt "
+        "(in turn, when the batch is wider).",
+    ),
 ]
 BenchMaxTokensOpt = Annotated[
     int,

@@ -69,9 +69,10 @@ BatchOpt = Annotated[
     typer.Option(
         "--batch",
         metavar="B[,C...]",
-        help="Measure batched decoding instead: at each width, B requests of the prompt decoded "
-        "together, MTP (depth 1, each row accepting on its own) against stock mlx-lm's "
-        "batch_generate at the same width (with --acceptance: oracle drafts per row).",
+        help="Measure batched decoding instead: at each width, B requests of the prompt (or "
+        "of the prompts, in turn) decoded together, MTP (depth 1, each row accepting on its "
+        "own) against stock mlx-lm's batch_generate at the same width (with --acceptance: "
+        "oracle drafts per row; with --prompt-tokens: each prompt made that long).",
     ),
 ]
 
@@ -119,6 +120,9 @@ def bench_command(
     if widths is not None and (draft_model is not None or prompt_lookup):
         flag = "--draft-model" if draft_model is not None else "--prompt-lookup"
         ctx.fail(f"--batch measures the MTP head against stock batching: drop {flag}")
+    prompts = prompt or [None]
+    if widths is None and len(prompts) > 1:
+        ctx.fail("several --prompt are the rows of --batch: a single stream takes one")
 
     from mtpkit.bench.shapes import random_model_dir
     from mtpkit.bench.speed import DEFAULT_PROMPT, bench, print_bench
@@ -148,8 +152,9 @@ def bench_command(
         )
     if widths is not None:
         _bench_batch(
-            str(built) if built else model, widths, prompt or DEFAULT_PROMPT, max_tokens, trials,
-            acceptances, json_output, progress, f"random:{shape}" if shape else None,
+            str(built) if built else model, widths, [p or DEFAULT_PROMPT for p in prompts],
+            prompt_tokens, max_tokens, trials, acceptances, json_output, progress,
+            f"random:{shape}" if shape else None,
         )  # fmt: skip
         if built is not None:
             shutil.rmtree(built.parent, ignore_errors=True)
@@ -159,7 +164,7 @@ def bench_command(
         with on_ranks(timeout, facts) as ranks:  # under mlx.launch: rank 0 prints
             result = bench(
                 str(built) if built else model,
-                prompt=prompt or DEFAULT_PROMPT,
+                prompt=prompts[0] or DEFAULT_PROMPT,
                 prompt_tokens=prompt_tokens,
                 synthetic=shape is not None,
                 max_tokens=max_tokens,
@@ -192,7 +197,8 @@ def bench_command(
 def _bench_batch(
     model: str,
     widths: list[int],
-    prompt: str,
+    prompts: list[str],
+    prompt_tokens: int | None,
     max_tokens: int,
     trials: int,
     acceptances: list[float] | None,
@@ -204,7 +210,8 @@ def _bench_batch(
     from mtpkit.cli.output import print_json
 
     result = bench_batch(
-        model, widths=widths, prompt=prompt, max_tokens=max_tokens, trials=trials,
+        model, widths=widths, prompts=prompts, prompt_tokens=prompt_tokens,
+        synthetic=name is not None, max_tokens=max_tokens, trials=trials,
         acceptances=acceptances, progress=progress,
     )  # fmt: skip
     if name is not None:
