@@ -229,15 +229,7 @@ class Worker:
         if not entry.done:
             return
         self.active.pop(entry, None)
-        if entry.finish_reason == CANCELLED:
-            self.cancelled += 1
-            if self.stopping.is_set():
-                job.put(Failed(503, "the server is shutting down", "shutting_down"))
-            else:
-                job.put(Failed(503, "the request was cancelled", "cancelled"))
-            return
-        self.finished += 1
-        job.put(outcome(self.served_engine, entry, entry.generated))
+        self._answer(job, self.served_engine, entry, entry.generated)
 
     def _engine_for(self, job: Job) -> Engine:
         """The engine of the job's model: the served one, or another loaded by path (the
@@ -263,6 +255,13 @@ class Worker:
                 session.cancel()
             if event.text:
                 job.put(event)
+        self._answer(job, engine, session, tokens)
+
+    def _answer(
+        self, job: Job, engine: Engine, session: Session | BatchEntry, generated: int
+    ) -> None:
+        """A finished request's last word: its outcome, or 503 when it was cancelled (its
+        client left, or the server is stopping)."""
         if session.finish_reason == CANCELLED:
             self.cancelled += 1
             if self.stopping.is_set():
@@ -271,7 +270,7 @@ class Worker:
                 job.put(Failed(503, "the request was cancelled", "cancelled"))
             return
         self.finished += 1
-        job.put(outcome(engine, session, tokens))
+        job.put(outcome(engine, session, generated))
 
 
 def batchable(engine: Engine) -> bool:
