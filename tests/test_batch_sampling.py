@@ -14,13 +14,12 @@ from collections import Counter
 from pathlib import Path
 
 import mlx.core as mx
-import numpy as np
 import pytest
 
 from mtpkit.runtime.model import load_model
 from mtpkit.speculative.accept import SamplingSettings
 from mtpkit.speculative.batch import BatchDecoder
-from tests.test_generate_sampling import CHI2_999, chi_square
+from tests.test_generate_sampling import CHI2_999, chi_square, exact_pairs
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "mtpkit" / "examples" / "tiny-qwen3_5"
 SETTINGS = [SamplingSettings(temp=1.0, top_k=3), SamplingSettings(temp=0.7, top_k=2)]
@@ -30,17 +29,6 @@ TEXTS = ["Return the number of", "Create a new"]
 @pytest.fixture(scope="module")
 def m():
     return load_model(EXAMPLE)  # the raw checkpoint; mlx-lm and mtpkit both read it
-
-
-def exact_pairs(m, prompt: list[int], settings: SamplingSettings) -> dict[tuple[int, int], float]:
-    """The backbone's joint distribution of the first two tokens under `settings`."""
-    exact = {}
-    p1 = settings.probs(m.model(mx.array(prompt)[None])[0, -1])
-    for t1 in np.nonzero(np.array(p1) > 0)[0].tolist():
-        p2 = settings.probs(m.model(mx.array(prompt + [t1])[None])[0, -1])
-        for t2 in np.nonzero(np.array(p2) > 0)[0].tolist():
-            exact[(t1, t2)] = p1[t1].item() * p2[t2].item()
-    return exact
 
 
 def test_each_sampled_row_keeps_its_distribution(m) -> None:

@@ -38,6 +38,18 @@ def chi_square(counts: Counter, probs: dict[int, float], n: int) -> tuple[float,
     return stat, len(big) + (1 if small else 0) - 1
 
 
+def exact_pairs(m, prompt: list[int], settings: SamplingSettings) -> dict[tuple[int, int], float]:
+    """The backbone's exact joint distribution of the first two tokens under `settings`,
+    by enumerating the support with plain forwards (no cache, no drafting)."""
+    exact = {}
+    p1 = settings.probs(m.model(mx.array(prompt)[None])[0, -1])
+    for t1 in np.nonzero(np.array(p1) > 0)[0].tolist():
+        p2 = settings.probs(m.model(mx.array(prompt + [t1])[None])[0, -1])
+        for t2 in np.nonzero(np.array(p2) > 0)[0].tolist():
+            exact[(t1, t2)] = p1[t1].item() * p2[t2].item()
+    return exact
+
+
 def test_rejection_sample_keeps_the_target_distribution() -> None:
     rng = np.random.default_rng(0)
     vocab = 6
@@ -79,12 +91,7 @@ def test_mtp_sampling_matches_the_backbone_distribution_end_to_end(
     m = load_model(EXAMPLE)  # the raw checkpoint; mlx-lm and mtpkit both read it directly
     settings = SamplingSettings(temp=1.0, top_k=3)
     prompt = m.tokenizer.encode("Return the number of")
-    exact: dict[tuple[int, int], float] = {}
-    p1 = settings.probs(m.model(mx.array(prompt)[None])[0, -1])
-    for t1 in np.nonzero(np.array(p1) > 0)[0].tolist():
-        p2 = settings.probs(m.model(mx.array(prompt + [t1])[None])[0, -1])
-        for t2 in np.nonzero(np.array(p2) > 0)[0].tolist():
-            exact[(t1, t2)] = p1[t1].item() * p2[t2].item()
+    exact = exact_pairs(m, prompt, settings)
     assert len(exact) == 9
     keys = sorted(exact)
     index = {k: i for i, k in enumerate(keys)}

@@ -31,7 +31,7 @@ from tests.checkpoints import RAW_LAYOUTS, build_checkpoint, build_dense_model
 from tests.fixtures import RAW_DRAFTS
 from tests.injected import accepted_per_round, inject_drafts, planned_per_round
 from tests.stock import stock_tokens as stock
-from tests.test_generate_sampling import CHI2_999, chi_square
+from tests.test_generate_sampling import CHI2_999, chi_square, exact_pairs
 
 PROMPT = list(range(5, 21))
 DENSE = ("llama", "qwen2", "qwen3")  # registered families that ship no head (dense.py)
@@ -93,6 +93,7 @@ def hybrid_draft(tmp: Path, target: Path, family: str) -> Path:
 def stock_tokens(path: Path, prompt: list[int], n: int) -> list[int]:
     """Stock mlx-lm's greedy tokens, no token ending them (the draft pairs never stop)."""
     return stock(path, prompt, n, eos=False)
+
 
 def draft_decoder(target: Path, draft: Path, depth: int, **kwargs) -> MtpDecoder:
     m = load_model(target, with_head=False)
@@ -241,16 +242,6 @@ def _first_two(decoder_for, prompt: list[int], settings: SamplingSettings, n: in
     return counts
 
 
-def _exact_pairs(m, prompt: list[int], settings: SamplingSettings) -> dict[tuple[int, int], float]:
-    exact = {}
-    p1 = settings.probs(m.model(mx.array(prompt)[None])[0, -1])
-    for t1 in np.nonzero(np.array(p1) > 0)[0].tolist():
-        p2 = settings.probs(m.model(mx.array(prompt + [t1])[None])[0, -1])
-        for t2 in np.nonzero(np.array(p2) > 0)[0].tolist():
-            exact[(t1, t2)] = p1[t1].item() * p2[t2].item()
-    return exact
-
-
 @pytest.mark.parametrize("drafter", ["draft-model", "prompt-lookup"])
 def test_sampling_keeps_the_target_distribution(tmp_path: Path, drafter: str) -> None:
     """The first two tokens sampled with drafting follow the target's exact joint
@@ -259,7 +250,7 @@ def test_sampling_keeps_the_target_distribution(tmp_path: Path, drafter: str) ->
     target = build_dense_model(tmp_path / "target", "llama", seed=3)
     m = load_model(target, with_head=False)
     settings = SamplingSettings(temp=1.0, top_k=3)
-    exact = _exact_pairs(m, PROMPT, settings)
+    exact = exact_pairs(m, PROMPT, settings)
     if drafter == "draft-model":
         draft = build_dense_model(tmp_path / "draft", "llama", seed=4)
         factory = ProposerFactory(m, DrafterChoice(draft_model=draft))
