@@ -22,6 +22,7 @@ import pytest
 
 from mtpkit.check.verdict import check_checkpoint
 from mtpkit.convert.pipeline import convert
+from mtpkit.core.prompts import BUILTIN_PROMPTS
 from tests.checkpoints import CheckpointFactory, add_tensor
 
 MAX_TOKENS = 16
@@ -216,7 +217,11 @@ def test_skilled_head_passes(skilled) -> None:
 def test_foreign_head_fails(skilled, tmp_path: Path) -> None:
     _, out = skilled
     damaged = edit_head(Path(shutil.copytree(out, tmp_path / "foreign")), foreign)
-    result = check_checkpoint(str(damaged), max_tokens=FAILING_MAX_TOKENS)
+    # A foreign head keeps no draft on any prompt: four of them show it (check tries every
+    # variant on each, so the built-in sixteen would take four times as long for nothing).
+    result = check_checkpoint(
+        str(damaged), prompts=BUILTIN_PROMPTS[:4], max_tokens=FAILING_MAX_TOKENS
+    )
     assert result["verdict"] == "fail"
     assert statuses(result)["head_matches_trunk"] == "fail", result["checks"]
 
@@ -226,7 +231,8 @@ def test_swapped_projection_fails_concat_order(skilled, tmp_path: Path) -> None:
     if layout in SHARED_CONCAT:
         pytest.skip(f"{layout} concatenates in MtpHead.__call__, proven on the other families")
     damaged = edit_head(Path(shutil.copytree(out, tmp_path / "swapped")), swapped)
-    result = check_checkpoint(str(damaged), max_tokens=MAX_TOKENS)
+    # Swapped halves keep no draft, the swap back keeps nearly all: six prompts decide it.
+    result = check_checkpoint(str(damaged), prompts=BUILTIN_PROMPTS[:6], max_tokens=MAX_TOKENS)
     assert result["verdict"] == "fail"
     assert statuses(result)["concat_order"] == "fail", result["checks"]
     assert result["best_variant"]["concat_order"] == "hidden_first"
