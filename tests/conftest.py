@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -10,6 +11,12 @@ import pytest
 from tests.checkpoints import CheckpointFactory, build_checkpoint
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "mtpkit" / "examples" / "tiny-qwen3_5"
+
+# The suite's output is piped: a width from the environment (a terminal's COLUMNS, or the 80
+# that pytest-xdist's workers are given) would change how tables lay out. A test that wants
+# a width sets it itself.
+for _name in ("COLUMNS", "LINES"):
+    os.environ.pop(_name, None)
 
 
 @pytest.fixture(scope="session")
