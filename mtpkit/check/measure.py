@@ -59,10 +59,8 @@ class RuntimeMeasure:
         concat_order: str | None = None,
         norm_shift: float = 0.0,
     ) -> float | None:
-        from mtpkit.core.prompts import encode_prompt
-        from mtpkit.runtime.model import NoMtpHead, load_model
-        from mtpkit.speculative.decode import MtpDecoder, SamplingSettings
-        from mtpkit.speculative.generate import check_prompt
+        from mtpkit.runtime.model import load_model
+        from mtpkit.speculative.generate import head_counts
 
         key = (str(model_dir), hidden, concat_order, norm_shift)
         if key != self._key:
@@ -70,18 +68,7 @@ class RuntimeMeasure:
                 model_dir, hidden=hidden, concat_order=concat_order, norm_shift=norm_shift
             )
             self._key = key
-        m = self._model
-        if m.head is None:
-            raise NoMtpHead(f"{m.path} has no MTP head: run `mtpkit inspect` and `mtpkit convert`")
-        drafted = accepted = 0
-        for text in prompts:
-            tokens = encode_prompt(m.tokenizer, text)
-            check_prompt(m, tokens)
-            decoder = MtpDecoder(m, tokens, depth=1, sampling=SamplingSettings(), adaptive=False)
-            for _ in decoder.tokens(max_tokens):
-                pass
-            drafted += decoder.stats.drafted
-            accepted += decoder.stats.accepted
+        drafted, accepted = head_counts(self._model, prompts, max_tokens=max_tokens)
         return accepted / drafted if drafted else None
 
 

@@ -396,6 +396,15 @@ def measure_acceptance(
     so a check can measure what a different conversion decision would give.
     """
     m = load_model(model_dir, hidden=hidden, concat_order=concat_order, norm_shift=norm_shift)
+    drafted, accepted = head_counts(m, prompts, max_tokens=max_tokens, chat_template=chat_template)
+    return accepted / drafted if drafted else 0.0
+
+
+def head_counts(
+    m: MtpModel, prompts: Sequence[str], *, max_tokens: int, chat_template: bool = True
+) -> tuple[int, int]:
+    """The head's drafted and accepted tokens over `prompts`: greedy, depth 1, drafting at
+    every step (what `measure_acceptance` and check's probes report)."""
     if m.head is None:
         raise NoMtpHead(f"{m.path} has no MTP head: run `mtpkit inspect` and `mtpkit convert`")
     drafted = accepted = 0
@@ -407,7 +416,7 @@ def measure_acceptance(
             pass
         drafted += decoder.stats.drafted
         accepted += decoder.stats.accepted
-    return accepted / drafted if drafted else 0.0
+    return drafted, accepted
 
 
 __all__ = [
@@ -418,6 +427,7 @@ __all__ = [
     "PromptTooLong",
     "check_prompt",
     "generate",
+    "head_counts",
     "measure_acceptance",
     "stream_tokens",
 ]
