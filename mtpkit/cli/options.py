@@ -145,7 +145,12 @@ def friendly_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
         except KeyboardInterrupt as e:  # Ctrl-C, SIGTERM, SIGHUP: cleanup has run on the way
             if os.environ.get("MTPKIT_DEBUG") == "1":
                 raise
-            typer.echo(f"Error: {signals.message(e)}", err=True)
+            from mtpkit.cli.ranks import rank_number
+
+            # Under mlx.launch rank 0 speaks for all: the others are ended by the launcher
+            # once one rank exits, and that is no news of theirs.
+            if not rank_number():
+                typer.echo(f"Error: {signals.message(e)}", err=True)
             raise typer.Exit(signals.exit_code(e)) from None
         except Exception as e:  # noqa: BLE001 - the one place every error is turned into a line
             if os.environ.get("MTPKIT_DEBUG") == "1":
