@@ -93,3 +93,9 @@ def test_one_stream_options_are_usage_errors(converted: Path) -> None:
     twice = run("generate", "--model", str(converted), "-p", "-", "-p", "-", input="x")
     assert twice.exit_code == 2
     assert "reads standard input once" in twice.stderr.splitlines()[-1]
+
+
+def test_a_bad_prompt_is_named_by_its_place(converted: Path) -> None:
+    result = run("generate", "--model", str(converted), "-p", "a", "-p", "", "--no-chat-template")
+    assert result.exit_code == 1
+    assert result.stderr.splitlines() == ["Error: prompt 2 of 2: the prompt is empty"]

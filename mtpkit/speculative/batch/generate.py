@@ -18,6 +18,7 @@ from typing import Any
 import mlx.core as mx
 
 from mtpkit.core.choices import TOP_P_OFF, require_depth
+from mtpkit.core.errors import MtpkitError
 from mtpkit.runtime.model import GenerateError, MtpModel
 from mtpkit.speculative.accept import SamplingSettings
 from mtpkit.speculative.batch.session import BatchEntry, BatchSession
@@ -92,8 +93,11 @@ def generate_batch(
     drafts = use_head(m, mtp, warn)
     add_eos_tokens(m, extra_eos_tokens)
     encoded = [prompt_tokens(m, p, **template) for p in prompts]
-    for tokens in encoded:
-        check_prompt(m, tokens)
+    for i, tokens in enumerate(encoded, 1):
+        try:
+            check_prompt(m, tokens)
+        except MtpkitError as e:  # which of the prompts it is
+            raise type(e)(f"prompt {i} of {len(encoded)}: {e}") from None
     sampling = SamplingSettings(temp, top_p, top_k, min_p, min_tokens_to_keep)
     mx.reset_peak_memory()
     if not drafts:
