@@ -192,7 +192,7 @@ def generate(
     if seed is not None and loads:  # as mlx_lm.generate: loading draws from the generator
         mx.random.seed(seed)
     m = load_target(model, mtp=mtp, hidden=hidden, pipeline=pipeline, drafter=drafter,
-              adapter_path=adapter_path)  # fmt: skip
+                    adapter_path=adapter_path)  # fmt: skip
     use_mtp = bool(mtp) if not drafter.uses_head else use_head(m, mtp, warn)
     if use_mtp and options.plain_only():  # --mtp auto with a head: say why it is plain
         (warn or (lambda s: print(f"Warning: {s}", file=sys.stderr)))(
