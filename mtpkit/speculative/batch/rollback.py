@@ -21,9 +21,10 @@ Gated-delta-net layers keep a conv state and a recurrent state per row; the veri
 records both after every position (`mtpkit.runtime.rollback.gdn`), and each row takes the
 state after its own kept count. Recurrent layers the verify pass does not snapshot (Mamba,
 Kimi delta attention, lightning attention) are replayed, as for one stream
-(`mtpkit.runtime.rollback.replay`), over each row's kept prefix in one right-padded pass:
-mlx-lm's `prepare(lengths=..., right_padding=...)` makes those layers stop at each row's
-length and `finalize` rolls each KV row right by its padding. A cache list rolls back each
+(`mtpkit.runtime.rollback.replay`), over each row's kept prefix, in one pass per distinct kept
+count: within a pass a row is real throughout or not at all; mlx-lm's
+`prepare(right_padding=...)`/`finalize` roll a row that is not right by the pass's length, and
+its recurrent states are put back after the pass. A cache list rolls back each
 of its caches. Other cache kinds are refused with a one-line error.
 """
 
@@ -123,18 +124,47 @@ class BatchReplay:
         return cls(tokens, [None if is_trimmable(c) else saved_state(c) for c in caches], forward)
 
     def rollback(self, caches: list[Any], kept: list[int]) -> None:
-        length, longest = self.tokens.shape[1], max(kept)
+        """Put every cache back to before the pass, then replay each row's kept prefix in
+        segments between the distinct kept counts: in each, a row is either real for the
+        whole segment or not at all. A row that is not has its KV entries right-padded out
+        (`prepare`/`finalize`) and its recurrent states put back after the pass, so they
+        stay exactly as they were (see `_replay_segment`)."""
+        length = self.tokens.shape[1]
         for cache, saved in zip(caches, self.saved, strict=True):
             if saved is None:
                 cache.trim(length)
             else:
                 restore_state(cache, saved)
-        padding = [longest - k for k in kept]
+        start = 0
+        for end in sorted(set(kept)):
+            self._replay_segment(caches, start, end, [k >= end for k in kept])
+            start = end
+
+    def _replay_segment(self, caches: list[Any], start: int, end: int, real: list[bool]) -> None:
+        """Replay verify positions [start, end) for the `real` rows. The others' recurrent
+        states are put back rather than masked: mlx-lm's masks are not exact for every
+        layer (nemotron_h's Mamba mixer masks the SSM's decay but not its input, so a padded
+        last position dropped the row's kept tokens from its state)."""
+        from mlx_lm.models.cache import ArraysCache
+
+        n = end - start
+        padding = [0 if r else n for r in real]
+        recurrent = [c for c in _leaves(caches) if isinstance(c, ArraysCache)]
+        before = [list(c.cache) for c in recurrent]
         for cache in caches:
-            cache.prepare(lengths=kept, right_padding=padding)
-        out = self.forward(self.tokens[:, :longest], caches)
+            if not isinstance(cache, ArraysCache):
+                cache.prepare(lengths=[n if r else 0 for r in real], right_padding=padding)
+        out = self.forward(self.tokens[:, start:end], caches)
         for cache in caches:
-            cache.finalize()
+            if not isinstance(cache, ArraysCache):
+                cache.finalize()
+        if not all(real):
+            rows = mx.array(real)
+            for cache, saved in zip(recurrent, before, strict=True):
+                for i, (now, was) in enumerate(zip(cache.cache, saved, strict=True)):
+                    if now is not None and was is not None:
+                        keep = rows.reshape((-1,) + (1,) * (now.ndim - 1))
+                        cache.cache[i] = mx.where(keep, now, was)
         mx.eval(out, [c.state for c in caches])
 
 
