@@ -150,7 +150,8 @@ def test_seeded_samples_are_the_same_alone_and_in_a_batch(server, client) -> Non
         ]  # fmt: skip
         batched = pool.submit(sampled, 7)
         assert batched.result() == alone
-        assert all(f.result().choices[0].text for f in others)
+        # The others sample without a seed: any text, an empty one (an EOS drawn first) too.
+        assert all(f.result().choices[0].finish_reason in ("stop", "length") for f in others)
     # Another seed draws another text (40 tokens at temperature 1 agreeing is not chance).
     assert sampled(8) != alone
 

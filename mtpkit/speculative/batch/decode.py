@@ -119,6 +119,11 @@ class BatchDecoder:
         self._uids = itertools.count()
         self.policy = policy if policy is not None else WidthDrafting() if adaptive else None
         self.plain_steps = 0
+        # A plain step built (and launched) before the previous one's tokens were read, as
+        # mlx-lm queues its next step: (tokens [B], hidden [B, 1, H]), lazy.
+        self._ahead: tuple[mx.array, mx.array] | None = None
+        self._decided: bool | None = None  # the next step's decision, taken when queueing
+        self._stash: dict[int, list[int]] = {}  # tokens confirmed by a join, not yet returned
 
     # -- joining --------------------------------------------------------------------------
     def add(
@@ -137,6 +142,10 @@ class BatchDecoder:
         from mtpkit.speculative.session import check_prompt
 
         check_prompt(self.m, prompt)
+        if self._ahead is not None:  # the queued step belongs to the rows before this one
+            for uid, tokens in self._plain_step(queue=False).items():
+                self._stash[uid] = self._stash.get(uid, []) + tokens
+            self._leave()
         depth = self.depth if depth is None else depth
         if not 0 <= depth <= self.depth:
             raise GenerateError(f"a row's depth must be in [0, {self.depth}], not {depth}")
@@ -186,39 +195,56 @@ class BatchDecoder:
             return
         self.rows = [self.rows[i] for i in keep]
         if not keep:
-            self.cache = self.head = None
+            self.cache = self.head = self._ahead = self._decided = None
             return
         index = mx.array(keep, dtype=mx.int32)
         for layer in self.cache:
             layer.filter(index)
         self.head.filter(keep)
+        if self._ahead is not None:
+            self._ahead = (self._ahead[0][index], self._ahead[1][index])
 
     # -- a step: a drafting round or a plain batched step -------------------------------
     def step(self, draft: bool = False) -> dict[int, list[int]]:
         """One drafting round over every row (or, as `policy` decides, a plain batched
         step; `draft`: a round whatever it decides); returns each row's new tokens by uid
         (an EOS and tokens past `max_tokens` left out). Finished rows leave the batch."""
+        stash, self._stash = self._stash, {}
         if not self.rows:
-            return {}
+            return stash
         width = len(self.rows)
-        drafting = draft or self.policy is None or self.policy.want_draft(width)
+        if self._ahead is not None:  # a queued plain step is taken whatever else is asked
+            drafting = False
+        elif self._decided is not None:
+            drafting, self._decided = self._decided or draft, None
+        else:
+            drafting = draft or self.policy is None or self.policy.want_draft(width)
         start = time.perf_counter()
         new = self._round() if drafting else self._plain_step()
         if self.policy is not None:
             seconds = time.perf_counter() - start
             self.policy.record(width, drafting, seconds, sum(len(t) for t in new.values()))
         self._leave()
+        for uid, tokens in stash.items():  # a join's tokens come before this step's
+            new[uid] = tokens + new.get(uid, [])
         return new
 
-    def _plain_step(self) -> dict[int, list[int]]:
-        """One backbone step over every row's last token, as mlx-lm's batched step; the
-        head sees the pairs when it next drafts."""
+    def _plain_step(self, queue: bool = True) -> dict[int, list[int]]:
+        """One backbone step over every row's last token, as mlx-lm's batched step (the
+        step queued by the previous one, if any); the head sees the pairs when it next
+        drafts. With `queue`, when the next step is plain too, it is built and launched
+        before this one's tokens are read, as mlx-lm queues its steps."""
         rows = self.rows
         with mx.stream(_generation_stream()):
-            last = mx.array([[row.last] for row in rows], dtype=mx.int32)
-            logits, hidden = self.m.forward(last, self.cache)
-            tokens = _draw_rows(logits[:, -1, :], rows)
+            if self._ahead is not None:
+                (tokens, hidden), self._ahead = self._ahead, None
+            else:
+                last = mx.array([[row.last] for row in rows], dtype=mx.int32)
+                tokens, hidden = self._plain_forward(last)
             self.head.observe(hidden, tokens[:, None])
+            if queue and self._next_is_plain():
+                self._ahead = self._plain_forward(tokens[:, None])
+                mx.async_eval(self._ahead[0])
             values = tokens.tolist()
         self.plain_steps += 1
         new = {}
@@ -227,6 +253,24 @@ class BatchDecoder:
             self._confirm(row, [token])
             new[row.uid] = row.tokens[before:]
         return new
+
+    def _plain_forward(self, last: mx.array) -> tuple[mx.array, mx.array]:
+        """The backbone over each row's next input [B, 1]: each row's token [B] and the
+        hidden state before it [B, 1, H] (lazy)."""
+        logits, hidden = self.m.forward(last, self.cache)
+        return _draw_rows(logits[:, -1, :], self.rows), hidden
+
+    def _next_is_plain(self) -> bool:
+        """Whether the step after this plain one is plain too (its decision taken now, in
+        the order it would be taken anyway), unless every row ends with this step's token
+        (nothing would read the next)."""
+        if self.policy is None or all(len(r.tokens) + 1 >= r.max_tokens for r in self.rows):
+            return False
+        self._decided = self.policy.want_draft(len(self.rows))
+        if self._decided:
+            return False
+        self._decided = None
+        return True
 
     def _round(self) -> dict[int, list[int]]:
         rows = self.rows
