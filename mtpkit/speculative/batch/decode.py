@@ -207,8 +207,9 @@ class BatchDecoder:
     # -- a step: a drafting round or a plain batched step -------------------------------
     def step(self, draft: bool = False) -> dict[int, list[int]]:
         """One drafting round over every row (or, as `policy` decides, a plain batched
-        step; `draft`: a round whatever it decides); returns each row's new tokens by uid
-        (an EOS and tokens past `max_tokens` left out). Finished rows leave the batch."""
+        step; `draft`: a round whatever it decides, once a plain step already queued is
+        taken); returns each row's new tokens by uid (an EOS and tokens past `max_tokens`
+        left out; tokens a join confirmed first). Finished rows leave the batch."""
         stash, self._stash = self._stash, {}
         if not self.rows:
             return stash
