@@ -6,10 +6,15 @@ plus one token each; a plain step yields B tokens. Which is cheaper per token de
 width (at 9b MLX's quantized matmul grows with the rows, issue 30's baseline) and on the
 rows' acceptance, so the choice is measured: at each width, seconds per confirmed token of
 the last `KEPT` rounds and of the last `KEPT` plain steps. A width drafts its first
-`FIRST_ROUNDS` rounds, then takes `PROBE_STEPS` plain steps, then the cheaper mode, and every
-`REPROBE_EVERY` steps probes the other one for `PROBE_STEPS` steps, so a change of acceptance
-or of load is seen. Greedy output never depends on these decisions (every mode decodes the
-backbone's tokens); a seeded sampled row's text does, through the draws each mode takes.
+`FIRST_ROUNDS` rounds, then takes `PROBE_STEPS` plain steps, then the cheaper mode, and probes
+the other mode for `PROBE_STEPS` steps from time to time, so a change of acceptance or of load
+is seen. The first probe comes `REPROBE_EVERY` steps after a choice, and each probe that leaves
+the choice as it was doubles the wait, up to `MAX_REPROBE_EVERY`, as one stream's adaptive
+drafting does (`speculative/adaptive.py`); a width whose recent rounds kept no draft at all
+(a useless head) waits `USELESS_EVERY` steps from the start. A probe costs a losing mode's
+price, so at acceptance 0 the probes are what adaptive drafting loses against plain decoding.
+Greedy output never depends on these decisions (every mode decodes the backbone's tokens); a
+seeded sampled row's text does, through the draws each mode takes.
 """
 
 from __future__ import annotations
@@ -21,16 +26,23 @@ from dataclasses import dataclass, field
 FIRST_ROUNDS = 4
 PROBE_STEPS = 4
 REPROBE_EVERY = 32
+MAX_REPROBE_EVERY = 1024
+USELESS_EVERY = 256
 KEPT = 16
 
 
 @dataclass
 class WidthTimes:
-    """One width's seconds per token, drafting and plain, and its steps since it was judged."""
+    """One width's seconds per token, drafting and plain, whether its recent rounds kept any
+    draft, and its probe schedule (in steps judged at this width)."""
 
     drafting: deque[float] = field(default_factory=lambda: deque(maxlen=KEPT))
     plain: deque[float] = field(default_factory=lambda: deque(maxlen=KEPT))
+    kept: deque[bool] = field(default_factory=lambda: deque(maxlen=KEPT))
     steps: int = 0
+    choice: bool | None = None  # drafting wins, as last judged
+    every: int = REPROBE_EVERY  # steps from the last probe's start to the next's
+    probe_at: int = 0  # the step the next probe starts at
 
 
 class WidthDrafting:
@@ -47,12 +59,22 @@ class WidthDrafting:
             return False
         times.steps += 1
         drafting_wins = statistics.median(times.drafting) <= statistics.median(times.plain)
-        probing = times.steps % REPROBE_EVERY < PROBE_STEPS
+        if drafting_wins != times.choice:  # a new choice: its first probe comes soon
+            times.choice = drafting_wins
+            times.every = REPROBE_EVERY if any(times.kept) else USELESS_EVERY
+            times.probe_at = times.steps + times.every
+        elif times.steps >= times.probe_at + PROBE_STEPS:  # a probe left the choice as it was
+            times.every = min(2 * times.every, MAX_REPROBE_EVERY)
+            times.probe_at += times.every
+        probing = times.steps >= times.probe_at
         return drafting_wins != probing
 
     def record(self, width: int, drafted: bool, seconds: float, tokens: int) -> None:
-        """A step at `width` took `seconds` for `tokens` confirmed tokens (over every row)."""
+        """A step at `width` took `seconds` for `tokens` confirmed tokens (over every row); a
+        drafting round that confirmed more tokens than rows kept a draft."""
         if tokens <= 0:
             return
         times = self.widths.setdefault(width, WidthTimes())
         (times.drafting if drafted else times.plain).append(seconds / tokens)
+        if drafted:
+            times.kept.append(tokens > width)

@@ -1,0 +1,87 @@
+"""The probe schedule of adaptive drafting per batch width (`speculative/batch/adaptive.py`):
+which steps draft, given timings that make one mode cheaper. The positions are written out by
+hand from the schedule the module states (first rounds, a plain probe, then probes whose wait
+doubles while the choice holds)."""
+
+from mtpkit.speculative.batch.adaptive import (
+    FIRST_ROUNDS,
+    PROBE_STEPS,
+    REPROBE_EVERY,
+    USELESS_EVERY,
+    WidthDrafting,
+)
+
+WIDTH = 4
+
+
+def drafting_steps(policy: WidthDrafting, steps: int, cost) -> list[int]:
+    """Run `steps` steps at WIDTH; `cost(i, drafted)` gives (seconds, tokens) of step i.
+    Returns the indices of the steps that drafted."""
+    drafted = []
+    for i in range(steps):
+        draft = policy.want_draft(WIDTH)
+        seconds, tokens = cost(i, draft)
+        policy.record(WIDTH, draft, seconds, tokens)
+        if draft:
+            drafted.append(i)
+    return drafted
+
+
+def probes(start: int, waits: list[int]) -> list[int]:
+    """Steps of probes of PROBE_STEPS steps: the first at `start`, each next one `wait` later."""
+    out, at = [], start
+    for wait in waits:
+        out += range(at, at + PROBE_STEPS)
+        at += wait
+    return out
+
+
+def test_a_losing_head_that_keeps_drafts_is_probed_less_and_less_often() -> None:
+    # Rounds keep one draft in four rows (5 tokens) but cost 3 s: 0.6 s a token against 0.25.
+    cost = lambda i, draft: (3.0, WIDTH + 1) if draft else (1.0, WIDTH)  # noqa: E731
+    drafted = drafting_steps(WidthDrafting(), 400, cost)
+    first = FIRST_ROUNDS + PROBE_STEPS + REPROBE_EVERY  # counted from the first judged step
+    waits = [2 * REPROBE_EVERY, 4 * REPROBE_EVERY, 8 * REPROBE_EVERY]
+    assert drafted == list(range(FIRST_ROUNDS)) + [s for s in probes(first, waits) if s < 400]
+
+
+def test_a_head_that_keeps_nothing_waits_longer() -> None:
+    cost = lambda i, draft: (1.5, WIDTH) if draft else (1.0, WIDTH)  # noqa: E731
+    drafted = drafting_steps(WidthDrafting(), 600, cost)
+    first = FIRST_ROUNDS + PROBE_STEPS + USELESS_EVERY
+    assert drafted == list(range(FIRST_ROUNDS)) + probes(first, [2 * USELESS_EVERY])
+    assert len(drafted) == FIRST_ROUNDS + PROBE_STEPS  # 8 of 600 steps draft
+
+
+def test_a_winning_head_drafts_and_probes_plain_steps_rarely() -> None:
+    cost = lambda i, draft: (1.2, 2 * WIDTH) if draft else (1.0, WIDTH)  # noqa: E731
+    drafted = drafting_steps(WidthDrafting(), 300, cost)
+    plain = sorted(set(range(300)) - set(drafted))
+    first = FIRST_ROUNDS + PROBE_STEPS + REPROBE_EVERY
+    waits = [2 * REPROBE_EVERY, 4 * REPROBE_EVERY, 8 * REPROBE_EVERY]
+    expected = [s for s in probes(first, waits) if s < 300]
+    assert plain == list(range(FIRST_ROUNDS, FIRST_ROUNDS + PROBE_STEPS)) + expected
+
+
+def test_a_change_of_choice_brings_the_next_probe_back_soon() -> None:
+    """Rounds win, then (the text turns unpredictable) lose: once the medians say so, the
+    width decodes plainly, and its first probe comes REPROBE_EVERY steps later, not after the
+    long wait the winning choice had reached."""
+    turn = 150
+
+    def cost(i: int, draft: bool) -> tuple[float, int]:
+        if not draft:
+            return 1.0, WIDTH
+        return (1.2, 2 * WIDTH) if i < turn else (3.0, WIDTH + 1)
+
+    policy = WidthDrafting()
+    drafted = drafting_steps(policy, 400, cost)
+    assert policy.widths[WIDTH].choice is False
+    # Drafting ends soon after the turn (the median of the kept rounds changes), and every
+    # step after that drafts only in probes of PROBE_STEPS steps.
+    after = [s for s in drafted if s >= turn]
+    switched = next(s for s in range(turn, 400) if s not in drafted)
+    assert switched < turn + 16
+    late = [s for s in after if s > switched]
+    assert late and len(late) % PROBE_STEPS == 0
+    assert late[0] - switched == REPROBE_EVERY
