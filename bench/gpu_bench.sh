@@ -37,6 +37,10 @@
 # layers); `ab-rows2`: its 2-row routes, lm_head-wide only vs every matrix timed (9b);
 # target `plain-steps`: bench/plain_steps.py at 9b and 4b (stock, --no-mtp and the decoder's
 # plain modes, per-token times; issue 31);
+# target `batch-SHAPE` (issue 30): `mtpkit bench --random SHAPE --batch ${BATCH:-4,8}
+# --acceptance ${BATCH_ACCEPTANCE:-0,0.8} --depth 1` into $OUT/batch-SHAPE.json, then
+# bench/batch_table.py over every batch-*.json (MTP and adaptive drafting over stock
+# batch_generate at each width, in the same trials);
 # target `profile`: bench/profile_stages.py at 0.8b and 9b (a round's stages); `profile-tiny`:
 # the same on the bundled example (after target `tiny`, which converts it); `sdpa`:
 # bench/sdpa_shapes.py (attention's cost at key lengths never seen, by head size and mask).
@@ -98,6 +102,16 @@ bench() {
       continue
     elif [ "$target" = sdpa ]; then  # does attention build per new key length? (verify)
       timeout "$limit" python3 bench/sdpa_shapes.py 2>&1 | tee "$OUT/sdpa.txt" >&2
+      continue
+    elif [ "${target#batch-}" != "$target" ]; then  # batched MTP over stock's batch_generate
+      $stuck python3 -X faulthandler -m mtpkit bench --random "${target#batch-}" --dtype "${DTYPE:-bfloat16}" \
+        --batch "${BATCH:-4,8}" --acceptance "${BATCH_ACCEPTANCE:-0,0.8}" --depth 1 \
+        --trials "${TRIALS:-5}" --max-tokens "${MAX_TOKENS:-128}" --json \
+        ${PROMPT_TOKENS:+--prompt-tokens "$PROMPT_TOKENS"} \
+        > "$OUT/$target$tag.json" 2> "$OUT/$target$tag.log"
+      echo "rc $? for $target$tag" >&2
+      tail -2 "$OUT/$target$tag.log" >&2
+      python3 bench/batch_table.py "$OUT"/batch-*.json | tee "$OUT/batch-table.md" >&2
       continue
     elif [ "$target" = profile-tiny ]; then  # the bundled example's round (after `tiny`)
       timeout "$limit" python3 bench/profile_stages.py /tmp/mtpkit-tiny 2 24 2>&1 \
