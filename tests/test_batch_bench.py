@@ -70,3 +70,19 @@ def test_batch_rows_take_the_prompts_in_turn_at_a_context_length(mimo: Path) -> 
     single = runner.invoke(app, ["bench", "--model", str(mimo), "-p", "a", "-p", "b"])
     assert single.exit_code == 2
     assert "several --prompt are the rows of --batch" in single.output
+
+
+def test_an_untimed_trial_first_is_left_out_of_the_figures(mimo: Path) -> None:
+    """What a GPU runs by default (first-use kernel builds kept out of the trials): one whole
+    trial, every width and configuration, whose figures are not counted."""
+    from mtpkit.bench.batch import bench_batch
+
+    lines: list[str] = []
+    result = bench_batch(mimo, widths=[1, 2], prompts=["hello"], max_tokens=5, trials=2,
+                         acceptances=[1.0], progress=lines.append, warm_trial=True)  # fmt: skip
+    untimed = [line for line in lines if line.startswith("untimed trial:")]
+    assert len(untimed) == 2 * 3  # two widths: stock and two MTP configurations each
+    assert len(lines) == 3 * len(untimed)  # then the two counted trials
+    for run in result.runs:
+        assert len(run.stock_tps.values) == 2
+        assert all(len(f.values) == 2 for f in run.speedup.values())

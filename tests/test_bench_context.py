@@ -58,3 +58,19 @@ def test_bench_decodes_after_the_context_asked_with_the_collector_off(
 def test_prompt_tokens_below_one_is_a_usage_error() -> None:
     result = runner.invoke(app, ["bench", "--model", "m", "--prompt-tokens", "0"])
     assert result.exit_code == 2
+
+
+def test_an_untimed_trial_first_is_left_out_of_the_figures(converted: Path) -> None:
+    """What a GPU runs by default (first-use kernel builds kept out of the trials): one whole
+    trial of every configuration first, its figures not counted."""
+    lines: list[str] = []
+    result = speed.bench(converted, max_tokens=6, max_depth=1, trials=2, repeats=2,
+                         acceptances=[1.0], progress=lines.append, warm_trial=True)  # fmt: skip
+    untimed = [line for line in lines if line.startswith("untimed trial:")]
+    # stock, --no-mtp, depth 1 and adaptive drafting; then the same in each counted trial
+    assert len(untimed) == 4
+    assert sum(line.startswith("trial ") for line in lines) == 2 * len(untimed)
+    report = result.to_json()
+    assert report["trials"] == 2
+    assert all(len(run.decode_tps.values) == 2 for run in result.runs)
+    assert all(run.acceptances == [1.0, 1.0] for run in result.runs)

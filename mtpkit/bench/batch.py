@@ -9,6 +9,9 @@ adaptive.py`), each with the head's drafts or at each `--acceptance` (oracle dra
 disturbance of the machine hits both alike. The figures are aggregate decode tok/s (tokens
 after each row's first over the decoding time, as stock's `generation_tps` counts them), per
 request (aggregate / B), and MTP's ratio to stock at the same width in the same trial.
+On a GPU one whole trial runs untimed first: a shape met for the first time builds its
+kernels there (seconds each; on a fresh CUDA machine a batched round's first use took 54 s),
+and the rounds of a trial meet shapes a short warm-up does not.
 """
 
 from __future__ import annotations
@@ -162,10 +165,14 @@ def bench_batch(
     chat_template: bool = True,
     seed: int = 0,
     progress: Callable[[str], None] | None = None,
+    warm_trial: bool | None = None,
 ) -> BatchBenchResult:
     """Batched MTP against stock mlx-lm's batched decoding at each width (module's text).
     Row i decodes `prompts[i % len(prompts)]`; `prompt_tokens`: each prompt made that long
-    (`prompt_of_length`; `synthetic`: random ids, a random-weight model's context)."""
+    (`prompt_of_length`; `synthetic`: random ids, a random-weight model's context).
+    `warm_trial` (default: on a GPU) runs one whole trial untimed first: there a shape met
+    for the first time builds its kernels, seconds each, which short warm-ups miss (a round
+    whose rows keep new counts, a key length not seen)."""
     if trials < 1 or max_tokens < 2 or not widths or min(widths) < 1 or not prompts:
         raise MtpkitError("--batch takes widths of at least 1; trials >= 1, max-tokens >= 2")
     say = progress or (lambda s: None)
@@ -199,47 +206,79 @@ def bench_batch(
             for t in encoded
         ]  # fmt: skip
 
-        def rows(width: int) -> list[list[int]]:
-            return [encoded[i % len(encoded)] for i in range(width)]
-
         kinds: list[float | None] = list(acceptances) if acceptances is not None else [None]
         runs = [WidthRun(w) for w in widths]
-        for run in runs:  # warm up every width: kernel builds fall outside the trials
-            stock_batch_tps(stock_model, stock_tokenizer, rows(run.width), 8)
-            mtp_batch_run(m, rows(run.width), depth, 8)
         lengths = sorted({len(t) for t in encoded})
         result = BatchBenchResult(str(model), lengths, max_tokens, trials, depth, kinds, runs)
-        for trial in range(trials):
-            at = f"trial {trial + 1}/{trials}:"
+        context = _Context(m, stock_model, stock_tokenizer, encoded, references, max_tokens, seed)
+        if warm_trial is None:
+            warm_trial = device_name() == "gpu"
+        if warm_trial:  # a whole trial untimed: every shape the trials meet is built first
+            _trial(context, result, "untimed trial:", say, record=False)
+        else:  # kernel builds at each width fall outside the trials
             for run in runs:
-                batch = rows(run.width)
-                base = stock_batch_tps(stock_model, stock_tokenizer, batch, max_tokens)
-                run.stock_tps.values.append(base)
-                say(f"{at} batch {run.width} stock mlx-lm {base:.1f} tok/s")
-                for config in result.configs:
-                    a, adaptive = config
-                    oracles = None
-                    if a is not None:
-                        oracles = [
-                            OracleDrafts(
-                                references[i % len(encoded)], len(batch[i]), a, vocab, seed + i
-                            )
-                            for i in range(run.width)
-                        ]
-                    rate, accepted, plain = mtp_batch_run(
-                        m, batch, depth, max_tokens, oracles, adaptive
-                    )
-                    run.mtp_tps.setdefault(config, Figure()).values.append(rate)
-                    ratio = rate / base if base else 0.0
-                    run.speedup.setdefault(config, Figure()).values.append(ratio)
-                    run.acceptance.setdefault(config, [])
-                    if accepted is not None:
-                        run.acceptance[config].append(accepted)
-                    run.plain_share.setdefault(config, []).append(plain)
-                    say(f"{at} batch {run.width} {_name(config)} {rate:.1f} tok/s")
+                stock_batch_tps(stock_model, stock_tokenizer, context.rows(run.width), 8)
+                mtp_batch_run(m, context.rows(run.width), depth, 8)
+        for trial in range(trials):
+            _trial(context, result, f"trial {trial + 1}/{trials}:", say)
         return result
     finally:
         m.tokenizer.eos_token_ids = eos
+
+
+@dataclass
+class _Context:
+    """What every trial decodes: the two loads, the prompts and their greedy references."""
+
+    m: MtpModel
+    stock_model: Any
+    stock_tokenizer: Any
+    encoded: list[list[int]]
+    references: list[list[int]]
+    max_tokens: int
+    seed: int
+
+    def rows(self, width: int) -> list[list[int]]:
+        return [self.encoded[i % len(self.encoded)] for i in range(width)]
+
+
+def _trial(
+    c: _Context,
+    result: BatchBenchResult,
+    at: str,
+    say: Callable[[str], None],
+    record: bool = True,
+) -> None:
+    """One trial: at each width, stock's batch_generate, then MTP in every configuration;
+    their figures added to `result` (unless `record` is off: a warm-up)."""
+    vocab = int(c.m.embedding.weight.shape[0])
+    for run in result.runs:
+        batch = c.rows(run.width)
+        base = stock_batch_tps(c.stock_model, c.stock_tokenizer, batch, c.max_tokens)
+        if record:
+            run.stock_tps.values.append(base)
+        say(f"{at} batch {run.width} stock mlx-lm {base:.1f} tok/s")
+        for config in result.configs:
+            a, adaptive = config
+            oracles = None
+            if a is not None:
+                n = len(c.encoded)
+                oracles = [
+                    OracleDrafts(c.references[i % n], len(batch[i]), a, vocab, c.seed + i)
+                    for i in range(run.width)
+                ]
+            rate, accepted, plain = mtp_batch_run(
+                c.m, batch, result.depth, c.max_tokens, oracles, adaptive
+            )
+            say(f"{at} batch {run.width} {_name(config)} {rate:.1f} tok/s")
+            if not record:
+                continue
+            run.mtp_tps.setdefault(config, Figure()).values.append(rate)
+            run.speedup.setdefault(config, Figure()).values.append(rate / base if base else 0.0)
+            run.acceptance.setdefault(config, [])
+            if accepted is not None:
+                run.acceptance[config].append(accepted)
+            run.plain_share.setdefault(config, []).append(plain)
 
 
 def _name(config: Config) -> str:

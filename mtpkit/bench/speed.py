@@ -14,7 +14,10 @@ tokens per round from the per-depth acceptance and beta_K the (K+1)-token verify
 
 Every figure is the median of interleaved trials with its range (min-max): each trial runs
 every configuration once, so a disturbance of the machine hits them all alike, and each
-speedup is a ratio to stock decoding within the same trial. Every timed run starts after a
+speedup is a ratio to stock decoding within the same trial. On a GPU one whole trial runs
+untimed first (`warm_trial`): a shape met for the first time builds its kernels there, for
+seconds (a verify whose rollback keeps a count not seen before, a key length not seen), and
+a short warm-up meets only some of them. Every timed run starts after a
 collection and runs with Python's collector off (`_quiet`): a collection inside a run (the
 decoder's rounds make more objects than stock's loop, so more collections) timed the
 collector, not the decoding. `prompt_tokens` sets the context: the prompt repeated to that
@@ -266,6 +269,7 @@ def bench(
     num_draft_tokens: int = 3,
     prompt_tokens: int | None = None,
     synthetic: bool = False,
+    warm_trial: bool | None = None,
 ) -> BenchResult:
     """Measure plain decoding against MTP decoding at depths 1..max_depth; `progress` gets a
     line per stage and per measured run. `acceptances`: instead of the head's own drafts,
@@ -308,6 +312,7 @@ def bench(
             for name in factories
         ]
         plan = Plan(max_tokens, max_depth, trials, acceptances, seed, rows, m.has_head)
+        plan.warm_trial = device_name() == "gpu" if warm_trial is None else warm_trial
         return _trials(m, str(model), tokens, costs, plan, say, draft, factories)
     finally:
         m.tokenizer.eos_token_ids = eos
@@ -327,6 +332,8 @@ class Plan:
     # Proposers besides the head: (name, depth, adaptive) of each one's row.
     drafters: list[tuple[str, int, bool]] = field(default_factory=list)
     head: bool = True
+    # One whole trial untimed before the counted ones (bench's default on a GPU).
+    warm_trial: bool = False
 
     def configs(self) -> list[Config]:
         """The MTP runs each trial makes after stock and --no-mtp: depths 1..K and adaptive
@@ -383,13 +390,15 @@ def _trials(
         vocab = int(m.embedding.weight.shape[0])
         for a in plan.acceptances:
             filters[a] = OracleDrafts(reference, len(tokens), a, vocab, plan.seed)
-    plain, no_mtp, no_mtp_speedup = Figure(), Figure(), Figure()
-    runs = {
-        c: BenchRun(c[0], c[1], [], [], Figure(), Figure(), Figure(), oracle=c[2], drafter=c[3])
-        for c in plan.configs()
-    }
-    for trial in range(plan.trials):
-        at = f"trial {trial + 1}/{plan.trials}:"
+    for trial in range(-1 if plan.warm_trial else 0, plan.trials):
+        at = f"trial {trial + 1}/{plan.trials}:" if trial >= 0 else "untimed trial:"
+        if trial <= 0:  # the untimed trial's figures are dropped
+            plain, no_mtp, no_mtp_speedup = Figure(), Figure(), Figure()
+            runs = {
+                c: BenchRun(c[0], c[1], [], [], Figure(), Figure(), Figure(), oracle=c[2],
+                            drafter=c[3])
+                for c in plan.configs()
+            }  # fmt: skip
         with _quiet():
             base = _stock_run(
                 stock_model, stock_tokenizer, tokens, plan.max_tokens, m.lockstep.tick
@@ -402,8 +411,12 @@ def _trials(
         say(f"{at} mtpkit --no-mtp {no_mtp.values[-1]:.1f} tok/s")
         no_mtp_speedup.values.append(no_mtp.values[-1] / base if base else 0.0)
         if draft is not None and not draft.result.unavailable:
-            rate = draft.run(stock_model, stock_tokenizer, tokens, plan.max_tokens, base)
-            say(f"{at} draft model {rate:.1f} tok/s, {draft.result.acceptance:.1%} from the draft")
+            rate = draft.run(
+                stock_model, stock_tokenizer, tokens, plan.max_tokens, base if trial >= 0 else None
+            )
+            share = draft.result.acceptance
+            say(f"{at} draft model {rate:.1f} tok/s"
+                + (f", {share:.1%} from the draft" if share is not None else ""))  # fmt: skip
         for config, run in runs.items():
             depth, adaptive, oracle, drafter = config
             proposer = factories[drafter]() if drafter in factories else None
