@@ -400,9 +400,13 @@ def greedy_targets(logits: mx.array) -> mx.array:
 
 def _draw_rows(logits: mx.array, rows: list[Row]) -> mx.array:
     """Each row's token [B] from its logits [B, V]: the argmax for a greedy row, else a draw
-    as `_sample` takes it (by the row's own key when it has a seed)."""
+    as `_sample` takes it (by the row's own key when it has a seed). The argmax is over the
+    log-probabilities, as mlx-lm's greedy sampler takes it (in bfloat16 subtracting the
+    normalizer can make two logits tie); every row greedy, no per-row slices."""
     logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
     greedy = mx.argmax(logprobs, axis=-1).astype(mx.int32)
+    if all(row.sampling.greedy for row in rows):
+        return greedy
     picks = []
     for r, row in enumerate(rows):
         if row.sampling.greedy:
