@@ -41,6 +41,8 @@
 # --acceptance ${BATCH_ACCEPTANCE:-0,0.8} --depth 1` into $OUT/batch-SHAPE.json, then
 # bench/batch_table.py over every batch-*.json (MTP and adaptive drafting over stock
 # batch_generate at each width, in the same trials);
+# target `stall`: bench/batch_stall.py on qwen3_5-0.8b (each join and batched round timed:
+# first-use kernel builds), as is, with MTPKIT_KERNELS=0 and with MLX_USE_CUDA_GRAPHS=0;
 # target `profile`: bench/profile_stages.py at 0.8b and 9b (a round's stages); `profile-tiny`:
 # the same on the bundled example (after target `tiny`, which converts it); `sdpa`:
 # bench/sdpa_shapes.py (attention's cost at key lengths never seen, by head size and mask).
@@ -112,6 +114,13 @@ bench() {
       echo "rc $? for $target$tag" >&2
       tail -2 "$OUT/$target$tag.log" >&2
       python3 bench/batch_table.py "$OUT"/batch-*.json | tee "$OUT/batch-table.md" >&2
+      continue
+    elif [ "$target" = stall ]; then  # first-use builds of batched rounds (0.8b, fresh machine)
+      for env in "" MTPKIT_KERNELS=0 MLX_USE_CUDA_GRAPHS=0; do
+        echo "== stall ${env:-as is}" | tee -a "$OUT/stall.txt" >&2
+        env $env timeout "$limit" python3 bench/batch_stall.py qwen3_5-0.8b 24 /tmp/stall-08 1,4,8 \
+          $((limit - 10)) 2>&1 | tee -a "$OUT/stall.txt" | awk '$4 != "step" || $6 >= 1000' >&2
+      done
       continue
     elif [ "$target" = profile-tiny ]; then  # the bundled example's round (after `tiny`)
       timeout "$limit" python3 bench/profile_stages.py /tmp/mtpkit-tiny 2 24 2>&1 \
