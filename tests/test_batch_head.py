@@ -64,3 +64,55 @@ def test_each_rows_drafts_are_the_heads_predictions(
         kept = sum(1 for p, d in row.draft_log if p < len(sequence) and d[0] == sequence[p])
         assert row.accepted == kept
     assert sum(row.accepted for row in rows) > 10
+
+
+@pytest.mark.parametrize("at", [0, 1, 2], ids=["first-draft", "second-draft", "bonus"])
+def test_a_row_ending_at_an_eos_counts_its_drafts_as_one_stream_does(m, at: int) -> None:
+    """A row whose EOS comes inside a round (as its first or second kept draft, or as the
+    round's own token) counts drafted and accepted as one stream's decoder does (drafts past
+    the EOS count for nothing): the single stream (`MtpDecoder`, another code path) is the
+    reference for that round, the EOS chosen from the tokens a depth-2 round confirms."""
+    from mtpkit.speculative.decode import MtpDecoder, SamplingSettings
+
+    prompt = m.tokenizer.encode(TEXTS[0])
+    probe = BatchDecoder(m, depth=2)
+    probe.eos = set()
+    row = probe.add(prompt, max_tokens=40)
+    while probe.rows:
+        probe.step()
+    # A round that kept both drafts; its tokens, EOS candidates, must not occur earlier in
+    # the output, so that the row ends in that round (the example's text soon repeats).
+    rounds = [(p - len(prompt), d) for p, d in row.draft_log]
+    start, _ = next(
+        (i, d) for i, d in rounds
+        if row.tokens[i : i + 2] == d and len(set(row.tokens[i : i + 3])) == 3
+        and not set(row.tokens[i : i + 3]) & set(row.tokens[:i])
+    )  # fmt: skip
+    eos = row.tokens[start + at]
+    saved = m.tokenizer.eos_token_ids
+    try:
+        m.tokenizer.eos_token_ids = {eos}
+        batch = BatchDecoder(m, depth=2)
+        batched = batch.add(prompt, max_tokens=40)
+        while batch.rows:
+            batch.step()
+        single = MtpDecoder(m, prompt, depth=2, sampling=SamplingSettings(), adaptive=False)
+        alone = list(single.tokens(40))
+    finally:
+        m.tokenizer.eos_token_ids = saved
+    assert batched.tokens == alone == row.tokens[: start + at]
+    # The round the EOS ended keeps the same drafts counted in both decoders (their first
+    # rounds differ by design, so their totals are not compared) ...
+    assert batched.draft_log[-1] == single.stats.draft_log[-1]
+    assert len(batched.draft_log[-1][1]) == min(at, 2)
+    # ... and the row's counts are its log's: every draft left in it, each kept while the
+    # output agrees with it.
+    sequence = prompt + batched.tokens
+    kept = 0
+    for position, drafts in batched.draft_log:
+        for j, draft in enumerate(drafts):
+            if position + j >= len(sequence) or sequence[position + j] != draft:
+                break
+            kept += 1
+    assert batched.drafted == sum(len(d) for _, d in batched.draft_log)
+    assert batched.accepted == kept

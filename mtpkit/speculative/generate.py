@@ -216,7 +216,7 @@ def generate(
             options=options,
         )  # fmt: skip
         text = detokenize(m.tokenizer, it, on_token)
-        return _result(m, text, stats_fn(), False, max_tokens)
+        return generation_result(m, text, stats_fn(), False, max_tokens)
     require_depth(resolve_depth(depth, adaptive)[0])
     if not loads and seed is not None:
         mx.random.seed(seed)
@@ -227,7 +227,9 @@ def generate(
     for event in session:
         if on_token is not None and event.text:
             on_token(event.text)
-    result = _result(m, session.text, session.stats, True, max_tokens, session.finish_reason)
+    result = generation_result(
+        m, session.text, session.stats, True, max_tokens, session.finish_reason
+    )
     _warn_if_never_accepted(m, result, drafter, warn)
     return result
 
@@ -289,10 +291,12 @@ def _warn_if_never_accepted(
     (warn or (lambda s: print(f"Warning: {s}", file=sys.stderr)))(message)
 
 
-def _result(
+def generation_result(
     m: MtpModel, text: str, stats: Stats, use_mtp: bool, max_tokens: int,
     finish_reason: str | None = None,
 ) -> GenerationResult:  # fmt: skip
+    """A decode's result from its counts (`stats`), as mlx-lm reports one: `finish_reason`
+    None means stock decoding, which ends early only at an EOS."""
     depth = stats.depth
     generated = len(stats.generated)
     if finish_reason is None:  # stock decoding ends early only at an EOS

@@ -40,6 +40,7 @@ from mtpkit.speculative.accept import (
 from mtpkit.speculative.batch.adaptive import WidthDrafting
 from mtpkit.speculative.batch.head import BatchHead, head_over_prompt
 from mtpkit.speculative.batch.rollback import batch_caches, verify_rows
+from mtpkit.speculative.decode import Stats
 
 GREEDY = SamplingSettings()
 STOP, LENGTH, CANCELLED = "stop", "length", "cancelled"
@@ -67,11 +68,25 @@ class Row:
     tokens: list[int] = field(default_factory=list)  # confirmed output, EOS excluded
     finish: str | None = None  # STOP, LENGTH or CANCELLED once done
     last: int = 0  # the last confirmed token; the backbone has not consumed it yet
-    drafted: int = 0
-    accepted: int = 0
-    rounds: int = 0
-    # (position in prompt + output of the first draft, the drafts) for every round.
-    draft_log: list[tuple[int, list[int]]] = field(default_factory=list)
+    # Its rounds counted as one stream counts them (per depth; drafts past an EOS left out);
+    # `stats.draft_log`: (position in prompt + output of the first draft, the drafts).
+    stats: Stats = field(default_factory=Stats)
+
+    @property
+    def drafted(self) -> int:
+        return self.stats.drafted
+
+    @property
+    def accepted(self) -> int:
+        return self.stats.accepted
+
+    @property
+    def rounds(self) -> int:
+        return self.stats.rounds
+
+    @property
+    def draft_log(self) -> list[tuple[int, list[int]]]:
+        return self.stats.draft_log
 
     @property
     def position(self) -> int:
@@ -303,12 +318,16 @@ class BatchDecoder:
         return {row.uid: self._record(row, v) for row, v in zip(rows, verdicts, strict=True)}
 
     def _record(self, row: Row, v: Verdict) -> list[int]:
-        row.draft_log.append((row.position, v.drafts))
-        row.rounds += 1
-        row.drafted += len(v.drafts)
-        row.accepted += v.accepted
+        stats = row.stats
+        if v.drafts:
+            stats.record_round(row.position, v.drafts, v.accepted)
+        else:  # the row's drafting is off: a plain step inside the round
+            stats.draft_log.append((row.position, []))
+            stats.rounds += 1
         before = len(row.tokens)
         self._confirm(row, v.confirmed)
+        if row.finish == STOP and v.drafts:  # an EOS: drafts past it count for nothing
+            stats.end_round_at(len(row.tokens) - before)
         return row.tokens[before:]
 
     def _confirm(self, row: Row, tokens: list[int]) -> bool:

@@ -26,6 +26,7 @@ from mtpkit.speculative.generate import (
     GenerationResult,
     add_eos_tokens,
     detokenize,
+    generation_result,
     load_target,
     prompt_tokens,
     use_head,
@@ -147,31 +148,13 @@ def _mtp_batch(
 def _entry_result(
     m: MtpModel, entry: BatchEntry, decode_time: float, max_tokens: int
 ) -> GenerationResult:
-    """One request's result as one stream reports it: its own text, tokens and drafting
-    counts, its decode rate over the time it decoded in the batch."""
+    """One request's result as one stream reports it (`generation_result`): its own text, tokens and
+    drafting counts, its decode rate over the time it decoded in the batch; its prompt rate
+    is the batch's (`BatchGenerationResult.prompt_tps`)."""
     stats = entry.stats
-    tokens = list(stats.generated)
+    stats.decode_tokens, stats.decode_time = max(len(stats.generated) - 1, 0), decode_time
     finish = STOP if entry.finish_reason == STOP else "length"
-    after_first = len(tokens) - 1
-    acceptance = stats.accepted / stats.drafted if stats.drafted else None
-    return GenerationResult(
-        text=entry.text,
-        tokens=tokens,
-        prompt_tokens=len(entry.request.prompt),
-        drafted=stats.drafted,
-        accepted=stats.accepted,
-        acceptance_by_depth=[acceptance],
-        decode_tps=after_first / decode_time if after_first > 0 and decode_time > 0 else None,
-        prompt_tps=0.0,  # the prefills are the batch's (`BatchGenerationResult.prompt_tps`)
-        peak_memory_gb=mx.get_peak_memory() / 1e9,
-        mtp=True,
-        depth=stats.depth,
-        moe_dtype=m.moe_dtype,
-        rounds_by_depth=[stats.rounds],
-        drafter=stats.proposer,
-        finish_reason=finish,
-        generation_tokens=len(tokens) + (finish == STOP and len(tokens) < max_tokens),
-    )
+    return generation_result(m, entry.text, stats, True, max_tokens, finish)
 
 
 def _stock_batch(

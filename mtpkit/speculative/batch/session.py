@@ -14,6 +14,7 @@ the batch: then every round drafts, so that its text is the same alone or in any
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -49,11 +50,12 @@ class BatchEntry:
     def stats(self) -> Stats:
         """The request's own counts, in the shape one stream reports them."""
         row = self.row
-        stats = Stats(prompt_tokens=len(self.request.prompt), proposer="mtp")
-        if row is not None:
-            stats.depth, stats.drafted, stats.accepted = row.depth, row.drafted, row.accepted
-            stats.rounds, stats.generated = row.rounds, list(row.tokens)
-            stats.draft_log = list(row.draft_log)
+        prompt = len(self.request.prompt)
+        if row is None:
+            return Stats(prompt_tokens=prompt, proposer="mtp")
+        stats = copy.deepcopy(row.stats)
+        stats.prompt_tokens, stats.proposer, stats.depth = prompt, "mtp", row.depth
+        stats.generated = list(row.tokens)
         return stats
 
 
