@@ -99,3 +99,17 @@ def test_a_bad_prompt_is_named_by_its_place(converted: Path) -> None:
     result = run("generate", "--model", str(converted), "-p", "a", "-p", "", "--no-chat-template")
     assert result.exit_code == 1
     assert result.stderr.splitlines() == ["Error: prompt 2 of 2: the prompt is empty"]
+
+
+def test_escapes_are_read_in_every_prompt_and_the_note_comes_once(converted: Path) -> None:
+    """\\n in each of several prompts is a newline, as mlx_lm.generate reads one prompt's;
+    --trust-remote-code's note is printed once."""
+    from mtpkit.cli.options import REMOTE_CODE_NOTE
+
+    result = run("generate", "--model", str(converted), "-p", "def f(x):\\n    return", "-p",
+                 "a\\tb", "-m", "4", "--no-chat-template", "--json", "--trust-remote-code")  # fmt: skip
+    assert result.exit_code == 0, result.output
+    assert result.output.count(REMOTE_CODE_NOTE) == 1
+    requests = json.loads(result.stdout)["requests"]
+    expected = [len(prompt_ids(converted, p)) for p in ("def f(x):\n    return", "a\tb")]
+    assert [r["prompt_tokens"] for r in requests] == expected

@@ -127,11 +127,12 @@ def generate_command(
     )  # fmt: skip
     if trust_remote_code:
         typer.echo(REMOTE_CODE_NOTE, err=True)
-    if len(prompt or ()) > 1:
-        _generate_several(ctx, prompt, mode, template_args)
+    # \\n and \\t as mlx_lm.generate reads them
+    texts = [p.replace("\\n", "\n").replace("\\t", "\t") for p in prompt or [DEFAULT_PROMPT]]
+    if len(texts) > 1:
+        _generate_several(ctx, texts, mode, template_args)
         return
-    text = (prompt or [DEFAULT_PROMPT])[0]
-    text = text.replace("\\n", "\n").replace("\\t", "\t")  # as mlx_lm.generate reads it
+    text = texts[0]
     if text == "-" and rank_number() is not None:
         refuse_on_ranks(
             "--prompt - reads standard input, which mlx.launch hands every rank without ever "
@@ -205,13 +206,10 @@ def _generate_several(
     from mtpkit.core.console import warn
 
     refuse_one_stream_options(ctx)
-    texts = [p.replace("\\n", "\n").replace("\\t", "\t") for p in prompts]
-    if texts.count("-") > 1:
+    if prompts.count("-") > 1:
         ctx.fail("--prompt - reads standard input once: pass the other prompts as text")
-    texts = [read_stdin_prompt() if t == "-" else t for t in texts]
+    texts = [read_stdin_prompt() if t == "-" else t for t in prompts]
     p = ctx.params
-    if p["trust_remote_code"]:
-        typer.echo(REMOTE_CODE_NOTE, err=True)
     generate_several(
         p["model"], texts, json_output=p["json_output"],
         verbose=p["verbose"] == "True" and not p["json_output"], warn=warn,
