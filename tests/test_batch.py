@@ -129,6 +129,36 @@ def test_rows_of_different_lengths_with_partial_acceptance_per_row(m, stock) -> 
 
 
 @pytest.mark.parametrize(
+    "model_dir", ["mimo", "deepseek_v3", "exaone_moe", "qwen3_5"], indirect=True
+)
+def test_rows_with_few_query_attention_by_ops(m, stock, monkeypatch: pytest.MonkeyPatch) -> None:
+    """What a CUDA GPU runs (no cuDNN build per key length): the batched verify's and the
+    head's attention of a few queries computed from plain ops, over the rows' left-padded
+    masks (attention, MLA, sliding windows, and the gated-delta-net hybrid's full layers);
+    each row with its own partial acceptance is still its single stream."""
+    from mtpkit.runtime.kernels import attention
+
+    calls = []
+    by_ops = attention.attention_by_ops
+
+    def counted(*args, **kwargs):
+        calls.append(args[0].shape)
+        return by_ops(*args, **kwargs)
+
+    monkeypatch.setattr(attention, "cuda_available", lambda: True)
+    monkeypatch.setattr(attention, "attention_by_ops", counted)
+    n = 20
+    decoder = BatchDecoder(m, depth=2)
+    decoder.eos = set()
+    plans = {uid: ([2, 0, 1] * 10)[uid:] for uid in range(len(UNEQUAL))}
+    references = {uid: stock(p, n, eos=False) for uid, p in enumerate(UNEQUAL)}
+    inject_per_row(decoder, references, plans, m.embedding.weight.shape[0])
+    for row in decoder.generate(UNEQUAL, max_tokens=n):
+        assert row.tokens == references[row.uid]
+    assert calls and all(shape[0] == len(UNEQUAL) for shape in calls)
+
+
+@pytest.mark.parametrize(
     "model_dir",
     [*LAYOUTS, "exaone_moe", "nemotron_h", "bailing_moe_v3", "deepseek_v32"],
     indirect=True,

@@ -15,6 +15,7 @@ from typing import Any
 
 import mlx.core as mx
 
+from mtpkit.runtime.kernels.attention import few_query_attention
 from mtpkit.runtime.model import POST_NORM, MtpModel
 from mtpkit.speculative.accept import SamplingSettings
 from mtpkit.speculative.batch.rollback import drop_per_row
@@ -60,7 +61,8 @@ class BatchHead:
         hidden = mx.concatenate([h for h, _ in self.pending], axis=1)
         tokens = mx.concatenate([t for _, t in self.pending], axis=1)
         self.pending = []
-        self.ready = self.head(hidden, self.m.embed(tokens), self.cache, step=0)[:, -1:]
+        with few_query_attention():  # a few pairs at a new length (CUDA: no build)
+            self.ready = self.head(hidden, self.m.embed(tokens), self.cache, step=0)[:, -1:]
 
     def propose(
         self, depth: int, sampling: list[SamplingSettings], keys: list[list[mx.array | None]]
@@ -118,7 +120,8 @@ class BatchHead:
         for cache, n in zip(self.cache, per_layer, strict=True):
             if n:
                 cache.trim(n)
-        return self.head(hidden, self.m.embed(followers), self.cache, step=0)
+        with few_query_attention():
+            return self.head(hidden, self.m.embed(followers), self.cache, step=0)
 
     def settle(self, out: mx.array, kept: list[int]) -> None:
         """Row r keeps its first `kept[r]` pairs of the round; it drafts next from the last."""

@@ -38,6 +38,7 @@ import mlx.core as mx
 
 from mtpkit.core.errors import MtpkitError
 from mtpkit.mlxlm import cut_window, window_in_temporal_order
+from mtpkit.runtime.kernels.attention import few_query_attention
 from mtpkit.runtime.model import MtpModel
 from mtpkit.runtime.rollback.gdn import GdnSnapshots, capture_gdn_states, is_recurrent_cache
 from mtpkit.runtime.rollback.replay import gdn_covers, is_trimmable
@@ -220,6 +221,6 @@ def verify_rows(m: MtpModel, tokens: mx.array, caches: list[Any]) -> BatchVerify
     for cache in _leaves(caches):
         if isinstance(cache, BatchRotatingKVCache):
             window_in_temporal_order(cache)
-    with capture_gdn_states(snapshots):
+    with capture_gdn_states(snapshots), few_query_attention():  # as one stream's verify
         logits, hidden = m.forward(tokens, caches)
     return BatchVerifyPass(logits, hidden, snapshots, tokens.shape[1], replay)
