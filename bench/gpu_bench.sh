@@ -18,6 +18,10 @@
 #      run(command="bash bench/gpu_bench.sh bench qwen3_5_moe-35b-a3b-8l", carry=[".gpu/install.sh"])
 #    Each call returns $OUT/bench-<target>.json, its log, and bench-table.md for its targets
 #    (target `compile`: bench/compile_verdict.py's output, compile-verdict.txt).
+#    Before the machine goes (the first builds of each shape cost minutes on a fresh one):
+#      run(command="bash bench/gpu_bench.sh ptx-save")   # $OUT/ptx.tgz comes back
+#    and next session copy it to .gpu/ptx.tgz and carry it in a call of its own right after
+#    staging: run(command="bash bench/gpu_bench.sh stage", carry=[".gpu/ptx.tgz"]).
 # 4. Here, one table of everything that came back:
 #      python bench/bench_table.py DIR/bench-*.json     # DIR: where the run tool put $OUT
 #
@@ -56,8 +60,17 @@ mkdir -p "$OUT"
 
 stage() {
   mkdir -p /tmp/w
+  if [ -f .gpu/ptx.tgz ]; then  # MLX's CUDA JIT builds kept from an earlier session (ptx-save)
+    tar xzf .gpu/ptx.tgz -C /tmp && du -sh /tmp/mlx
+    ls .gpu/part-* >/dev/null 2>&1 || return 0
+  fi
   cp .gpu/part-* /tmp/w/ || { echo "no .gpu/part-* carried" >&2; exit 1; }
   ls -la /tmp/w
+}
+
+ptx_save() {  # MLX's CUDA JIT builds (/tmp/mlx/<version>/ptx) into $OUT/ptx.tgz
+  [ -d /tmp/mlx ] || { echo "no /tmp/mlx: nothing built yet" >&2; exit 1; }
+  tar czf "$OUT/ptx.tgz" -C /tmp mlx && ls -la "$OUT/ptx.tgz"
 }
 
 install() {
@@ -154,5 +167,6 @@ bench() {
 case "${1:-}" in
   stage) stage ;;
   bench) shift; bench "$@" ;;
-  *) sed -n '2,42p' "$0"; exit 2 ;;
+  ptx-save) ptx_save ;;
+  *) sed -n '2,55p' "$0"; exit 2 ;;
 esac
