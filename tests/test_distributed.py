@@ -259,8 +259,12 @@ def test_a_failing_rank_ends_every_rank_with_one_line(
     assert not [line for line in lines if "Traceback" in line or line.startswith("[ring]")]
     if failure == "stopped":
         assert "no progress for" in errors[0]
-    else:  # MLX's ring backend raises, or at times crashes (reported by the supervisor)
-        assert "lost the connection to another rank" in errors[0] or "crashed" in errors[0]
+    else:  # MLX's ring backend raises, at times crashes (reported by the supervisor), or
+        # at times waits on the dead socket until the watchdog ends it (seen in CI)
+        assert any(
+            cause in errors[0]
+            for cause in ("lost the connection to another rank", "crashed", "no progress for")
+        ), errors
 
 
 def test_a_family_without_sharding_is_one_line(tmp_path: Path) -> None:

@@ -262,9 +262,9 @@ def test_a_rank_stopped_while_loading_ends_the_others(
     assert root.returncode == 1, err
     [line] = errors(err)
     assert re.fullmatch(
-        r"Error: rank 0: no progress for \d+ s: another rank stopped, never started or runs "
-        r"another command, or the network between the machines broke \(--timeout sets the "
-        r"limit\)",
+        r"Error: rank 0: no progress for \d+ s: another rank failed, stopped, never started or "
+        r"runs another command, or the network between the machines broke \(--timeout sets "
+        r"the limit\)",
         line,
     ), err
 

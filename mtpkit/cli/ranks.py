@@ -4,6 +4,8 @@ failure ends every rank with one line.
 - A rank whose peer exits sees MLX's "[ring] connection to a peer was lost" as an exception:
   it becomes `Error: rank N: ...` and exit 1, like any other error (MLX's ring backend also
   writes a "[ring] ..." line per failed socket; those are dropped unless MLX_RING_VERBOSE=1).
+  At times the ring waits on a dead peer's socket instead of raising: the watchdog below
+  ends that wait too.
 - A rank whose peer stops answering (a stopped process, a pulled cable, a rank that never
   started or runs another command) would wait inside a collective, or in the ring's set-up,
   forever: the watchdog (`mtpkit.runtime.ranks.Watchdog`), armed from the rank's start, ends
@@ -173,9 +175,9 @@ def on_ranks(
 
     def on_timeout(idle: float) -> None:
         _exit_with(
-            f"Error: rank {rank}: no progress for {idle:.0f} s: another rank stopped, never "
-            "started or runs another command, or the network between the machines broke "
-            "(--timeout sets the limit)"
+            f"Error: rank {rank}: no progress for {idle:.0f} s: another rank failed, stopped, "
+            "never started or runs another command, or the network between the machines "
+            "broke (--timeout sets the limit)"
         )
 
     watchdog = WATCHDOG[0] = Watchdog(timeout, on_timeout)
