@@ -49,6 +49,9 @@ def fork_cache(cache: Any) -> Any:
 
     forked = copy.copy(cache)
     restore_state(forked, saved_state(cache))
+    for name, value in vars(forked).items():  # mlx-lm's CacheList: its caches forked too
+        if isinstance(value, (list, tuple)) and value and all(is_cache(v) for v in value):
+            setattr(forked, name, type(value)(fork_cache(v) for v in value))
     return forked
 
 
