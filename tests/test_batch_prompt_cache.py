@@ -12,8 +12,6 @@ pair) is exactly the row's.
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import mlx.core as mx
 import mlx_lm
 import pytest
@@ -47,7 +45,7 @@ def test_next_turns_join_from_the_cache_and_stay_stock(m, stock) -> None:  # noq
     while not short.done:
         decoder.step()
     key = UNEQUAL[0] + short.decoded
-    assert short.decoded[: len(short.tokens)] == short.tokens and len(key) > len(UNEQUAL[0]) + 8
+    assert short.decoded == short.tokens  # not what its last round confirmed past its end
     entry = entry_of(cache, key)
     assert isinstance(entry.proposer, HeadProposer)
     turn = [*key, 11, 12, 13]
@@ -83,22 +81,25 @@ def test_an_entry_extends_nothing_it_does_not_hold(m) -> None:  # noqa: F811
     assert row.stats.cached_tokens == 0
 
 
-def stock_tokens(prompt: list[int], n: int) -> list[int]:
-    """Stock mlx-lm's first `n` greedy tokens of `prompt` alone on the example, EOS or not."""
-    model, tokenizer = EXAMPLE_STOCK
-    tokenizer.eos_token_ids = []
-    out = [r.token for r in mlx_lm.stream_generate(model, tokenizer, mx.array(prompt), max_tokens=n)]
-    return out[:n]
-
-
-EXAMPLE_STOCK = mlx_lm.load(str(EXAMPLE))
-
-
 @pytest.fixture(scope="module")
 def example():
     from mtpkit.runtime.model import load_model
 
     return load_model(EXAMPLE)
+
+
+@pytest.fixture(scope="module")
+def stock_tokens():
+    """stock_tokens(prompt, n): stock mlx-lm's first `n` greedy tokens of `prompt` alone on
+    the example, EOS or not."""
+    model, tokenizer = mlx_lm.load(str(EXAMPLE))
+    tokenizer.eos_token_ids = []
+
+    def tokens(prompt: list[int], n: int) -> list[int]:
+        stream = mlx_lm.stream_generate(model, tokenizer, mx.array(prompt), max_tokens=n)
+        return [r.token for r in stream]
+
+    return tokens
 
 
 def until_done(decoder: BatchDecoder, row: Row, eos_at: tuple[Row, int, int] | None = None):
@@ -112,17 +113,16 @@ def until_done(decoder: BatchDecoder, row: Row, eos_at: tuple[Row, int, int] | N
     decoder.eos = set()
 
 
-def test_rows_from_entries_draft_the_heads_predictions(example) -> None:
+def test_rows_from_entries_draft_the_heads_predictions(example, stock_tokens) -> None:
     """Entries of every head state: a row that ended in a round (the head's output at its
     last pair), one that ended at its max_tokens in plain steps (pairs pending), one that met
     an EOS while the next plain step was queued (its entry takes that step's token and
     pair), and a prompt's own state. Next turns join from each while other rows decode:
     their tokens are stock's and each of their drafts is the head's own prediction."""
-    m = example
     cache = PromptCache(20)
-    decoder = BatchDecoder(m, depth=1, prompt_cache=cache)
+    decoder = BatchDecoder(example, depth=1, prompt_cache=cache)
     decoder.eos = set()
-    prompts = [m.tokenizer.encode(t) for t in TEXTS]
+    prompts = [example.tokenizer.encode(t) for t in TEXTS]
     in_round = decoder.add(prompts[0], max_tokens=10)
     busy = decoder.add(prompts[1], max_tokens=120)
     until_done(decoder, in_round)  # every step a round
@@ -149,7 +149,7 @@ def test_rows_from_entries_draft_the_heads_predictions(example) -> None:
     assert eos_entry.proposer.pending_tokens[-2:] == ref[k : k + 2]
 
     decoder.policy = Schedule([True, True, False])  # rounds, and plain steps between them
-    extra = m.tokenizer.encode(" and then")
+    extra = example.tokenizer.encode(" and then")
     turns = [
         prompts[0] + in_round.decoded + extra,
         prompts[2] + by_length.decoded + extra,
@@ -167,7 +167,7 @@ def test_rows_from_entries_draft_the_heads_predictions(example) -> None:
     assert busy.tokens == busy_ref
     for row, turn in zip(rows, turns, strict=True):
         assert row.tokens == stock_tokens(turn, 24)
-        predicted = head_predictions(m, row)
+        predicted = head_predictions(example, row)
         assert row.rounds > 3
         for position, drafts in row.draft_log:
             assert drafts == [predicted[position - 2]], (row.uid, position)
@@ -187,3 +187,45 @@ def test_one_streams_entry_of_cache_lists_is_its_own(m, stock) -> None:  # noqa:
     again = [e.token for e in second if e.token is not None]
     assert second.stats.cached_tokens == len(UNEQUAL[2]) - 1
     assert again == [t for t in first if t is not None] == stock(UNEQUAL[2], 12)
+
+
+def test_a_row_ending_at_an_eos_inside_a_round_keeps_its_state_up_to_the_eos(
+    example, stock_tokens
+) -> None:
+    """An EOS as the first of two kept drafts: the round confirms tokens past it, but the
+    row's caches keep its output and the EOS only (the state a conversation's next turn
+    extends: prompt, answer, end of turn), and a next turn joins from there."""
+    prompt = example.tokenizer.encode(TEXTS[0])
+    probe = BatchDecoder(example, depth=2)
+    probe.eos = set()
+    row = probe.add(prompt, max_tokens=40)
+    while probe.rows:
+        probe.step()
+    # A round that kept both drafts, whose tokens do not occur earlier in the output.
+    start = next(
+        p - len(prompt) for p, d in row.draft_log
+        if row.tokens[p - len(prompt) : p - len(prompt) + 2] == d
+        and not set(row.tokens[p - len(prompt) : p - len(prompt) + 3])
+        & set(row.tokens[: p - len(prompt)])
+    )  # fmt: skip
+    eos = row.tokens[start]
+    cache = PromptCache(4)
+    decoder = BatchDecoder(example, depth=2, prompt_cache=cache)
+    decoder.eos = {eos}
+    ended = decoder.add(prompt, max_tokens=40)
+    while decoder.rows:
+        decoder.step()
+    assert ended.finish == "stop" and ended.tokens == row.tokens[:start]
+    assert ended.decoded == [*ended.tokens, eos]
+    key = prompt + ended.decoded
+    assert tuple(key) in cache.entries
+    decoder.eos = set()
+    turn = key + example.tokenizer.encode(" and then")
+    follow = decoder.add(turn, max_tokens=20, cached=cache.longest_prefix(turn, "mtp"))
+    while decoder.rows:
+        decoder.step()
+    assert follow.stats.cached_tokens == len(key) - 1
+    assert follow.tokens == stock_tokens(turn, 20)
+    predicted = head_predictions(example, follow)
+    for position, drafts in follow.draft_log:
+        assert drafts[0] == predicted[position - 2]

@@ -71,8 +71,8 @@ class Row:
     # The row's own PRNG key (from its seed): its draws, alone or in any batch, are the same.
     key: mx.array | None = None
     tokens: list[int] = field(default_factory=list)  # confirmed output, EOS excluded
-    # Every token confirmed for it, an EOS and tokens past max_tokens included: its caches
-    # hold the prompt and these but the last (what a prompt cache's entry keeps).
+    # Its output and the EOS that ended it (a queued plain step's token past an EOS too):
+    # its caches hold the prompt and these but the last (what a prompt cache's entry keeps).
     decoded: list[int] = field(default_factory=list)
     finish: str | None = None  # STOP, LENGTH or CANCELLED once done
     last: int = 0  # the last confirmed token; the backbone has not consumed it yet
@@ -378,7 +378,7 @@ class BatchDecoder:
             ]
             if self.judge is not None:
                 verdicts = [self.judge(row, v) for row, v in zip(rows, verdicts, strict=True)]
-            kept = [v.accepted + 1 for v in verdicts]
+            kept = [self._taken(row, v.confirmed) for row, v in zip(rows, verdicts, strict=True)]
             verified.rollback(self.cache, kept)
             self.head.settle(out, kept)
         return {row.uid: self._record(row, v) for row, v in zip(rows, verdicts, strict=True)}
@@ -391,11 +391,22 @@ class BatchDecoder:
             stats.draft_log.append((row.position, []))
             stats.rounds += 1
         before = len(row.tokens)
-        row.decoded.extend(v.confirmed)
+        row.decoded.extend(v.confirmed[: self._taken(row, v.confirmed)])
         self._confirm(row, v.confirmed)
         if row.finish == STOP and v.drafts:  # an EOS: drafts past it count for nothing
             stats.end_round_at(len(row.tokens) - before)
         return row.tokens[before:]
+
+    def _taken(self, row: Row, confirmed: list[int]) -> int:
+        """How many of a round's confirmed tokens `row` takes (up to an EOS, included, or its
+        `max_tokens`): the verify inputs its caches keep, so that a row that ends holds its
+        prompt and output (and EOS) but the last, the state a next turn extends, not the
+        tokens the round confirmed past its end."""
+        room = row.max_tokens - len(row.tokens)
+        for i, token in enumerate(confirmed[:room]):
+            if token in self.eos:
+                return i + 1
+        return min(len(confirmed), room)
 
     def _confirm(self, row: Row, tokens: list[int]) -> bool:
         """Add confirmed tokens to `row` up to an EOS or its `max_tokens`; False once done."""
