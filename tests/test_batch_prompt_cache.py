@@ -229,3 +229,28 @@ def test_a_row_ending_at_an_eos_inside_a_round_keeps_its_state_up_to_the_eos(
     predicted = head_predictions(example, follow)
     for position, drafts in follow.draft_log:
         assert drafts[0] == predicted[position - 2]
+
+
+def test_one_stream_and_a_batch_continue_each_others_entries(example, stock_tokens) -> None:
+    """The engine's prompt cache is shared: a batch's row joins from a single-stream
+    session's entry, and a session continues from the entry a batch's row left."""
+    from mtpkit.speculative.batch.session import BatchSession
+    from mtpkit.speculative.session import Engine, Request
+
+    engine = Engine(example, mtp=True)
+    prompt = example.tokenizer.encode(TEXTS[1])
+    alone = engine.session(Request(prompt, max_tokens=8))
+    list(alone)
+    turn = prompt + alone.decoder.confirmed + example.tokenizer.encode(" and")
+    batch = BatchSession(engine)
+    entry = batch.add(Request(turn, max_tokens=8))
+    while batch.entries:
+        batch.step()
+    assert entry.stats.cached_tokens == len(prompt) + len(alone.decoder.confirmed) - 1
+    # Stock's tokens, up to an EOS (stock_tokens runs past it).
+    assert entry.row.tokens and entry.row.tokens == stock_tokens(turn, 8)[: len(entry.row.tokens)]
+    later = turn + entry.row.decoded + example.tokenizer.encode(" or")
+    session = engine.session(Request(later, max_tokens=8))
+    tokens = [e.token for e in session if e.token is not None]
+    assert session.stats.cached_tokens == len(turn) + len(entry.row.decoded) - 1
+    assert tokens and tokens == stock_tokens(later, 8)[: len(tokens)]
