@@ -278,6 +278,8 @@ class BatchDecoder:
             head.pending_hidden.append(ahead_hidden[r : r + 1])
             head.pending_tokens.append(token)
             head.ready = None
+        # Computed now: a lazy slice would hold the whole batch's buffers alive.
+        mx.async_eval([c.state for c in cache], [c.state for c in head.cache])
         self.prompt_cache.store(tokens, cache, head, head.name)
 
     # -- a step: a drafting round or a plain batched step -------------------------------
