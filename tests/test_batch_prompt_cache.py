@@ -20,7 +20,7 @@ from mtpkit.speculative.batch import BatchDecoder, Row
 from mtpkit.speculative.prompt_cache import PromptCache
 from mtpkit.speculative.proposers.mtp_head import HeadProposer
 from tests.test_batch import LAYOUTS, UNEQUAL, Schedule, m, model_dir, stock  # noqa: F401
-from tests.test_batch_head import EXAMPLE, TEXTS, head_predictions
+from tests.test_batch_head import EXAMPLE, TEXTS, head_predictions, round_of_fresh_tokens
 
 
 def entry_of(cache: PromptCache, tokens: list[int]):
@@ -196,18 +196,7 @@ def test_a_row_ending_at_an_eos_inside_a_round_keeps_its_state_up_to_the_eos(
     row's caches keep its output and the EOS only (the state a conversation's next turn
     extends: prompt, answer, end of turn), and a next turn joins from there."""
     prompt = example.tokenizer.encode(TEXTS[0])
-    probe = BatchDecoder(example, depth=2)
-    probe.eos = set()
-    row = probe.add(prompt, max_tokens=40)
-    while probe.rows:
-        probe.step()
-    # A round that kept both drafts, whose tokens do not occur earlier in the output.
-    start = next(
-        p - len(prompt) for p, d in row.draft_log
-        if row.tokens[p - len(prompt) : p - len(prompt) + 2] == d
-        and not set(row.tokens[p - len(prompt) : p - len(prompt) + 3])
-        & set(row.tokens[: p - len(prompt)])
-    )  # fmt: skip
+    row, start = round_of_fresh_tokens(example, prompt)
     eos = row.tokens[start]
     cache = PromptCache(4)
     decoder = BatchDecoder(example, depth=2, prompt_cache=cache)
