@@ -43,9 +43,9 @@ from mtpkit.speculative.batch.adaptive import WidthDrafting
 from mtpkit.speculative.batch.draws import draw_rows, round_keys, row_verdicts, sample_first
 from mtpkit.speculative.batch.head import BatchHead, row_head, row_proposer
 from mtpkit.speculative.batch.rollback import batch_caches, verify_rows
-from mtpkit.speculative.decode import Stats
 from mtpkit.speculative.prompt_cache import CachedState, PromptCache
 from mtpkit.speculative.proposers.mtp_head import HeadProposer
+from mtpkit.speculative.stats import Stats
 
 GREEDY = SamplingSettings()
 STOP, LENGTH, CANCELLED = "stop", "length", "cancelled"

@@ -22,8 +22,8 @@ from typing import Any
 
 from mtpkit.core.choices import MAX_DEPTH
 from mtpkit.speculative.batch.decode import CANCELLED, LENGTH, STOP, BatchDecoder, Row
-from mtpkit.speculative.decode import Stats
 from mtpkit.speculative.session import Engine, Request, TokenEvent, check_prompt
+from mtpkit.speculative.stats import Stats
 from mtpkit.speculative.text import TextStream
 
 

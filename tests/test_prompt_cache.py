@@ -1,5 +1,7 @@
-"""The prompt cache with batched decoding: a request joins from the cached state of the
-longest sequence its prompt extends, and a finished row leaves its state there.
+"""The prompt cache across turns, in a batch and in one stream: a request joins from the
+cached state of the longest sequence its prompt extends, and a finished request leaves its
+state there (its prompt, its output and the EOS that ended it, not what its last round
+confirmed past its end).
 
 Proved against computations done another way: every row's greedy tokens are stock mlx-lm's
 for its whole prompt alone (a fresh load, no cache), for every cache kind a row is taken out
@@ -243,3 +245,34 @@ def test_one_stream_and_a_batch_continue_each_others_entries(example, stock_toke
     tokens = [e.token for e in session if e.token is not None]
     assert session.stats.cached_tokens == len(turn) + len(entry.row.decoded) - 1
     assert tokens and tokens == stock_tokens(later, 8)[: len(tokens)]
+
+
+@pytest.mark.parametrize("at", [0, 1], ids=["first-draft", "second-draft"])
+def test_one_stream_ending_inside_a_round_keeps_its_state_up_to_the_eos(
+    example, stock_tokens, at: int
+) -> None:
+    """One stream's session too: a round that confirms tokens past the EOS keeps its caches
+    up to the EOS, so the entry it leaves is its prompt, its output and the EOS, which a
+    next turn extends."""
+    from mtpkit.speculative.session import Engine, Request
+
+    prompt = example.tokenizer.encode(TEXTS[0])
+    row, start = round_of_fresh_tokens(example, prompt)
+    eos = row.tokens[start + at]
+    saved = example.tokenizer.eos_token_ids
+    try:
+        example.tokenizer.eos_token_ids = {eos}
+        engine = Engine(example, mtp=True)
+        first = engine.session(Request(prompt, max_tokens=40, depth=2, adaptive=False))
+        tokens = [e.token for e in first if e.token is not None]
+    finally:
+        example.tokenizer.eos_token_ids = saved
+    assert tokens == row.tokens[: start + at]
+    # The EOS came inside a round that kept both its drafts (the round's log is cut at it).
+    assert first.stats.draft_log[-1] == (len(prompt) + start, row.tokens[start : start + at])
+    assert first.decoder.confirmed == [*tokens, eos]
+    turn = prompt + first.decoder.confirmed + example.tokenizer.encode(" and then")
+    second = engine.session(Request(turn, max_tokens=12, depth=2, adaptive=False))
+    out = [e.token for e in second if e.token is not None]
+    assert second.stats.cached_tokens == len(prompt) + len(tokens)
+    assert out == stock_tokens(turn, 12)[: len(out)] and out
