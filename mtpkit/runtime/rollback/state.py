@@ -56,8 +56,6 @@ def fork_cache(cache: Any) -> Any:
 
 
 def can_fork(caches: list[Any]) -> bool:
-    """Whether `fork_cache` forks each (a cache whose state is other caches, mlx-lm's
-    CacheList, is changed in place: not)."""
-    from mtpkit.runtime.rollback.discard import can_discard
-
-    return can_discard(caches)
+    """Whether `fork_cache` forks each: a cache whose state is its attributes (every mlx-lm
+    kind; a CacheList's caches are forked in turn)."""
+    return all(hasattr(cache, "__dict__") for cache in caches)

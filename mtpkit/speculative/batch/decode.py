@@ -31,7 +31,6 @@ from __future__ import annotations
 import itertools
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 import mlx.core as mx
@@ -43,12 +42,10 @@ from mtpkit.speculative.batch.adaptive import WidthDrafting
 from mtpkit.speculative.batch.draws import draw_rows, round_keys, row_verdicts, sample_first
 from mtpkit.speculative.batch.head import BatchHead, row_head, row_proposer
 from mtpkit.speculative.batch.rollback import batch_caches, verify_rows
+from mtpkit.speculative.batch.row import CANCELLED, GREEDY, LENGTH, STOP, Row
 from mtpkit.speculative.prompt_cache import CachedState, PromptCache
 from mtpkit.speculative.proposers.mtp_head import HeadProposer
-from mtpkit.speculative.stats import Stats
 
-GREEDY = SamplingSettings()
-STOP, LENGTH, CANCELLED = "stop", "length", "cancelled"
 PREFILL_STEP = 2048
 
 # A draft filter: (the row, the position of its round's first draft in prompt + output, the
@@ -57,61 +54,6 @@ RowDraftFilter = Callable[["Row", int, mx.array], mx.array]
 # A verdict filter: (the row, its verdict) -> the verdict it keeps (bench's oracle holds a
 # random-weight model to its plan, as `OracleProposer.judged` does for one stream).
 RowJudge = Callable[["Row", Verdict], Verdict]
-
-
-@dataclass
-class Row:
-    """One request in the batch: its prompt, what it has confirmed, and why it ended."""
-
-    uid: int
-    prompt: list[int]
-    max_tokens: int
-    sampling: SamplingSettings = GREEDY
-    depth: int = 1  # drafts it verifies a round (0: drafting off, a plain step each round)
-    # The row's own PRNG key (from its seed): its draws, alone or in any batch, are the same.
-    key: mx.array | None = None
-    tokens: list[int] = field(default_factory=list)  # confirmed output, EOS excluded
-    # Its output and the EOS that ended it (a queued plain step's token past an EOS too):
-    # its caches hold the prompt and these but the last (what a prompt cache's entry keeps).
-    decoded: list[int] = field(default_factory=list)
-    finish: str | None = None  # STOP, LENGTH or CANCELLED once done
-    last: int = 0  # the last confirmed token; the backbone has not consumed it yet
-    # Its rounds counted as one stream counts them (per depth; drafts past an EOS left out);
-    # `stats.draft_log`: (position in prompt + output of the first draft, the drafts).
-    stats: Stats = field(default_factory=Stats)
-
-    @property
-    def drafted(self) -> int:
-        return self.stats.drafted
-
-    @property
-    def accepted(self) -> int:
-        return self.stats.accepted
-
-    @property
-    def rounds(self) -> int:
-        return self.stats.rounds
-
-    @property
-    def draft_log(self) -> list[tuple[int, list[int]]]:
-        return self.stats.draft_log
-
-    @property
-    def position(self) -> int:
-        """Prompt and output tokens before the next draft (the last confirmed included)."""
-        return len(self.prompt) + len(self.tokens)
-
-    @property
-    def done(self) -> bool:
-        return self.finish is not None
-
-    def next_keys(self, n: int) -> list[mx.array | None]:
-        """Keys for the row's next `n` draws (None each without a seed)."""
-        if self.key is None:
-            return [None] * n
-        keys = mx.random.split(self.key, n + 1)
-        self.key = keys[0]
-        return [keys[i] for i in range(1, n + 1)]
 
 
 class BatchDecoder:

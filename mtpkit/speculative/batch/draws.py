@@ -5,14 +5,10 @@ are the same alone or in any batch."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import mlx.core as mx
 
 from mtpkit.speculative.accept import SamplingSettings, sampled_verdict
-
-if TYPE_CHECKING:
-    from mtpkit.speculative.batch.decode import Row
+from mtpkit.speculative.batch.row import Row
 
 
 def round_keys(row: Row, depth: int) -> list[mx.array | None]:

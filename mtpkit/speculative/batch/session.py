@@ -21,7 +21,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from mtpkit.core.choices import MAX_DEPTH
-from mtpkit.speculative.batch.decode import CANCELLED, LENGTH, STOP, BatchDecoder, Row
+from mtpkit.speculative.batch.decode import BatchDecoder
+from mtpkit.speculative.batch.row import CANCELLED, LENGTH, STOP, Row
 from mtpkit.speculative.session import Engine, Request, TokenEvent, check_prompt
 from mtpkit.speculative.stats import Stats
 from mtpkit.speculative.text import TextStream
