@@ -71,8 +71,9 @@ class BatchSession:
         self.engine = engine
         # Rows choose their depth up to the deepest the head drafts; a round drafts the
         # deepest row's count for all.
+        cache = engine.prompt_cache if engine.prompt_cache.size > 0 else None
         self.decoder = BatchDecoder(
-            engine.m, depth=MAX_DEPTH, adaptive=adaptive, prompt_cache=engine.prompt_cache
+            engine.m, depth=MAX_DEPTH, adaptive=adaptive, prompt_cache=cache
         )
         self.entries: list[BatchEntry] = []  # joined and not yet done
 
