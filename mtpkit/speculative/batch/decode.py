@@ -19,8 +19,9 @@ With a `prompt_cache` (one stream's, `mtpkit.speculative.prompt_cache`, whose en
 the target's caches and the head's state as one stream's `HeadProposer` holds it) a row
 joins from the entry of the longest sequence its prompt extends, prefilling only the rest;
 its prompt's state is kept as it joins, and a row that leaves finished is taken out of the
-batch's caches (`extract`) into an entry of its prompt and every token it confirmed: a
-conversation's next turn, alone or in a batch, prefills only what it adds.
+batch's caches (`extract`) into an entry of its prompt, its output and the EOS that ended it
+(a round that ends a row keeps its caches up to there, `_taken`): a conversation's next
+turn, alone or in a batch, prefills only what it adds.
 
 Nothing of one row reaches another: rows share matrix products only, the mask hides every
 other row's padding and rejected entries, and each row's verdict reads its own logits.
@@ -207,7 +208,7 @@ class BatchDecoder:
 
     def _keep_row(self, r: int, row: Row) -> None:
         """Row r's caches and head state, taken out of the batch's, as the prompt cache's
-        entry of its prompt and every token confirmed for it. A row that met an EOS while a
+        entry of its prompt and `decoded` (its output and EOS). A row that met an EOS while a
         plain step was queued (`_next_is_plain`) has its caches past the EOS: its entry
         takes that step's token too."""
         tokens = row.prompt + row.decoded
