@@ -66,6 +66,24 @@ def test_each_rows_drafts_are_the_heads_predictions(
     assert sum(row.accepted for row in rows) > 10
 
 
+def round_of_fresh_tokens(m, prompt: list[int]) -> tuple[Row, int]:
+    """The prompt decoded alone at depth 2 (no EOS), and where in its output a round starts
+    that kept both drafts and whose three tokens are new to the output: EOS candidates that
+    end the row inside that round (the example's text soon repeats)."""
+    probe = BatchDecoder(m, depth=2)
+    probe.eos = set()
+    row = probe.add(prompt, max_tokens=40)
+    while probe.rows:
+        probe.step()
+    rounds = [(p - len(prompt), d) for p, d in row.draft_log]
+    start = next(
+        i for i, d in rounds
+        if row.tokens[i : i + 2] == d and len(set(row.tokens[i : i + 3])) == 3
+        and not set(row.tokens[i : i + 3]) & set(row.tokens[:i])
+    )  # fmt: skip
+    return row, start
+
+
 @pytest.mark.parametrize("at", [0, 1, 2], ids=["first-draft", "second-draft", "bonus"])
 def test_a_row_ending_at_an_eos_counts_its_drafts_as_one_stream_does(m, at: int) -> None:
     """A row whose EOS comes inside a round (as its first or second kept draft, or as the
@@ -75,19 +93,7 @@ def test_a_row_ending_at_an_eos_counts_its_drafts_as_one_stream_does(m, at: int)
     from mtpkit.speculative.decode import MtpDecoder, SamplingSettings
 
     prompt = m.tokenizer.encode(TEXTS[0])
-    probe = BatchDecoder(m, depth=2)
-    probe.eos = set()
-    row = probe.add(prompt, max_tokens=40)
-    while probe.rows:
-        probe.step()
-    # A round that kept both drafts; its tokens, EOS candidates, must not occur earlier in
-    # the output, so that the row ends in that round (the example's text soon repeats).
-    rounds = [(p - len(prompt), d) for p, d in row.draft_log]
-    start, _ = next(
-        (i, d) for i, d in rounds
-        if row.tokens[i : i + 2] == d and len(set(row.tokens[i : i + 3])) == 3
-        and not set(row.tokens[i : i + 3]) & set(row.tokens[:i])
-    )  # fmt: skip
+    row, start = round_of_fresh_tokens(m, prompt)
     eos = row.tokens[start + at]
     saved = m.tokenizer.eos_token_ids
     try:

@@ -55,7 +55,8 @@ def check_answer(r, ref, ids: list[int]) -> None:
     assert choice.finish_reason == ("length" if ref.generation_tokens >= MAX_TOKENS else "stop")
     assert r.usage.prompt_tokens == len(ids)
     assert r.usage.completion_tokens == ref.generation_tokens
-    assert r.usage.prompt_tokens_details.cached_tokens == 0  # the batch has no prompt cache
+    # Prefilled whole, or (a prompt asked before in this module) from its own cached state.
+    assert r.usage.prompt_tokens_details.cached_tokens in (0, len(ids) - 1)
     mtp = r.model_extra["mtp"]
     assert mtp["drafter"] == "mtp" and mtp["depth"] == 1
     assert 0 <= mtp["accepted"] <= mtp["drafted"]
@@ -126,6 +127,34 @@ def test_rows_join_while_one_decodes_and_its_disconnect_spares_them(server, clie
         check_answer(r, joined_refs[prompt], refs.text_ids(prompt))
     state = server.wait_idle()
     assert state["cancelled"] == before + 1  # the long one was cancelled, not finished
+
+
+def test_a_next_turn_joins_from_the_cache_beside_other_rows(server, client, refs) -> None:
+    """A finished request leaves its state in the prompt cache: its next turn (its prompt,
+    its answer's tokens and more, as token ids), asked while another request decodes in the
+    batch, prefills only what it adds and gets its own decode's text."""
+    import mlx.core as mx
+    import mlx_lm
+
+    ids = refs.text_ids(LONG[1])
+    first = client.completions.create(model="default_model", prompt=ids, max_tokens=MAX_TOKENS)
+    answer = [
+        r.token for r in mlx_lm.stream_generate(
+            refs.stock, refs.tokenizer, mx.array(ids), max_tokens=MAX_TOKENS
+        )
+    ]  # fmt: skip
+    assert first.choices[0].finish_reason == "length" and len(answer) == MAX_TOKENS
+    turn = ids + answer + refs.text_ids(" and more")
+    ref = refs.agreed(turn, MAX_TOKENS)
+    body = {"prompt": LONG[0], "max_tokens": 3500, "stream": True}
+    with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=TIMEOUT) as long:
+        lines = long.iter_lines()  # kept: a closed iterator closes the response
+        assert next(line for line in lines if line.startswith("data: "))
+        r = client.completions.create(model="default_model", prompt=turn, max_tokens=MAX_TOKENS)
+        assert server.health()["decoding"]  # the long one decodes still
+    assert r.choices[0].text == ref.text
+    assert r.usage.prompt_tokens_details.cached_tokens == len(ids) + len(answer) - 1
+    server.wait_idle()
 
 
 def test_seeded_samples_are_the_same_alone_and_in_a_batch(server, client) -> None:

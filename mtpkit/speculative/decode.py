@@ -37,12 +37,11 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
 
-from mtpkit.core.choices import MAX_DEPTH
 from mtpkit.runtime.model import MtpModel, NoMtpHead
 from mtpkit.runtime.rollback.discard import PassUndo, can_discard
 from mtpkit.runtime.rollback.verify_pass import VerifyPass
@@ -57,6 +56,7 @@ from mtpkit.speculative.accept import (
 )
 from mtpkit.speculative.adaptive import AdaptiveDrafting
 from mtpkit.speculative.proposers import Proposal, Proposer, default_proposer
+from mtpkit.speculative.stats import Stats
 
 # SamplingSettings and rejection_sample live in mtpkit.speculative.accept; importable from here too.
 __all__ = ["AdaptiveDrafting", "MtpDecoder", "SamplingSettings", "Stats", "rejection_sample"]
@@ -88,71 +88,6 @@ LAUNCH_AHEAD, BUILD_AHEAD = "launch", "build"
 # A draft filter: (position of the round's first draft in prompt + output, the proposer's
 # drafts [K]) -> the drafts to verify [K] (tests' injected drafts).
 DraftFilter = Callable[[int, mx.array], mx.array]
-
-
-@dataclass
-class Stats:
-    prompt_tokens: int = 0
-    proposer: str = "mtp"  # which proposer drafted (`Proposer.name`)
-    cached_tokens: int = 0  # prompt tokens a reused cache held (not prefilled)
-    depth: int = 1  # the deepest a round drafts at
-    depth_chosen: bool = False  # adaptive drafting chose each round's
-    generated: list[int] = field(default_factory=list)
-    drafted: int = 0
-    accepted: int = 0
-    drafted_by_depth: list[int] = field(default_factory=lambda: [0] * MAX_DEPTH)
-    accepted_by_depth: list[int] = field(default_factory=lambda: [0] * MAX_DEPTH)
-    # As mlx-lm reports them: the prompt's time runs to the first output (for MTP, the first
-    # round), the decode rate counts the tokens after it.
-    prompt_time: float = 0.0
-    decode_time: float = 0.0
-    decode_tokens: int = 0
-    rounds: int = 0
-    rounds_by_depth: list[int] = field(default_factory=lambda: [0] * MAX_DEPTH)
-    last_accepted: int = 0
-    plain_steps: int = 0
-    pipelined: int = 0  # rounds built before the previous verdict was read
-    discarded: int = 0  # of those, thrown away after a rejection
-    launched_ahead: int = 0  # of the pipelined, those launched before that read
-    # (position in prompt + output of the first draft, the drafts) for every round.
-    draft_log: list[tuple[int, list[int]]] = field(default_factory=list)
-
-    @property
-    def acceptance(self) -> float | None:
-        return self.accepted / self.drafted if self.drafted else None
-
-    def acceptance_by_depth(self, depth: int) -> list[float | None]:
-        return [
-            (self.accepted_by_depth[i] / self.drafted_by_depth[i])
-            if self.drafted_by_depth[i]
-            else None
-            for i in range(depth)
-        ]
-
-    def record_round(self, position: int, drafts: list[int], accepted: int) -> None:
-        self.draft_log.append((position, drafts))
-        self.last_accepted = accepted
-        self._count(drafts, accepted, +1)
-        self.rounds += 1
-        self.rounds_by_depth[len(drafts) - 1] += 1
-
-    def end_round_at(self, kept: int) -> None:
-        """The last round's output ended after `kept` of its tokens (at an EOS): drafts from
-        there on, the EOS among them, count as neither drafted nor accepted."""
-        position, drafts = self.draft_log[-1]
-        if kept >= self.last_accepted:
-            return  # the EOS was the round's own next token, not a draft
-        self._count(drafts, self.last_accepted, -1)
-        self.draft_log[-1] = (position, drafts[:kept])
-        self.last_accepted = kept
-        self._count(drafts[:kept], kept, +1)
-
-    def _count(self, drafts: list[int], accepted: int, sign: int) -> None:
-        self.drafted += sign * len(drafts)
-        self.accepted += sign * accepted
-        for j in range(min(accepted + 1, len(drafts))):
-            self.drafted_by_depth[j] += sign
-            self.accepted_by_depth[j] += sign if j < accepted else 0
 
 
 @dataclass
@@ -237,7 +172,9 @@ class MtpDecoder:
         self._ahead: tuple[mx.array, mx.array] | None = None
         self._queued: Round | None = None  # the next round, queued on speculation
         self.n_confirmed = 0  # tokens confirmed after the prompt
-        self.confirmed: list[int] = []  # they, an EOS and tokens past max_tokens included
+        # They and the EOS that ended them (a round's tokens past its end are not kept).
+        self.confirmed: list[int] = []
+        self.eos = set(getattr(m.tokenizer, "eos_token_ids", None) or [])
         self.stats = Stats(
             prompt_tokens=len(prompt), depth=depth, depth_chosen=choose_depth,
             proposer=proposer.name if proposer is not None else "none", cached_tokens=cached,
@@ -351,11 +288,15 @@ class MtpDecoder:
         return BUILD_AHEAD if self.pipeline == BUILD_AHEAD else LAUNCH_AHEAD
 
     def draft_round(
-        self, may_look_ahead: bool = False, proposal: Proposal | None = None
-    ) -> list[int]:
+        self, may_look_ahead: bool = False, proposal: Proposal | None = None,
+        left: int | None = None,
+    ) -> list[int]:  # fmt: skip
         """One drafting round (of `proposal` if given); returns the tokens it confirms (at
         least one). With `may_look_ahead` (more tokens wanted after this round's), the next
-        round may be queued before this one's verdict is read."""
+        round may be queued before this one's verdict is read. A round whose tokens end the
+        generation (an EOS, or `left` tokens wanted) keeps its caches up to there and
+        returns no token past it: the caches hold the output and its EOS but the last, the
+        state a conversation's next turn extends (`Session`'s prompt cache)."""
         r, self._queued = self._queued, None
         if r is None:
             last = mx.array([self.last_token], dtype=mx.int32)
@@ -374,7 +315,8 @@ class MtpDecoder:
         full = v.accepted == r.depth
         self.full_share += FULL_SMOOTHING * (full - self.full_share)
         self.full_rounds += full
-        if queued is not None and full:
+        take = self._taken(v.confirmed, left)
+        if queued is not None and full and take == len(v.confirmed):
             if not queued.launched:
                 queued.undo = None  # its saved arrays go: KV buffers may be updated in place
                 queued.launch()
@@ -383,14 +325,25 @@ class MtpDecoder:
         else:
             if queued is not None:
                 self.discard(queued)
-            self.proposer.settle(r.state, v, premise_held=False)
-            r.verified.rollback(self.cache, v.accepted + 1)
+            kept = Verdict(take - 1, v.confirmed[take - 1], v.drafts, v.targets)
+            self.proposer.settle(r.state, kept, premise_held=False)
+            r.verified.rollback(self.cache, take)
         self.stats.record_round(r.position, v.drafts, v.accepted)
         self.round_depth = r.depth
-        self.n_confirmed += len(v.confirmed)
-        self.confirmed.extend(v.confirmed)
-        self.last_token = v.token
-        return v.confirmed
+        confirmed = v.confirmed[:take]
+        self.n_confirmed += take
+        self.confirmed.extend(confirmed)
+        self.last_token = confirmed[-1]
+        return confirmed
+
+    def _taken(self, confirmed: list[int], left: int | None) -> int:
+        """How many of a round's confirmed tokens the generation takes: up to an EOS
+        (included) or the `left` tokens it still wants."""
+        room = len(confirmed) if left is None else min(len(confirmed), left)
+        for i, token in enumerate(confirmed[:room]):
+            if token in self.eos:
+                return i + 1
+        return room
 
     # -- plain steps ----------------------------------------------------------------------
     def _plain_forward(self, token: mx.array) -> tuple[mx.array, mx.array]:
@@ -444,7 +397,7 @@ class MtpDecoder:
         else:
             drafting = drafting and self._queued is not None
         if self._queued is not None or drafting:
-            new = self.draft_round(may_look_ahead, proposal)
+            new = self.draft_round(may_look_ahead, proposal, left)
             self.adaptive.record_round(len(new), time.perf_counter() - t0, self.round_depth)
             return new
         ahead = not self.use_mtp or self.adaptive.plain_ahead() > 0
@@ -467,7 +420,7 @@ class MtpDecoder:
         until an EOS (not yielded). Prefills first."""
         from mlx_lm.generate import generation_stream, wired_limit
 
-        eos = set(getattr(self.m.tokenizer, "eos_token_ids", None) or [])
+        eos = self.eos = set(getattr(self.m.tokenizer, "eos_token_ids", None) or [])
         start = time.perf_counter()
         produced, first_done, first_count = 0, None, 0
         with wired_limit(self.m.model, [generation_stream]):

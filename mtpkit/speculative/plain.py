@@ -12,7 +12,7 @@ import mlx.core as mx
 
 from mtpkit.runtime.model import MtpModel, untapped
 from mtpkit.speculative.accept import SamplingSettings
-from mtpkit.speculative.decode import Stats
+from mtpkit.speculative.stats import Stats
 
 
 @dataclass(frozen=True)

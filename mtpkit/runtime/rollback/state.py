@@ -49,12 +49,13 @@ def fork_cache(cache: Any) -> Any:
 
     forked = copy.copy(cache)
     restore_state(forked, saved_state(cache))
+    for name, value in vars(forked).items():  # mlx-lm's CacheList: its caches forked too
+        if isinstance(value, (list, tuple)) and value and all(is_cache(v) for v in value):
+            setattr(forked, name, type(value)(fork_cache(v) for v in value))
     return forked
 
 
 def can_fork(caches: list[Any]) -> bool:
-    """Whether `fork_cache` forks each (a cache whose state is other caches, mlx-lm's
-    CacheList, is changed in place: not)."""
-    from mtpkit.runtime.rollback.discard import can_discard
-
-    return can_discard(caches)
+    """Whether `fork_cache` forks each: a cache whose state is its attributes (every mlx-lm
+    kind; a CacheList's caches are forked in turn)."""
+    return all(hasattr(cache, "__dict__") for cache in caches)

@@ -1,12 +1,13 @@
 """Batched MTP decoding: several requests in one round, each row accepting and rolling back
-on its own (`decode`), the head's batched drafts (`head`), per-row rollback (`rollback`),
-requests joining and leaving a batch (`session`)."""
+on its own (`decode`), one request's row (`row`) and its draws (`draws`), the head's batched
+drafts (`head`), per-row rollback (`rollback`), requests joining and leaving a batch
+(`session`)."""
 
 from mtpkit.core.exports import lazy_exports
 
 _EXPORTS = {
     "BatchDecoder": "decode",
-    "Row": "decode",
+    "Row": "row",
     "BatchUnsupported": "rollback",
     "BatchEntry": "session",
     "BatchSession": "session",

@@ -15,6 +15,14 @@ own first drafts (a row at depth 0, drafting off, takes a plain step in the roun
 steps (`speculative/batch/adaptive.py`). A row that is done (an EOS, its `max_tokens`, or
 `remove`) leaves the batch (`filter`) while the others go on.
 
+With a `prompt_cache` (one stream's, `mtpkit.speculative.prompt_cache`, whose entries hold
+the target's caches and the head's state as one stream's `HeadProposer` holds it) a row
+joins from the entry of the longest sequence its prompt extends, prefilling only the rest;
+its prompt's state is kept as it joins, and a row that leaves finished is taken out of the
+batch's caches (`extract`) into an entry of its prompt, its output and the EOS that ended it
+(a round that ends a row keeps its caches up to there, `_taken`): a conversation's next
+turn, alone or in a batch, prefills only what it adds.
+
 Nothing of one row reaches another: rows share matrix products only, the mask hides every
 other row's padding and rejected entries, and each row's verdict reads its own logits.
 """
@@ -24,26 +32,21 @@ from __future__ import annotations
 import itertools
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 import mlx.core as mx
 
 from mtpkit.core.choices import MAX_DEPTH
 from mtpkit.runtime.model import GenerateError, MtpModel, NoMtpHead
-from mtpkit.speculative.accept import (
-    SamplingSettings,
-    Verdict,
-    sampled_verdict,
-    verdict_of,
-)
+from mtpkit.speculative.accept import SamplingSettings, Verdict, verdict_of
 from mtpkit.speculative.batch.adaptive import WidthDrafting
-from mtpkit.speculative.batch.head import BatchHead, head_over_prompt
+from mtpkit.speculative.batch.draws import draw_rows, round_keys, row_verdicts, sample_first
+from mtpkit.speculative.batch.head import BatchHead, row_head, row_proposer
 from mtpkit.speculative.batch.rollback import batch_caches, verify_rows
-from mtpkit.speculative.decode import Stats
+from mtpkit.speculative.batch.row import CANCELLED, GREEDY, LENGTH, STOP, Row
+from mtpkit.speculative.prompt_cache import CachedState, PromptCache
+from mtpkit.speculative.proposers.mtp_head import HeadProposer
 
-GREEDY = SamplingSettings()
-STOP, LENGTH, CANCELLED = "stop", "length", "cancelled"
 PREFILL_STEP = 2048
 
 # A draft filter: (the row, the position of its round's first draft in prompt + output, the
@@ -52,58 +55,6 @@ RowDraftFilter = Callable[["Row", int, mx.array], mx.array]
 # A verdict filter: (the row, its verdict) -> the verdict it keeps (bench's oracle holds a
 # random-weight model to its plan, as `OracleProposer.judged` does for one stream).
 RowJudge = Callable[["Row", Verdict], Verdict]
-
-
-@dataclass
-class Row:
-    """One request in the batch: its prompt, what it has confirmed, and why it ended."""
-
-    uid: int
-    prompt: list[int]
-    max_tokens: int
-    sampling: SamplingSettings = GREEDY
-    depth: int = 1  # drafts it verifies a round (0: drafting off, a plain step each round)
-    # The row's own PRNG key (from its seed): its draws, alone or in any batch, are the same.
-    key: mx.array | None = None
-    tokens: list[int] = field(default_factory=list)  # confirmed output, EOS excluded
-    finish: str | None = None  # STOP, LENGTH or CANCELLED once done
-    last: int = 0  # the last confirmed token; the backbone has not consumed it yet
-    # Its rounds counted as one stream counts them (per depth; drafts past an EOS left out);
-    # `stats.draft_log`: (position in prompt + output of the first draft, the drafts).
-    stats: Stats = field(default_factory=Stats)
-
-    @property
-    def drafted(self) -> int:
-        return self.stats.drafted
-
-    @property
-    def accepted(self) -> int:
-        return self.stats.accepted
-
-    @property
-    def rounds(self) -> int:
-        return self.stats.rounds
-
-    @property
-    def draft_log(self) -> list[tuple[int, list[int]]]:
-        return self.stats.draft_log
-
-    @property
-    def position(self) -> int:
-        """Prompt and output tokens before the next draft (the last confirmed included)."""
-        return len(self.prompt) + len(self.tokens)
-
-    @property
-    def done(self) -> bool:
-        return self.finish is not None
-
-    def next_keys(self, n: int) -> list[mx.array | None]:
-        """Keys for the row's next `n` draws (None each without a seed)."""
-        if self.key is None:
-            return [None] * n
-        keys = mx.random.split(self.key, n + 1)
-        self.key = keys[0]
-        return [keys[i] for i in range(1, n + 1)]
 
 
 class BatchDecoder:
@@ -121,12 +72,14 @@ class BatchDecoder:
         judge: RowJudge | None = None,
         adaptive: bool = False,
         policy: WidthDrafting | None = None,
+        prompt_cache: PromptCache | None = None,
     ) -> None:
         if m.head is None:
             raise NoMtpHead(f"{m.path} has no MTP head")
         if not 0 <= depth <= MAX_DEPTH:
             raise GenerateError(f"depth must be in [0, {MAX_DEPTH}], not {depth}")
         self.m, self.depth, self.draft_filter, self.judge = m, depth, draft_filter, judge
+        self.prompt_cache = prompt_cache
         self.eos = set(getattr(m.tokenizer, "eos_token_ids", None) or [])
         self.rows: list[Row] = []  # in the batch's row order
         self.cache: list[Any] | None = None
@@ -149,8 +102,10 @@ class BatchDecoder:
         sampling: SamplingSettings = GREEDY,
         seed: int | None = None,
         depth: int | None = None,
+        cached: CachedState | None = None,
     ) -> Row:
-        """Prefill `prompt` alone, confirm its first token, and merge it into the batch
+        """Prefill `prompt` alone (from `cached`, an entry of the prompt cache whose tokens
+        it extends, when given), confirm its first token, and merge it into the batch
         (unless that token already ends it). Returns the row; its `tokens` grow as it
         decodes. `seed`: the row samples from its own PRNG key (else MLX's global state);
         `depth`: its drafts a round (default: the decoder's)."""
@@ -168,24 +123,51 @@ class BatchDecoder:
             raise GenerateError(f"max_tokens must be at least 1, not {max_tokens}")
         key = mx.random.key(seed) if seed is not None else None
         row = Row(next(self._uids), list(prompt), max_tokens, sampling, depth, key)
-        cache = self.m.make_cache()
-        hidden = []
         with mx.stream(_generation_stream()):
-            for i in range(0, len(prompt) - 1, PREFILL_STEP):
-                chunk = prompt[i : min(i + PREFILL_STEP, len(prompt) - 1)]
-                _, h = self.m.forward(mx.array(chunk)[None], cache)
-                mx.eval(h, [c.state for c in cache])
-                hidden.append(h)
-            logits, h = self.m.forward(mx.array(prompt[-1:])[None], cache)
-            hidden.append(h)
-            first = _sample(logits[:, -1, :], sampling, row.next_keys(1)[0])
+            cache, head = self._prefill(row, cached)
+            logits, hidden = self.m.forward(mx.array(prompt[-1:])[None], cache)
+            first = sample_first(logits[:, -1, :], sampling, row.next_keys(1)[0])
+            row.decoded.append(first)
             if not self._confirm(row, [first]):
                 return row
-            pairs = prompt[1:] + [first]
-            head_cache, ready = head_over_prompt(self.m, mx.concatenate(hidden, axis=1), pairs)
+            head.observe(hidden, [first])
+            head_cache, ready = row_head(self.m, head)
             mx.eval([c.state for c in cache])
         self._join(row, batch_caches([cache]), BatchHead(self.m, batch_caches([head_cache]), ready))
         return row
+
+    def _prefill(self, row: Row, cached: CachedState | None) -> tuple[list[Any], HeadProposer]:
+        """The target's caches over all of `row`'s prompt but its last token, and the head's
+        state over its pairs (from `cached` on, when given), as one stream's prefill leaves
+        them; kept in the prompt cache."""
+        prompt = row.prompt
+        if cached is not None and self._continues(cached, prompt):
+            cache, head = cached.fork()
+            start = row.stats.cached_tokens = len(cached.tokens) - 1
+        else:
+            cache, head, start = self.m.make_cache(), HeadProposer(self.m), 0
+        head.begin(prompt, start)
+        for i in range(start, len(prompt) - 1, PREFILL_STEP):
+            j = min(i + PREFILL_STEP, len(prompt) - 1)
+            _, hidden = self.m.forward(mx.array(prompt[i:j])[None], cache)
+            mx.eval(hidden, [c.state for c in cache])
+            head.observe(hidden, prompt[i + 1 : j + 1])
+        head.end_prefill()
+        if self.prompt_cache is not None and start < len(prompt) - 1:
+            self.prompt_cache.store(prompt, cache, head, head.name)
+        return cache, head
+
+    def _continues(self, cached: CachedState, prompt: list[int]) -> bool:
+        """Whether a row of `prompt` can join from `cached`: its tokens start the prompt,
+        its head state is a `HeadProposer`'s and its caches are of the kinds a row's are (an
+        entry of a session with `max_kv_size` holds rotating caches)."""
+        n = len(cached.tokens)
+        kinds = [type(c) for c in self.m.make_cache()]
+        return (
+            n <= len(prompt) and tuple(prompt[:n]) == cached.tokens
+            and isinstance(cached.proposer, HeadProposer)
+            and [type(c) for c in cached.cache] == kinds
+        )  # fmt: skip
 
     def _join(self, row: Row, cache: list[Any], head: BatchHead) -> None:
         if self.cache is None:
@@ -204,10 +186,15 @@ class BatchDecoder:
         self._leave()
 
     def _leave(self) -> None:
-        """Drop every finished row from the batch's caches."""
+        """Drop every finished row from the batch's caches (a row that finished, unless
+        cancelled, into the prompt cache first)."""
         keep = [i for i, row in enumerate(self.rows) if not row.done]
         if len(keep) == len(self.rows):
             return
+        if self.prompt_cache is not None:
+            for r, row in enumerate(self.rows):
+                if row.done and row.finish != CANCELLED:
+                    self._keep_row(r, row)
         self.rows = [self.rows[i] for i in keep]
         if not keep:
             self.cache = self.head = self._ahead = self._decided = None
@@ -218,6 +205,25 @@ class BatchDecoder:
         self.head.filter(keep)
         if self._ahead is not None:
             self._ahead = (self._ahead[0][index], self._ahead[1][index])
+
+    def _keep_row(self, r: int, row: Row) -> None:
+        """Row r's caches and head state, taken out of the batch's, as the prompt cache's
+        entry of its prompt and `decoded` (its output and EOS). A row that met an EOS while a
+        plain step was queued (`_next_is_plain`) has its caches past the EOS: its entry
+        takes that step's token too."""
+        tokens = row.prompt + row.decoded
+        cache = [layer.extract(r) for layer in self.cache]
+        head = row_proposer(self.head, r, tokens)
+        if self._ahead is not None:
+            ahead_tokens, ahead_hidden = self._ahead
+            token = int(ahead_tokens[r].item())
+            tokens = [*tokens, token]
+            head.pending_hidden.append(ahead_hidden[r : r + 1])
+            head.pending_tokens.append(token)
+            head.ready = None
+        # Computed now: a lazy slice would hold the whole batch's buffers alive.
+        mx.async_eval([c.state for c in cache], [c.state for c in head.cache])
+        self.prompt_cache.store(tokens, cache, head, head.name)
 
     # -- a step: a drafting round or a plain batched step -------------------------------
     def step(self, draft: bool = False) -> dict[int, list[int]]:
@@ -266,6 +272,7 @@ class BatchDecoder:
         new = {}
         for row, token in zip(rows, values, strict=True):
             before = len(row.tokens)
+            row.decoded.append(token)
             self._confirm(row, [token])
             new[row.uid] = row.tokens[before:]
         return new
@@ -274,13 +281,17 @@ class BatchDecoder:
         """The backbone over each row's next input [B, 1]: each row's token [B] and the
         hidden state before it [B, 1, H] (lazy)."""
         logits, hidden = self.m.forward(last, self.cache)
-        return _draw_rows(logits[:, -1, :], self.rows), hidden
+        return draw_rows(logits[:, -1, :], self.rows), hidden
 
     def _next_is_plain(self) -> bool:
         """Whether the step after this plain one is plain too (its decision taken now, in
         the order it would be taken anyway), unless every row ends with this step's token
-        (nothing would read the next)."""
-        if self.policy is None or all(len(r.tokens) + 1 >= r.max_tokens for r in self.rows):
+        (nothing would read the next) or, with a prompt cache, any row does (its caches
+        would hold a token past its end, which a next turn's prompt does not extend)."""
+        ending = [len(r.tokens) + 1 >= r.max_tokens for r in self.rows]
+        if self.policy is None or all(ending):
+            return False
+        if self.prompt_cache is not None and any(ending):
             return False
         self._decided = self.policy.want_draft(len(self.rows))
         if self._decided:
@@ -293,7 +304,7 @@ class BatchDecoder:
         depth = max(row.depth for row in rows)
         samplings = [row.sampling for row in rows]
         with mx.stream(_generation_stream()):
-            keys = [_round_keys(row, depth) for row in rows]
+            keys = [round_keys(row, depth) for row in rows]
             drafts, dists = self.head.propose(depth, samplings, [k[:depth] for k in keys])
             if self.draft_filter is not None:
                 drafts = mx.stack(
@@ -301,7 +312,7 @@ class BatchDecoder:
                 )
             last = mx.array([[row.last] for row in rows], dtype=mx.int32)
             verified = verify_rows(self.m, mx.concatenate([last, drafts], axis=1), self.cache)
-            packs, followers = _verdicts(
+            packs, followers = row_verdicts(
                 verified.logits, drafts, dists, rows, [k[-1] for k in keys]
             )
             out = self.head.after_verify(depth, verified.hidden, followers)
@@ -312,7 +323,7 @@ class BatchDecoder:
             ]
             if self.judge is not None:
                 verdicts = [self.judge(row, v) for row, v in zip(rows, verdicts, strict=True)]
-            kept = [v.accepted + 1 for v in verdicts]
+            kept = [self._taken(row, v.confirmed) for row, v in zip(rows, verdicts, strict=True)]
             verified.rollback(self.cache, kept)
             self.head.settle(out, kept)
         return {row.uid: self._record(row, v) for row, v in zip(rows, verdicts, strict=True)}
@@ -325,10 +336,22 @@ class BatchDecoder:
             stats.draft_log.append((row.position, []))
             stats.rounds += 1
         before = len(row.tokens)
+        row.decoded.extend(v.confirmed[: self._taken(row, v.confirmed)])
         self._confirm(row, v.confirmed)
         if row.finish == STOP and v.drafts:  # an EOS: drafts past it count for nothing
             stats.end_round_at(len(row.tokens) - before)
         return row.tokens[before:]
+
+    def _taken(self, row: Row, confirmed: list[int]) -> int:
+        """How many of a round's confirmed tokens `row` takes (up to an EOS, included, or its
+        `max_tokens`): the verify inputs its caches keep, so that a row that ends holds its
+        prompt and output (and EOS) but the last, the state a next turn extends, not the
+        tokens the round confirmed past its end."""
+        room = row.max_tokens - len(row.tokens)
+        for i, token in enumerate(confirmed[:room]):
+            if token in self.eos:
+                return i + 1
+        return min(len(confirmed), room)
 
     def _confirm(self, row: Row, tokens: list[int]) -> bool:
         """Add confirmed tokens to `row` up to an EOS or its `max_tokens`; False once done."""
@@ -363,91 +386,6 @@ class BatchDecoder:
         while self.rows:
             self.step()
         return rows
-
-
-def _round_keys(row: Row, depth: int) -> list[mx.array | None]:
-    """A round's keys for `row`: one per draft of the round's `depth`, then its verdict's.
-    Split by the row's own depth, so that its draws do not depend on its batchmates'; the
-    drafts past its depth, which it never verifies, draw from the global state."""
-    if row.sampling.greedy:
-        return [None] * (depth + 1)
-    keys = row.next_keys(row.depth + 1)
-    return keys[: row.depth] + [None] * (depth - row.depth) + keys[-1:]
-
-
-def _verdicts(
-    logits: mx.array,
-    drafts: mx.array,
-    dists: list[mx.array | None],
-    rows: list[Row],
-    keys: list[mx.array | None],
-) -> tuple[list[mx.array], mx.array]:
-    """Each row's packed verdict over its own first `row.depth` drafts (lazy; `verdict_of`
-    reads it) and the confirmed token after each verify input [B, K+1] (valid up to the
-    count kept). Greedy rows share one argmax over the batch."""
-    packs: list[mx.array] = []
-    followers: list[mx.array] = []
-    width = drafts.shape[1] + 1
-    targets = None
-    for r, row in enumerate(rows):
-        d, s = row.depth, row.sampling
-        if s.greedy:
-            if targets is None:
-                targets = greedy_targets(logits)
-            packs.append(mx.concatenate([targets[r, : d + 1], drafts[r, :d]]))
-            followers.append(targets[r])
-            continue
-        if d == 0:  # drafting off: the token drawn as a plain step draws it
-            token = mx.random.categorical(mx.log(s.probs(logits[r, 0])), key=keys[r])
-            packed = mx.concatenate([mx.zeros((1,), mx.int32), token.astype(mx.int32)[None]])
-            follow = packed[1:]
-        else:
-            packed, follow = sampled_verdict(
-                s.probs(logits[r, : d + 1]), dists[r][:d], drafts[r, :d], keys[r]
-            )
-        packs.append(packed)
-        followers.append(mx.concatenate([follow, mx.repeat(follow[-1:], width - d - 1)]))
-    return packs, mx.stack(followers)
-
-
-def greedy_targets(logits: mx.array) -> mx.array:
-    """The backbone's argmax after every verify input of every row [B, K+1] (of its
-    log-probabilities, as `accept.greedy_verdict` and mlx-lm's greedy sampler take it)."""
-    logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-    return mx.argmax(logprobs, axis=-1).astype(mx.int32)
-
-
-def _draw_rows(logits: mx.array, rows: list[Row]) -> mx.array:
-    """Each row's token [B] from its logits [B, V]: the argmax for a greedy row, else a draw
-    as `_sample` takes it (by the row's own key when it has a seed). The argmax is over the
-    log-probabilities, as mlx-lm's greedy sampler takes it (in bfloat16 subtracting the
-    normalizer can make two logits tie); every row greedy, no per-row slices."""
-    logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-    greedy = mx.argmax(logprobs, axis=-1).astype(mx.int32)
-    if all(row.sampling.greedy for row in rows):
-        return greedy
-    picks = []
-    for r, row in enumerate(rows):
-        if row.sampling.greedy:
-            picks.append(greedy[r])
-            continue
-        key = row.next_keys(1)[0]
-        if key is None:
-            picks.append(row.sampling.sampler()(logprobs[r : r + 1])[0].astype(mx.int32))
-        else:
-            q = row.sampling.probs(logits[r])
-            picks.append(mx.random.categorical(mx.log(q), key=key).astype(mx.int32))
-    return mx.stack(picks)
-
-
-def _sample(logits: mx.array, sampling: SamplingSettings, key: mx.array | None) -> int:
-    """A row's first token from the logits of its last prompt token [1, V], as mlx-lm's
-    sampler draws it from the log-probabilities (with a key: from the same distribution,
-    `SamplingSettings.probs`, by the row's own key)."""
-    logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-    if key is None or sampling.greedy:
-        return int(sampling.sampler()(logprobs).item())
-    return int(mx.random.categorical(mx.log(sampling.probs(logits[0])), key=key).item())
 
 
 def _generation_stream() -> Any:

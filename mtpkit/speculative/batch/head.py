@@ -19,23 +19,36 @@ from mtpkit.runtime.kernels.attention import few_query_attention
 from mtpkit.runtime.model import POST_NORM, MtpModel
 from mtpkit.speculative.accept import SamplingSettings
 from mtpkit.speculative.batch.rollback import drop_per_row
+from mtpkit.speculative.proposers.mtp_head import HEAD_CHUNK, HeadProposer
 
-HEAD_CHUNK = 2048  # pairs per head forward over a prompt
 CATCH_UP_AFTER = 256  # plain steps' pairs left pending before the head catches up
 
 
-def head_over_prompt(
-    m: MtpModel, hidden: mx.array, tokens: list[int]
-) -> tuple[list[Any], mx.array]:
-    """One row's head cache over its confirmed pairs (hidden [1, N, H], the token after each)
-    and its output at the last pair [1, 1, H]."""
-    cache = m.head.make_cache()
-    x = None
+def row_head(m: MtpModel, proposer: HeadProposer) -> tuple[list[Any], mx.array]:
+    """A joining row's head: `proposer`'s cache run over its pending pairs (every one, in
+    chunks), and its output at the last pair [1, 1, H] (the pair of the row's first token)."""
+    hidden, tokens = proposer.pending_hidden, proposer.pending_tokens
+    hidden = mx.concatenate(hidden, axis=1)
+    cache, x = proposer.cache, None
     for i in range(0, len(tokens), HEAD_CHUNK):
         j = min(i + HEAD_CHUNK, len(tokens))
         x = m.head(hidden[:, i:j], m.embed(mx.array(tokens[i:j])[None]), cache)
         mx.eval(x, [c.state for c in cache])
     return cache, x[:, -1:]
+
+
+def row_proposer(head: BatchHead, r: int, tokens: list[int]) -> HeadProposer:
+    """Row r's head state as one stream's proposer holds it (its cache, and its pending
+    pairs or its output at the last pair), for a prompt cache's entry; `tokens`: the row's
+    confirmed tokens, the last ones of which are the pending pairs' followers."""
+    proposer = HeadProposer(head.m)
+    proposer.cache = [c.extract(r) for c in head.cache]
+    if head.pending:
+        proposer.pending_hidden = [h[r : r + 1] for h, _ in head.pending]
+        proposer.pending_tokens = tokens[len(tokens) - len(head.pending) :]
+    else:
+        proposer.ready = head.ready[r : r + 1]
+    return proposer
 
 
 class BatchHead:

@@ -4,9 +4,11 @@ then merged into the batch) whenever its caller likes, each `step` is one round 
 row, and a request leaves without stopping the others: finished (an EOS or its
 `max_tokens`), stopped (a stop string, `TextStream`), or cancelled (`cancel`).
 
-Each request's text, usage and drafting counts are its own (`BatchEntry`). What one stream
-has and a batch does not: the prompt cache (every request is prefilled from its first token)
-and `max_kv_size` (each row's KV cache grows with its prompt and output). A request's `depth`
+Each request's text, usage and drafting counts are its own (`BatchEntry`). The engine's
+prompt cache is shared with one stream's sessions: a request joins from the longest cached
+sequence its prompt extends, and a finished one leaves its state there (`BatchDecoder`).
+What one stream has and a batch does not: `max_kv_size` (each row's KV cache grows with its
+prompt and output). A request's `depth`
 (None: 1) is the drafts its row verifies a round; `adaptive` decides per batch width whether
 a round drafts at all (`WidthDrafting`), except while a sampled request with a seed is in
 the batch: then every round drafts, so that its text is the same alone or in any batch.
@@ -19,9 +21,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from mtpkit.core.choices import MAX_DEPTH
-from mtpkit.speculative.batch.decode import CANCELLED, LENGTH, STOP, BatchDecoder, Row
-from mtpkit.speculative.decode import Stats
+from mtpkit.speculative.batch.decode import BatchDecoder
+from mtpkit.speculative.batch.row import CANCELLED, LENGTH, STOP, Row
 from mtpkit.speculative.session import Engine, Request, TokenEvent, check_prompt
+from mtpkit.speculative.stats import Stats
 from mtpkit.speculative.text import TextStream
 
 
@@ -68,7 +71,10 @@ class BatchSession:
         self.engine = engine
         # Rows choose their depth up to the deepest the head drafts; a round drafts the
         # deepest row's count for all.
-        self.decoder = BatchDecoder(engine.m, depth=MAX_DEPTH, adaptive=adaptive)
+        cache = engine.prompt_cache if engine.prompt_cache.size > 0 else None
+        self.decoder = BatchDecoder(
+            engine.m, depth=MAX_DEPTH, adaptive=adaptive, prompt_cache=cache
+        )
         self.entries: list[BatchEntry] = []  # joined and not yet done
 
     def add(self, request: Request, tag: Any = None) -> BatchEntry:
@@ -81,9 +87,10 @@ class BatchSession:
             self._end(entry, LENGTH)
             return entry
         depth = 1 if request.depth is None else request.depth
+        cached = self.engine.prompt_cache.longest_prefix(request.prompt, "mtp")
         entry.row = self.decoder.add(
             request.prompt, max_tokens=request.max_tokens, sampling=request.sampling,
-            seed=request.seed, depth=depth,
+            seed=request.seed, depth=depth, cached=cached,
         )  # fmt: skip
         self._feed(entry, list(entry.row.tokens))
         if not entry.done:
@@ -124,8 +131,9 @@ class BatchSession:
         are not to be trusted)."""
         decoder = self.decoder
         self.decoder = BatchDecoder(
-            decoder.m, depth=decoder.depth, adaptive=decoder.policy is not None
-        )
+            decoder.m, depth=decoder.depth, adaptive=decoder.policy is not None,
+            prompt_cache=decoder.prompt_cache,
+        )  # fmt: skip
         self.entries = []
 
     @staticmethod

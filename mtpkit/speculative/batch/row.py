@@ -1,0 +1,69 @@
+"""One request in a batch (`Row`): its prompt, its sampling settings and PRNG key, the tokens
+confirmed for it, its counts, and why it ended."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import mlx.core as mx
+
+from mtpkit.speculative.accept import SamplingSettings
+from mtpkit.speculative.stats import Stats
+
+GREEDY = SamplingSettings()
+STOP, LENGTH, CANCELLED = "stop", "length", "cancelled"
+
+
+@dataclass
+class Row:
+    """One request in the batch: its prompt, what it has confirmed, and why it ended."""
+
+    uid: int
+    prompt: list[int]
+    max_tokens: int
+    sampling: SamplingSettings = GREEDY
+    depth: int = 1  # drafts it verifies a round (0: drafting off, a plain step each round)
+    # The row's own PRNG key (from its seed): its draws, alone or in any batch, are the same.
+    key: mx.array | None = None
+    tokens: list[int] = field(default_factory=list)  # confirmed output, EOS excluded
+    # Its output and the EOS that ended it (a queued plain step's token past an EOS too):
+    # its caches hold the prompt and these but the last (what a prompt cache's entry keeps).
+    decoded: list[int] = field(default_factory=list)
+    finish: str | None = None  # STOP, LENGTH or CANCELLED once done
+    last: int = 0  # the last confirmed token; the backbone has not consumed it yet
+    # Its rounds counted as one stream counts them (per depth; drafts past an EOS left out);
+    # `stats.draft_log`: (position in prompt + output of the first draft, the drafts).
+    stats: Stats = field(default_factory=Stats)
+
+    @property
+    def drafted(self) -> int:
+        return self.stats.drafted
+
+    @property
+    def accepted(self) -> int:
+        return self.stats.accepted
+
+    @property
+    def rounds(self) -> int:
+        return self.stats.rounds
+
+    @property
+    def draft_log(self) -> list[tuple[int, list[int]]]:
+        return self.stats.draft_log
+
+    @property
+    def position(self) -> int:
+        """Prompt and output tokens before the next draft (the last confirmed included)."""
+        return len(self.prompt) + len(self.tokens)
+
+    @property
+    def done(self) -> bool:
+        return self.finish is not None
+
+    def next_keys(self, n: int) -> list[mx.array | None]:
+        """Keys for the row's next `n` draws (None each without a seed)."""
+        if self.key is None:
+            return [None] * n
+        keys = mx.random.split(self.key, n + 1)
+        self.key = keys[0]
+        return [keys[i] for i in range(1, n + 1)]
