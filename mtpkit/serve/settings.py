@@ -42,6 +42,6 @@ class ServeSettings:
     allow_model_paths: bool = False
     queue_size: int = DEFAULT_QUEUE_SIZE
     # Requests decoded together (mlx_lm.server's --decode-concurrency); 1: one stream at a
-    # time, with the prompt cache.
+    # time (the prompt cache serves both).
     decode_concurrency: int = 1
     allowed_origins: tuple[str, ...] = ("*",)

@@ -109,7 +109,7 @@ def serve_command(
             metavar="N",
             help="Requests decoded together in one batch, each row drafting with the MTP "
             "head (mlx_lm.server's flag; its default 32 applies only where it does not "
-            "speculate). 1: one at a time, with the prompt cache.",
+            "speculate). 1: one at a time. The prompt cache serves both.",
         ),
     ] = 1,
     allowed_origins: Annotated[
