@@ -303,6 +303,32 @@ def test_routes_follow_the_timings(monkeypatch: pytest.MonkeyPatch) -> None:
     assert routing.takes_kernel(third, mx.ones((1, 5, 256))) is True  # MTPKIT_QMV=1: untimed
 
 
+def test_rows_past_the_fma_variants_are_routed_only_to_the_tensor_cores(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A batch's verify (batch x (depth + 1) rows) gives a matrix 6..MMA_MAX_ROWS rows: timed
+    and routed only where the tensor-core variant takes them (bfloat16 rows, scales and
+    biases); float32 rows past MAX_ROWS, or rows past MMA_MAX_ROWS, stay with MLX's."""
+    monkeypatch.setattr(routing, "ROUTES", {})
+    monkeypatch.setattr(routing, "_POLICY", [routing.MEASURED])
+    timed: list[int] = []
+    monkeypatch.setattr(routing, "time_both", lambda module, rows: (timed.append(rows), (1.0, 0.5))[1])
+    layer = nn.Linear(256, 64)
+    layer.set_dtype(mx.bfloat16)
+    model = nn.Sequential(layer)
+    nn.quantize(model, group_size=64, bits=4)
+    tapped = model.layers[0]
+    assert tapped["scales"].dtype == mx.bfloat16
+    for rows in (6, 8, 12, 16):
+        assert routing.takes_kernel(tapped, mx.ones((rows // 2, 2, 256), dtype=mx.bfloat16))
+    assert not routing.takes_kernel(tapped, mx.ones((1, 17, 256), dtype=mx.bfloat16))
+    assert not routing.takes_kernel(tapped, mx.ones((1, 6, 256), dtype=mx.float32))
+    assert timed == [6, 8, 12, 16]
+    f32 = _quantized_pair().layers[0]  # float32 scales: the FMA variant's rows only
+    assert not routing.takes_kernel(f32, mx.ones((1, 6, 256)))
+    assert timed == [6, 8, 12, 16]
+
+
 def test_a_pass_swaps_in_only_the_layers_routed_to_the_kernel(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -562,11 +588,15 @@ def test_the_cuda_qmv_is_the_quantized_product(emulated_cuda, rows, n, k, group_
     np.testing.assert_allclose(np.array(out32), np.array(stock), atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize(("rows", "n", "k", "group_size"), [(2, 32, 1536, 64), (5, 16, 512, 128)])
+@pytest.mark.parametrize(
+    ("rows", "n", "k", "group_size"),
+    [(2, 32, 1536, 64), (5, 16, 512, 128), (8, 16, 512, 64), (11, 32, 256, 64), (16, 16, 512, 128)],
+)
 def test_the_tensor_core_qmv_is_the_bf16_product(emulated_cuda, rows, n, k, group_size) -> None:
     """The mma variant (emulated: the PTX ISA's m16n8k16 fragment layouts) rounds each
     dequantized weight to bfloat16 once and sums in float32: within a bf16 rounding of the
-    float32 product of the exact weights s * q + b, over split-K warps' shares."""
+    float32 product of the exact weights s * q + b, over split-K warps' shares; past 8 rows
+    in two tiles of rows sharing the weights (a batch's verify)."""
     w = mx.random.normal((n, k), key=mx.random.key(6)) * k**-0.5
     wq, scales, biases = mx.quantize(w.astype(mx.bfloat16), group_size=group_size, bits=4)
     x = mx.random.normal((1, rows, k), key=mx.random.key(7)).astype(mx.bfloat16)

@@ -71,7 +71,9 @@ def takes_kernel(module: nn.Module, x: mx.array) -> bool:
     """Whether `x`'s rows times `module`'s matrix go to the kernel (inside a verify pass). A
     (matrix, rows) seen for the first time is timed now (`MEASURED`) or taken (`ALL`)."""
     rows = qmv.rows_of(x.shape)
-    if not qmv.MIN_ROWS <= rows <= qmv.MAX_ROWS:
+    if not qmv.MIN_ROWS <= rows <= qmv.MAX_ROWS and not (
+        qmv.MIN_ROWS <= rows <= qmv.MMA_MAX_ROWS and _tensor_cores(module, x)
+    ):
         return False
     key = route_key(module, rows)
     if key not in ROUTES:
@@ -127,14 +129,19 @@ def _routed(module: nn.Module, x: mx.array) -> mx.array | None:
     return kernel_product(module, x)
 
 
+def _tensor_cores(module: nn.Module, x: mx.array) -> bool:
+    """Whether the kernel's tensor-core variant takes `x` times `module`'s matrix."""
+    w, scales, biases = module["weight"], module["scales"], module["biases"]
+    return qmv.mma_shape_ok(rows=qmv.rows_of(x.shape), n=w.shape[0], k=x.shape[-1],
+                            group_size=module.group_size,
+                            dtypes=(x.dtype, scales.dtype, biases.dtype))  # fmt: skip
+
+
 def kernel_product(module: nn.Module, x: mx.array) -> mx.array:
     """`x` times `module`'s matrix by the kernel: its tensor-core variant where it applies."""
     w, scales, biases = module["weight"], module["scales"], module["biases"]
-    tensor_cores = qmv.mma_shape_ok(rows=qmv.rows_of(x.shape), n=w.shape[0], k=x.shape[-1],
-                                    group_size=module.group_size,
-                                    dtypes=(x.dtype, scales.dtype, biases.dtype))  # fmt: skip
     return qmv.multi_row_qmv(x, w, scales, biases, group_size=module.group_size,
-                             variant="mma" if tensor_cores else "fma")  # fmt: skip
+                             variant="mma" if _tensor_cores(module, x) else "fma")  # fmt: skip
 
 
 class RowsQuantizedLinear(nn.QuantizedLinear):
