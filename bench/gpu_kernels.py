@@ -10,7 +10,8 @@ Run on the GPU machine (bench/gpu.sh stages MLX's CUDA build there); one call do
    grouped heads and a padding mask.
 2. gdn cost per layer, T = 1..4: mlx-lm's own T-token update (what a plain forward pays off
    Metal), today's verify (`gdn.stepwise_verify`) and the kernel; 20 chained calls per timing.
-3. qmv exactness and cost for every distinct quantized matrix of each shape, rows 1..5:
+3. qmv exactness and cost for every distinct quantized matrix of each shape, rows 1..5
+   (`--qmv-rows`; past 5 only the tensor-core variant, as a batch's verify takes it):
    `mx.quantized_matmul` against `qmv.multi_row_qmv`, both against a float32 dequantized
    reference (max abs error over the output's max magnitude), and their sums per forward.
 4. The forward over T = 1..4 tokens at each shape (random 4-bit weights, group 64, bfloat16
@@ -209,7 +210,7 @@ def _as_list(result: tuple[mx.array, mx.array]) -> tuple[mx.array, list[mx.array
 # 3. The multi-row quantized matmul.
 
 
-def qmv_exactness_and_costs(n: int, k: int, trials: int) -> dict:
+def qmv_exactness_and_costs(n: int, k: int, trials: int, row_counts: list[int]) -> dict:
     ks = mx.random.split(mx.random.key(n * 7 + k), 2)
     w = (mx.random.normal((n, k), key=ks[0]) * k**-0.5).astype(mx.bfloat16)
     wq, scales, biases = mx.quantize(w, group_size=64, bits=4)
@@ -218,7 +219,7 @@ def qmv_exactness_and_costs(n: int, k: int, trials: int) -> dict:
                         bits=4)  # fmt: skip
     result: dict[str, Any] = {"n": n, "k": k, "err": {}, "time": {}}
     variants: dict[str, Callable[[], None]] = {}
-    for rows in range(1, qmv.MAX_ROWS + 1):
+    for rows in row_counts:
         x = mx.random.normal((1, rows, k), key=mx.random.key(rows)).astype(mx.bfloat16)
         ref = np.array(x.astype(mx.float32) @ deq.T)
         scale = float(np.abs(ref).max())
@@ -231,9 +232,9 @@ def qmv_exactness_and_costs(n: int, k: int, trials: int) -> dict:
         errs = {"mlx": float(np.abs(np.array(stock().astype(mx.float32)) - ref).max()) / scale}
         if rows >= qmv.MIN_ROWS:
             for name, kwargs in QMV_VARIANTS.items():
-                if name == "mma" and not qmv.mma_shape_ok(
+                if (name == "mma" and not qmv.mma_shape_ok(
                     rows=rows, n=n, k=k, group_size=64, dtypes=(x.dtype, scales.dtype)
-                ):
+                )) or (name != "mma" and rows > qmv.MAX_ROWS):
                     continue
 
                 def ours(x=x, kwargs=kwargs) -> mx.array:
@@ -377,7 +378,7 @@ def print_gdn_costs(costs: dict[int, dict]) -> None:
         print(f"{T} | " + " | ".join(cells))
 
 
-def print_qmv(results: list[dict], counts: dict[tuple[int, int], int]) -> dict:
+def print_qmv(results: list[dict], counts: dict[tuple[int, int], int], row_counts: list[int]) -> dict:
     """Per matrix: microseconds per call by rows (mlx -> fma c1 / fma c2 / mma), the errors
     at 3 rows; then the sums over one forward's matrices."""
     print("N x K (count) | rows: mlx us -> qmv c1 / c2 / mma us | max err/|ref|max at 3 rows:"
@@ -390,7 +391,7 @@ def print_qmv(results: list[dict], counts: dict[tuple[int, int], int]) -> dict:
     for r in results:
         t, count = r["time"], counts[(r["n"], r["k"])]
         cells = []
-        for rows in range(1, qmv.MAX_ROWS + 1):
+        for rows in row_counts:
             mlx_us = t[f"mlx{rows}"]["median"] / REPS * 1e6
             add(f"mlx{rows}", mlx_us, count)
             if rows == 1:
@@ -402,12 +403,13 @@ def print_qmv(results: list[dict], counts: dict[tuple[int, int], int]) -> dict:
                 add(f"{v}{rows}", us, count)
             add(f"best{rows}", min(mlx_us, *ours.values()), count)
             cells.append(f"{rows}: {mlx_us:.1f}->" + "/".join(f"{us:.1f}" for us in ours.values()))
-        e = r["err"][3]
+        e = r["err"][3 if 3 in r["err"] else max(r["err"])]
         print(f"{r['n']}x{r['k']} ({count}) | " + "  ".join(cells)
-              + f" | {e['mlx']:.1e}, {e['qmv_c1']:.1e}, {e.get('qmv_mma', float('nan')):.1e}")  # fmt: skip
+              + f" | {e['mlx']:.1e}, {e.get('qmv_c1', float('nan')):.1e},"
+              f" {e.get('qmv_mma', float('nan')):.1e}")  # fmt: skip
     for key in ("mlx", *QMV_VARIANTS, "best"):
         line = "  ".join(f"{rows}: {totals[f'{key}{rows}']:.0f}"
-                         for rows in range(1, qmv.MAX_ROWS + 1) if f"{key}{rows}" in totals)  # fmt: skip
+                         for rows in row_counts if f"{key}{rows}" in totals)  # fmt: skip
         print(f"sum per forward, us, {key:>4}: {line}")
     return totals
 
@@ -431,8 +433,12 @@ def main() -> int:
     parser.add_argument("--out", default=os.environ.get("OUT", "bench/out"))
     parser.add_argument("--commit", default=os.environ.get("MTPKIT_COMMIT", "unknown"))
     parser.add_argument("--skip", default="", help="sections to skip: gdn,qmv,forward")
+    parser.add_argument("--qmv-rows", default="1,2,3,4,5",
+                        help="rows of the qmv section (past 5: the tensor-core variant only; "
+                        "a batch's verify gives batch x (depth + 1))")
     args = parser.parse_args()
     shapes, skip = args.shapes.split(","), set(args.skip.split(","))
+    row_counts = [int(r) for r in args.qmv_rows.split(",")]
     results: dict[str, Any] = {
         "date": time.strftime("%Y-%m-%d"), "commit": args.commit, "mlx": mx.__version__,
         "device": mx.device_info().get("device_name", platform.processor()),
@@ -462,10 +468,10 @@ def main() -> int:
         counts = matrices(model)
         if "qmv" not in skip:
             mats = section(f"qmv {shape}", results, lambda counts=counts: [
-                qmv_exactness_and_costs(n, k, args.trials) for n, k in sorted(counts)])
+                qmv_exactness_and_costs(n, k, args.trials, row_counts) for n, k in sorted(counts)])
             if mats:
                 entry["qmv"] = mats
-                entry["qmv_totals_us"] = print_qmv(mats, counts)
+                entry["qmv_totals_us"] = print_qmv(mats, counts, row_counts)
         if "forward" not in skip:
             costs = section(f"forward {shape}", results,
                             lambda model=model: forward_costs(model, args.trials))  # fmt: skip

@@ -271,8 +271,9 @@ def test_routes_follow_the_timings(monkeypatch: pytest.MonkeyPatch) -> None:
     )
     timed: list[tuple[int, int]] = []
 
-    def timer(module, rows):  # the 64x256 matrix: the kernel wins from 3 rows on
+    def timer(module, lead):  # the 64x256 matrix: the kernel wins from 3 rows on
         n, k = module["weight"].shape[0], routing.route_key(module, 1)[1]
+        rows = qmv.rows_of((*lead, 1))
         timed.append((n, rows))
         if n == 32:
             raise RuntimeError("no kernel for this shape")
@@ -301,6 +302,37 @@ def test_routes_follow_the_timings(monkeypatch: pytest.MonkeyPatch) -> None:
     assert routing.takes_kernel(second, mx.ones((1, 5, 64))) is False
     assert routing.route_quantized_layers(model, measure=False) == 2
     assert routing.takes_kernel(third, mx.ones((1, 5, 256))) is True  # MTPKIT_QMV=1: untimed
+
+
+def test_rows_past_the_fma_variants_are_routed_only_to_the_tensor_cores(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A batch's verify (batch x (depth + 1) rows) gives a matrix 6..MMA_MAX_ROWS rows: timed
+    and routed only where the tensor-core variant takes them (bfloat16 rows, scales and
+    biases); float32 rows past MAX_ROWS, or rows past MMA_MAX_ROWS, stay with MLX's."""
+    monkeypatch.setattr(routing, "ROUTES", {})
+    monkeypatch.setattr(routing, "_POLICY", [routing.MEASURED])
+    timed: list[tuple[int, ...]] = []
+
+    def timer(module: nn.Module, lead: tuple[int, ...]) -> tuple[float, float]:
+        timed.append(lead)  # timed on the pass's own layout of its rows
+        return 1.0, 0.5
+
+    monkeypatch.setattr(routing, "time_both", timer)
+    layer = nn.Linear(256, 64)
+    layer.set_dtype(mx.bfloat16)
+    model = nn.Sequential(layer)
+    nn.quantize(model, group_size=64, bits=4)
+    tapped = model.layers[0]
+    assert tapped["scales"].dtype == mx.bfloat16
+    for rows in (6, 8, 12, 16):
+        assert routing.takes_kernel(tapped, mx.ones((rows // 2, 2, 256), dtype=mx.bfloat16))
+    assert not routing.takes_kernel(tapped, mx.ones((1, 17, 256), dtype=mx.bfloat16))
+    assert not routing.takes_kernel(tapped, mx.ones((1, 6, 256), dtype=mx.float32))
+    assert timed == [(3, 2), (4, 2), (6, 2), (8, 2)]
+    f32 = _quantized_pair().layers[0]  # float32 scales: the FMA variant's rows only
+    assert not routing.takes_kernel(f32, mx.ones((1, 6, 256)))
+    assert len(timed) == 4
 
 
 def test_a_pass_swaps_in_only_the_layers_routed_to_the_kernel(
@@ -538,6 +570,48 @@ def test_a_verify_pass_with_the_emulated_kernel_is_the_references(emulated_cuda,
             assert mx.allclose(s, r, atol=1e-5, rtol=1e-4)
 
 
+def test_a_batchs_verify_takes_the_kernel_for_its_rows(emulated_cuda, monkeypatch) -> None:
+    """A batch's verify pass [B, K+1] sends its B x (K+1) rows through the routed layers'
+    kernel (every layer routed, as MTPKIT_QMV=1) and gives the logits and hidden states of
+    the same pass through MLX's quantized matmul (float32: summation order only)."""
+    from mtpkit.speculative.batch.rollback import batch_caches, verify_rows
+
+    m = load_model(EXAMPLE, with_head=False)
+    m.model.set_dtype(mx.float32)  # float32 rows: the FMA variant, summation order only
+    nn.quantize(m.model, group_size=32, bits=4, class_predicate=lambda _, mod: isinstance(
+        mod, nn.Linear | nn.Embedding) and mod.weight.shape[-1] % 32 == 0)  # fmt: skip
+    prompts = [[1, 2, 3, 4, 5], [6, 7, 8]]
+
+    def prefilled() -> list:
+        single = []
+        for prompt in prompts:
+            cache = m.make_cache()
+            mx.eval(m.forward(mx.array([prompt]), cache)[0])
+            single.append(cache)
+        return batch_caches(single)
+
+    tokens = mx.array([[9, 10], [11, 12]])
+    reference = verify_rows(m, tokens, prefilled())  # nothing tapped: MLX's matmul
+    mx.eval(reference.logits, reference.hidden)
+    calls: list[tuple[int, ...]] = []
+    product = qmv.multi_row_qmv
+
+    def counted(x, *args, **kwargs):
+        calls.append(x.shape)
+        return product(x, *args, **kwargs)
+
+    monkeypatch.setattr(qmv, "multi_row_qmv", counted)
+    monkeypatch.setattr(routing, "ROUTES", {})
+    assert routing.route_quantized_layers(m.model, measure=False) > 0
+    routed = verify_rows(m, tokens, prefilled())
+    mx.eval(routed.logits, routed.hidden)
+    assert calls and all(shape[:-1] == (2, 2) for shape in calls)
+    for ours, theirs in ((routed.logits, reference.logits), (routed.hidden, reference.hidden)):
+        ours, theirs = (np.array(a.astype(mx.float32)) for a in (ours, theirs))
+        assert ours.shape == theirs.shape
+        np.testing.assert_allclose(ours, theirs, atol=1e-4, rtol=1e-4)
+
+
 @pytest.mark.parametrize(
     ("rows", "n", "k", "group_size", "columns"), [(2, 16, 1536, 64, 1), (5, 8, 1024, 128, 2)]
 )
@@ -562,11 +636,15 @@ def test_the_cuda_qmv_is_the_quantized_product(emulated_cuda, rows, n, k, group_
     np.testing.assert_allclose(np.array(out32), np.array(stock), atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize(("rows", "n", "k", "group_size"), [(2, 32, 1536, 64), (5, 16, 512, 128)])
+@pytest.mark.parametrize(
+    ("rows", "n", "k", "group_size"),
+    [(2, 32, 1536, 64), (5, 16, 512, 128), (8, 16, 512, 64), (11, 32, 256, 64), (16, 16, 512, 128)],
+)
 def test_the_tensor_core_qmv_is_the_bf16_product(emulated_cuda, rows, n, k, group_size) -> None:
     """The mma variant (emulated: the PTX ISA's m16n8k16 fragment layouts) rounds each
     dequantized weight to bfloat16 once and sums in float32: within a bf16 rounding of the
-    float32 product of the exact weights s * q + b, over split-K warps' shares."""
+    float32 product of the exact weights s * q + b, over split-K warps' shares; past 8 rows
+    in two tiles of rows sharing the weights (a batch's verify)."""
     w = mx.random.normal((n, k), key=mx.random.key(6)) * k**-0.5
     wq, scales, biases = mx.quantize(w.astype(mx.bfloat16), group_size=group_size, bits=4)
     x = mx.random.normal((1, rows, k), key=mx.random.key(7)).astype(mx.bfloat16)

@@ -1,9 +1,11 @@
 """A quantized matmul for the verify pass's few rows that reads the weights once for all rows.
 
-A verify pass multiplies 2-5 token rows by every weight matrix of the backbone. Plain
+A verify pass multiplies a few token rows (2-5 for one stream, batch x (depth + 1) for a
+batch) by every weight matrix of the backbone. Plain
 decoding's single row takes MLX's qmv (a memory-bound kernel that streams the 4-bit weights
 once); with more rows MLX's CUDA backend takes a tiled GEMM path meant for many rows, whose
-cost grows with the rows. This kernel keeps qmv's shape for up to `MAX_ROWS` rows: each warp
+cost grows with the rows. This kernel keeps qmv's shape for up to `MAX_ROWS` rows (its
+tensor-core variant: `MMA_MAX_ROWS`): each warp
 streams one output feature's packed weights (16 bytes, 32 weights, per lane and step) and
 multiplies them with every row held in registers, so the weights cross memory once.
 
@@ -31,7 +33,8 @@ from typing import Any
 
 import mlx.core as mx
 
-MAX_ROWS = 5
+MAX_ROWS = 5  # the FMA variant's rows (held in registers)
+MMA_MAX_ROWS = 16  # the tensor-core variant's: two tiles of the mma's 8
 MIN_ROWS = 2
 CHUNK = 32  # weights per lane and step: one 16-byte load of 4-bit values
 WARP_STEP = 32 * CHUNK  # weights of one row a warp covers per step
@@ -148,7 +151,8 @@ SOURCE = """
 
 
 # The tensor-core variant. A block of SPLIT_K warps computes 16 output features for all
-# R <= 8 rows: each warp takes every SPLIT_K-th 128-weight segment of K, dequantizes its
+# R <= MMA_MAX_ROWS rows, in tiles of 8 rows (the mma's n) that share the dequantized
+# weights: each warp takes every SPLIT_K-th 128-weight segment of K, dequantizes its
 # share of the 16 x 128 tile to bfloat16 in registers and multiplies it with the rows by
 # `mma.m16n8k16` (bfloat16 in, float32 accumulate); the warps' sums meet in shared memory.
 # A dot product does not depend on the order of its terms, so the mma's 16 k positions are
@@ -185,6 +189,8 @@ __device__ __forceinline__ uint32_t mtpkit_dequant_pair(
 
 MMA_SOURCE = """
     // x [R, K] bfloat16; w [N, K / 8] uint32; scales, biases [N, K / GS] bfloat16; out [R, N].
+    // Rows in tiles of 8 (the mma's n): tile i holds rows 8 i .. 8 i + 7.
+    constexpr int TILES = (R + 7) / 8;
     const int lane = threadIdx.x;
     const int g = lane >> 2;
     const int t = lane & 3;
@@ -194,7 +200,14 @@ MMA_SOURCE = """
     constexpr int groups = K / GS;
     const long na = n0 + g;
     const long nb = n0 + g + 8;
-    float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    float acc[TILES][4];
+#pragma unroll
+    for (int i = 0; i < TILES; ++i) {
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        acc[i][j] = 0.0f;
+      }
+    }
 #pragma unroll 2
     for (int seg = split * SEGMENT; seg < K; seg += SPLIT * SEGMENT) {
       const int kb = seg + 32 * t;
@@ -204,21 +217,25 @@ MMA_SOURCE = """
       const __nv_bfloat162 ba = __bfloat162bfloat162(biases[na * groups + kb / GS]);
       const __nv_bfloat162 sb = __bfloat162bfloat162(scales[nb * groups + kb / GS]);
       const __nv_bfloat162 bb = __bfloat162bfloat162(biases[nb * groups + kb / GS]);
-      uint32_t xw[16];
-      if (g < R) {
-        const uint4* xp = reinterpret_cast<const uint4*>(x + static_cast<long>(g) * K + kb);
+      uint32_t xw[TILES][16];
 #pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          const uint4 v = xp[i];
-          xw[4 * i] = v.x;
-          xw[4 * i + 1] = v.y;
-          xw[4 * i + 2] = v.z;
-          xw[4 * i + 3] = v.w;
-        }
-      } else {
+      for (int tile = 0; tile < TILES; ++tile) {
+        const int row = 8 * tile + g;
+        if (row < R) {
+          const uint4* xp = reinterpret_cast<const uint4*>(x + static_cast<long>(row) * K + kb);
 #pragma unroll
-        for (int i = 0; i < 16; ++i) {
-          xw[i] = 0u;
+          for (int i = 0; i < 4; ++i) {
+            const uint4 v = xp[i];
+            xw[tile][4 * i] = v.x;
+            xw[tile][4 * i + 1] = v.y;
+            xw[tile][4 * i + 2] = v.z;
+            xw[tile][4 * i + 3] = v.w;
+          }
+        } else {
+#pragma unroll
+          for (int i = 0; i < 16; ++i) {
+            xw[tile][i] = 0u;
+          }
         }
       }
       const uint32_t wa_words[4] = {wa.x, wa.y, wa.z, wa.w};
@@ -228,35 +245,45 @@ MMA_SOURCE = """
 #pragma unroll
         for (int u = 0; u < 2; ++u) {
           uint32_t a[4];
-          uint32_t b[2];
           a[0] = mtpkit_dequant_pair(wa_words[j], 2 * u, sa, ba);
           a[1] = mtpkit_dequant_pair(wb_words[j], 2 * u, sb, bb);
           a[2] = mtpkit_dequant_pair(wa_words[j], 2 * u + 1, sa, ba);
           a[3] = mtpkit_dequant_pair(wb_words[j], 2 * u + 1, sb, bb);
-          b[0] = __byte_perm(xw[4 * j + u], xw[4 * j + u + 2], 0x5410);
-          b[1] = __byte_perm(xw[4 * j + u], xw[4 * j + u + 2], 0x7632);
-          mtpkit_mma(acc, a, b);
+#pragma unroll
+          for (int tile = 0; tile < TILES; ++tile) {
+            uint32_t b[2];
+            b[0] = __byte_perm(xw[tile][4 * j + u], xw[tile][4 * j + u + 2], 0x5410);
+            b[1] = __byte_perm(xw[tile][4 * j + u], xw[tile][4 * j + u + 2], 0x7632);
+            mtpkit_mma(acc[tile], a, b);
+          }
         }
       }
     }
-    // acc: features g (acc[0], acc[1]) and g + 8 (acc[2], acc[3]), rows 2t and 2t + 1.
-    __shared__ float partial[SPLIT][32][4];
+    // acc[tile]: features g (acc[0], acc[1]) and g + 8 (acc[2], acc[3]), rows 8 tile + 2t
+    // and 8 tile + 2t + 1.
+    __shared__ float partial[SPLIT][32][4 * TILES];
 #pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      partial[split][lane][i] = acc[i];
+    for (int tile = 0; tile < TILES; ++tile) {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        partial[split][lane][4 * tile + i] = acc[tile][i];
+      }
     }
     __syncthreads();
     if (split == 0) {
 #pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        float total = 0.0f;
+      for (int tile = 0; tile < TILES; ++tile) {
 #pragma unroll
-        for (int s = 0; s < SPLIT; ++s) {
-          total += partial[s][lane][i];
-        }
-        const int r = 2 * t + (i & 1);
-        if (r < R) {
-          out[static_cast<long>(r) * N + n0 + g + 8 * (i >> 1)] = static_cast<OutT>(total);
+        for (int i = 0; i < 4; ++i) {
+          float total = 0.0f;
+#pragma unroll
+          for (int s = 0; s < SPLIT; ++s) {
+            total += partial[s][lane][4 * tile + i];
+          }
+          const int r = 8 * tile + 2 * t + (i & 1);
+          if (r < R) {
+            out[static_cast<long>(r) * N + n0 + g + 8 * (i >> 1)] = static_cast<OutT>(total);
+          }
         }
       }
     }
@@ -289,10 +316,10 @@ def launch_config(rows: int, n: int, columns: int = COLUMNS_PER_WARP) -> dict[st
 
 
 def mma_shape_ok(*, rows: int, n: int, k: int, group_size: int, dtypes: tuple) -> bool:
-    """What the tensor-core variant takes: up to 8 bfloat16 rows, bfloat16 scales and biases,
-    16 | N, K in whole 128-weight segments."""
+    """What the tensor-core variant takes: up to MMA_MAX_ROWS bfloat16 rows, bfloat16
+    scales and biases, 16 | N, K in whole 128-weight segments."""
     return (
-        rows <= 8
+        rows <= MMA_MAX_ROWS
         and n % 16 == 0
         and k % SEGMENT == 0
         and group_size % CHUNK == 0
@@ -340,8 +367,9 @@ def multi_row_qmv(
     variant: str = "fma",
 ) -> mx.array:
     """`mx.quantized_matmul(x, w, scales, biases, transpose=True, group_size, bits=4)` for
-    x [..., K] of 2..MAX_ROWS rows, on a CUDA GPU: `variant` "fma" (float32 FMAs, any
-    float dtype) or "mma" (tensor cores, bfloat16; see `mma_shape_ok`)."""
+    x [..., K] of 2..MAX_ROWS rows (2..MMA_MAX_ROWS with "mma"), on a CUDA GPU: `variant`
+    "fma" (float32 FMAs, any float dtype) or "mma" (tensor cores, bfloat16; see
+    `mma_shape_ok`)."""
     n, k = w.shape[0], x.shape[-1]
     rows = rows_of(x.shape)
     if variant == "mma":

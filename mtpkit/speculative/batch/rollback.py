@@ -39,6 +39,7 @@ import mlx.core as mx
 from mtpkit.core.errors import MtpkitError
 from mtpkit.mlxlm import cut_window, window_in_temporal_order
 from mtpkit.runtime.kernels.attention import few_query_attention
+from mtpkit.runtime.kernels.routing import multi_row_matmuls
 from mtpkit.runtime.model import MtpModel
 from mtpkit.runtime.rollback.gdn import GdnSnapshots, capture_gdn_states, is_recurrent_cache
 from mtpkit.runtime.rollback.replay import gdn_covers, is_trimmable
@@ -221,6 +222,11 @@ def verify_rows(m: MtpModel, tokens: mx.array, caches: list[Any]) -> BatchVerify
     for cache in _leaves(caches):
         if isinstance(cache, BatchRotatingKVCache):
             window_in_temporal_order(cache)
-    with capture_gdn_states(snapshots), few_query_attention():  # as one stream's verify
+    rows = tokens.shape[0] * tokens.shape[1]
+    with (  # as one stream's verify: the rows' matmuls routed as measured, few-query attention
+        capture_gdn_states(snapshots),
+        multi_row_matmuls(m.model, rows),
+        few_query_attention(),
+    ):
         logits, hidden = m.forward(tokens, caches)
     return BatchVerifyPass(logits, hidden, snapshots, tokens.shape[1], replay)
