@@ -10,6 +10,8 @@ confirmed pairs and nothing of another row's.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from pathlib import Path
 
 import mlx.core as mx
@@ -84,6 +86,21 @@ def round_of_fresh_tokens(m, prompt: list[int]) -> tuple[Row, int]:
     return row, start
 
 
+@contextlib.contextmanager
+def eos_inside_a_round(m, prompt: list[int], at: int) -> Iterator[tuple[list[int], int, int]]:
+    """Within the block, the tokenizer's only EOS is the `at`-th token a depth-2 round of
+    `prompt`'s decoding confirms (`round_of_fresh_tokens`); yields (that decoding's tokens
+    with no EOS, where the round starts, the EOS)."""
+    row, start = round_of_fresh_tokens(m, prompt)
+    eos = row.tokens[start + at]
+    saved = m.tokenizer.eos_token_ids
+    m.tokenizer.eos_token_ids = {eos}
+    try:
+        yield row.tokens, start, eos
+    finally:
+        m.tokenizer.eos_token_ids = saved
+
+
 @pytest.mark.parametrize("at", [0, 1, 2], ids=["first-draft", "second-draft", "bonus"])
 def test_a_row_ending_at_an_eos_counts_its_drafts_as_one_stream_does(m, at: int) -> None:
     """A row whose EOS comes inside a round (as its first or second kept draft, or as the
@@ -93,20 +110,14 @@ def test_a_row_ending_at_an_eos_counts_its_drafts_as_one_stream_does(m, at: int)
     from mtpkit.speculative.decode import MtpDecoder, SamplingSettings
 
     prompt = m.tokenizer.encode(TEXTS[0])
-    row, start = round_of_fresh_tokens(m, prompt)
-    eos = row.tokens[start + at]
-    saved = m.tokenizer.eos_token_ids
-    try:
-        m.tokenizer.eos_token_ids = {eos}
+    with eos_inside_a_round(m, prompt, at) as (fresh, start, _):
         batch = BatchDecoder(m, depth=2)
         batched = batch.add(prompt, max_tokens=40)
         while batch.rows:
             batch.step()
         single = MtpDecoder(m, prompt, depth=2, sampling=SamplingSettings(), adaptive=False)
         alone = list(single.tokens(40))
-    finally:
-        m.tokenizer.eos_token_ids = saved
-    assert batched.tokens == alone == row.tokens[: start + at]
+    assert batched.tokens == alone == fresh[: start + at]
     # The round the EOS ended keeps the same drafts counted in both decoders (their first
     # rounds differ by design, so their totals are not compared) ...
     assert batched.draft_log[-1] == single.stats.draft_log[-1]

@@ -22,7 +22,13 @@ from mtpkit.speculative.batch import BatchDecoder, Row
 from mtpkit.speculative.prompt_cache import PromptCache
 from mtpkit.speculative.proposers.mtp_head import HeadProposer
 from tests.test_batch import LAYOUTS, UNEQUAL, Schedule, m, model_dir, stock  # noqa: F401
-from tests.test_batch_head import EXAMPLE, TEXTS, head_predictions, round_of_fresh_tokens
+from tests.test_batch_head import (
+    EXAMPLE,
+    TEXTS,
+    eos_inside_a_round,
+    head_predictions,
+    round_of_fresh_tokens,
+)
 
 
 def entry_of(cache: PromptCache, tokens: list[int]):
@@ -257,19 +263,13 @@ def test_one_stream_ending_inside_a_round_keeps_its_state_up_to_the_eos(
     from mtpkit.speculative.session import Engine, Request
 
     prompt = example.tokenizer.encode(TEXTS[0])
-    row, start = round_of_fresh_tokens(example, prompt)
-    eos = row.tokens[start + at]
-    saved = example.tokenizer.eos_token_ids
-    try:
-        example.tokenizer.eos_token_ids = {eos}
+    with eos_inside_a_round(example, prompt, at) as (fresh, start, eos):
         engine = Engine(example, mtp=True)
         first = engine.session(Request(prompt, max_tokens=40, depth=2, adaptive=False))
         tokens = [e.token for e in first if e.token is not None]
-    finally:
-        example.tokenizer.eos_token_ids = saved
-    assert tokens == row.tokens[: start + at]
+    assert tokens == fresh[: start + at]
     # The EOS came inside a round that kept both its drafts (the round's log is cut at it).
-    assert first.stats.draft_log[-1] == (len(prompt) + start, row.tokens[start : start + at])
+    assert first.stats.draft_log[-1] == (len(prompt) + start, fresh[start : start + at])
     assert first.decoder.confirmed == [*tokens, eos]
     turn = prompt + first.decoder.confirmed + example.tokenizer.encode(" and then")
     second = engine.session(Request(turn, max_tokens=12, depth=2, adaptive=False))
