@@ -30,6 +30,7 @@ def test_batch_widths_against_stock_batching_as_json(mimo: Path) -> None:
     report = json.loads(result.stdout)
     assert [w["batch"] for w in report["widths"]] == [1, 3]
     assert report["depth"] == 1 and report["trials"] == 2
+    assert report["matmul_routes"] == {}  # the multi-row matmul is routed on CUDA only
     for width in report["widths"]:
         assert width["stock_tps"]["median"] > 0
         assert set(width["mtp"]) == set(width["mtp_adaptive"]) == {"0", "1"}

@@ -193,6 +193,7 @@ def test_bench_json(converted: Path) -> None:
         assert low <= r["speedup"] <= high
     assert out["plain_tps"] > 0 and out["beta"] > 0 and out["delta"] > 0
     assert out["trials"] == 2 and set(out["verify_costs"]) == {"2", "3"}
+    assert out["matmul_routes"] == {}  # the multi-row matmul is routed on CUDA only
     assert out["device"] in ("cpu", "gpu")  # a word, not the repr Device(cpu, 0)
     # bench/bench_table.py turns it into a markdown row with every depth's figures.
     spec = importlib.util.spec_from_file_location("bench_table", ROOT / "bench" / "bench_table.py")

@@ -29,6 +29,7 @@ from mtpkit.bench.report import Figure, device_name
 from mtpkit.bench.speed import prompt_of_length
 from mtpkit.core.errors import MtpkitError
 from mtpkit.core.prompts import encode_prompt
+from mtpkit.runtime.kernels.routing import routes_summary
 from mtpkit.runtime.model import MtpModel, NoMtpHead, library_io, load_model
 from mtpkit.runtime.upcast import upcast_experts
 from mtpkit.speculative.accept import Verdict
@@ -79,6 +80,7 @@ class BatchBenchResult:
             "max_tokens": self.max_tokens,
             "trials": self.trials,
             "depth": self.depth,
+            "matmul_routes": routes_summary(),
             "widths": [
                 {
                     "batch": r.width,

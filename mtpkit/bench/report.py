@@ -18,6 +18,7 @@ from typing import Any
 
 import mlx.core as mx
 
+from mtpkit.runtime.kernels.routing import routes_summary
 from mtpkit.speculative.adaptive import expected_tokens
 
 MIN_TRIALS = 5
@@ -197,6 +198,7 @@ class BenchResult:
             "runs": [r.to_json(stock_token) for r in self.runs if not r.adaptive],
             "adaptive": [r.to_json(stock_token) for r in self.runs if r.adaptive],
             "draft_model": self.draft_model.to_json() if self.draft_model else None,
+            "matmul_routes": routes_summary(),
         }
 
 
