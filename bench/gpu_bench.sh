@@ -4,12 +4,16 @@
 #
 # The exact steps (the GPU machine reaches no registry; at most 64 MiB travels per call):
 #
-# 1. Here, in the project root, stage the wheels as parts of 62 MB:
-#      PART_MB=62 bash ../shared/gpu/prepare.sh          # .gpu/part-aa, -ab, ... + .gpu/install.sh
+# 1. Here, in the project root, stage the wheels as parts of 52 MB (a call carries the working
+#    tree too, ~4.5 MB, within its 64 MiB; 52 leaves room for .gpu/ptx.tgz beside part-aa):
+#      PART_MB=52 bash ../shared/gpu/prepare.sh          # .gpu/part-aa, -ab, -ac + .gpu/install.sh
 # 2. With the device tool, one call per part, in quick succession (a machine idle for ~30 s
 #    is given back and its /tmp is lost; then start again at the first part):
-#      run(command="bash bench/gpu_bench.sh stage", carry=[".gpu/part-aa"])
+#      run(command="bash bench/gpu_bench.sh stage", carry=[".gpu/part-aa", ".gpu/ptx.tgz"])
 #      run(command="bash bench/gpu_bench.sh stage", carry=[".gpu/part-ab"])   # ... every part
+#    and the last part's call can install and bench at once:
+#      run(command="bash bench/gpu_bench.sh stage && bash .gpu/install.sh && bash
+#          bench/gpu_bench.sh bench ...", carry=[".gpu/part-ac", ".gpu/install.sh"])
 # 3. Still warm, the benches, a few targets per call (each call must end inside 10 minutes;
 #    every target has its own limit, BENCH_LIMIT seconds, default 330; 9b needs ~300 s at 5 trials):
 #      run(command="bash bench/gpu_bench.sh bench compile tiny qwen3_5-0.8b", carry=[".gpu/install.sh"])
@@ -50,9 +54,10 @@
 # target `profile`: bench/profile_stages.py at 0.8b and 9b (a round's stages); `profile-tiny`:
 # the same on the bundled example (after target `tiny`, which converts it); `sdpa`:
 # bench/sdpa_shapes.py (attention's cost at key lengths never seen, by head size and mask).
-# To run a worktree's code: copy its mtpkit/ and bench/ into the main checkout's .gpuwt/
-# (git-excluded), carry it, and call `bash .gpuwt/bench/gpu_bench.sh ...` after
-# `bash .gpu/install.sh` (its install step then finds MLX already installed).
+# To run a worktree's code: copy its mtpkit/ (examples included: the random shapes take the
+# bundled tokenizer) and bench/ into the main checkout's .gpuwt/ (git-excluded), carry it, and
+# call `bash .gpuwt/bench/gpu_bench.sh ...` after `bash .gpu/install.sh` (its install step
+# then finds MLX already installed); OUT=$OUT/NAME keeps two runs' files apart in one call.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/mtpkit-bench-out}
