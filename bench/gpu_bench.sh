@@ -173,5 +173,5 @@ case "${1:-}" in
   stage) stage ;;
   bench) shift; bench "$@" ;;
   ptx-save) ptx_save ;;
-  *) sed -n '2,55p' "$0"; exit 2 ;;
+  *) sed -n '2,60p' "$0"; exit 2 ;;
 esac
