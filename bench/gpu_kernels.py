@@ -11,7 +11,8 @@ Run on the GPU machine (bench/gpu.sh stages MLX's CUDA build there); one call do
 2. gdn cost per layer, T = 1..4: mlx-lm's own T-token update (what a plain forward pays off
    Metal), today's verify (`gdn.stepwise_verify`) and the kernel; 20 chained calls per timing.
 3. qmv exactness and cost for every distinct quantized matrix of each shape, rows 1..5
-   (`--qmv-rows`; past 5 only the tensor-core variant, as a batch's verify takes it):
+   (`--qmv-rows`; past 5 only the tensor-core variant, as a batch's verify takes it; at even
+   rows from 4 MLX's also on the rows laid out [rows / 2, 2], a batch's verify at depth 1):
    `mx.quantized_matmul` against `qmv.multi_row_qmv`, both against a float32 dequantized
    reference (max abs error over the output's max magnitude), and their sums per forward.
 4. The forward over T = 1..4 tokens at each shape (random 4-bit weights, group 64, bfloat16
@@ -229,6 +230,13 @@ def qmv_exactness_and_costs(n: int, k: int, trials: int, row_counts: list[int]) 
                                        bits=4)  # fmt: skip
 
         variants[f"mlx{rows}"] = _repeated(stock)
+        if rows >= 4 and rows % 2 == 0:  # a batch's verify at depth 1: [rows / 2, 2, K]
+
+            def batched(x=x, rows=rows) -> mx.array:
+                return mx.quantized_matmul(x.reshape(rows // 2, 2, k), wq, scales, biases,
+                                           transpose=True, group_size=64, bits=4)  # fmt: skip
+
+            variants[f"mlxb{rows}"] = _repeated(batched)
         errs = {"mlx": float(np.abs(np.array(stock().astype(mx.float32)) - ref).max()) / scale}
         if rows >= qmv.MIN_ROWS:
             for name, kwargs in QMV_VARIANTS.items():
@@ -379,8 +387,9 @@ def print_gdn_costs(costs: dict[int, dict]) -> None:
 
 
 def print_qmv(results: list[dict], counts: dict[tuple[int, int], int], row_counts: list[int]) -> dict:
-    """Per matrix: microseconds per call by rows (mlx -> fma c1 / fma c2 / mma), the errors
-    at 3 rows; then the sums over one forward's matrices."""
+    """Per matrix: microseconds per call by rows (mlx (b: MLX's on the rows laid out
+    [rows / 2, 2], as a batch's verify at depth 1 gives them) -> fma c1 / fma c2 / mma), the
+    errors at 3 rows; then the sums over one forward's matrices."""
     print("N x K (count) | rows: mlx us -> qmv c1 / c2 / mma us | max err/|ref|max at 3 rows:"
           " mlx, c1, mma")  # fmt: skip
     totals: dict[str, float] = {}
@@ -402,12 +411,18 @@ def print_qmv(results: list[dict], counts: dict[tuple[int, int], int], row_count
             for v, us in ours.items():
                 add(f"{v}{rows}", us, count)
             add(f"best{rows}", min(mlx_us, *ours.values()), count)
-            cells.append(f"{rows}: {mlx_us:.1f}->" + "/".join(f"{us:.1f}" for us in ours.values()))
+            laid = ""
+            if f"mlxb{rows}" in t:  # MLX's on the rows laid out [rows / 2, 2]
+                batched_us = t[f"mlxb{rows}"]["median"] / REPS * 1e6
+                add(f"mlxb{rows}", batched_us, count)
+                laid = f" (b {batched_us:.1f})"
+            cells.append(f"{rows}: {mlx_us:.1f}{laid}->"
+                         + "/".join(f"{us:.1f}" for us in ours.values()))  # fmt: skip
         e = r["err"][3 if 3 in r["err"] else max(r["err"])]
         print(f"{r['n']}x{r['k']} ({count}) | " + "  ".join(cells)
               + f" | {e['mlx']:.1e}, {e.get('qmv_c1', float('nan')):.1e},"
               f" {e.get('qmv_mma', float('nan')):.1e}")  # fmt: skip
-    for key in ("mlx", *QMV_VARIANTS, "best"):
+    for key in ("mlx", "mlxb", *QMV_VARIANTS, "best"):
         line = "  ".join(f"{rows}: {totals[f'{key}{rows}']:.0f}"
                          for rows in row_counts if f"{key}{rows}" in totals)  # fmt: skip
         print(f"sum per forward, us, {key:>4}: {line}")
