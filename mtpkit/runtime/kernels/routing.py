@@ -12,8 +12,9 @@ a batch's [B, K+1]: MLX's cost depends on the layout too), the first time it doe
 of interleaved batches on its own weights), and takes the kernel where it was at least
 `MARGIN` faster (at 2 rows, only on matrices of `WIDE_WEIGHTS` or more: see
 `TIMED_FROM_ROWS`). A route is kept per matrix and row count: the first layout met decides
-(a process decodes one stream's rounds or a batch's, not both). On an H200 (2026-11-27) a batch of 4 rows at depth 1 at qwen3_5-9b
-decoded at 1.57x stock's batched decoding with its verify routed, 1.10x without.
+(a process decodes one stream's rounds or a batch's, not both). On an H200 (2026-11-27),
+qwen3_5-9b with 4 requests in a batch at depth 1 decoded at 1.57x stock's batched decoding
+with its verify routed, 1.10x without (docs/PERFORMANCE.md).
 `MTPKIT_QMV=1` routes every matrix the kernel can take, `0` none.
 
 Only the layers that may take the kernel are tapped, and only during a verify pass:
