@@ -8,8 +8,8 @@ arithmetic; the count is the same on any device, so this runs on the CPU too.
 For each width B: B rows of one prompt join a `BatchDecoder` at depth 1, a few rounds run,
 then the nodes of every evaluation one round (or one plain step) asks for are counted
 (`mx.export_to_dot` of what `mx.eval` / `mx.async_eval` are given: evaluated arrays are
-leaves, so each evaluation counts the nodes built since the last), with the kinds that grow
-with B between the first and the last width.
+leaves, so each evaluation counts the nodes built since the last), the kinds a round has
+most beyond a plain step, and the kinds that grow with B between the first and last width.
 """
 
 from __future__ import annotations
@@ -83,6 +83,11 @@ def main() -> int:
         per_width[width] = (round_nodes, plain_nodes)
         print(f"batch {width}: round {sum(round_nodes.values())} nodes, plain step "
               f"{sum(plain_nodes.values())}")  # fmt: skip
+    round_nodes, plain_nodes = per_width[widths[-1]]
+    print(f"kinds a round at batch {widths[-1]} has most beyond a plain step:")
+    extra = {k: (plain_nodes.get(k, 0), v) for k, v in round_nodes.items()}
+    for kind, (a, b) in sorted(extra.items(), key=lambda kv: kv[1][0] - kv[1][1])[:15]:
+        print(f"  {kind}: {a} -> {b}")
     first, last = per_width[widths[0]][0], per_width[widths[-1]][0]
     grown = {k: (first.get(k, 0), v) for k, v in last.items() if v > first.get(k, 0)}
     print(f"kinds of a round that grow from batch {widths[0]} to {widths[-1]}:")
