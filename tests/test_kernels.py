@@ -602,6 +602,7 @@ def test_a_batchs_verify_takes_the_kernel_for_its_rows(emulated_cuda, monkeypatc
 
     monkeypatch.setattr(qmv, "multi_row_qmv", counted)
     monkeypatch.setattr(routing, "ROUTES", {})
+    monkeypatch.setattr(routing, "_POLICY", [routing.MEASURED])  # set to ALL just below
     assert routing.route_quantized_layers(m.model, measure=False) > 0
     routed = verify_rows(m, tokens, prefilled())
     mx.eval(routed.logits, routed.hidden)
