@@ -578,8 +578,8 @@ def test_a_batchs_verify_takes_the_kernel_for_its_rows(emulated_cuda, monkeypatc
 
     m = load_model(EXAMPLE, with_head=False)
     m.model.set_dtype(mx.float32)  # float32 rows: the FMA variant, summation order only
-    nn.quantize(m.model, group_size=32, bits=4, class_predicate=lambda _, mod: isinstance(
-        mod, nn.Linear | nn.Embedding) and mod.weight.shape[-1] % 32 == 0)  # fmt: skip
+    nn.quantize(m.model, group_size=32, bits=4, class_predicate=lambda path, mod: ".mlp." in path
+                and isinstance(mod, nn.Linear) and mod.weight.shape[-1] % 32 == 0)  # fmt: skip
     prompts = [[1, 2, 3, 4, 5], [6, 7, 8]]
 
     def prefilled() -> list:
@@ -590,7 +590,7 @@ def test_a_batchs_verify_takes_the_kernel_for_its_rows(emulated_cuda, monkeypatc
             single.append(cache)
         return batch_caches(single)
 
-    tokens = mx.array([[9, 10], [11, 12]])
+    tokens = mx.array([[9, 10], [11, 12]])  # (the MLPs quantized: the emulator is slow)
     reference = verify_rows(m, tokens, prefilled())  # nothing tapped: MLX's matmul
     mx.eval(reference.logits, reference.hidden)
     calls: list[tuple[int, ...]] = []
