@@ -8,7 +8,9 @@ arithmetic; the count is the same on any device, so this runs on the CPU too.
 For each width B: B rows of one prompt join a `BatchDecoder` at depth 1, a few rounds run,
 then the nodes of every evaluation one round (or one plain step) asks for are counted
 (`mx.export_to_dot` of what `mx.eval` / `mx.async_eval` are given: evaluated arrays are
-leaves, so each evaluation counts the nodes built since the last), the kinds a round has
+leaves, so each evaluation counts the nodes built since the last; the caches and the head's
+output are evaluated before each count and, for a round, inside it, so a round's lazy
+rollback counts in the round and nowhere else), the kinds a round has
 most beyond a plain step, and the kinds that grow with B between the first and last width.
 """
 
@@ -56,10 +58,15 @@ def counted(step: Callable[[], object]) -> Counter:
     mx.eval, mx.async_eval = eval_, async_eval_
     try:
         step()
-        mx.eval([])  # nothing left lazy: what the step left for later counts at the next
     finally:
         mx.eval, mx.async_eval = evaluate, launch
     return total
+
+
+def states(decoder: BatchDecoder) -> list:
+    """What a step leaves lazy for the next: the caches it rolled back, the head's output."""
+    caches = [c.state for c in decoder.cache] + [c.state for c in decoder.head.cache]
+    return [caches, decoder.head.ready]
 
 
 def main() -> int:
@@ -77,7 +84,8 @@ def main() -> int:
             decoder.add(prompt, max_tokens=64)
         for _ in range(3):
             decoder.step()
-        round_nodes = counted(decoder.step)
+        mx.eval(states(decoder))  # each count below starts from evaluated caches
+        round_nodes = counted(lambda d=decoder: (d.step(), mx.eval(states(d))))
         last = mx.array([[row.last] for row in decoder.rows], dtype=mx.int32)
         plain_nodes = counted(lambda d=decoder, last=last: mx.eval(d._plain_forward(last)))
         per_width[width] = (round_nodes, plain_nodes)
