@@ -49,6 +49,8 @@
 # --acceptance ${BATCH_ACCEPTANCE:-0,0.8} --depth 1` into $OUT/batch-SHAPE.json, then
 # bench/batch_table.py over every batch-*.json (MTP and adaptive drafting over stock
 # batch_generate at each width, in the same trials);
+# target `ahead-SHAPE` (issue 30): bench/batch_ahead.py, batched rounds built ahead against
+# rounds read first, with stock batch_generate, in the same trials (BATCH, BATCH_ACCEPTANCE);
 # target `stall`: bench/batch_stall.py on qwen3_5-0.8b (each join and batched round timed:
 # first-use kernel builds), as is, with MTPKIT_KERNELS=0 and with MLX_USE_CUDA_GRAPHS=0;
 # target `profile`: bench/profile_stages.py at 0.8b and 9b (a round's stages); `profile-tiny`:
@@ -132,6 +134,10 @@ bench() {
       echo "rc $? for $target$tag" >&2
       tail -2 "$OUT/$target$tag.log" >&2
       python3 bench/batch_table.py "$OUT"/batch-*.json | tee "$OUT/batch-table.md" >&2
+      continue
+    elif [ "${target#ahead-}" != "$target" ]; then  # rounds built ahead vs read first (issue 30)
+      timeout "$limit" python3 bench/batch_ahead.py "${target#ahead-}" "${TRIALS:-3}" "${BATCH:-4,8}" \
+        "${BATCH_ACCEPTANCE:-0.8}" "${MAX_TOKENS:-128}" 2>&1 | tee "$OUT/$target.txt" | tail -12 >&2
       continue
     elif [ "$target" = stall ]; then  # first-use builds of batched rounds (0.8b, fresh machine)
       for env in "" MTPKIT_KERNELS=0 MLX_USE_CUDA_GRAPHS=0; do

@@ -32,7 +32,6 @@ from mtpkit.core.prompts import encode_prompt
 from mtpkit.runtime.kernels.routing import routes_summary
 from mtpkit.runtime.model import MtpModel, NoMtpHead, library_io, load_model
 from mtpkit.runtime.upcast import upcast_experts
-from mtpkit.speculative.accept import Verdict
 from mtpkit.speculative.batch import BatchDecoder, Row
 from mtpkit.speculative.session import check_prompt
 
@@ -124,21 +123,23 @@ def mtp_batch_run(
     max_tokens: int,
     oracles: list[OracleDrafts] | None = None,
     adaptive: bool = False,
+    ahead: bool = True,
 ) -> tuple[float, float | None, float]:
     """Aggregate decode tok/s of `BatchDecoder` over `prompts` (every row joined before the
     first round; each row's first token, from its prefill, not counted), its acceptance and
     the share of its steps that were plain."""
-    draft_filter = judge = None
+    draft_filter = plan = None
     if oracles is not None:
+        planned = [oracle.for_rows() for oracle in oracles]
 
-        def draft_filter(row: Row, position: int, drafts: mx.array) -> mx.array:
-            return oracles[row.uid](position, drafts)
+        def draft_filter(row: Row, position: mx.array, drafts: mx.array) -> mx.array:
+            return planned[row.uid].drafts(position, drafts)
 
-        def judge(row: Row, verdict: Verdict) -> Verdict:
-            return oracles[row.uid].judge(verdict)
+        def plan(row: Row, depth: int) -> int:
+            return planned[row.uid].planned(depth)
 
     decoder = BatchDecoder(
-        m, depth=depth, draft_filter=draft_filter, judge=judge, adaptive=adaptive
+        m, depth=depth, draft_filter=draft_filter, plan=plan, adaptive=adaptive, ahead=ahead
     )
     rows = [decoder.add(p, max_tokens=max_tokens) for p in prompts]
     start = time.perf_counter()

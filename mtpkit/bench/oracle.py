@@ -77,6 +77,35 @@ class OracleDrafts:
     def proposer(self, inner: Proposer) -> OracleProposer:
         return OracleProposer(inner, self)
 
+    def for_rows(self) -> RowOracle:
+        return RowOracle(self)
+
+
+class RowOracle:
+    """The plan for one row of a batch, by rounds built (a batched round may be built before
+    the round before it is read, so the position of its drafts is on the device): its drafts
+    (`drafts`, a `BatchDecoder.draft_filter`) and its verdict's count (`planned`, a
+    `BatchDecoder.plan`), asked in that order once per round."""
+
+    def __init__(self, plan: OracleDrafts) -> None:
+        self.plan = plan
+        self.built = 0
+        self.reference = mx.array([*plan.reference, 0], dtype=mx.int32)
+
+    def drafts(self, position: mx.array, head_drafts: mx.array) -> mx.array:
+        k = head_drafts.shape[0]
+        at = position - self.plan.prompt_length + mx.arange(k)
+        truth = self.reference[mx.clip(at, 0, self.reference.shape[0] - 1)]
+        right = mx.array([self.plan.right(self.built, j) for j in range(k)])
+        planned = mx.where(right, truth, (truth + 1) % self.plan.vocab)
+        # The proposer's drafts stay in the graph (never negative): its cost is paid.
+        return mx.where(head_drafts < 0, head_drafts, planned.astype(mx.int32))
+
+    def planned(self, depth: int) -> int:
+        kept = self.plan.planned(self.built, depth)
+        self.built += 1
+        return kept
+
 
 class OracleProposer:
     """`inner` drafting as usual (its cost paid), its drafts replaced by the plan's and its

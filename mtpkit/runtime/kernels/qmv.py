@@ -309,6 +309,14 @@ def rows_of(shape: tuple[int, ...]) -> int:
     return math.prod(shape[:-1])
 
 
+def built_rows(rows: int) -> int:
+    """The rows the kernel is built for (one build per count, ~1 s each on an H100): up to
+    MAX_ROWS the count itself; past it (the tensor-core variant, a batch's verify) a whole
+    tile of 8, the rest zero rows the mma computes anyway. A batch whose rows leave one by
+    one then meets two builds, not one per count."""
+    return rows if rows <= MAX_ROWS else -(-rows // 8) * 8
+
+
 def launch_config(rows: int, n: int, columns: int = COLUMNS_PER_WARP) -> dict[str, Any]:
     """Grid and threadgroup of one launch: one warp per `columns` output features."""
     warps = -(-n // columns)
@@ -373,15 +381,19 @@ def multi_row_qmv(
     n, k = w.shape[0], x.shape[-1]
     rows = rows_of(x.shape)
     if variant == "mma":
+        built = built_rows(rows)
+        flat = x.reshape(rows, k)
+        if built > rows:
+            flat = mx.pad(flat, [(0, built - rows), (0, 0)])
         (out,) = cuda_qmv_mma_kernel()(
-            inputs=[x.reshape(rows, k), w, scales, biases],
-            template=[("R", rows), ("K", k), ("N", n), ("GS", group_size), ("OutT", x.dtype),
+            inputs=[flat, w, scales, biases],
+            template=[("R", built), ("K", k), ("N", n), ("GS", group_size), ("OutT", x.dtype),
                       ("SPLIT", SPLIT_K), ("SEGMENT", SEGMENT)],
-            output_shapes=[(rows, n)],
+            output_shapes=[(built, n)],
             output_dtypes=[x.dtype],
             **mma_launch_config(n),
         )  # fmt: skip
-        return out.reshape(*x.shape[:-1], n)
+        return (out[:rows] if built > rows else out).reshape(*x.shape[:-1], n)
     (out,) = cuda_qmv_kernel()(
         inputs=[x.reshape(rows, k), w, scales, biases],
         template=[("R", rows), ("C", columns), ("K", k), ("N", n), ("GS", group_size),

@@ -67,8 +67,10 @@ _TAPPED: dict[int, tuple[weakref.ref, list[Layer], dict[int, list[Layer]]]] = {}
 
 
 def route_key(module: nn.Module, rows: int) -> Key:
+    """A route's key: the matrix, and the rows the kernel is built for (`qmv.built_rows`:
+    a batch's row counts past MAX_ROWS share the route of their tile of 8)."""
     w = module["weight"]
-    return (w.shape[0], w.shape[1] * 32 // module.bits, rows, module.group_size,
+    return (w.shape[0], w.shape[1] * 32 // module.bits, qmv.built_rows(rows), module.group_size,
             str(module["scales"].dtype))  # fmt: skip
 
 

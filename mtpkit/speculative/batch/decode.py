@@ -8,7 +8,10 @@ merged into the batch's (mlx-lm's `merge`/`extend`: KV caches left-padded to a c
 index, each row with its own offset). A round (`BatchDecoder.step`): the head drafts K tokens
 for every row, the backbone verifies `[B, K+1]` in one pass, each row gets its own verdict
 (greedy, or exact rejection sampling with its own settings), and each row rolls back to its
-own accepted prefix (`mtpkit.speculative.batch.rollback`). Rows at different depths share a
+own accepted prefix (`mtpkit.speculative.batch.rollback`). Where every cache can be rolled back
+on the device (no sliding window, nothing replayed) and no prompt cache keeps rows, the next round is built
+and launched before a round's verdicts are read, on its lazy results, so the host builds while
+the device computes (`mtpkit.speculative.batch.rounds`). Rows at different depths share a
 round: the head drafts the deepest row's count for all, and each row's verdict reads only its
 own first drafts (a row at depth 0, drafting off, takes a plain step in the round). With
 `adaptive`, a width whose rounds cost more per token than plain batched steps takes plain
@@ -31,37 +34,37 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import Callable
 from typing import Any
 
 import mlx.core as mx
 
 from mtpkit.core.choices import MAX_DEPTH
 from mtpkit.runtime.model import GenerateError, MtpModel, NoMtpHead
-from mtpkit.speculative.accept import SamplingSettings, Verdict, verdict_of
+from mtpkit.speculative.accept import SamplingSettings, Verdict
 from mtpkit.speculative.batch.adaptive import WidthDrafting
-from mtpkit.speculative.batch.draws import draw_rows, round_keys, row_verdicts, sample_first
+from mtpkit.speculative.batch.draws import draw_rows, sample_first
 from mtpkit.speculative.batch.head import BatchHead, row_head, row_proposer
-from mtpkit.speculative.batch.rollback import batch_caches, verify_rows
+from mtpkit.speculative.batch.rollback import batch_caches
+from mtpkit.speculative.batch.rounds import (
+    BuiltRound,
+    RowDraftFilter,
+    RowPlan,
+    build_round,
+    can_build_ahead,
+)
 from mtpkit.speculative.batch.row import CANCELLED, GREEDY, LENGTH, STOP, Row
 from mtpkit.speculative.prompt_cache import CachedState, PromptCache
 from mtpkit.speculative.proposers.mtp_head import HeadProposer
 
 PREFILL_STEP = 2048
 
-# A draft filter: (the row, the position of its round's first draft in prompt + output, the
-# head's drafts for it [K]) -> the drafts to verify [K] (tests' injected drafts).
-RowDraftFilter = Callable[["Row", int, mx.array], mx.array]
-# A verdict filter: (the row, its verdict) -> the verdict it keeps (bench's oracle holds a
-# random-weight model to its plan, as `OracleProposer.judged` does for one stream).
-RowJudge = Callable[["Row", Verdict], Verdict]
-
 
 class BatchDecoder:
     """Rows decoding together with the model's MTP head drafting `depth` tokens a round
     (see the module's text). `draft_filter` replaces each row's drafts (tests, bench's
-    oracle), `judge` each row's verdict (bench's oracle); `policy` decides per width whether
-    a step drafts (`adaptive`: `WidthDrafting`; default: every step drafts)."""
+    oracle), `plan` holds each row's verdict to a count (bench's oracle); `policy` decides
+    per width whether a step drafts (`adaptive`: `WidthDrafting`; default: every step
+    drafts); `ahead` False reads every round before the next is built."""
 
     def __init__(
         self,
@@ -69,16 +72,18 @@ class BatchDecoder:
         *,
         depth: int,
         draft_filter: RowDraftFilter | None = None,
-        judge: RowJudge | None = None,
+        plan: RowPlan | None = None,
         adaptive: bool = False,
         policy: WidthDrafting | None = None,
         prompt_cache: PromptCache | None = None,
+        ahead: bool = True,
     ) -> None:
         if m.head is None:
             raise NoMtpHead(f"{m.path} has no MTP head")
         if not 0 <= depth <= MAX_DEPTH:
             raise GenerateError(f"depth must be in [0, {MAX_DEPTH}], not {depth}")
-        self.m, self.depth, self.draft_filter, self.judge = m, depth, draft_filter, judge
+        self.m, self.depth, self.draft_filter, self.plan = m, depth, draft_filter, plan
+        self.ahead = ahead
         self.prompt_cache = prompt_cache
         self.eos = set(getattr(m.tokenizer, "eos_token_ids", None) or [])
         self.rows: list[Row] = []  # in the batch's row order
@@ -87,10 +92,13 @@ class BatchDecoder:
         self._uids = itertools.count()
         self.policy = policy if policy is not None else WidthDrafting() if adaptive else None
         self.plain_steps = 0
+        self.rounds_ahead = 0  # rounds built before the round before them was read
         # A plain step built (and launched) before the previous one's tokens were read, as
         # mlx-lm queues its next step: (tokens [B], hidden [B, 1, H]), lazy.
         self._ahead: tuple[mx.array, mx.array] | None = None
         self._decided: bool | None = None  # the next step's decision, taken when queueing
+        # A round built and launched before the previous round was read (`rounds`).
+        self._inflight: BuiltRound | None = None
         self._stash: dict[int, list[int]] = {}  # tokens confirmed by a join, not yet returned
 
     # -- joining --------------------------------------------------------------------------
@@ -112,8 +120,9 @@ class BatchDecoder:
         from mtpkit.speculative.session import check_prompt
 
         check_prompt(self.m, prompt)
-        if self._ahead is not None:  # the queued step belongs to the rows before this one
-            for uid, tokens in self._plain_step(queue=False).items():
+        if self._ahead is not None or self._inflight is not None:  # queued for the rows before
+            taken = self._plain_step(queue=False) if self._ahead is not None else self._drain()
+            for uid, tokens in taken.items():
                 self._stash[uid] = self._stash.get(uid, []) + tokens
             self._leave()
         depth = self.depth if depth is None else depth
@@ -197,12 +206,14 @@ class BatchDecoder:
                     self._keep_row(r, row)
         self.rows = [self.rows[i] for i in keep]
         if not keep:
-            self.cache = self.head = self._ahead = self._decided = None
+            self.cache = self.head = self._ahead = self._decided = self._inflight = None
             return
         index = mx.array(keep, dtype=mx.int32)
         for layer in self.cache:
             layer.filter(index)
         self.head.filter(keep)
+        if self._inflight is not None:
+            self._inflight.take(index)
         if self._ahead is not None:
             self._ahead = (self._ahead[0][index], self._ahead[1][index])
 
@@ -237,6 +248,8 @@ class BatchDecoder:
         width = len(self.rows)
         if self._ahead is not None:  # a queued plain step is taken whatever else is asked
             drafting = False
+        elif self._inflight is not None:  # and so is a round built ahead
+            drafting = True
         elif self._decided is not None:
             drafting, self._decided = self._decided or draft, None
         else:
@@ -300,33 +313,54 @@ class BatchDecoder:
         return True
 
     def _round(self) -> dict[int, list[int]]:
+        """A drafting round: the one built ahead, or one built now; the round after it is
+        built and launched before this one's verdicts are read where it may be
+        (`rounds.can_build_ahead`, and the next step drafts too)."""
         rows = self.rows
-        depth = max(row.depth for row in rows)
-        samplings = [row.sampling for row in rows]
         with mx.stream(_generation_stream()):
-            keys = [round_keys(row, depth) for row in rows]
-            drafts, dists = self.head.propose(depth, samplings, [k[:depth] for k in keys])
-            if self.draft_filter is not None:
-                drafts = mx.stack(
-                    [self.draft_filter(row, row.position, drafts[r]) for r, row in enumerate(rows)]
-                )
-            last = mx.array([[row.last] for row in rows], dtype=mx.int32)
-            verified = verify_rows(self.m, mx.concatenate([last, drafts], axis=1), self.cache)
-            packs, followers = row_verdicts(
-                verified.logits, drafts, dists, rows, [k[-1] for k in keys]
-            )
-            out = self.head.after_verify(depth, verified.hidden, followers)
-            mx.async_eval(out)
-            mx.eval(packs)
-            verdicts = [
-                verdict_of(p.tolist(), s.greedy) for p, s in zip(packs, samplings, strict=True)
-            ]
-            if self.judge is not None:
-                verdicts = [self.judge(row, v) for row, v in zip(rows, verdicts, strict=True)]
+            built, self._inflight = self._inflight, None
+            if built is None:
+                last = mx.array([[row.last] for row in rows], dtype=mx.int32)
+                positions = mx.array([row.position for row in rows], dtype=mx.int32)
+                ahead = self.ahead and self.prompt_cache is None
+                built = build_round(self, last, positions, ahead=ahead)
+            if built.last is not None and can_build_ahead(self, built) and self._next_drafts():
+                self._inflight = build_round(self, built.last, built.positions, ahead=True)
+                self.rounds_ahead += 1
+            return self._read(built)
+
+    def _drain(self) -> dict[int, list[int]]:
+        """Read the round built ahead (a row joins: it was built for the rows before)."""
+        built, self._inflight = self._inflight, None
+        with mx.stream(_generation_stream()):
+            return self._read(built)
+
+    def _read(self, built: BuiltRound) -> dict[int, list[int]]:
+        """Read `built`'s verdicts; a round not rolled back yet rolls each row back to what
+        it takes. A row that ended (or was cancelled) before this round was read takes
+        nothing of it."""
+        verdicts = built.verdicts()
+        rows = built.rows
+        if built.last is None:
             kept = [self._taken(row, v.confirmed) for row, v in zip(rows, verdicts, strict=True)]
-            verified.rollback(self.cache, kept)
-            self.head.settle(out, kept)
-        return {row.uid: self._record(row, v) for row, v in zip(rows, verdicts, strict=True)}
+            built.verified.rollback(self.cache, kept)
+            self.head.settle(built.out, kept)
+        return {
+            row.uid: self._record(row, v)
+            for row, v in zip(rows, verdicts, strict=True)
+            if not row.done
+        }
+
+    def _next_drafts(self) -> bool:
+        """Whether the step after this round drafts too (its decision taken now, in the order
+        it would be taken anyway)."""
+        if self.policy is None:
+            return True
+        self._decided = self.policy.want_draft(len(self.rows))
+        if not self._decided:
+            return False
+        self._decided = None
+        return True
 
     def _record(self, row: Row, v: Verdict) -> list[int]:
         stats = row.stats

@@ -56,6 +56,31 @@ def row_verdicts(
     return packs, mx.stack(followers)
 
 
+def accepted_on_device(packs: list[mx.array], rows: list[Row]) -> mx.array:
+    """Each row's accepted drafts [B] int32, on the device, from its packed verdict as
+    `accept.verdict_of` reads it on the host (greedy: the targets, then the drafts, matched up
+    to the first miss; sampled: the count first). Rows greedy at one depth: one comparison."""
+    depths = {row.depth for row in rows}
+    if all(row.sampling.greedy for row in rows) and len(depths) == 1:
+        d = depths.pop()
+        if d == 0:
+            return mx.zeros((len(rows),), dtype=mx.int32)
+        packed = mx.stack(packs)
+        match = (packed[:, d + 1 :] == packed[:, :d]).astype(mx.int32)
+        return mx.cumprod(match, axis=1).sum(axis=1).astype(mx.int32)
+    counts = []
+    for pack, row in zip(packs, rows, strict=True):
+        d = row.depth
+        if not row.sampling.greedy:
+            counts.append(pack[0])
+        elif d == 0:
+            counts.append(mx.zeros((), dtype=mx.int32))
+        else:
+            match = (pack[d + 1 :] == pack[:d]).astype(mx.int32)
+            counts.append(mx.cumprod(match).sum())
+    return mx.stack(counts).astype(mx.int32)
+
+
 def greedy_targets(logits: mx.array) -> mx.array:
     """The backbone's argmax after every verify input of every row [B, K+1] (of its
     log-probabilities, as `accept.greedy_verdict` and mlx-lm's greedy sampler take it)."""

@@ -18,7 +18,7 @@ import mlx.core as mx
 from mtpkit.runtime.kernels.attention import few_query_attention
 from mtpkit.runtime.model import POST_NORM, MtpModel
 from mtpkit.speculative.accept import SamplingSettings
-from mtpkit.speculative.batch.rollback import drop_per_row
+from mtpkit.speculative.batch.rollback import drop_per_row, roll_per_row
 from mtpkit.speculative.proposers.mtp_head import HEAD_CHUNK, HeadProposer
 
 CATCH_UP_AFTER = 256  # plain steps' pairs left pending before the head catches up
@@ -141,6 +141,11 @@ class BatchHead:
         drop_per_row(self.cache[self.head.layer_for_step(0)], [out.shape[1] - k for k in kept])
         index = mx.array([k - 1 for k in kept], dtype=mx.int32)
         self.ready = mx.take_along_axis(out, index[:, None, None], axis=1)
+
+    def settle_on_device(self, out: mx.array, kept: mx.array) -> None:
+        """`settle` with the kept counts on the device ([B] int32, not read yet)."""
+        roll_per_row(self.cache[self.head.layer_for_step(0)], out.shape[1] - kept)
+        self.ready = mx.take_along_axis(out, (kept - 1)[:, None, None], axis=1)
 
     def filter(self, keep: list[int]) -> None:
         index = mx.array(keep, dtype=mx.int32)

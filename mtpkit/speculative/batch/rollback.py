@@ -74,7 +74,7 @@ def _require_batchable(cache: Any) -> None:
 def drop_per_row(cache: Any, drop: list[int]) -> None:
     """Drop the last `drop[r]` entries of row r of a `BatchKVCache` or a
     `BatchRotatingKVCache` (see the module's text)."""
-    from mlx_lm.models.cache import BatchRotatingKVCache, CacheList, dynamic_roll
+    from mlx_lm.models.cache import BatchRotatingKVCache, CacheList
 
     if isinstance(cache, CacheList):
         for part in cache.caches:
@@ -86,15 +86,26 @@ def drop_per_row(cache: Any, drop: list[int]) -> None:
         if isinstance(cache, BatchRotatingKVCache):
             cut_window(cache)
     extra = [d - common for d in drop]
-    if not any(extra):
+    if any(extra):
+        roll_per_row(cache, mx.array(extra, dtype=mx.int32))
+
+
+def roll_per_row(cache: Any, drop: mx.array) -> None:
+    """Take the last `drop[r]` entries of row r (drop [B] int32, on the device: a round built
+    before the verdict before it was read) out of a `BatchKVCache`'s visible window by rolling
+    alone, the write index left where it is: the window's left padding grows by as much."""
+    from mlx_lm.models.cache import CacheList, dynamic_roll
+
+    if isinstance(cache, CacheList):
+        for part in cache.caches:
+            roll_per_row(part, drop)
         return
-    shift = mx.array(extra, dtype=mx.int32)
-    # Rolling by shift[r] moves row r's rejected tail past the write index (or round into
+    # Rolling by drop[r] moves row r's rejected tail past the write index (or round into
     # the start of the buffer): either way outside [left_padding, write index).
-    cache.keys = dynamic_roll(cache.keys, shift[:, None], axis=2)
-    cache.values = dynamic_roll(cache.values, shift[:, None], axis=2)
-    cache.offset = cache.offset - shift
-    cache.left_padding = cache.left_padding + shift
+    cache.keys = dynamic_roll(cache.keys, drop[:, None], axis=2)
+    cache.values = dynamic_roll(cache.values, drop[:, None], axis=2)
+    cache.offset = cache.offset - drop
+    cache.left_padding = cache.left_padding + drop
 
 
 def restore_per_row(snapshots: GdnSnapshots, caches: list[Any], kept: mx.array) -> None:
@@ -179,6 +190,7 @@ class BatchVerifyPass:
     snapshots: GdnSnapshots | None
     length: int
     replay: BatchReplay | None = None
+    windows: bool = False  # some cache is a sliding window (`BatchRotatingKVCache`)
 
     def rollback(self, caches: list[Any], kept: list[int]) -> None:
         """Keep row r's state after its first `kept[r]` verified tokens only."""
@@ -196,6 +208,25 @@ class BatchVerifyPass:
                 drop_per_row(cache, drop)
         if recurrent:
             restore_per_row(self.snapshots, recurrent, mx.array(kept, dtype=mx.int32))
+
+    @property
+    def rolls_on_device(self) -> bool:
+        """Whether `rollback_on_device` can roll this pass back: no cache is replayed and no
+        sliding window needs its tail cut (which the host does with counts it has read)."""
+        return self.replay is None and not self.windows
+
+    def rollback_on_device(self, caches: list[Any], kept: mx.array) -> None:
+        """`rollback` with the kept counts on the device ([B] int32, not read yet): each KV
+        cache is rolled, never trimmed (a round's rejected entries stay as left padding),
+        and each gated-delta-net row takes its state after its own count."""
+        recurrent = []
+        for cache in caches:
+            if is_recurrent_cache(cache):
+                recurrent.append(cache)
+            else:
+                roll_per_row(cache, self.length - kept)
+        if recurrent:
+            restore_per_row(self.snapshots, recurrent, kept)
 
 
 def _leaves(caches: list[Any]) -> list[Any]:
@@ -219,9 +250,11 @@ def verify_rows(m: MtpModel, tokens: mx.array, caches: list[Any]) -> BatchVerify
         replay = BatchReplay.before(caches, tokens, lambda t, c: m.model(t, cache=c))
         recurrent = False
     snapshots = GdnSnapshots() if recurrent else None
+    windows = False
     for cache in _leaves(caches):
         if isinstance(cache, BatchRotatingKVCache):
             window_in_temporal_order(cache)
+            windows = True
     rows = tokens.shape[0] * tokens.shape[1]
     with (  # as one stream's verify: the rows' matmuls routed as measured, few-query attention
         capture_gdn_states(snapshots),
@@ -229,4 +262,4 @@ def verify_rows(m: MtpModel, tokens: mx.array, caches: list[Any]) -> BatchVerify
         few_query_attention(),
     ):
         logits, hidden = m.forward(tokens, caches)
-    return BatchVerifyPass(logits, hidden, snapshots, tokens.shape[1], replay)
+    return BatchVerifyPass(logits, hidden, snapshots, tokens.shape[1], replay, windows)

@@ -1,0 +1,125 @@
+"""A batched drafting round, built, then read: every row's drafts, the verify pass over
+`[B, K+1]`, each row's verdict, and (for a round built ahead) each row's rollback on the
+device.
+
+A round read at once (`build_round(..., ahead=False)`, then the decoder reads its verdicts and
+rolls each row back by the counts it read) leaves the device idle while the host builds the
+next. A round built ahead (`ahead=True`) needs no host read to be rolled back: each row's
+accepted count is computed on the device from its packed verdict (`accepted_on_device`, or the
+count a `plan` holds it to), every cache rolls each row back by it (`BatchVerifyPass.
+rollback_on_device`, `BatchHead.settle_on_device`), and the next round's input token and
+positions are gathered on the device too. So the decoder builds and launches round n+1 on
+round n's lazy results, then reads round n's verdicts while the device runs round n+1, as
+mlx-lm queues its plain batched steps one ahead. A row that round n ends (an EOS, its
+`max_tokens`, a cancel) was built into round n+1 anyway: its share of that round is discarded
+when the round is read, and it leaves the batch after.
+
+A KV cache rolled on the device is never trimmed: a round's rejected entries stay in the
+buffer as the row's left padding (masked, never attended), so a row's cache grows by K+1
+entries a round rather than by what it kept.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import mlx.core as mx
+
+from mtpkit.speculative.accept import SamplingSettings, Verdict, verdict_of
+from mtpkit.speculative.batch.draws import accepted_on_device, round_keys, row_verdicts
+from mtpkit.speculative.batch.rollback import BatchVerifyPass, verify_rows
+from mtpkit.speculative.batch.row import Row
+
+if TYPE_CHECKING:
+    from mtpkit.speculative.batch.decode import BatchDecoder
+
+# A draft filter: (the row, the position of its round's first draft in prompt + output, on
+# the device: a round built ahead is built before the round before it is read, the head's
+# drafts for it [K]) -> the drafts to verify [K] (tests' injected drafts, bench's oracle).
+RowDraftFilter = Callable[[Row, mx.array, mx.array], mx.array]
+# A plan: (the row, its drafts this round) -> how many of them its verdict keeps, whatever
+# the verify pass says (bench's oracle holds a random-weight model to its plan, as
+# `OracleProposer.judged` does for one stream); asked once per round built, in order.
+RowPlan = Callable[[Row, int], int]
+
+
+@dataclass
+class BuiltRound:
+    """A round built (and launched): what reading it and rolling it back need."""
+
+    rows: list[Row]  # the batch's rows as it was built, in its row order
+    samplings: list[SamplingSettings]
+    packs: list[mx.array]  # each row's packed verdict (lazy)
+    verified: BatchVerifyPass
+    out: mx.array  # the head's step over the verified pairs [B, K+1, H]
+    planned: list[int] | None  # each row's count as its plan holds it, if planned
+    # Built ahead: each row's next input token [B, 1] and position (lazy).
+    last: mx.array | None = None
+    positions: mx.array | None = None
+
+    def verdicts(self) -> list[Verdict]:
+        """Each row's verdict, read to the host (the round's one read), held to the plan."""
+        mx.eval(self.packs)
+        verdicts = [
+            verdict_of(p.tolist(), s.greedy) for p, s in zip(self.packs, self.samplings, strict=True)
+        ]
+        if self.planned is not None:
+            verdicts = [v.holding(n) for v, n in zip(verdicts, self.planned, strict=True)]
+        return verdicts
+
+    def take(self, index: mx.array) -> None:
+        """Keep the built-ahead inputs of the batch rows `index` (rows left the batch)."""
+        if self.last is not None:
+            self.last, self.positions = self.last[index], self.positions[index]
+
+
+def build_round(
+    decoder: BatchDecoder, last: mx.array, positions: mx.array, *, ahead: bool
+) -> BuiltRound:
+    """Draft, verify and judge one round over every row of `decoder` from each row's input
+    token `last` [B, 1] and `positions` [B] (the first draft's position in prompt + output),
+    and launch it; `ahead`: roll each row back on the device too where every cache can be
+    (see the module's text; else `last` is None: the decoder rolls back what it reads)."""
+    rows, head = decoder.rows, decoder.head
+    depth = max(row.depth for row in rows)
+    samplings = [row.sampling for row in rows]
+    keys = [round_keys(row, depth) for row in rows]
+    drafts, dists = head.propose(depth, samplings, [k[:depth] for k in keys])
+    if decoder.draft_filter is not None:
+        drafts = mx.stack(
+            [decoder.draft_filter(row, positions[r], drafts[r]) for r, row in enumerate(rows)]
+        )
+    planned = None
+    if decoder.plan is not None:
+        planned = [decoder.plan(row, row.depth) for row in rows]
+    verified = verify_rows(decoder.m, mx.concatenate([last, drafts], axis=1), decoder.cache)
+    packs, followers = row_verdicts(verified.logits, drafts, dists, rows, [k[-1] for k in keys])
+    out = head.after_verify(depth, verified.hidden, followers)
+    built = BuiltRound(rows, samplings, packs, verified, out, planned)
+    if not ahead or not verified.rolls_on_device:
+        mx.async_eval(out)
+        return built
+    if planned is not None:
+        accepted = mx.array(planned, dtype=mx.int32)
+    else:
+        accepted = accepted_on_device(packs, rows)
+    kept = accepted + 1
+    verified.rollback_on_device(decoder.cache, kept)
+    head.settle_on_device(out, kept)
+    built.last = mx.take_along_axis(followers, accepted[:, None], axis=1)
+    built.positions = positions + kept
+    mx.async_eval(packs, built.last, built.positions, head.ready, _states(decoder.cache))
+    return built
+
+
+def can_build_ahead(decoder: BatchDecoder, built: BuiltRound) -> bool:
+    """Whether the round after `built` (rolled back on the device) may be built before
+    `built` is read: some row goes on past it whatever it keeps."""
+    longest = max(row.depth for row in built.rows) + 1
+    return any(len(row.tokens) + longest < row.max_tokens for row in built.rows)
+
+
+def _states(caches: list[Any]) -> list[Any]:
+    return [c.state for c in caches]
