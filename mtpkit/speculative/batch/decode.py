@@ -9,7 +9,7 @@ index, each row with its own offset). A round (`BatchDecoder.step`): the head dr
 for every row, the backbone verifies `[B, K+1]` in one pass, each row gets its own verdict
 (greedy, or exact rejection sampling with its own settings), and each row rolls back to its
 own accepted prefix (`mtpkit.speculative.batch.rollback`). Where every cache can be rolled back
-on the device (no sliding window, nothing replayed) and no prompt cache keeps rows, the next round is built
+on the device (no sliding window, nothing replayed), the next round is built
 and launched before a round's verdicts are read, on its lazy results, so the host builds while
 the device computes (`mtpkit.speculative.batch.rounds`). Rows at different depths share a
 round: the head drafts the deepest row's count for all, and each row's verdict reads only its
@@ -47,10 +47,12 @@ from mtpkit.speculative.batch.head import BatchHead, row_head, row_proposer
 from mtpkit.speculative.batch.rollback import batch_caches
 from mtpkit.speculative.batch.rounds import (
     BuiltRound,
+    EndedRow,
     RowDraftFilter,
     RowPlan,
     build_round,
     can_build_ahead,
+    ended_row_entry,
 )
 from mtpkit.speculative.batch.row import CANCELLED, GREEDY, LENGTH, STOP, Row
 from mtpkit.speculative.prompt_cache import CachedState, PromptCache
@@ -99,6 +101,7 @@ class BatchDecoder:
         self._decided: bool | None = None  # the next step's decision, taken when queueing
         # A round built and launched before the previous round was read (`rounds`).
         self._inflight: BuiltRound | None = None
+        self._ended: dict[int, EndedRow] = {}  # rows a round rolled on the device ended
         self._stash: dict[int, list[int]] = {}  # tokens confirmed by a join, not yet returned
 
     # -- joining --------------------------------------------------------------------------
@@ -205,6 +208,7 @@ class BatchDecoder:
                 if row.done and row.finish != CANCELLED:
                     self._keep_row(r, row)
         self.rows = [self.rows[i] for i in keep]
+        self._ended.clear()
         if not keep:
             self.cache = self.head = self._ahead = self._decided = self._inflight = None
             return
@@ -223,6 +227,12 @@ class BatchDecoder:
         plain step was queued (`_next_is_plain`) has its caches past the EOS: its entry
         takes that step's token too."""
         tokens = row.prompt + row.decoded
+        ended = self._ended.pop(row.uid, None)
+        if ended is not None:  # a round rolled back on the device ended it
+            cache, head = ended_row_entry(self, r, row, ended)
+            mx.async_eval([c.state for c in cache], [c.state for c in head.cache])
+            self.prompt_cache.store(tokens, cache, head, head.name)
+            return
         cache = [layer.extract(r) for layer in self.cache]
         head = row_proposer(self.head, r, tokens)
         if self._ahead is not None:
@@ -322,8 +332,7 @@ class BatchDecoder:
             if built is None:
                 last = mx.array([[row.last] for row in rows], dtype=mx.int32)
                 positions = mx.array([row.position for row in rows], dtype=mx.int32)
-                ahead = self.ahead and self.prompt_cache is None
-                built = build_round(self, last, positions, ahead=ahead)
+                built = build_round(self, last, positions, ahead=self.ahead)
             if built.last is not None and can_build_ahead(self, built) and self._next_drafts():
                 self._inflight = build_round(self, built.last, built.positions, ahead=True)
                 self.rounds_ahead += 1
@@ -345,11 +354,15 @@ class BatchDecoder:
             kept = [self._taken(row, v.confirmed) for row, v in zip(rows, verdicts, strict=True)]
             built.verified.rollback(self.cache, kept)
             self.head.settle(built.out, kept)
-        return {
-            row.uid: self._record(row, v)
-            for row, v in zip(rows, verdicts, strict=True)
-            if not row.done
-        }
+        new = {}
+        for i, (row, v) in enumerate(zip(rows, verdicts, strict=True)):
+            if row.done:
+                continue
+            taken = self._taken(row, v.confirmed)
+            new[row.uid] = self._record(row, v)
+            if row.done and built.last is not None and self.prompt_cache is not None:
+                self._ended[row.uid] = EndedRow(built, i, len(v.confirmed), taken)
+        return new
 
     def _next_drafts(self) -> bool:
         """Whether the step after this round drafts too (its decision taken now, in the order

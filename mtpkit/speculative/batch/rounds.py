@@ -12,7 +12,9 @@ positions are gathered on the device too. So the decoder builds and launches rou
 round n's lazy results, then reads round n's verdicts while the device runs round n+1, as
 mlx-lm queues its plain batched steps one ahead. A row that round n ends (an EOS, its
 `max_tokens`, a cancel) was built into round n+1 anyway: its share of that round is discarded
-when the round is read, and it leaves the batch after.
+when the round is read, and it leaves the batch after. With a prompt cache, its entry is taken
+as a round read first leaves it (`ended_row_entry`): its KV entries past its end trimmed, its
+gated-delta-net states and the head's output taken from the round that ended it.
 
 A KV cache rolled on the device is never trimmed: a round's rejected entries stay in the
 buffer as the row's left padding (masked, never attended), so a row's cache grows by K+1
@@ -27,10 +29,12 @@ from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
 
+from mtpkit.runtime.rollback.gdn import is_recurrent_cache, state_after
 from mtpkit.speculative.accept import SamplingSettings, Verdict, verdict_of
 from mtpkit.speculative.batch.draws import accepted_on_device, round_keys, row_verdicts
 from mtpkit.speculative.batch.rollback import BatchVerifyPass, verify_rows
 from mtpkit.speculative.batch.row import Row
+from mtpkit.speculative.proposers.mtp_head import HeadProposer
 
 if TYPE_CHECKING:
     from mtpkit.speculative.batch.decode import BatchDecoder
@@ -55,7 +59,8 @@ class BuiltRound:
     verified: BatchVerifyPass
     out: mx.array  # the head's step over the verified pairs [B, K+1, H]
     planned: list[int] | None  # each row's count as its plan holds it, if planned
-    # Built ahead: each row's next input token [B, 1] and position (lazy).
+    # Built ahead: each row's accepted drafts [B], next input token [B, 1] and position (lazy).
+    accepted: mx.array | None = None
     last: mx.array | None = None
     positions: mx.array | None = None
 
@@ -108,6 +113,7 @@ def build_round(
     kept = accepted + 1
     verified.rollback_on_device(decoder.cache, kept)
     head.settle_on_device(out, kept)
+    built.accepted = accepted
     built.last = mx.take_along_axis(followers, accepted[:, None], axis=1)
     built.positions = positions + kept
     mx.async_eval(packs, built.last, built.positions, head.ready, _states(decoder.cache))
@@ -119,6 +125,51 @@ def can_build_ahead(decoder: BatchDecoder, built: BuiltRound) -> bool:
     `built` is read: some row goes on past it whatever it keeps."""
     longest = max(row.depth for row in built.rows) + 1
     return any(len(row.tokens) + longest < row.max_tokens for row in built.rows)
+
+
+@dataclass
+class EndedRow:
+    """A row that a round rolled back on the device ended: the round, the row's index in it,
+    the verify inputs the device kept and those the row takes (up to its EOS or length)."""
+
+    built: BuiltRound
+    index: int
+    kept: int
+    taken: int
+
+
+def ended_row_entry(
+    decoder: BatchDecoder, r: int, row: Row, ended: EndedRow
+) -> tuple[list[Any], HeadProposer]:
+    """Row r's caches and head state as the prompt cache keeps a finished row's (what a round
+    read first leaves: its prompt and output but the last), though the round that ended it
+    was rolled back on the device to every confirmed token, and the round after it may have
+    been built with it (`decoder._inflight`)."""
+    built, i, taken = ended.built, ended.index, ended.taken
+    extra = ended.kept - taken  # entries past the row's end, in KV caches and the head's
+    later = decoder._inflight
+    if later is not None and any(other is row for other in later.rows):
+        j = next(n for n, other in enumerate(later.rows) if other is row)
+        extra += int(later.accepted[j].item()) + 1
+    snapshots = built.verified.snapshots
+    recurrent = iter(zip(snapshots.conv_inputs, snapshots.states, strict=True) if snapshots else ())
+    cache = []
+    for layer in decoder.cache:
+        single = layer.extract(r)
+        if is_recurrent_cache(layer):  # its state after the inputs the row takes
+            conv_input, states = next(recurrent)
+            n_keep = single[0].shape[1]
+            single[0] = mx.contiguous(conv_input[i : i + 1, taken : taken + n_keep])
+            single[1] = state_after(states, taken)[i : i + 1]
+        elif extra:
+            single.trim(extra)
+        cache.append(single)
+    head = HeadProposer(decoder.m)
+    head.cache = [c.extract(r) for c in decoder.head.cache]
+    if extra:
+        head.cache[decoder.head.head.layer_for_step(0)].trim(extra)
+    head.ready = built.out[i : i + 1, taken - 1 : taken]
+    return cache, head
 
 
 def _states(caches: list[Any]) -> list[Any]:
