@@ -7,7 +7,7 @@ same interleaved trials, each against stock mlx-lm's `batch_generate` at the sam
 A random bf16-scaled 4-bit model of SHAPE (`bench --random`), 64-token prompts of random ids,
 oracle drafts per row at each acceptance, depth 1, every row running MAX_TOKENS. Each trial,
 at each width: stock, then MTP with rounds read first (`BatchDecoder(ahead=False)`), then MTP
-with rounds built ahead (the default), then the same with adaptive drafting; one whole trial
+with rounds built ahead (the default), then both with adaptive drafting; one whole trial
 untimed first. Prints aggregate decode tok/s and the speedups over stock, medians [min-max].
 LAYERS=N builds only N layers (a quick try on the CPU).
 """
@@ -31,7 +31,8 @@ from mtpkit.bench.shapes import random_model_dir  # noqa: E402
 from mtpkit.bench.speed import prompt_of_length  # noqa: E402
 from mtpkit.runtime.model import load_model  # noqa: E402
 
-MODES = {"read first": (False, False), "ahead": (True, False), "ahead, adaptive": (True, True)}
+MODES = {"read first": (False, False), "ahead": (True, False),
+         "read first, adaptive": (False, True), "ahead, adaptive": (True, True)}  # fmt: skip
 
 
 def main() -> None:
