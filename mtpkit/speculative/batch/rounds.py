@@ -124,7 +124,7 @@ def can_build_ahead(decoder: BatchDecoder, built: BuiltRound) -> bool:
     """Whether the round after `built` (rolled back on the device) may be built before
     `built` is read: some row goes on past it whatever it keeps."""
     longest = max(row.depth for row in built.rows) + 1
-    return any(len(row.tokens) + longest < row.max_tokens for row in built.rows)
+    return any(not row.done and len(row.tokens) + longest < row.max_tokens for row in built.rows)
 
 
 @dataclass
