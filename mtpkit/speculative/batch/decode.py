@@ -229,7 +229,7 @@ class BatchDecoder:
         tokens = row.prompt + row.decoded
         ended = self._ended.pop(row.uid, None)
         if ended is not None:  # a round rolled back on the device ended it
-            cache, head = ended_row_entry(self, r, row, ended)
+            cache, head = ended_row_entry(self, r, row, ended, self._inflight)
             mx.async_eval([c.state for c in cache], [c.state for c in head.cache])
             self.prompt_cache.store(tokens, cache, head, head.name)
             return
@@ -333,7 +333,7 @@ class BatchDecoder:
                 last = mx.array([[row.last] for row in rows], dtype=mx.int32)
                 positions = mx.array([row.position for row in rows], dtype=mx.int32)
                 built = build_round(self, last, positions, ahead=self.ahead)
-            if built.last is not None and can_build_ahead(self, built) and self._next_drafts():
+            if built.last is not None and can_build_ahead(built) and self._next_drafts():
                 self._inflight = build_round(self, built.last, built.positions, ahead=True)
                 self.rounds_ahead += 1
             return self._read(built)

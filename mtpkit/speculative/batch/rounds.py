@@ -25,19 +25,18 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import mlx.core as mx
 
+from mtpkit.runtime.model import MtpModel
 from mtpkit.runtime.rollback.gdn import is_recurrent_cache, state_after
 from mtpkit.speculative.accept import SamplingSettings, Verdict, verdict_of
 from mtpkit.speculative.batch.draws import accepted_on_device, round_keys, row_verdicts
+from mtpkit.speculative.batch.head import BatchHead
 from mtpkit.speculative.batch.rollback import BatchVerifyPass, verify_rows
 from mtpkit.speculative.batch.row import Row
 from mtpkit.speculative.proposers.mtp_head import HeadProposer
-
-if TYPE_CHECKING:
-    from mtpkit.speculative.batch.decode import BatchDecoder
 
 # A draft filter: (the row, the position of its round's first draft in prompt + output, on
 # the device: a round built ahead is built before the round before it is read, the head's
@@ -47,6 +46,19 @@ RowDraftFilter = Callable[[Row, mx.array, mx.array], mx.array]
 # the verify pass says (bench's oracle holds a random-weight model to its plan, as
 # `OracleProposer.judged` does for one stream); asked once per round built, in order.
 RowPlan = Callable[[Row, int], int]
+
+
+class Batch(Protocol):
+    """What a round is built over (a `BatchDecoder`): the model, the rows in the batch's
+    order, the head's batched state, the backbone's batched caches and the test or bench
+    hooks."""
+
+    m: MtpModel
+    rows: list[Row]
+    head: BatchHead
+    cache: list[Any]
+    draft_filter: RowDraftFilter | None
+    plan: RowPlan | None
 
 
 @dataclass
@@ -80,26 +92,24 @@ class BuiltRound:
             self.last, self.positions = self.last[index], self.positions[index]
 
 
-def build_round(
-    decoder: BatchDecoder, last: mx.array, positions: mx.array, *, ahead: bool
-) -> BuiltRound:
-    """Draft, verify and judge one round over every row of `decoder` from each row's input
+def build_round(batch: Batch, last: mx.array, positions: mx.array, *, ahead: bool) -> BuiltRound:
+    """Draft, verify and judge one round over every row of `batch` from each row's input
     token `last` [B, 1] and `positions` [B] (the first draft's position in prompt + output),
     and launch it; `ahead`: roll each row back on the device too where every cache can be
     (see the module's text; else `last` is None: the decoder rolls back what it reads)."""
-    rows, head = decoder.rows, decoder.head
+    rows, head = batch.rows, batch.head
     depth = max(row.depth for row in rows)
     samplings = [row.sampling for row in rows]
     keys = [round_keys(row, depth) for row in rows]
     drafts, dists = head.propose(depth, samplings, [k[:depth] for k in keys])
-    if decoder.draft_filter is not None:
+    if batch.draft_filter is not None:
         drafts = mx.stack(
-            [decoder.draft_filter(row, positions[r], drafts[r]) for r, row in enumerate(rows)]
+            [batch.draft_filter(row, positions[r], drafts[r]) for r, row in enumerate(rows)]
         )
     planned = None
-    if decoder.plan is not None:
-        planned = [decoder.plan(row, row.depth) for row in rows]
-    verified = verify_rows(decoder.m, mx.concatenate([last, drafts], axis=1), decoder.cache)
+    if batch.plan is not None:
+        planned = [batch.plan(row, row.depth) for row in rows]
+    verified = verify_rows(batch.m, mx.concatenate([last, drafts], axis=1), batch.cache)
     packs, followers = row_verdicts(verified.logits, drafts, dists, rows, [k[-1] for k in keys])
     out = head.after_verify(depth, verified.hidden, followers)
     built = BuiltRound(rows, samplings, packs, verified, out, planned)
@@ -111,16 +121,16 @@ def build_round(
     else:
         accepted = accepted_on_device(packs, rows)
     kept = accepted + 1
-    verified.rollback_on_device(decoder.cache, kept)
+    verified.rollback_on_device(batch.cache, kept)
     head.settle_on_device(out, kept)
     built.accepted = accepted
     built.last = mx.take_along_axis(followers, accepted[:, None], axis=1)
     built.positions = positions + kept
-    mx.async_eval(packs, built.last, built.positions, head.ready, _states(decoder.cache))
+    mx.async_eval(packs, built.last, built.positions, head.ready, _states(batch.cache))
     return built
 
 
-def can_build_ahead(decoder: BatchDecoder, built: BuiltRound) -> bool:
+def can_build_ahead(built: BuiltRound) -> bool:
     """Whether the round after `built` (rolled back on the device) may be built before
     `built` is read: some row goes on past it whatever it keeps."""
     longest = max(row.depth for row in built.rows) + 1
@@ -139,22 +149,21 @@ class EndedRow:
 
 
 def ended_row_entry(
-    decoder: BatchDecoder, r: int, row: Row, ended: EndedRow
+    batch: Batch, r: int, row: Row, ended: EndedRow, later: BuiltRound | None
 ) -> tuple[list[Any], HeadProposer]:
     """Row r's caches and head state as the prompt cache keeps a finished row's (what a round
     read first leaves: its prompt and output but the last), though the round that ended it
-    was rolled back on the device to every confirmed token, and the round after it may have
-    been built with it (`decoder._inflight`)."""
+    was rolled back on the device to every confirmed token, and the round after it (`later`,
+    built before that round was read) may have been built with it."""
     built, i, taken = ended.built, ended.index, ended.taken
     extra = ended.kept - taken  # entries past the row's end, in KV caches and the head's
-    later = decoder._inflight
     if later is not None and any(other is row for other in later.rows):
         j = next(n for n, other in enumerate(later.rows) if other is row)
         extra += int(later.accepted[j].item()) + 1
     snapshots = built.verified.snapshots
     recurrent = iter(zip(snapshots.conv_inputs, snapshots.states, strict=True) if snapshots else ())
     cache = []
-    for layer in decoder.cache:
+    for layer in batch.cache:
         single = layer.extract(r)
         if is_recurrent_cache(layer):  # its state after the inputs the row takes
             conv_input, states = next(recurrent)
@@ -164,10 +173,10 @@ def ended_row_entry(
         elif extra:
             single.trim(extra)
         cache.append(single)
-    head = HeadProposer(decoder.m)
-    head.cache = [c.extract(r) for c in decoder.head.cache]
+    head = HeadProposer(batch.m)
+    head.cache = [c.extract(r) for c in batch.head.cache]
     if extra:
-        head.cache[decoder.head.head.layer_for_step(0)].trim(extra)
+        head.cache[batch.head.head.layer_for_step(0)].trim(extra)
     head.ready = built.out[i : i + 1, taken - 1 : taken]
     return cache, head
 
