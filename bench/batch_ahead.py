@@ -9,7 +9,8 @@ oracle drafts per row at each acceptance, depth 1, every row running MAX_TOKENS.
 at each width: stock, then MTP with rounds read first (`BatchDecoder(ahead=False)`), then MTP
 with rounds built ahead (the default), then both with adaptive drafting; one whole trial
 untimed first. Prints aggregate decode tok/s and the speedups over stock, medians [min-max].
-LAYERS=N builds only N layers (a quick try on the CPU).
+LAYERS=N builds only N layers (a quick try on the CPU); PROMPT_TOKENS=N makes the prompts N
+tokens long (a long context: rounds built ahead roll every KV cache whole each round).
 """
 
 from __future__ import annotations
@@ -54,7 +55,8 @@ def run(path: Path, trials: int, widths: list[int], accs: list[float], n: int) -
     stock_model, stock_tok = mlx_lm.load(str(path))
     m.tokenizer.eos_token_ids = stock_tok.eos_token_ids = []
     vocab = int(m.embedding.weight.shape[0])
-    prompts = [prompt_of_length([1], 64, vocab=vocab, seed=i) for i in range(max(widths))]
+    length = int(os.environ.get("PROMPT_TOKENS") or 64)
+    prompts = [prompt_of_length([1], length, vocab=vocab, seed=i) for i in range(max(widths))]
     refs = [
         [r.token for r in mlx_lm.stream_generate(stock_model, stock_tok, mx.array(p), max_tokens=n + 8)]
         for p in prompts
@@ -69,14 +71,14 @@ def run(path: Path, trials: int, widths: list[int], accs: list[float], n: int) -
                 rates.setdefault((width, "stock"), []).append(base)
             for a in accs:
                 for mode, (ahead, adaptive) in MODES.items():
-                    oracles = [OracleDrafts(refs[i], 64, a, vocab, i) for i in range(width)]
+                    oracles = [OracleDrafts(refs[i], length, a, vocab, i) for i in range(width)]
                     rate, _, plain = mtp_batch_run(m, batch, 1, n, oracles, adaptive, ahead=ahead)
                     print(f"trial {trial} batch {width} acc {a:g} {mode}: {rate:.1f} tok/s "
                           f"(stock {base:.1f}, plain share {plain:.2f})", flush=True)  # fmt: skip
                     if trial:
                         speedups.setdefault((width, a, mode), []).append(rate / base)
                         rates.setdefault((width, a, mode), []).append(rate)
-    print(f"\n{path.name}, {trials} trials, medians [min-max]")
+    print(f"\n{path.name}, {length}-token prompts, {trials} trials, medians [min-max]")
     print("| batch | acceptance | mode | tok/s | over stock |")
     print("|---|---|---|---|---|")
     for width in widths:

@@ -136,7 +136,7 @@ bench() {
       python3 bench/batch_table.py "$OUT"/batch-*.json | tee "$OUT/batch-table.md" >&2
       continue
     elif [ "${target#ahead-}" != "$target" ]; then  # rounds built ahead vs read first (issue 30)
-      timeout "$limit" python3 bench/batch_ahead.py "${target#ahead-}" "${TRIALS:-3}" "${BATCH:-4,8}" \
+      PROMPT_TOKENS="${PROMPT_TOKENS:-}" timeout "$limit" python3 bench/batch_ahead.py "${target#ahead-}" "${TRIALS:-3}" "${BATCH:-4,8}" \
         "${BATCH_ACCEPTANCE:-0.8}" "${MAX_TOKENS:-128}" 2>&1 | tee "$OUT/$target.txt" | tail -12 >&2
       continue
     elif [ "$target" = stall ]; then  # first-use builds of batched rounds (0.8b, fresh machine)
