@@ -87,7 +87,8 @@ def inject_per_row(decoder: BatchDecoder, references: dict[int, list[int]],
         rights[row.uid].append(right)
         # The position is on the device (a round built before the one before it is read).
         reference = mx.array(references[row.uid] + [0] * 8)
-        truth = reference[position - len(row.prompt) + mx.arange(depth)]
+        at = position - len(row.prompt) + mx.arange(depth)  # past the end: a discarded round's
+        truth = reference[mx.clip(at, 0, reference.shape[0] - 1)]
         drafts = mx.where(mx.arange(depth) < right, truth, (truth + 1) % vocab)
         # The head's drafts stay in the graph, as a real round computes them.
         return mx.where(head_drafts < 0, head_drafts, drafts.astype(mx.int32))
