@@ -132,7 +132,7 @@ class BatchSession:
         decoder = self.decoder
         self.decoder = BatchDecoder(
             decoder.m, depth=decoder.depth, adaptive=decoder.policy is not None,
-            prompt_cache=decoder.prompt_cache,
+            prompt_cache=decoder.prompt_cache, ahead=decoder.ahead,
         )  # fmt: skip
         self.entries = []
 
