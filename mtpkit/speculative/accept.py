@@ -59,9 +59,10 @@ class SamplingSettings:
         return mx.softmax(logprobs.astype(mx.float32) * (1 / self.temp), axis=-1)
 
 
-def _kept(matches: mx.array) -> mx.array:
-    """The length of the leading run of True in `matches` [K] (a 0-d int32)."""
-    return mx.cumprod(matches.astype(mx.int32)).sum().astype(mx.int32)
+def leading_run(matches: mx.array) -> mx.array:
+    """The length of the leading run of True along the last axis of `matches` [..., K]
+    (int32; 0-d for [K])."""
+    return mx.cumprod(matches.astype(mx.int32), axis=-1).sum(axis=-1).astype(mx.int32)
 
 
 def greedy_verdict(logits: mx.array, drafts: mx.array) -> tuple[mx.array, mx.array]:
@@ -98,7 +99,7 @@ def sampled_verdict(
     q = mx.take_along_axis(draft, drafts[:, None], axis=-1)[:, 0]
     keys = mx.random.split(key) if key is not None else (None, None)
     u = mx.random.uniform(shape=(k,), key=keys[0])
-    kept = _kept((q > 0) & (u * q < p))  # u < min(1, p/q), as u < 1
+    kept = leading_run((q > 0) & (u * q < p))  # u < min(1, p/q), as u < 1
     residual = mx.maximum(target[:k] - draft, 0.0)
     residual = mx.where(residual.sum(axis=-1, keepdims=True) > 0, residual, target[:k])
     rows = mx.concatenate([residual, target[k:]])

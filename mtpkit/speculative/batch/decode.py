@@ -316,11 +316,15 @@ class BatchDecoder:
             return False
         if self.prompt_cache is not None and any(ending):
             return False
-        self._decided = self.policy.want_draft(len(self.rows))
-        if self._decided:
-            return False
-        self._decided = None
-        return True
+        return self._next_is(drafting=False)
+
+    def _next_is(self, *, drafting: bool) -> bool:
+        """Whether the next step drafts (`drafting` True) or is plain (False), as the policy
+        decides it now, in the order it would anyway (no policy: every step drafts); a
+        decision the other way is kept for that step (`_decided`)."""
+        wants = self.policy is None or self.policy.want_draft(len(self.rows))
+        self._decided = None if wants == drafting else wants
+        return wants == drafting
 
     def _round(self) -> dict[int, list[int]]:
         """A drafting round: the one built ahead, or one built now; the round after it is
@@ -333,7 +337,7 @@ class BatchDecoder:
                 last = mx.array([[row.last] for row in rows], dtype=mx.int32)
                 positions = mx.array([row.position for row in rows], dtype=mx.int32)
                 built = build_round(self, last, positions, ahead=self.ahead)
-            if built.last is not None and can_build_ahead(built) and self._next_drafts():
+            if built.last is not None and can_build_ahead(built) and self._next_is(drafting=True):
                 self._inflight = build_round(self, built.last, built.positions, ahead=True)
                 self.rounds_ahead += 1
             return self._read(built)
@@ -350,32 +354,22 @@ class BatchDecoder:
         nothing of it."""
         verdicts = built.verdicts()
         rows = built.rows
+        taken = [self._taken(row, v.confirmed) for row, v in zip(rows, verdicts, strict=True)]
         if built.last is None:
-            kept = [self._taken(row, v.confirmed) for row, v in zip(rows, verdicts, strict=True)]
-            built.verified.rollback(self.cache, kept)
-            self.head.settle(built.out, kept)
+            built.verified.rollback(self.cache, taken)
+            self.head.settle(built.out, taken)
         new = {}
         for i, (row, v) in enumerate(zip(rows, verdicts, strict=True)):
             if row.done:
                 continue
-            taken = self._taken(row, v.confirmed)
-            new[row.uid] = self._record(row, v)
+            new[row.uid] = self._record(row, v, taken[i])
             if row.done and built.last is not None and self.prompt_cache is not None:
-                self._ended[row.uid] = EndedRow(built, i, len(v.confirmed), taken)
+                self._ended[row.uid] = EndedRow(built, i, len(v.confirmed), taken[i])
         return new
 
-    def _next_drafts(self) -> bool:
-        """Whether the step after this round drafts too (its decision taken now, in the order
-        it would be taken anyway)."""
-        if self.policy is None:
-            return True
-        self._decided = self.policy.want_draft(len(self.rows))
-        if not self._decided:
-            return False
-        self._decided = None
-        return True
-
-    def _record(self, row: Row, v: Verdict) -> list[int]:
+    def _record(self, row: Row, v: Verdict, taken: int) -> list[int]:
+        """Add `v`'s confirmed tokens to `row` (its caches keep the first `taken`) and count
+        its round; returns its new tokens."""
         stats = row.stats
         if v.drafts:
             stats.record_round(row.position, v.drafts, v.accepted)
@@ -383,7 +377,7 @@ class BatchDecoder:
             stats.draft_log.append((row.position, []))
             stats.rounds += 1
         before = len(row.tokens)
-        row.decoded.extend(v.confirmed[: self._taken(row, v.confirmed)])
+        row.decoded.extend(v.confirmed[:taken])
         self._confirm(row, v.confirmed)
         if row.finish == STOP and v.drafts:  # an EOS: drafts past it count for nothing
             stats.end_round_at(len(row.tokens) - before)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from mtpkit.speculative.accept import SamplingSettings, sampled_verdict
+from mtpkit.speculative.accept import SamplingSettings, leading_run, sampled_verdict
 from mtpkit.speculative.batch.row import Row
 
 
@@ -66,8 +66,7 @@ def accepted_on_device(packs: list[mx.array], rows: list[Row]) -> mx.array:
         if d == 0:
             return mx.zeros((len(rows),), dtype=mx.int32)
         packed = mx.stack(packs)
-        match = (packed[:, d + 1 :] == packed[:, :d]).astype(mx.int32)
-        return mx.cumprod(match, axis=1).sum(axis=1).astype(mx.int32)
+        return leading_run(packed[:, d + 1 :] == packed[:, :d])
     counts = []
     for pack, row in zip(packs, rows, strict=True):
         d = row.depth
@@ -76,8 +75,7 @@ def accepted_on_device(packs: list[mx.array], rows: list[Row]) -> mx.array:
         elif d == 0:
             counts.append(mx.zeros((), dtype=mx.int32))
         else:
-            match = (pack[d + 1 :] == pack[:d]).astype(mx.int32)
-            counts.append(mx.cumprod(match).sum())
+            counts.append(leading_run(pack[d + 1 :] == pack[:d]))
     return mx.stack(counts).astype(mx.int32)
 
 

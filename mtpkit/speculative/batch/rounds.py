@@ -157,8 +157,8 @@ def ended_row_entry(
     built before that round was read) may have been built with it."""
     built, i, taken = ended.built, ended.index, ended.taken
     extra = ended.kept - taken  # entries past the row's end, in KV caches and the head's
-    if later is not None and any(other is row for other in later.rows):
-        j = next(n for n, other in enumerate(later.rows) if other is row)
+    j = next((n for n, other in enumerate(later.rows) if other is row), None) if later else None
+    if j is not None:  # the round after was built with it
         extra += int(later.accepted[j].item()) + 1
     snapshots = built.verified.snapshots
     recurrent = iter(zip(snapshots.conv_inputs, snapshots.states, strict=True) if snapshots else ())
