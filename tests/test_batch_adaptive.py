@@ -85,3 +85,38 @@ def test_a_change_of_choice_brings_the_next_probe_back_soon() -> None:
     late = [s for s in after if s > switched]
     assert late and len(late) % PROBE_STEPS == 0
     assert late[0] - switched == REPROBE_EVERY
+
+
+def test_stalls_in_a_widths_first_rounds_do_not_send_it_to_plain_steps() -> None:
+    """Two of a width's first rounds stall (a first-use kernel build, another tenant's burst):
+    30 s against their steady 1.2 s for 2 tokens a row. Per token the rounds still win (0.15 s
+    against plain's 0.25 s), so after its plain probe the width drafts, as it does without
+    the stalls; a median of the four rounds (15.6 s) would have chosen plain steps."""
+
+    def cost(i: int, draft: bool) -> tuple[float, int]:
+        if not draft:
+            return 1.0, WIDTH
+        return (30.0 if i in (0, 2) else 1.2), 2 * WIDTH
+
+    policy = WidthDrafting()
+    drafted = drafting_steps(policy, 40, cost)
+    assert policy.widths[WIDTH].choice is True
+    judged = FIRST_ROUNDS + PROBE_STEPS
+    assert drafted == list(range(FIRST_ROUNDS)) + list(range(judged, 40))
+
+
+def test_a_rounds_cost_is_spread_over_its_mean_yield() -> None:
+    """Rounds keep every row's draft and none in turn (1.5 tokens a row on average) at 1.4 s
+    a round: 0.233 s a token against plain's 0.25, so the width drafts. (Each round's own
+    seconds per token, 0.175 and 0.35, have a median of 0.26: a loss.) Slower rounds, 1.6 s
+    (0.267 s a token), lose."""
+
+    def costs(seconds: float):
+        return lambda i, draft: (seconds, (2 if i % 2 else 1) * WIDTH) if draft else (1.0, WIDTH)
+
+    winning = WidthDrafting()
+    drafting_steps(winning, 40, costs(1.4))
+    assert winning.widths[WIDTH].choice is True
+    losing = WidthDrafting()
+    drafting_steps(losing, 40, costs(1.6))
+    assert losing.widths[WIDTH].choice is False

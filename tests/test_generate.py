@@ -277,6 +277,23 @@ def test_adaptive_drafting_decides_from_the_yield_and_never_from_one_round() -> 
     assert timed.cost() == 3.0 and not timed.want_draft()
 
 
+
+def test_adaptive_round_cost_by_the_clock_ignores_stalls() -> None:
+    """The timed round cost is the ratio of steady costs (lower quartiles): stalls in half the
+    rounds and a sixth of the plain steps (first-use builds, a noisy neighbour) leave it at
+    1.2, and 2-token rounds keep drafting (a median would put it near 20)."""
+    from mtpkit.speculative.adaptive import AdaptiveDrafting, steady
+
+    assert steady([5.0, 1.0, 9.0, 2.0, 30.0]) == 2.0
+    timed = AdaptiveDrafting(enabled=True, cost=1.5, timed=True)
+    for i in range(12):
+        timed.record_plain(20.0 if i % 3 == 0 else 1.0)
+        timed.record_plain(1.0)
+    for i in range(12):
+        timed.record_round(2, 40.0 if i % 2 == 0 else 1.2)
+    assert timed.cost() == 1.2 and timed.want_draft()
+
+
 def test_adaptive_depth_follows_the_acceptance_of_each_depths_rounds() -> None:
     """choose_depth: start at depth 1; a head that keeps its first draft is tried deeper (an
     unseen draft borrows the one before it); a depth is then judged on its own rounds'

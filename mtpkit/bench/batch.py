@@ -124,10 +124,12 @@ def mtp_batch_run(
     oracles: list[OracleDrafts] | None = None,
     adaptive: bool = False,
     ahead: bool = True,
+    policy: Any = None,
 ) -> tuple[float, float | None, float]:
     """Aggregate decode tok/s of `BatchDecoder` over `prompts` (every row joined before the
     first round; each row's first token, from its prefill, not counted), its acceptance and
-    the share of its steps that were plain."""
+    the share of its steps that were plain. `policy`: the decoder's drafting policy (bench
+    scripts' A/B), else `adaptive`'s."""
     draft_filter = plan = None
     if oracles is not None:
         planned = [oracle.for_rows() for oracle in oracles]
@@ -139,7 +141,13 @@ def mtp_batch_run(
             return planned[row.uid].planned(depth)
 
     decoder = BatchDecoder(
-        m, depth=depth, draft_filter=draft_filter, plan=plan, adaptive=adaptive, ahead=ahead
+        m,
+        depth=depth,
+        draft_filter=draft_filter,
+        plan=plan,
+        adaptive=adaptive,
+        policy=policy,
+        ahead=ahead,
     )
     rows = [decoder.add(p, max_tokens=max_tokens) for p in prompts]
     start = time.perf_counter()

@@ -9,8 +9,9 @@ figures:
 - `r_K` comes from a prior per backend (`COST_PRIORS`, from the measured round and step
   costs that README "Performance" quotes). A greedy run, whose output never depends on these
   decisions, refines it by the wall clock once it has timed many rounds and plain steps
-  (medians of the last 32 of each). A sampled run keeps the prior, so its decisions, and
-  with `--seed` its text, are reproducible.
+  (the lower quartiles of the last 32 of each, `steady`: a shared device's noise only ever
+  slows a step). A sampled run keeps the prior, so its decisions, and with `--seed` its
+  text, are reproducible.
 
 No decision draws a random number. The schedule: draft from the start and judge after
 `FIRST_ROUNDS` rounds, then at every round on the last `WINDOW` rounds. While losing, plain
@@ -32,7 +33,7 @@ deeper or one shallower, in turn, so that a depth's counts are renewed.
 
 from __future__ import annotations
 
-import statistics
+from collections.abc import Iterable
 
 import mlx.core as mx
 
@@ -53,6 +54,17 @@ PROBE_EVERY = 32
 # (launch-bound) 1.85 / 2.1 / 2.7. CPU: a verify row costs about a full pass (README, "On
 # this CPU MTP barely pays"), the bundled example's depth-1 rounds ~1.6.
 COST_PRIORS = {"gpu": (1.3, 0.25), "cpu": (1.6, 0.6)}
+
+
+STEADY_QUANTILE = 0.25
+
+
+def steady(seconds: Iterable[float]) -> float:
+    """What a kind of step costs when it runs on: the lower quartile of its timings. Stalls
+    on a shared device (first-use kernel builds, another tenant's burst, a collection) only
+    ever add time, so a low quantile is stable where a median still moves with them."""
+    ordered = sorted(seconds)
+    return ordered[int(STEADY_QUANTILE * (len(ordered) - 1))]
 
 
 def prior_cost(depth: int, device: str | None = None) -> float:
@@ -140,13 +152,14 @@ class AdaptiveDrafting:
         return max(0, self.plain_left - 1) if self.enabled else 0
 
     def cost(self, depth: int | None = None) -> float:
-        """Round cost at `depth` in plain steps: the prior, or (timed) the medians' ratio."""
+        """Round cost at `depth` in plain steps: the prior, or (timed) the ratio of the steady
+        costs (`steady`)."""
         depth = depth or self.depth
         rounds = self.round_times.get(depth, [])
         if self.timed and min(len(rounds), len(self.plain_times)) >= MIN_TIMED:
-            plain = statistics.median(self.plain_times)
+            plain = steady(self.plain_times)
             if plain > 0:
-                return statistics.median(rounds) / plain
+                return steady(rounds) / plain
         return self.priors[depth]
 
     def acceptance(self, depth: int | None = None) -> list[float]:

@@ -4,17 +4,27 @@ batched steps decodes plainly.
 A drafting round over B rows verifies B x (K+1) positions and yields the rows' kept drafts
 plus one token each; a plain step yields B tokens. Which is cheaper per token depends on the
 width (at 9b MLX's quantized matmul grows with the rows, issue 30's baseline) and on the
-rows' acceptance, so the choice is measured: at each width, seconds per confirmed token of
-the last `KEPT` rounds and of the last `KEPT` plain steps. A width drafts its first
-`FIRST_ROUNDS` rounds, then takes `PROBE_STEPS` plain steps, then the cheaper mode, and probes
-the other mode for `PROBE_STEPS` steps from time to time, so a change of acceptance or of load
-is seen. The first probe comes `REPROBE_EVERY` steps after a choice, and each probe that leaves
-the choice as it was doubles the wait, up to `MAX_REPROBE_EVERY`, as one stream's adaptive
-drafting does (`speculative/adaptive.py`); a width whose recent rounds kept no draft at all
-(a useless head) waits `USELESS_EVERY` steps from the start. A probe costs a losing mode's
-price, so at acceptance 0 the probes are what adaptive drafting loses against plain decoding.
-Greedy output never depends on these decisions (every mode decodes the backbone's tokens); a
-seeded sampled row's text does, through the draws each mode takes.
+rows' acceptance, so the choice is measured, at each width, from two kinds of figures kept
+apart:
+
+- what a round and a plain step cost, in seconds: the lower quartile (`steady`) of the last
+  `KEPT` of each. A shared device's noise only ever slows a step (a first-use kernel build,
+  another tenant's burst, a collection, a mode's first step that nothing was queued ahead
+  of), so a low quantile is what the mode costs when it runs on, and a few stalls in a
+  width's first rounds do not send it to plain steps for the rest of its run;
+- what a round yields, in tokens: the mean of the last `KEPT` rounds' counts (the rows'
+  acceptance, the same on every machine), and what a plain step yields (its rows).
+
+A width drafts its first `FIRST_ROUNDS` rounds, then takes `PROBE_STEPS` plain steps, then
+the cheaper mode per token, and probes the other mode for `PROBE_STEPS` steps from time to
+time, so a change of acceptance or of load is seen. The first probe comes `REPROBE_EVERY`
+steps after a choice, and each probe that leaves the choice as it was doubles the wait, up to
+`MAX_REPROBE_EVERY`, as one stream's adaptive drafting does (`speculative/adaptive.py`); a
+width whose recent rounds kept no draft at all (a useless head) waits `USELESS_EVERY` steps
+from the start. A probe costs a losing mode's price, so at acceptance 0 the probes are what
+adaptive drafting loses against plain decoding. Greedy output never depends on these
+decisions (every mode decodes the backbone's tokens); a seeded sampled row's text does,
+through the draws each mode takes.
 """
 
 from __future__ import annotations
@@ -22,6 +32,8 @@ from __future__ import annotations
 import statistics
 from collections import deque
 from dataclasses import dataclass, field
+
+from mtpkit.speculative.adaptive import steady
 
 FIRST_ROUNDS = 4
 PROBE_STEPS = 4
@@ -33,16 +45,24 @@ KEPT = 16
 
 @dataclass
 class WidthTimes:
-    """One width's seconds per token, drafting and plain, whether its recent rounds kept any
-    draft, and its probe schedule (in steps judged at this width)."""
+    """One width's seconds per step and tokens per step, drafting and plain, and its probe
+    schedule (in steps judged at this width)."""
 
     drafting: deque[float] = field(default_factory=lambda: deque(maxlen=KEPT))
     plain: deque[float] = field(default_factory=lambda: deque(maxlen=KEPT))
-    kept: deque[bool] = field(default_factory=lambda: deque(maxlen=KEPT))
+    yields: deque[int] = field(default_factory=lambda: deque(maxlen=KEPT))  # a round's tokens
+    plain_yields: deque[int] = field(default_factory=lambda: deque(maxlen=KEPT))
     steps: int = 0
     choice: bool | None = None  # drafting wins, as last judged
     every: int = REPROBE_EVERY  # steps from the last probe's start to the next's
     probe_at: int = 0  # the step the next probe starts at
+
+    def per_token(self, *, drafting: bool) -> float:
+        """Seconds per confirmed token of a mode: its steady step cost over its mean yield."""
+        seconds, tokens = (
+            (self.drafting, self.yields) if drafting else (self.plain, self.plain_yields)
+        )
+        return steady(seconds) / statistics.fmean(tokens)
 
 
 class WidthDrafting:
@@ -58,10 +78,11 @@ class WidthDrafting:
         if len(times.plain) < PROBE_STEPS:
             return False
         times.steps += 1
-        drafting_wins = statistics.median(times.drafting) <= statistics.median(times.plain)
+        drafting_wins = times.per_token(drafting=True) <= times.per_token(drafting=False)
         if drafting_wins != times.choice:  # a new choice: its first probe comes soon
             times.choice = drafting_wins
-            times.every = REPROBE_EVERY if any(times.kept) else USELESS_EVERY
+            kept_any = any(tokens > width for tokens in times.yields)
+            times.every = REPROBE_EVERY if kept_any else USELESS_EVERY
             times.probe_at = times.steps + times.every
         elif times.steps >= times.probe_at + PROBE_STEPS:  # a probe left the choice as it was
             times.every = min(2 * times.every, MAX_REPROBE_EVERY)
@@ -75,6 +96,5 @@ class WidthDrafting:
         if tokens <= 0:
             return
         times = self.widths.setdefault(width, WidthTimes())
-        (times.drafting if drafted else times.plain).append(seconds / tokens)
-        if drafted:
-            times.kept.append(tokens > width)
+        (times.drafting if drafted else times.plain).append(seconds)
+        (times.yields if drafted else times.plain_yields).append(tokens)
