@@ -9,6 +9,7 @@ adaptive.py`), each with the head's drafts or at each `--acceptance` (oracle dra
 disturbance of the machine hits both alike. The figures are aggregate decode tok/s (tokens
 after each row's first over the decoding time, as stock's `generation_tps` counts them), per
 request (aggregate / B), and MTP's ratio to stock at the same width in the same trial.
+Both run with Python's collector off, as one stream's runs do (`speed.collector_off`).
 On a GPU one whole trial runs untimed first: a shape met for the first time builds its
 kernels there (seconds each; on a fresh CUDA machine a batched round's first use took 54 s),
 and the rounds of a trial meet shapes a short warm-up does not.
@@ -26,7 +27,7 @@ import mlx.core as mx
 
 from mtpkit.bench.oracle import OracleDrafts
 from mtpkit.bench.report import Figure, device_name
-from mtpkit.bench.speed import prompt_of_length
+from mtpkit.bench.speed import collector_off, prompt_of_length
 from mtpkit.core.errors import MtpkitError
 from mtpkit.core.prompts import encode_prompt
 from mtpkit.runtime.kernels.routing import routes_summary
@@ -112,7 +113,8 @@ def stock_batch_tps(model: Any, tokenizer: Any, prompts: list[list[int]], max_to
     """Aggregate decode tok/s of stock mlx-lm's `batch_generate` (its own `generation_tps`)."""
     import mlx_lm
 
-    response = mlx_lm.batch_generate(model, tokenizer, prompts, max_tokens=max_tokens)
+    with collector_off():
+        response = mlx_lm.batch_generate(model, tokenizer, prompts, max_tokens=max_tokens)
     return float(response.stats.generation_tps)
 
 
@@ -149,11 +151,12 @@ def mtp_batch_run(
         policy=policy,
         ahead=ahead,
     )
-    rows = [decoder.add(p, max_tokens=max_tokens) for p in prompts]
-    start = time.perf_counter()
-    while decoder.rows:
-        decoder.step()
-    elapsed = time.perf_counter() - start
+    with collector_off():
+        rows = [decoder.add(p, max_tokens=max_tokens) for p in prompts]
+        start = time.perf_counter()
+        while decoder.rows:
+            decoder.step()
+        elapsed = time.perf_counter() - start
     tokens = sum(max(0, len(r.tokens) - 1) for r in rows)
     drafted = sum(r.drafted for r in rows)
     acceptance = sum(r.accepted for r in rows) / drafted if drafted else None

@@ -17,10 +17,10 @@ every configuration once, so a disturbance of the machine hits them all alike, a
 speedup is a ratio to stock decoding within the same trial. On a GPU one whole trial runs
 untimed first (`warm_trial`): a shape met for the first time builds its kernels there, for
 seconds (a verify whose rollback keeps a count not seen before, a key length not seen), and
-a short warm-up meets only some of them. Every timed run starts after a
-collection and runs with Python's collector off (`_quiet`): a collection inside a run (the
-decoder's rounds make more objects than stock's loop, so more collections) timed the
-collector, not the decoding. `prompt_tokens` sets the context: the prompt repeated to that
+a short warm-up meets only some of them. Every timed run starts after a collection and runs
+with Python's collector off (`collector_off`): a collection inside a run (the decoder's
+rounds make more objects than stock's loop, so more collections) timed the collector, not
+the decoding. `prompt_tokens` sets the context: the prompt repeated to that
 many tokens, or random ids for a random-weight model (`prompt_of_length`).
 """
 
@@ -116,7 +116,7 @@ def prompt_of_length(
 
 
 @contextlib.contextmanager
-def _quiet() -> Iterator[None]:
+def collector_off() -> Iterator[None]:
     """A timed run: after a full collection, with the collector off (no collection's pause
     inside the run; what it would free waits for the next run's start)."""
     gc.collect()
@@ -399,13 +399,13 @@ def _trials(
                             drafter=c[3])
                 for c in plan.configs()
             }  # fmt: skip
-        with _quiet():
+        with collector_off():
             base = _stock_run(
                 stock_model, stock_tokenizer, tokens, plan.max_tokens, m.lockstep.tick
             )
         say(f"{at} stock mlx-lm {base:.1f} tok/s")
         plain.values.append(base)
-        with untapped(m.final_norm), _quiet():
+        with untapped(m.final_norm), collector_off():
             rate = _stock_run(m.model, m.tokenizer, tokens, plan.max_tokens, m.lockstep.tick)
             no_mtp.values.append(rate)
         say(f"{at} mtpkit --no-mtp {no_mtp.values[-1]:.1f} tok/s")
@@ -420,7 +420,7 @@ def _trials(
         for config, run in runs.items():
             depth, adaptive, oracle, drafter = config
             proposer = factories[drafter]() if drafter in factories else None
-            with _quiet():
+            with collector_off():
                 rate, step, decoder = _mtp_run(
                     m, tokens, depth, plan.max_tokens, adaptive, filters[oracle], proposer=proposer
                 )
