@@ -120,3 +120,18 @@ def test_a_rounds_cost_is_spread_over_its_mean_yield() -> None:
     losing = WidthDrafting()
     drafting_steps(losing, 40, costs(1.6))
     assert losing.widths[WIDTH].choice is False
+
+
+def test_the_heads_catch_up_runs_in_chunks_of_powers_of_two() -> None:
+    """A batch's head catches up on a plain stretch's pairs in chunks whose lengths are the
+    powers of two that sum to the count, so a server meets few shapes (`head.power_chunks`)."""
+    from mtpkit.speculative.batch.head import power_chunks
+
+    assert power_chunks(1) == [(0, 1)]
+    assert power_chunks(37) == [(0, 32), (32, 36), (36, 37)]
+    for n in range(1, 300):
+        spans = power_chunks(n)
+        assert spans[0][0] == 0 and spans[-1][1] == n
+        assert all(a[1] == b[0] for a, b in zip(spans, spans[1:]))
+        lengths = [j - i for i, j in spans]
+        assert all(x & (x - 1) == 0 for x in lengths) and lengths == sorted(lengths, reverse=True)

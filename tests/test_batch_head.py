@@ -39,15 +39,23 @@ def head_predictions(m, row: Row) -> list[int]:
     return mx.argmax(m.lm_head(m.head.final_norm(0)(x)), axis=-1)[0].tolist()
 
 
-@pytest.mark.parametrize("catch_up_after", [256, 2], ids=["at-draft", "every-2-steps"])
+@pytest.mark.parametrize(
+    ("catch_up_after", "plain_run"),
+    [(256, 2), (2, 2), (256, 7)],
+    ids=["at-draft", "every-2-steps", "7-pairs-in-chunks"],
+)
 def test_each_rows_drafts_are_the_heads_predictions(
-    m, monkeypatch: pytest.MonkeyPatch, catch_up_after: int
+    m, monkeypatch: pytest.MonkeyPatch, catch_up_after: int, plain_run: int
 ) -> None:
-    """Also with the head catching up inside a stretch of plain steps (every 2 pairs)."""
+    """Also with the head catching up inside a stretch of plain steps (every 2 pairs), and
+    on 7 pending pairs at a draft (chunks of 4, 2 and 1: `power_chunks`)."""
     from mtpkit.speculative.batch import head
 
     monkeypatch.setattr(head, "CATCH_UP_AFTER", catch_up_after)
-    decoder = BatchDecoder(m, depth=1, policy=Schedule([True, True, False, False, True]))
+    counts, chunks = [], head.power_chunks
+    monkeypatch.setattr(head, "power_chunks", lambda n: counts.append(n) or chunks(n))
+    pattern = [True, True] + [False] * plain_run + [True]
+    decoder = BatchDecoder(m, depth=1, policy=Schedule(pattern))
     decoder.eos = set()
     prompts = [m.tokenizer.encode(t) for t in TEXTS]
     rows = [decoder.add(prompts[0], max_tokens=40), decoder.add(prompts[1], max_tokens=20)]
@@ -57,6 +65,7 @@ def test_each_rows_drafts_are_the_heads_predictions(
     while decoder.rows:
         decoder.step()
     assert decoder.plain_steps > 5
+    assert max(counts) == min(plain_run, catch_up_after)  # the catch-ups ran
     for row in rows:
         predicted = head_predictions(m, row)
         sequence = row.prompt + row.tokens
