@@ -132,6 +132,6 @@ def test_the_heads_catch_up_runs_in_chunks_of_powers_of_two() -> None:
     for n in range(1, 300):
         spans = power_chunks(n)
         assert spans[0][0] == 0 and spans[-1][1] == n
-        assert all(a[1] == b[0] for a, b in zip(spans, spans[1:]))
+        assert all(a[1] == b[0] for a, b in zip(spans[:-1], spans[1:], strict=True))
         lengths = [j - i for i, j in spans]
         assert all(x & (x - 1) == 0 for x in lengths) and lengths == sorted(lengths, reverse=True)
