@@ -135,3 +135,30 @@ def test_the_heads_catch_up_runs_in_chunks_of_powers_of_two() -> None:
         assert all(a[1] == b[0] for a, b in zip(spans[:-1], spans[1:], strict=True))
         lengths = [j - i for i, j in spans]
         assert all(x & (x - 1) == 0 for x in lengths) and lengths == sorted(lengths, reverse=True)
+
+
+def test_a_width_met_later_starts_from_the_nearest_judged_widths_choice() -> None:
+    """Rows leave a batch one by one: width 3, met after width 4 was judged, takes width 4's
+    choice at once (no first rounds and plain probe of its own) for as many steps as width 4
+    waits between probes, then explores on its own."""
+    cost = lambda i, draft: (1.2, 2 * WIDTH) if draft else (1.0, WIDTH)  # noqa: E731
+    policy = WidthDrafting()
+    drafting_steps(policy, FIRST_ROUNDS + PROBE_STEPS + 1, cost)  # width 4 judged: drafting
+    assert policy.widths[WIDTH].choice is True
+    narrower = []
+    for _ in range(REPROBE_EVERY + FIRST_ROUNDS + PROBE_STEPS + 1):
+        draft = policy.want_draft(3)
+        policy.record(3, draft, 0.9 if draft else 0.75, 6 if draft else 3)
+        narrower.append(draft)
+    # Borrowed drafting for REPROBE_EVERY steps: its own FIRST_ROUNDS rounds came in them, so
+    # its own exploration is the plain probe, then its own choice (drafting) holds.
+    assert narrower[:REPROBE_EVERY] == [True] * REPROBE_EVERY
+    assert narrower[REPROBE_EVERY : REPROBE_EVERY + PROBE_STEPS] == [False] * PROBE_STEPS
+    assert narrower[REPROBE_EVERY + PROBE_STEPS :] == [True] * (FIRST_ROUNDS + 1)
+    assert policy.widths[3].choice is True
+    # A useless head: width 4 chose plain steps and waits USELESS_EVERY between probes, so
+    # width 1 takes plain steps that long without drafting a round.
+    useless = WidthDrafting()
+    drafting_steps(useless, FIRST_ROUNDS + PROBE_STEPS + 1, lambda i, d: (1.5 if d else 1.0, WIDTH))
+    assert useless.widths[WIDTH].choice is False
+    assert not any(useless.want_draft(1) for _ in range(USELESS_EVERY))
