@@ -16,19 +16,24 @@ apart:
   acceptance, the same on every machine), and what a plain step yields (its rows).
 
 A width drafts its first `FIRST_ROUNDS` rounds, then takes `PROBE_STEPS` plain steps, then
-the cheaper mode per token (a width met after another was judged, as rows leave a batch one
-by one, first takes the nearest judged width's choice for as many steps as that width waits
-between its probes, and only then explores on its own: at 128 tokens a row, exploring each
-width of a shrinking batch anew made 15-28% of adaptive drafting's steps plain at acceptance
-0.8), and probes the other mode for `PROBE_STEPS` steps from time to
+the cheaper mode per token, and probes the other mode for `PROBE_STEPS` steps from time to
 time, so a change of acceptance or of load is seen. The first probe comes `REPROBE_EVERY`
-steps after a choice, and each probe that leaves the choice as it was doubles the wait, up to
-`MAX_REPROBE_EVERY`, as one stream's adaptive drafting does (`speculative/adaptive.py`); a
-width whose recent rounds kept no draft at all (a useless head) waits `USELESS_EVERY` steps
-from the start. A probe costs a losing mode's price, so at acceptance 0 the probes are what
-adaptive drafting loses against plain decoding. Greedy output never depends on these
-decisions (every mode decodes the backbone's tokens); a seeded sampled row's text does,
-through the draws each mode takes.
+steps after a choice (soon: a first choice taken while the machine was slow for one mode's
+samples is looked at again within a few steps, not after a quarter of a 128-token request),
+and each probe that leaves the choice as it was doubles the wait, up to `MAX_REPROBE_EVERY`,
+as one stream's adaptive drafting does (`speculative/adaptive.py`); a width whose recent
+rounds kept no draft at all (a useless head) waits `USELESS_EVERY` steps from the start. A
+probe costs a losing mode's price, so at acceptance 0 the probes are what adaptive drafting
+loses against plain decoding.
+
+A width met after another was judged (rows leave a batch one by one) first takes the nearest
+judged width's choice, for as many steps as that width waits between its probes, and only
+then explores on its own (on an H100 at 128 tokens a row, 15-28% of adaptive drafting's
+steps were plain at acceptance 0.8, where every round pays; each width of a shrinking batch
+explored anew, with 4 plain steps, was part of that).
+
+Greedy output never depends on these decisions (every mode decodes the backbone's tokens); a
+seeded sampled row's text does, through the draws each mode takes.
 """
 
 from __future__ import annotations
@@ -41,7 +46,7 @@ from mtpkit.speculative.adaptive import steady
 
 FIRST_ROUNDS = 4
 PROBE_STEPS = 4
-REPROBE_EVERY = 32
+REPROBE_EVERY = 8
 MAX_REPROBE_EVERY = 1024
 USELESS_EVERY = 256
 KEPT = 16
