@@ -7,7 +7,10 @@ head's pending pairs (plain steps' pairs the head catches up on at the next roun
 
 A random bf16-scaled 4-bit model of SHAPE, 64-token prompts of random ids, oracle drafts per
 row, depth 1, `BatchDecoder(adaptive=True)`; prints every step slower than STALL_MS (default
-100) and each trial's rate. LAYERS=N, DTYPE as bench/batch_ahead.py.
+100), each trial's rate, and the (kind, width) pairs a trial met that no trial before it had:
+a plain step at a width only adaptive drafting's decisions reach (stock and drafting every
+round decode a shrinking batch's narrower widths in rounds only) is the suspect of a stall in a
+timed trial. LAYERS=N, DTYPE as bench/batch_ahead.py.
 """
 
 from __future__ import annotations
@@ -50,14 +53,15 @@ def main() -> None:
             [r.token for r in mlx_lm.stream_generate(stock_model, stock_tok, mx.array(p), max_tokens=n + 8)]
             for p in prompts
         ]  # fmt: skip
+        seen: set[tuple[str, int]] = set()
         for trial in range(trials + 1):
             oracles = [OracleDrafts(refs[i], 64, acc, vocab, i).for_rows() for i in range(width)]
-            run(m, prompts, oracles, n, trial)
+            run(m, prompts, oracles, n, trial, seen)
     finally:
         shutil.rmtree(path.parent, ignore_errors=True)
 
 
-def run(m, prompts: list[list[int]], oracles: list, n: int, trial: int) -> None:
+def run(m, prompts: list[list[int]], oracles: list, n: int, trial: int, seen: set) -> None:
     decoder = BatchDecoder(
         m,
         depth=1,
@@ -66,7 +70,7 @@ def run(m, prompts: list[list[int]], oracles: list, n: int, trial: int) -> None:
         adaptive=True,
     )
     rows = [decoder.add(p, max_tokens=n) for p in prompts]
-    steps, stalls, kinds = 0, [], {"plain": 0, "round": 0}
+    steps, stalls, kinds, met = 0, [], {"plain": 0, "round": 0}, set()
     with collector_off():
         start = time.perf_counter()
         while decoder.rows:
@@ -80,6 +84,7 @@ def run(m, prompts: list[list[int]], oracles: list, n: int, trial: int) -> None:
             dt = time.perf_counter() - t
             kind = "plain" if decoder.plain_steps > plain_before else "round"
             kinds[kind] += 1
+            met.add((kind, width))
             if dt > STALL:
                 stalls.append(f"  step {steps} {kind} width {width} pending {pending} "
                               f"({queued}): {dt * 1000:.0f} ms")  # fmt: skip
@@ -90,6 +95,9 @@ def run(m, prompts: list[list[int]], oracles: list, n: int, trial: int) -> None:
           f"{kinds['plain']} plain steps, {len(stalls)} steps over {STALL * 1000:.0f} ms", flush=True)  # fmt: skip
     for line in stalls:
         print(line, flush=True)
+    if trial:
+        print(f"  new (kind, width) this trial: {sorted(met - seen) or 'none'}", flush=True)
+    seen |= met
 
 
 if __name__ == "__main__":

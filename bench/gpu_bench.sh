@@ -51,6 +51,10 @@
 # batch_generate at each width, in the same trials);
 # target `ahead-SHAPE` (issue 30): bench/batch_ahead.py, batched rounds built ahead against
 # rounds read first, with stock batch_generate, in the same trials (BATCH, BATCH_ACCEPTANCE);
+# (MODES=policy: the decoder's plain steps only, every round, adaptive drafting's two judges,
+# stock pinned to one core);
+# target `stalls-SHAPE` (issue 30): bench/adaptive_stalls.py, every step of adaptive batched
+# runs timed, those over 100 ms printed (TRIALS, BATCH: one width, BATCH_ACCEPTANCE: one);
 # target `stall`: bench/batch_stall.py on qwen3_5-0.8b (each join and batched round timed:
 # first-use kernel builds), as is, with MTPKIT_KERNELS=0 and with MLX_USE_CUDA_GRAPHS=0;
 # target `profile`: bench/profile_stages.py at 0.8b and 9b (a round's stages); `profile-tiny`:
@@ -138,6 +142,10 @@ bench() {
     elif [ "${target#ahead-}" != "$target" ]; then  # rounds built ahead vs read first (issue 30)
       PROMPT_TOKENS="${PROMPT_TOKENS:-}" timeout "$limit" python3 bench/batch_ahead.py "${target#ahead-}" "${TRIALS:-3}" "${BATCH:-4,8}" \
         "${BATCH_ACCEPTANCE:-0.8}" "${MAX_TOKENS:-128}" 2>&1 | tee "$OUT/$target.txt" | tail -12 >&2
+      continue
+    elif [ "${target#stalls-}" != "$target" ]; then  # adaptive batched runs, step by step
+      timeout "$limit" python3 bench/adaptive_stalls.py "${target#stalls-}" "${TRIALS:-5}" "${BATCH:-8}" \
+        "${BATCH_ACCEPTANCE:-0.8}" "${MAX_TOKENS:-128}" 2>&1 | tee "$OUT/$target.txt" | tail -40 >&2
       continue
     elif [ "$target" = stall ]; then  # first-use builds of batched rounds (0.8b, fresh machine)
       for env in "" MTPKIT_KERNELS=0 MLX_USE_CUDA_GRAPHS=0; do
