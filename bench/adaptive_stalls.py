@@ -26,6 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import mlx.core as mx  # noqa: E402
 import mlx_lm  # noqa: E402
 
+from mtpkit.bench.batch import oracle_hooks  # noqa: E402
 from mtpkit.bench.oracle import OracleDrafts  # noqa: E402
 from mtpkit.bench.shapes import random_model_dir  # noqa: E402
 from mtpkit.bench.speed import collector_off, prompt_of_length  # noqa: E402
@@ -55,20 +56,15 @@ def main() -> None:
         ]  # fmt: skip
         seen: set[tuple[str, int]] = set()
         for trial in range(trials + 1):
-            oracles = [OracleDrafts(refs[i], 64, acc, vocab, i).for_rows() for i in range(width)]
+            oracles = [OracleDrafts(refs[i], 64, acc, vocab, i) for i in range(width)]
             run(m, prompts, oracles, n, trial, seen)
     finally:
         shutil.rmtree(path.parent, ignore_errors=True)
 
 
 def run(m, prompts: list[list[int]], oracles: list, n: int, trial: int, seen: set) -> None:
-    decoder = BatchDecoder(
-        m,
-        depth=1,
-        draft_filter=lambda row, position, drafts: oracles[row.uid].drafts(position, drafts),
-        plan=lambda row, depth: oracles[row.uid].planned(depth),
-        adaptive=True,
-    )
+    draft_filter, plan = oracle_hooks(oracles)
+    decoder = BatchDecoder(m, depth=1, draft_filter=draft_filter, plan=plan, adaptive=True)
     rows = [decoder.add(p, max_tokens=n) for p in prompts]
     steps, stalls, kinds, met = 0, [], {"plain": 0, "round": 0}, set()
     with collector_off():

@@ -51,13 +51,7 @@ class MedianTimes(WidthTimes):
 
 
 class MedianDrafting(WidthDrafting):
-    def want_draft(self, width: int) -> bool:
-        self.widths.setdefault(width, MedianTimes())
-        return super().want_draft(width)
-
-    def record(self, width: int, drafted: bool, seconds: float, tokens: int) -> None:
-        self.widths.setdefault(width, MedianTimes())
-        super().record(width, drafted, seconds, tokens)
+    times_kind = MedianTimes
 
 
 MODE_SETS = {

@@ -34,6 +34,7 @@ from mtpkit.runtime.kernels.routing import routes_summary
 from mtpkit.runtime.model import MtpModel, NoMtpHead, library_io, load_model
 from mtpkit.runtime.upcast import upcast_experts
 from mtpkit.speculative.batch import BatchDecoder, Row
+from mtpkit.speculative.batch.rounds import RowDraftFilter, RowPlan
 from mtpkit.speculative.session import check_prompt
 
 # (oracle acceptance or None for the head's drafts, adaptive drafting): one MTP run a trial.
@@ -118,6 +119,20 @@ def stock_batch_tps(model: Any, tokenizer: Any, prompts: list[list[int]], max_to
     return float(response.stats.generation_tps)
 
 
+def oracle_hooks(oracles: list[OracleDrafts]) -> tuple[RowDraftFilter, RowPlan]:
+    """A `BatchDecoder`'s `draft_filter` and `plan` holding row i (its uid, rows joined in
+    order) to `oracles[i]`."""
+    planned = [oracle.for_rows() for oracle in oracles]
+
+    def draft_filter(row: Row, position: mx.array, drafts: mx.array) -> mx.array:
+        return planned[row.uid].drafts(position, drafts)
+
+    def plan(row: Row, depth: int) -> int:
+        return planned[row.uid].planned(depth)
+
+    return draft_filter, plan
+
+
 def mtp_batch_run(
     m: MtpModel,
     prompts: list[list[int]],
@@ -132,16 +147,7 @@ def mtp_batch_run(
     first round; each row's first token, from its prefill, not counted), its acceptance and
     the share of its steps that were plain. `policy`: the decoder's drafting policy (bench
     scripts' A/B), else `adaptive`'s."""
-    draft_filter = plan = None
-    if oracles is not None:
-        planned = [oracle.for_rows() for oracle in oracles]
-
-        def draft_filter(row: Row, position: mx.array, drafts: mx.array) -> mx.array:
-            return planned[row.uid].drafts(position, drafts)
-
-        def plan(row: Row, depth: int) -> int:
-            return planned[row.uid].planned(depth)
-
+    draft_filter, plan = oracle_hooks(oracles) if oracles is not None else (None, None)
     decoder = BatchDecoder(
         m,
         depth=depth,

@@ -77,13 +77,19 @@ class WidthTimes:
 
 
 class WidthDrafting:
-    """Whether the next step at a batch width drafts (see the module's text)."""
+    """Whether the next step at a batch width drafts (see the module's text). `times_kind`:
+    what keeps and judges a width's figures (bench's A/B swaps the judge)."""
+
+    times_kind: type[WidthTimes] = WidthTimes
 
     def __init__(self) -> None:
         self.widths: dict[int, WidthTimes] = {}
 
+    def _times(self, width: int) -> WidthTimes:
+        return self.widths.setdefault(width, self.times_kind())
+
     def want_draft(self, width: int) -> bool:
-        times = self.widths.setdefault(width, WidthTimes())
+        times = self._times(width)
         if len(times.drafting) < FIRST_ROUNDS or len(times.plain) < PROBE_STEPS:
             nearest = self._nearest_judged(width)
             if nearest is not None and times.borrowed < nearest.every:
@@ -115,6 +121,6 @@ class WidthDrafting:
         drafting round that confirmed more tokens than rows kept a draft."""
         if tokens <= 0:
             return
-        times = self.widths.setdefault(width, WidthTimes())
+        times = self._times(width)
         (times.drafting if drafted else times.plain).append(seconds)
         (times.yields if drafted else times.plain_yields).append(tokens)

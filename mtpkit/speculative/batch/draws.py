@@ -76,7 +76,7 @@ def accepted_on_device(packs: list[mx.array], rows: list[Row]) -> mx.array:
             counts.append(mx.zeros((), dtype=mx.int32))
         else:
             counts.append(leading_run(pack[d + 1 :] == pack[:d]))
-    return mx.stack(counts).astype(mx.int32)
+    return mx.stack(counts)
 
 
 def greedy_targets(logits: mx.array) -> mx.array:
