@@ -27,7 +27,8 @@ job_name() {  # 0|PROMPT_TOKENS=4096|qwen3_5-9b -> g0-qwen3_5-9b-PROMPT_TOKENS40
 }
 
 start() {
-  bash bench/gpu_bench.sh bench >/dev/null || { echo "install failed" >&2; exit 1; }
+  bash bench/gpu_bench.sh bench >/dev/null  # installs MLX's CUDA build (its exit: no table yet)
+  PYTHONPATH=/tmp/site python3 -c "import mlx.core, mlx_lm" || { echo "install failed" >&2; exit 1; }
   local gpus cores per
   gpus=$(nvidia-smi -L | wc -l)
   cores=$(nproc)
