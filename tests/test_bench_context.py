@@ -7,6 +7,7 @@ import gc
 import json
 from pathlib import Path
 
+import mlx.core as mx
 from typer.testing import CliRunner
 
 from mtpkit.bench import speed
@@ -74,3 +75,51 @@ def test_an_untimed_trial_first_is_left_out_of_the_figures(converted: Path) -> N
     assert report["trials"] == 2
     assert all(len(run.decode_tps.values) == 2 for run in result.runs)
     assert all(run.acceptances == [1.0, 1.0] for run in result.runs)
+
+
+def test_runs_from_the_prompt_prefilled_once_decode_what_a_whole_prefill_decodes(
+    converted: Path,
+) -> None:
+    """Every bench run continues from forks of one prefill (`Prefilled`): stock mlx-lm fed
+    only the prompt's last token on a forked cache, and mtpkit's decoder on forked caches and
+    a forked head, give the greedy tokens stock mlx-lm gives from the whole prompt (a
+    gated-delta-net hybrid: recurrent states and KV caches both forked), run after run (no
+    run's writes reach the prefilled state)."""
+    import mlx_lm
+
+    from mtpkit.bench.prefilled import Prefilled
+    from mtpkit.runtime.model import load_model
+    from mtpkit.speculative.proposers import default_proposer
+
+    m = load_model(converted)
+    m.tokenizer.eos_token_ids = []
+    prompt = prompt_of_length(m.tokenizer.encode("The hash table maps keys to values."), 300)
+    stock, stock_tokenizer = speed._stock_load(m)
+    stock_tokenizer.eos_token_ids = []
+    whole = speed._stock_tokens(stock, stock_tokenizer, prompt, 12)
+
+    prefilled = Prefilled(m, prompt)
+    for _ in range(2):
+        cache = prefilled.stock_cache(stock)
+        assert cache is not None
+        offsets = [c.offset for c in cache if hasattr(c, "offset")]  # the KV caches
+        assert offsets and all(o == len(prompt) - 1 for o in offsets)
+        fed = mlx_lm.stream_generate(
+            stock, stock_tokenizer, mx.array(prompt[-1:]), max_tokens=12, prompt_cache=cache
+        )
+        assert [r.token for r in fed] == whole
+    for depth in (1, 3, 1):
+        state = prefilled.mtp_state("mtp", lambda: default_proposer(m))
+        assert state is not None and state[2] == len(prompt) - 1
+        _, _, decoder = speed._mtp_run(m, prompt, depth, 12, state=state)
+        assert decoder.confirmed[:12] == whole
+        assert decoder.stats.rounds > 0  # the head drafted from its forked state
+
+
+def test_nothing_is_prefilled_once_where_ranks_decode_in_lockstep(converted: Path) -> None:
+    from mtpkit.bench.prefilled import Prefilled
+    from mtpkit.runtime.model import load_model
+
+    m = load_model(converted)
+    assert Prefilled(m, [1, 2, 3], enabled=False).stock_cache(m.model) is None
+    assert Prefilled(m, [1]).mtp_state("mtp", lambda: None) is None  # nothing to prefill

@@ -39,6 +39,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from mtpkit.bench.oracle import OracleDrafts
+from mtpkit.bench.prefilled import MtpState, Prefilled
 from mtpkit.bench.report import (
     BenchResult,
     BenchRun,
@@ -184,14 +185,17 @@ def _stock_run(
     prompt: list[int],
     max_tokens: int,
     tick: Callable[[], None] = lambda: None,
+    cache: list[Any] | None = None,
 ) -> float:
     """Decode tok/s of stock mlx-lm's `stream_generate` (its own `generation_tps`); `tick`
-    after each token (the watchdog's beat across machines)."""
+    after each token (the watchdog's beat across machines); `cache`: holding all but the
+    prompt's last token (`Prefilled.stock_cache`), the only one left to feed."""
     import mlx_lm
 
     last = None
+    fed = mx.array(prompt[-1:] if cache is not None else prompt)
     for response in mlx_lm.stream_generate(
-        model, tokenizer, mx.array(prompt), max_tokens=max_tokens
+        model, tokenizer, fed, max_tokens=max_tokens, prompt_cache=cache
     ):
         tick()
         last = response
@@ -216,17 +220,23 @@ def _mtp_run(
     draft_filter: DraftFilter | None = None,
     pipeline: bool | str | None = None,
     proposer: Proposer | None = None,
+    state: MtpState | None = None,
 ) -> tuple[float, float, MtpDecoder]:
     """Decode tok/s over rounds 2..end (the first round's tokens arrive with the prompt's
     cost, as the first token does in mlx-lm's figure), seconds per step (round or plain) over
     the same span, and the decoder with its stats. `pipeline` as `MtpDecoder` takes it;
-    `proposer` drafts (default: the model's head)."""
+    `proposer` drafts (default: the model's head); `state`: the prompt prefilled
+    (`Prefilled.mtp_state`: caches, its proposer, tokens cached)."""
+    cache, cached = None, 0
+    if state is not None:
+        cache, proposer, cached = state
     proposer = proposer or default_proposer(m)
     if isinstance(draft_filter, OracleDrafts):  # drafts and verdicts held to its plan
         proposer, draft_filter = draft_filter.proposer(proposer), None
     decoder = MtpDecoder(
         m, prompt, depth=depth, sampling=SamplingSettings(), adaptive=adaptive,
         draft_filter=draft_filter, pipeline=pipeline, choose_depth=adaptive, proposer=proposer,
+        cache=cache, cached=cached,
     )  # fmt: skip
     n = first_round = 0
     t0 = None
@@ -370,17 +380,23 @@ def _trials(
     factories: dict[str, ProposerFactory] | None = None,
 ) -> BenchResult:
     factories = factories or {}
+    prefilled = Prefilled(m, tokens)  # every run continues from the prompt prefilled once
+
+    def start(name: str) -> dict[str, Any]:  # a run's prefilled state, else its proposer
+        fresh = factories.get(name) or (lambda: default_proposer(m))
+        forked = prefilled.mtp_state(name, fresh)
+        return {"state": forked} if forked is not None else {"proposer": fresh()}
 
     # Stock mlx-lm on its own, untouched load of the directory.
     stock_model, stock_tokenizer = _stock_load(m)
     upcast_experts([stock_model], what=str(m.path))  # as mtpkit's own load does (CPU only)
     stock_tokenizer.eos_token_ids = []  # every run decodes exactly max_tokens tokens
-    _stock_run(stock_model, stock_tokenizer, tokens, 8)  # warm up
+    _stock_run(stock_model, stock_tokenizer, tokens, 8, cache=prefilled.stock_cache(stock_model))
     for depth in range(1, max(plan.max_depth, AUTO_MAX_DEPTH) + 1):  # kernel builds, routes
         for name in ["mtp"] * plan.head + list(factories):
-            _mtp_run(m, tokens, depth, 8, proposer=factories[name]() if name in factories else None)
+            _mtp_run(m, tokens, depth, 8, **start(name))
     if plan.head:  # and adaptive drafting's path
-        _mtp_run(m, tokens, AUTO_MAX_DEPTH, 8, adaptive=True)
+        _mtp_run(m, tokens, AUTO_MAX_DEPTH, 8, adaptive=True, **start("mtp"))
     if draft is not None:
         draft.check_target(stock_model, stock_tokenizer)
         draft.run(stock_model, stock_tokenizer, tokens, 8)  # warm up
@@ -400,13 +416,15 @@ def _trials(
                 for c in plan.configs()
             }  # fmt: skip
         with collector_off():
+            cache = prefilled.stock_cache(stock_model)
             base = _stock_run(
-                stock_model, stock_tokenizer, tokens, plan.max_tokens, m.lockstep.tick
+                stock_model, stock_tokenizer, tokens, plan.max_tokens, m.lockstep.tick, cache
             )
         say(f"{at} stock mlx-lm {base:.1f} tok/s")
         plain.values.append(base)
+        cache = prefilled.stock_cache(m.model)
         with untapped(m.final_norm), collector_off():
-            rate = _stock_run(m.model, m.tokenizer, tokens, plan.max_tokens, m.lockstep.tick)
+            rate = _stock_run(m.model, m.tokenizer, tokens, plan.max_tokens, m.lockstep.tick, cache)
             no_mtp.values.append(rate)
         say(f"{at} mtpkit --no-mtp {no_mtp.values[-1]:.1f} tok/s")
         no_mtp_speedup.values.append(no_mtp.values[-1] / base if base else 0.0)
@@ -419,10 +437,10 @@ def _trials(
                 + (f", {share:.1%} from the draft" if share is not None else ""))  # fmt: skip
         for config, run in runs.items():
             depth, adaptive, oracle, drafter = config
-            proposer = factories[drafter]() if drafter in factories else None
+            begin = start(drafter)
             with collector_off():
                 rate, step, decoder = _mtp_run(
-                    m, tokens, depth, plan.max_tokens, adaptive, filters[oracle], proposer=proposer
+                    m, tokens, depth, plan.max_tokens, adaptive, filters[oracle], **begin
                 )
             _record(run, decoder, rate, base, step)
             accepted = run.acceptances[-1]
