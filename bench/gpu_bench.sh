@@ -179,8 +179,9 @@ bench() {
     echo "rc $? for $target$tag" >&2
     tail -3 "$OUT/bench-$target$tag.log" >&2
   done
-  ls "$OUT"/bench-*.json >/dev/null 2>&1 &&
+  if ls "$OUT"/bench-*.json >/dev/null 2>&1; then
     python3 bench/bench_table.py "$OUT"/bench-*.json | tee "$OUT/bench-table.md"
+  fi
 }
 
 case "${1:-}" in

@@ -27,7 +27,7 @@ job_name() {  # 0|PROMPT_TOKENS=4096|qwen3_5-9b -> g0-qwen3_5-9b-PROMPT_TOKENS40
 }
 
 start() {
-  bash bench/gpu_bench.sh bench >/dev/null  # installs MLX's CUDA build (its exit: no table yet)
+  bash bench/gpu_bench.sh bench >/dev/null  # installs MLX's CUDA build
   PYTHONPATH=/tmp/site python3 -c "import mlx.core, mlx_lm" || { echo "install failed" >&2; exit 1; }
   local gpus cores per
   gpus=$(nvidia-smi -L | wc -l)
