@@ -13,8 +13,9 @@
 # detached (setsid), so a job may outlive the call that started it: a later call on the same
 # warm machine runs `bash bench/gpu_par.sh wait SECONDS` again (a machine idle for ~30 s is
 # given back, and its queues with it). `wait` returns when every queue is done or after
-# SECONDS, and copies what every job has written so far into $OUT/<job name>/ (its log,
-# its JSON, its table), then prints each job's state and its log's last lines.
+# SECONDS, prints each job's state and its log's last lines, and packs what every job has
+# written so far (out/<job name>/: its log, its JSON, its table) into $OUT/par.tgz.
+# A job cut off before its JSON: `python bench/log_table.py` reads its log's trials.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PAR=/tmp/mtpkit-par
@@ -68,12 +69,11 @@ wait_jobs() {
   local dir
   for dir in "$PAR"/out/*/; do
     [ -d "$dir" ] || continue
-    local name
-    name=$(basename "$dir")
-    mkdir -p "$OUT/$name" && cp -r "$dir". "$OUT/$name/"
-    echo "== $name: $(cat "$dir/state" 2>/dev/null)"
+    echo "== $(basename "$dir"): $(cat "$dir/state" 2>/dev/null)"
     tail -4 "$dir/run.log" 2>/dev/null
   done
+  # One file back, not dozens (a call brings back a limited count of files).
+  tar czf "$OUT/par.tgz" -C "$PAR" out && ls -la "$OUT/par.tgz"
   pgrep -f "$PAR/queue" >/dev/null && echo "queues still running" || echo "every queue done"
 }
 
