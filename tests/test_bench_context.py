@@ -52,7 +52,8 @@ def test_bench_decodes_after_the_context_asked_with_the_collector_off(
     assert json.loads(result.stdout)["prompt_tokens"] == 300
     warm_ups = 1 + 3 + 1  # stock, each depth to AUTO_MAX_DEPTH, adaptive drafting
     timed = collector_on[warm_ups:]
-    assert len(timed) == 2 + 2 and not any(timed)  # stock, --no-mtp, depth 1, adaptive
+    # stock, --no-mtp, depth 1, adaptive, stock again at the trial's end
+    assert len(timed) == 2 + 2 + 1 and not any(timed)
     assert gc.isenabled()
 
 
@@ -68,8 +69,8 @@ def test_an_untimed_trial_first_is_left_out_of_the_figures(converted: Path) -> N
     result = speed.bench(converted, max_tokens=6, max_depth=1, trials=2, repeats=2,
                          acceptances=[1.0], progress=lines.append, warm_trial=True)  # fmt: skip
     untimed = [line for line in lines if line.startswith("untimed trial:")]
-    # stock, --no-mtp, depth 1 and adaptive drafting; then the same in each counted trial
-    assert len(untimed) == 4
+    # stock, --no-mtp, depth 1, adaptive drafting and stock again; the same in each counted trial
+    assert len(untimed) == 5
     assert sum(line.startswith("trial ") for line in lines) == 2 * len(untimed)
     report = result.to_json()
     assert report["trials"] == 2

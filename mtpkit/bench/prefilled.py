@@ -14,7 +14,9 @@ hit is to `mlx_lm.server` and to `mtpkit serve`: its caches hold all but the pro
 token, which is its first input.
 
 Where a cache cannot be forked, or ranks decode in lockstep (each rank's caches are its own
-stage's), `Prefilled` hands out nothing and every run prefills as before.
+stage's), `Prefilled` hands out nothing and every run prefills as before; bench forks only the
+MTP head's state (Gemma 4's assistant drafts from the hidden state a prefill leaves, which a
+fork that prefills nothing more does not have).
 """
 
 from __future__ import annotations

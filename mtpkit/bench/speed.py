@@ -38,6 +38,8 @@ from typing import TYPE_CHECKING, Any
 import mlx.core as mx
 import mlx.nn as nn
 
+from mtpkit.bench.anchors import Anchored
+from mtpkit.bench.costs import measure_costs
 from mtpkit.bench.oracle import OracleDrafts
 from mtpkit.bench.prefilled import MtpState, Prefilled
 from mtpkit.bench.report import (
@@ -55,7 +57,6 @@ from mtpkit.core.prompts import encode_prompt
 from mtpkit.runtime.model import (
     MtpModel,
     NoMtpHead,
-    is_recurrent_cache,
     library_io,
     load_model,
     untapped,
@@ -67,6 +68,7 @@ from mtpkit.speculative.decode import DraftFilter, MtpDecoder, SamplingSettings
 from mtpkit.speculative.generate import check_prompt
 from mtpkit.speculative.proposers import Proposer, default_proposer
 from mtpkit.speculative.proposers.choose import DrafterChoice, ProposerFactory
+from mtpkit.speculative.stats import Stats
 
 if TYPE_CHECKING:
     from mtpkit.bench.draft import DraftModelBench
@@ -75,32 +77,6 @@ DEFAULT_PROMPT = (
     "Write a short explanation of how a hash table works, with an example of inserting "
     "and looking up keys, and the cost of each operation."
 )
-
-
-class _ForwardTimer:
-    """Times backbone forwards of n tokens at a fixed cache position, undoing each one."""
-
-    def __init__(self, m: MtpModel, prompt: list[int]) -> None:
-        self.m = m
-        self.cache = m.make_cache()
-        m.model(mx.array(prompt)[None], cache=self.cache)
-        mx.eval([c.state for c in self.cache])
-        self.saved = [list(c.cache) if is_recurrent_cache(c) else None for c in self.cache]
-        self.token = prompt[-1]
-
-    def forward(self, n: int) -> None:
-        tokens = mx.array([self.token] * n)
-        if n > 1:  # a verify pass, with its gated-delta-net snapshots, as decoding runs it
-            verified = self.m.verify(tokens, self.cache)
-            snapshots = verified.snapshots.states if verified.snapshots else []
-            mx.eval(verified.logits, verified.hidden, snapshots)
-        else:
-            mx.eval(*self.m.forward(tokens[None], self.cache))
-        for c, saved in zip(self.cache, self.saved, strict=True):
-            if saved is None:
-                c.trim(n)
-            else:
-                c.cache = list(saved)
 
 
 def prompt_of_length(
@@ -126,57 +102,6 @@ def collector_off() -> Iterator[None]:
         yield
     finally:
         gc.enable()
-
-
-def measure_costs(m: MtpModel, prompt: list[int], *, max_depth: int, repeats: int = 20) -> Costs:
-    """Interleaved per repeat: a 1-token forward, verifies of 2..K+1 tokens, a head step."""
-    timer = _ForwardTimer(m, prompt)
-    head_step = _head_step(m, prompt) if m.head is not None else None
-    steps: list[tuple[int, Callable[[], None]]] = [(0, lambda: timer.forward(1))]
-    steps += [(k, lambda k=k: timer.forward(k + 1)) for k in range(1, max_depth + 1)]
-    if head_step is not None:
-        steps.append((-1, head_step))
-    for _, fn in steps:  # warm up
-        fn()
-    costs = Costs(verify={k: Figure() for k in range(1, max_depth + 1)})
-    for _ in range(repeats):
-        seconds = {}
-        for key, fn in steps:
-            t0 = time.perf_counter()
-            fn()
-            seconds[key] = time.perf_counter() - t0
-        one = seconds[0]
-        costs.one.values.append(one)
-        for k in range(1, max_depth + 1):
-            costs.verify[k].values.append(seconds[k] / one)
-        if head_step is not None:
-            costs.delta.values.append(seconds[-1] / one)
-    return costs
-
-
-def _head_step(m: MtpModel, prompt: list[int]) -> Callable[[], None]:
-    """One head step (block, final norm, lm_head, argmax) at the prompt's position."""
-    head = m.head
-    token = mx.array([[prompt[-1]]])
-    dtype = m.embed(token).dtype
-    h = mx.random.normal((1, 1, _hidden_size(m))).astype(dtype)
-    cache = head.make_cache()
-    warm = head(mx.repeat(h, len(prompt), axis=1), m.embed(mx.array(prompt)[None]), cache)
-    mx.eval(warm)
-
-    def step() -> None:
-        x = head(h, m.embed(token), cache)
-        logits = m.lm_head(head.final_norm(0)(x))
-        mx.eval(mx.argmax(logits, axis=-1))
-        for c in cache:
-            c.trim(1)
-
-    return step
-
-
-def _hidden_size(m: MtpModel) -> int:
-    text = m.config.get("text_config") or m.config
-    return int(text["hidden_size"])
 
 
 def _stock_run(
@@ -369,6 +294,47 @@ def _name(config: Config) -> str:
     return name if oracle is None else f"{name} at oracle acceptance {oracle:g}"
 
 
+@dataclass
+class _Setup:
+    """What every trial runs with: the model, its prompt prefilled once, stock's own load."""
+
+    m: MtpModel
+    tokens: list[int]
+    plan: Plan
+    say: Callable[[str], None]
+    prefilled: Prefilled
+    stock_model: nn.Module
+    stock_tokenizer: Any
+    factories: dict[str, ProposerFactory]
+    draft: DraftModelBench | None
+    filters: dict[float | None, DraftFilter | None] = field(default_factory=dict)
+
+    def start(self, name: str) -> dict[str, Any]:
+        """A run's prefilled state, else its fresh proposer."""
+        fresh = self.factories.get(name) or (lambda: default_proposer(self.m))
+        # The head's state forks whole; another drafter may keep what it drafts from outside
+        # what forks (Gemma 4's assistant: the hidden state a prefill's last chunk leaves).
+        forked = self.prefilled.mtp_state(name, fresh) if name == "mtp" else None
+        return {"state": forked} if forked is not None else {"proposer": fresh()}
+
+    def stock(self, max_tokens: int) -> float:
+        cache = self.prefilled.stock_cache(self.stock_model)
+        return _stock_run(
+            self.stock_model, self.stock_tokenizer, self.tokens, max_tokens, self.m.lockstep.tick,
+            cache,
+        )  # fmt: skip
+
+
+@dataclass
+class _Figures:
+    """A bench's figures, trial by trial."""
+
+    runs: dict[Config, BenchRun]
+    plain: Figure = field(default_factory=Figure)
+    no_mtp: Figure = field(default_factory=Figure)
+    no_mtp_speedup: Figure = field(default_factory=Figure)
+
+
 def _trials(
     m: MtpModel,
     model: str,
@@ -379,84 +345,96 @@ def _trials(
     draft: DraftModelBench | None = None,
     factories: dict[str, ProposerFactory] | None = None,
 ) -> BenchResult:
-    factories = factories or {}
-    prefilled = Prefilled(m, tokens)  # every run continues from the prompt prefilled once
-
-    def start(name: str) -> dict[str, Any]:  # a run's prefilled state, else its proposer
-        fresh = factories.get(name) or (lambda: default_proposer(m))
-        forked = prefilled.mtp_state(name, fresh)
-        return {"state": forked} if forked is not None else {"proposer": fresh()}
-
     # Stock mlx-lm on its own, untouched load of the directory.
     stock_model, stock_tokenizer = _stock_load(m)
     upcast_experts([stock_model], what=str(m.path))  # as mtpkit's own load does (CPU only)
     stock_tokenizer.eos_token_ids = []  # every run decodes exactly max_tokens tokens
-    _stock_run(stock_model, stock_tokenizer, tokens, 8, cache=prefilled.stock_cache(stock_model))
+    # Every run continues from the prompt prefilled once.
+    setup = _Setup(m, tokens, plan, say, Prefilled(m, tokens), stock_model, stock_tokenizer,
+                   factories or {}, draft)  # fmt: skip
+    setup.stock(8)  # warm up
     for depth in range(1, max(plan.max_depth, AUTO_MAX_DEPTH) + 1):  # kernel builds, routes
-        for name in ["mtp"] * plan.head + list(factories):
-            _mtp_run(m, tokens, depth, 8, **start(name))
+        for name in ["mtp"] * plan.head + list(setup.factories):
+            _mtp_run(m, tokens, depth, 8, **setup.start(name))
     if plan.head:  # and adaptive drafting's path
-        _mtp_run(m, tokens, AUTO_MAX_DEPTH, 8, adaptive=True, **start("mtp"))
+        _mtp_run(m, tokens, AUTO_MAX_DEPTH, 8, adaptive=True, **setup.start("mtp"))
     if draft is not None:
         draft.check_target(stock_model, stock_tokenizer)
         draft.run(stock_model, stock_tokenizer, tokens, 8)  # warm up
-    filters: dict[float | None, DraftFilter | None] = {None: None}
+    setup.filters[None] = None
     if plan.acceptances is not None:
         reference = _stock_tokens(stock_model, stock_tokenizer, tokens, plan.max_tokens + 8)
         vocab = int(m.embedding.weight.shape[0])
         for a in plan.acceptances:
-            filters[a] = OracleDrafts(reference, len(tokens), a, vocab, plan.seed)
+            setup.filters[a] = OracleDrafts(reference, len(tokens), a, vocab, plan.seed)
     for trial in range(-1 if plan.warm_trial else 0, plan.trials):
-        at = f"trial {trial + 1}/{plan.trials}:" if trial >= 0 else "untimed trial:"
         if trial <= 0:  # the untimed trial's figures are dropped
-            plain, no_mtp, no_mtp_speedup = Figure(), Figure(), Figure()
-            runs = {
+            figures = _Figures({
                 c: BenchRun(c[0], c[1], [], [], Figure(), Figure(), Figure(), oracle=c[2],
                             drafter=c[3])
                 for c in plan.configs()
-            }  # fmt: skip
-        with collector_off():
-            cache = prefilled.stock_cache(stock_model)
-            base = _stock_run(
-                stock_model, stock_tokenizer, tokens, plan.max_tokens, m.lockstep.tick, cache
-            )
-        say(f"{at} stock mlx-lm {base:.1f} tok/s")
-        plain.values.append(base)
-        cache = prefilled.stock_cache(m.model)
-        with untapped(m.final_norm), collector_off():
-            rate = _stock_run(m.model, m.tokenizer, tokens, plan.max_tokens, m.lockstep.tick, cache)
-            no_mtp.values.append(rate)
-        say(f"{at} mtpkit --no-mtp {no_mtp.values[-1]:.1f} tok/s")
-        no_mtp_speedup.values.append(no_mtp.values[-1] / base if base else 0.0)
-        if draft is not None and not draft.result.unavailable:
-            rate = draft.run(
-                stock_model, stock_tokenizer, tokens, plan.max_tokens, base if trial >= 0 else None
-            )
-            share = draft.result.acceptance
-            say(f"{at} draft model {rate:.1f} tok/s"
-                + (f", {share:.1%} from the draft" if share is not None else ""))  # fmt: skip
-        for config, run in runs.items():
-            depth, adaptive, oracle, drafter = config
-            begin = start(drafter)
-            with collector_off():
-                rate, step, decoder = _mtp_run(
-                    m, tokens, depth, plan.max_tokens, adaptive, filters[oracle], **begin
-                )
-            _record(run, decoder, rate, base, step)
-            accepted = run.acceptances[-1]
-            shown = "n/a" if accepted is None else f"{accepted:.1%}"
-            say(f"{at} {_name(config)} {rate:.1f} tok/s, acceptance {shown}")
-    del stock_model
-    for run in runs.values():
+            })  # fmt: skip
+        _one_trial(setup, trial, figures)
+    del stock_model, setup
+    for run in figures.runs.values():
         # The ceiling counts head steps (delta): the head's fixed-depth rows only.
         if not run.adaptive and run.drafter == "mtp" and run.depth in costs.verify:
             verify = costs.verify[run.depth].median
             run.ceiling_sync = ceiling(run.acceptance_by_depth, verify, costs.delta.median)
     return BenchResult(
-        model, plain, no_mtp, costs, list(runs.values()), len(tokens), plan.max_tokens,
-        plan.trials, no_mtp_speedup, moe_dtype=m.moe_dtype, acceptances=plan.acceptances,
-        draft_model=draft.result if draft is not None else None,
+        model, figures.plain, figures.no_mtp, costs, list(figures.runs.values()), len(tokens),
+        plan.max_tokens, plan.trials, figures.no_mtp_speedup, moe_dtype=m.moe_dtype,
+        acceptances=plan.acceptances, draft_model=draft.result if draft is not None else None,
     )  # fmt: skip
+
+
+def _one_trial(setup: _Setup, trial: int, figures: _Figures) -> None:
+    """Stock (at the start, after every few runs and at the end: `anchors.Anchored`),
+    `--no-mtp`, a draft model's stock row, then each configuration; each run's speedup is
+    over stock's rate interpolated to its time."""
+    m, tokens, plan, say, draft = setup.m, setup.tokens, setup.plan, setup.say, setup.draft
+    at = f"trial {trial + 1}/{plan.trials}:" if trial >= 0 else "untimed trial:"
+
+    def stock() -> float:
+        with collector_off():
+            rate = setup.stock(plan.max_tokens)
+        say(f"{at} stock mlx-lm {rate:.1f} tok/s")
+        return rate
+
+    def mtp(config: Config) -> tuple[Config, float, float, Stats]:
+        depth, adaptive, oracle, drafter = config
+        begin = setup.start(drafter)
+        with collector_off():
+            rate, step, decoder = _mtp_run(
+                m, tokens, depth, plan.max_tokens, adaptive, setup.filters[oracle], **begin
+            )
+        return config, rate, step, decoder.stats
+
+    trial_runs: Anchored[tuple[Config | None, float, float, Stats | None]] = Anchored(stock)
+    base = trial_runs.anchor()
+    _, rate, _, _ = trial_runs.timed(
+        lambda: (None, _no_mtp_run(m, tokens, plan, setup.prefilled), 0.0, None)
+    )
+    say(f"{at} mtpkit --no-mtp {rate:.1f} tok/s")
+    if draft is not None and not draft.result.unavailable:  # against the trial's first stock
+        rate = draft.run(
+            setup.stock_model, setup.stock_tokenizer, tokens, plan.max_tokens,
+            base if trial >= 0 else None,
+        )  # fmt: skip
+        share = draft.result.acceptance
+        say(f"{at} draft model {rate:.1f} tok/s"
+            + (f", {share:.1%} from the draft" if share is not None else ""))  # fmt: skip
+    for config in figures.runs:
+        _, rate, _, stats = trial_runs.timed(lambda c=config: mtp(c))
+        shown = "n/a" if stats is None or stats.acceptance is None else f"{stats.acceptance:.1%}"
+        say(f"{at} {_name(config)} {rate:.1f} tok/s, acceptance {shown}")
+    for (config, rate, step, stats), baseline in trial_runs.finish():
+        if config is None or stats is None:
+            figures.no_mtp.values.append(rate)
+            figures.no_mtp_speedup.values.append(rate / baseline if baseline else 0.0)
+        else:
+            _record(figures.runs[config], stats, rate, baseline, step)
+    figures.plain.values.extend(trial_runs.stock_rates)
 
 
 def _stock_load(m: MtpModel) -> tuple[nn.Module, Any]:
@@ -484,8 +462,14 @@ def _stock_load(m: MtpModel) -> tuple[nn.Module, Any]:
             ) from None
 
 
-def _record(run: BenchRun, decoder: MtpDecoder, rate: float, base: float, step: float) -> None:
-    stats = decoder.stats
+def _no_mtp_run(m: MtpModel, tokens: list[int], plan: Plan, prefilled: Prefilled) -> float:
+    """`--no-mtp`: stock mlx-lm's loop on mtpkit's load (its final norm untapped)."""
+    cache = prefilled.stock_cache(m.model)
+    with untapped(m.final_norm), collector_off():
+        return _stock_run(m.model, m.tokenizer, tokens, plan.max_tokens, m.lockstep.tick, cache)
+
+
+def _record(run: BenchRun, stats: Stats, rate: float, base: float, step: float) -> None:
     run.decode_tps.values.append(rate)
     run.speedup.values.append(rate / base if base else 0.0)
     run.step_seconds.values.append(step)

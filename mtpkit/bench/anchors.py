@@ -1,0 +1,78 @@
+"""Stock runs spread through a bench trial, and each run's baseline read between the two
+around it.
+
+A speedup is a run's rate over stock mlx-lm's in the same trial. A trial of `mtpkit bench
+--acceptance 0,0.8,0.9 --depth 3` is 14 runs back to back, 20-60 s on a GPU, and on a shared
+host a machine's speed drifts within that: at 4b on an H100 (2026-11-27, bd2f66b) stock
+decoded at 59 tok/s in one trial and 107 in the next, and the runs after each stock run
+followed it. Against the trial's single stock run, opening it, a configuration's speedup
+spread 15-29% (relative standard deviation over 4 trials) at the four random shapes; against
+stock interpolated between that run and the next trial's by the run's place in the trial,
+12-16% (`python bench/baseline_spread.py bench/results/2026-11-27-session8-x4-*bench-qwen*.log`).
+So a trial now runs stock at
+its start, after every `EVERY` other runs and at its end, and each run's baseline is stock's
+rate interpolated to the run's midpoint in time between the stock runs before and after it.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Generic, TypeVar
+
+EVERY = 4  # runs between two stock runs of a trial
+
+T = TypeVar("T")
+
+
+@dataclass
+class _Run(Generic[T]):
+    result: T
+    midpoint: float
+
+
+@dataclass
+class Anchored(Generic[T]):
+    """One trial: `anchor()` runs stock, `timed(fn)` a configuration (stock again after
+    every `every` of them); `finish()` runs stock a last time and pairs each result with its
+    baseline, in order."""
+
+    stock: Callable[[], float]
+    every: int = EVERY
+    anchors: list[tuple[float, float]] = field(default_factory=list)  # (midpoint, tok/s)
+    runs: list[_Run[T]] = field(default_factory=list)
+    since: int = 0
+
+    def anchor(self) -> float:
+        t0 = time.perf_counter()
+        rate = self.stock()
+        self.anchors.append(((t0 + time.perf_counter()) / 2, rate))
+        self.since = 0
+        return rate
+
+    def timed(self, fn: Callable[[], T]) -> T:
+        if not self.anchors or self.since >= self.every:
+            self.anchor()
+        t0 = time.perf_counter()
+        result = fn()
+        self.runs.append(_Run(result, (t0 + time.perf_counter()) / 2))
+        self.since += 1
+        return result
+
+    def finish(self) -> list[tuple[T, float]]:
+        self.anchor()
+        return [(run.result, self.baseline(run.midpoint)) for run in self.runs]
+
+    def baseline(self, at: float) -> float:
+        """Stock's rate at time `at`: linear between the stock runs around it."""
+        before = [a for a in self.anchors if a[0] <= at]
+        after = [a for a in self.anchors if a[0] > at]
+        if not before or not after:
+            return (before or after)[-1 if before else 0][1]
+        (t0, r0), (t1, r1) = before[-1], after[0]
+        return r0 + (r1 - r0) * (at - t0) / (t1 - t0)
+
+    @property
+    def stock_rates(self) -> list[float]:
+        return [rate for _, rate in self.anchors]
