@@ -9,9 +9,9 @@ followed it. Against the trial's single stock run, opening it, a configuration's
 spread 15-29% (relative standard deviation over 4 trials) at the four random shapes; against
 stock interpolated between that run and the next trial's by the run's place in the trial,
 12-16% (`python bench/baseline_spread.py bench/results/2026-11-27-session8-x4-*bench-qwen*.log`).
-So a trial now runs stock at
-its start, after every `EVERY` other runs and at its end, and each run's baseline is stock's
-rate interpolated to the run's midpoint in time between the stock runs before and after it.
+So a trial now runs stock at its start, after every `EVERY` other runs and at its end, and
+each run's baseline is stock's rate interpolated to the run's midpoint in time between the
+stock runs before and after it.
 """
 
 from __future__ import annotations
