@@ -14,7 +14,9 @@ tokens per round from the per-depth acceptance and beta_K the (K+1)-token verify
 
 Every figure is the median of interleaved trials with its range (min-max): each trial runs
 every configuration once, so a disturbance of the machine hits them all alike, and each
-speedup is a ratio to stock decoding within the same trial. On a GPU one whole trial runs
+speedup is a ratio to stock decoding within the same trial: stock runs at the trial's start,
+after every few runs and at its end, and each run is compared with stock's rate interpolated
+to its time (`anchors.Anchored`). On a GPU one whole trial runs
 untimed first (`warm_trial`): a shape met for the first time builds its kernels there, for
 seconds (a verify whose rollback keeps a count not seen before, a key length not seen), and
 a short warm-up meets only some of them. Every timed run starts after a collection and runs
