@@ -79,7 +79,7 @@ def test_an_untimed_trial_first_is_left_out_of_the_figures(converted: Path) -> N
 
 
 def test_runs_from_the_prompt_prefilled_once_decode_what_a_whole_prefill_decodes(
-    converted: Path,
+    converted: Path, monkeypatch
 ) -> None:
     """Every bench run continues from forks of one prefill (`Prefilled`): stock mlx-lm fed
     only the prompt's last token on a forked cache, and mtpkit's decoder on forked caches and
@@ -93,10 +93,11 @@ def test_runs_from_the_prompt_prefilled_once_decode_what_a_whole_prefill_decodes
     from mtpkit.speculative.proposers import default_proposer
 
     m = load_model(converted)
-    m.tokenizer.eos_token_ids = []
+    # The tokenizer is shared by every load of the directory: its EOS comes back after the test.
+    monkeypatch.setattr(m.tokenizer, "eos_token_ids", [])
     prompt = prompt_of_length(m.tokenizer.encode("The hash table maps keys to values."), 300)
     stock, stock_tokenizer = speed._stock_load(m)
-    stock_tokenizer.eos_token_ids = []
+    monkeypatch.setattr(stock_tokenizer, "eos_token_ids", [])
     whole = speed._stock_tokens(stock, stock_tokenizer, prompt, 12)
 
     prefilled = Prefilled(m, prompt)
