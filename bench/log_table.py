@@ -3,11 +3,13 @@
     python bench/log_table.py bench-SHAPE.log [...]
 
 bench prints one line per timed run ("... trial 3/5: MTP depth 1 at oracle acceptance 0.8
-121.4 tok/s, ..."); each configuration's speedup is its tok/s over stock mlx-lm's in the same
-trial. One markdown row per configuration: the medians [min-max] over the trials complete in
-the log (a trial whose stock line is missing is dropped; the untimed trial is never counted),
-and its fastest trial over stock's fastest: on a shared host, where a disturbance only ever
-slows a run, what each ran at undisturbed (a diagnostic beside the medians, not a target).
+121.4 tok/s, ..."). Each configuration's speedup is its tok/s over stock mlx-lm's in the same
+trial: where the trial ran stock more than once (`mtpkit.bench.anchors`), over stock
+interpolated by the run's place between the stock runs around it, as bench does by time.
+One markdown row per configuration: the medians [min-max] over the trials in the log (the
+untimed trial is never counted; a trial without a stock line is dropped), and its fastest
+trial over stock's fastest: on a shared host, where a disturbance only ever slows a run, what
+each ran at undisturbed (a diagnostic beside the medians, not a target).
 """
 
 from __future__ import annotations
@@ -22,29 +24,56 @@ LINE = re.compile(r"^\.\.\. trial (\d+)/(\d+): (.+?) ([\d.]+) tok/s")
 STOCK = "stock mlx-lm"
 
 
-def trials(text: str) -> dict[int, dict[str, float]]:
-    """{trial: {configuration: tok/s}} of every timed line."""
-    found: dict[int, dict[str, float]] = defaultdict(dict)
+def trials(text: str) -> dict[int, list[tuple[str, float]]]:
+    """{trial: [(configuration, tok/s), ...] in the order run}."""
+    found: dict[int, list[tuple[str, float]]] = defaultdict(list)
     for line in text.splitlines():
         match = LINE.match(line)
         if match:
-            found[int(match[1])][match[3]] = float(match[4])
+            found[int(match[1])].append((match[3], float(match[4])))
     return dict(found)
 
 
-def rows(found: dict[int, dict[str, float]]) -> list[str]:
-    stocked = {t: runs for t, runs in found.items() if STOCK in runs}
-    names = list(dict.fromkeys(name for runs in stocked.values() for name in runs))
-    lines = []
-    best_stock = max(runs[STOCK] for runs in stocked.values())
+def baselines(runs: list[tuple[str, float]]) -> list[tuple[str, float, float]]:
+    """(configuration, tok/s, stock's tok/s interpolated to its place) of each other run."""
+    stock = [(i, rate) for i, (name, rate) in enumerate(runs) if name == STOCK]
+    out = []
+    for i, (name, rate) in enumerate(runs):
+        if name == STOCK:
+            continue
+        before = [s for s in stock if s[0] < i]
+        after = [s for s in stock if s[0] > i]
+        if before and after:
+            (i0, r0), (i1, r1) = before[-1], after[0]
+            base = r0 + (r1 - r0) * (i - i0) / (i1 - i0)
+        else:
+            base = (before or after)[-1 if before else 0][1]
+        out.append((name, rate, base))
+    return out
+
+
+def rows(found: dict[int, list[tuple[str, float]]]) -> list[str]:
+    stocked = {t: runs for t, runs in found.items() if any(n == STOCK for n, _ in runs)}
+    if not stocked:
+        return []
+    paired = {t: baselines(runs) for t, runs in stocked.items()}
+    stock_rates = [r for runs in stocked.values() for n, r in runs if n == STOCK]
+    names = list(dict.fromkeys(n for runs in paired.values() for n, _, _ in runs))
+    lines = [f"| {STOCK} | {len(stock_rates)} runs | {_cell(stock_rates, '{:.1f}')} | 1.00 | 1.00 |"]
     for name in names:
-        rates = [runs[name] for runs in stocked.values() if name in runs]
-        ratios = [runs[name] / runs[STOCK] for runs in stocked.values() if name in runs]
-        cell = f"{statistics.median(ratios):.2f} [{min(ratios):.2f}-{max(ratios):.2f}]"
-        rate = f"{statistics.median(rates):.1f} [{min(rates):.1f}-{max(rates):.1f}]"
-        best = max(rates) / best_stock
-        lines.append(f"| {name} | {len(ratios)} | {rate} | {cell} | {best:.2f} |")
+        rates = [r for runs in paired.values() for n, r, _ in runs if n == name]
+        ratios = [r / b for runs in paired.values() for n, r, b in runs if n == name and b]
+        best = max(rates) / max(stock_rates)
+        lines.append(
+            f"| {name} | {len(ratios)} | {_cell(rates, '{:.1f}')} | {_cell(ratios, '{:.2f}')} "
+            f"| {best:.2f} |"
+        )
     return lines
+
+
+def _cell(values: list[float], fmt: str) -> str:
+    low, high = fmt.format(min(values)), fmt.format(max(values))
+    return f"{fmt.format(statistics.median(values))} [{low}-{high}]"
 
 
 def main(paths: list[str]) -> None:
