@@ -112,7 +112,7 @@ def test_runs_from_the_prompt_prefilled_once_decode_what_a_whole_prefill_decodes
         assert [r.token for r in fed] == whole
     for depth in (1, 3, 1):
         state = prefilled.mtp_state("mtp", lambda: default_proposer(m))
-        assert state is not None and state[2] == len(prompt) - 1
+        assert state is not None and state[2] == len(prompt) - 2  # one token left to prefill
         _, _, decoder = speed._mtp_run(m, prompt, depth, 12, state=state)
         assert decoder.confirmed[:12] == whole
         assert decoder.stats.rounds > 0  # the head drafted from its forked state
@@ -125,3 +125,4 @@ def test_nothing_is_prefilled_once_where_ranks_decode_in_lockstep(converted: Pat
     m = load_model(converted)
     assert Prefilled(m, [1, 2, 3], enabled=False).stock_cache(m.model) is None
     assert Prefilled(m, [1]).mtp_state("mtp", lambda: None) is None  # nothing to prefill
+    assert Prefilled(m, [1, 2]).mtp_state("mtp", lambda: None) is None

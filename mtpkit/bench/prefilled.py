@@ -10,13 +10,13 @@ prompt once, as its own path does it (stock: mlx-lm's model in chunks of 2048, a
 `generate_step`; mtpkit: `MtpDecoder.prefill`, the proposer observing), and each run continues
 from a fork (`fork_cache`: handles on MLX's immutable arrays, so a run's first write copies
 what it changes and the prefilled state stays as it was). A run is then what a prompt-cache
-hit is to `mlx_lm.server` and to `mtpkit serve`: its caches hold all but the prompt's last
-token, which is its first input.
+hit is to `mlx_lm.server` and to `mtpkit serve`: stock's caches hold all but the prompt's last
+token, which is its first input; mtpkit's hold one token fewer, so every run still prefills
+one token and its proposer observes it (Gemma 4's assistant drafts from the hidden state a
+prefill leaves, which a fork with nothing left to prefill would not have).
 
 Where a cache cannot be forked, or ranks decode in lockstep (each rank's caches are its own
-stage's), `Prefilled` hands out nothing and every run prefills as before; bench forks only the
-MTP head's state (Gemma 4's assistant drafts from the hidden state a prefill leaves, which a
-fork that prefills nothing more does not have).
+stage's), `Prefilled` hands out nothing and every run prefills as before.
 """
 
 from __future__ import annotations
@@ -72,10 +72,11 @@ class Prefilled:
 
     def mtp_state(self, name: str, fresh: Callable[[], Proposer]) -> MtpState | None:
         """(cache, proposer, cached) for an `MtpDecoder`: forks of the target's caches and of
-        a `name` proposer after `MtpDecoder.prefill` of the prompt (`fresh` makes the one
-        that prefills), the prompt's tokens but the last counted as cached. None: the run
+        a `name` proposer (`fresh` makes the one that prefills) after `MtpDecoder.prefill` of
+        the prompt but its last token, as a session's prompt cache keeps them (the target
+        has consumed all but the last two tokens, which `cached` counts). None: the run
         prefills."""
-        if not self.enabled:
+        if not self.enabled or len(self.prompt) < 3:
             return None
         if name not in self._mtp:
             self._mtp[name] = self._mtp_prefill(fresh())
@@ -83,11 +84,11 @@ class Prefilled:
         if kept is None:
             return None
         cache, proposer = kept
-        return [fork_cache(c) for c in cache], proposer.fork(), len(self.prompt) - 1
+        return [fork_cache(c) for c in cache], proposer.fork(), len(self.prompt) - 2
 
     def _mtp_prefill(self, proposer: Proposer) -> tuple[list[Any], Proposer] | None:
         decoder = MtpDecoder(
-            self.m, self.prompt, depth=1, sampling=SamplingSettings(), adaptive=False,
+            self.m, self.prompt[:-1], depth=1, sampling=SamplingSettings(), adaptive=False,
             pipeline=False, proposer=proposer,
         )  # fmt: skip
         if not can_fork(decoder.cache):

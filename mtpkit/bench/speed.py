@@ -314,9 +314,7 @@ class _Setup:
     def start(self, name: str) -> dict[str, Any]:
         """A run's prefilled state, else its fresh proposer."""
         fresh = self.factories.get(name) or (lambda: default_proposer(self.m))
-        # The head's state forks whole; another drafter may keep what it drafts from outside
-        # what forks (Gemma 4's assistant: the hidden state a prefill's last chunk leaves).
-        forked = self.prefilled.mtp_state(name, fresh) if name == "mtp" else None
+        forked = self.prefilled.mtp_state(name, fresh)
         return {"state": forked} if forked is not None else {"proposer": fresh()}
 
     def stock(self, max_tokens: int) -> float:
