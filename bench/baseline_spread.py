@@ -9,13 +9,11 @@ two by the run's place in the trial. Prints the mean relative standard deviation
 (trials with a next trial only): the smaller, the better a baseline tracks the machine.
 """
 
-import re
 import statistics
 import sys
-from collections import defaultdict
+from pathlib import Path
 
-LINE = re.compile(r"^\.\.\. trial (\d+)/(\d+): (.+?) ([\d.]+) tok/s")
-STOCK = "stock mlx-lm"
+from log_table import STOCK, trials  # bench/log_table.py: the same lines, parsed once
 
 
 def spread(values: list[float]) -> float:
@@ -23,19 +21,15 @@ def spread(values: list[float]) -> float:
 
 
 for path in sys.argv[1:]:
-    found: dict[int, dict[str, float]] = defaultdict(dict)
-    order: dict[int, list[str]] = defaultdict(list)
-    for line in open(path):
-        match = LINE.match(line)
-        if match:
-            found[int(match[1])][match[3]] = float(match[4])
-            order[int(match[1])].append(match[3])
-    trials = [t for t in sorted(found) if STOCK in found.get(t + 1, {})]
+    by_trial = trials(Path(path).read_text())
+    found = {t: dict(runs) for t, runs in by_trial.items()}
+    order = {t: [name for name, _ in runs] for t, runs in by_trial.items()}
+    counted = [t for t in sorted(found) if STOCK in found.get(t + 1, {})]
     places = order[1]
     ways: dict[str, list[float]] = {"opening": [], "bracket": [], "interpolated": []}
     for name in places[1:]:
         i = places.index(name) / len(places)
-        ts = [t for t in trials if name in found[t]]
+        ts = [t for t in counted if name in found[t]]
         s0 = [found[t][STOCK] for t in ts]
         s1 = [found[t + 1][STOCK] for t in ts]
         rates = [found[t][name] for t in ts]
@@ -47,4 +41,4 @@ for path in sys.argv[1:]:
             spread([r / (a + (b - a) * i) for r, a, b in zip(rates, s0, s1, strict=True)])
         )
     means = ", ".join(f"{k} {statistics.mean(v):.3f}" for k, v in ways.items())
-    print(f"{path}: {len(trials)} trials; {means}")
+    print(f"{path}: {len(counted)} trials; {means}")
