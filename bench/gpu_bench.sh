@@ -43,8 +43,9 @@
 # Target `train`: bench/bench_train.py --random-shape qwen3_5-0.8b (steps/s, train-head).
 # Target `ab`: bench/ab_modes.py (serial vs built-ahead rounds, qmv routes on/off, 4b with 8
 # layers); `ab-rows2`: its 2-row routes, lm_head-wide only vs every matrix timed (9b);
-# target `plain-steps`: bench/plain_steps.py at 9b and 4b (stock, --no-mtp and the decoder's
-# plain modes, per-token times; issue 31);
+# target `plain-steps`: bench/plain_steps.py at ${SHAPES:-qwen3_5-9b qwen3_5-4b} (stock, a
+# second stock load, --no-mtp with and without mtpkit's taps, the decoder's plain modes,
+# per-token times; issue 31);
 # target `batch-SHAPE` (issue 30): `mtpkit bench --random SHAPE --batch ${BATCH:-4,8}
 # --acceptance ${BATCH_ACCEPTANCE:-0,0.8} --depth 1` into $OUT/batch-SHAPE.json, then
 # bench/batch_table.py over every batch-*.json (MTP and adaptive drafting over stock
@@ -121,9 +122,9 @@ bench() {
         | tee "$OUT/ab-rows2.txt" | tail -12 >&2
       continue
     elif [ "$target" = plain-steps ]; then  # per-token times of the plain modes (9b, 4b)
-      for shape in qwen3_5-9b qwen3_5-4b; do
+      for shape in ${SHAPES:-qwen3_5-9b qwen3_5-4b}; do
         timeout "$limit" python3 bench/plain_steps.py "$shape" "${TRIALS:-5}" 2>&1 \
-          | tee -a "$OUT/plain-steps.txt" | grep -A8 "^medians" >&2
+          | tee -a "$OUT/plain-steps.txt" | grep -A10 "^medians" >&2
       done
       continue
     elif [ "$target" = sdpa ]; then  # does attention build per new key length? (verify)

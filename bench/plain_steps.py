@@ -3,7 +3,9 @@
     python bench/plain_steps.py SHAPE [TRIALS] [MAX_TOKENS]     # on the GPU machine
 
 Interleaved per trial, on one random model of SHAPE (as `mtpkit bench --random`): stock
-mlx-lm (its own load), `--no-mtp` (mlx-lm's loop on mtpkit's load), mtpkit's decoder with no
+mlx-lm (its own load), a second stock load (made last: does the order of the loads matter?),
+`--no-mtp` (mlx-lm's loop on mtpkit's load), the same with mtpkit's gated-delta-net conv taps
+taken off too (`nomtp-bare`: mlx-lm's classes throughout), mtpkit's decoder with no
 proposer, the decoder with the head but every step plain (adaptive drafting paused from the
 start), and adaptive drafting at oracle acceptance 0 (4 rounds, then plain steps), the last
 also with Python's collector off. For each: tok/s over tokens 2..end (mlx-lm's figure), the
@@ -11,6 +13,7 @@ median ms between tokens over the last 100, and the three largest gaps with thei
 Then a cProfile of one run of each decoder mode, by own time.
 """
 
+import contextlib
 import cProfile
 import gc
 import io
@@ -27,6 +30,7 @@ from mtpkit.bench.shapes import random_model_dir
 from mtpkit.bench.speed import DEFAULT_PROMPT, _stock_load, _stock_tokens
 from mtpkit.core.prompts import encode_prompt
 from mtpkit.runtime.model import load_model, untapped
+from mtpkit.runtime.rollback.gdn import gated_delta_net
 from mtpkit.speculative.decode import MtpDecoder, SamplingSettings
 from mtpkit.speculative.proposers import default_proposer
 
@@ -38,6 +42,8 @@ m = load_model(path)
 m.tokenizer.eos_token_ids = []
 stock, stock_tok = _stock_load(m)
 stock_tok.eos_token_ids = []
+stock2, stock2_tok = _stock_load(m)
+stock2_tok.eos_token_ids = []
 prompt = encode_prompt(m.tokenizer, DEFAULT_PROMPT, chat_template=True)
 reference = _stock_tokens(stock, stock_tok, prompt, N + 8)
 vocab = int(m.embedding.weight.shape[0])
@@ -48,6 +54,20 @@ def lm_times(model, tok):
     for _ in mlx_lm.stream_generate(model, tok, mx.array(prompt), max_tokens=N):
         out.append(time.perf_counter())
     return out
+
+
+@contextlib.contextmanager
+def untapped_convs(model):
+    """The gated-delta-net conv1d layers back in mlx-lm's own class for the block."""
+    convs = [g.conv1d for g in map(gated_delta_net, model.layers) if g is not None]
+    tapped = [type(c) for c in convs]
+    for c, cls in zip(convs, tapped, strict=True):
+        c.__class__ = cls.__mro__[1] if getattr(cls, "_mtpkit_tap", False) else cls
+    try:
+        yield
+    finally:
+        for c, cls in zip(convs, tapped, strict=True):
+            c.__class__ = cls
 
 
 def dec_times(mode):
@@ -66,14 +86,19 @@ def dec_times(mode):
     return out, dec
 
 
-MODES = ["stock", "nomtp", "dec-nohead", "head-plain", "acc0", "acc0-nogc"]
+MODES = ["stock", "stock2", "nomtp", "nomtp-bare", "dec-nohead", "head-plain", "acc0", "acc0-nogc"]
 
 
 def run(mode):
     if mode == "stock":
         return lm_times(stock, stock_tok), None
+    if mode == "stock2":
+        return lm_times(stock2, stock2_tok), None
     if mode == "nomtp":
         with untapped(m.final_norm):
+            return lm_times(m.model, m.tokenizer), None
+    if mode == "nomtp-bare":
+        with untapped(m.final_norm), untapped_convs(m.model):
             return lm_times(m.model, m.tokenizer), None
     if mode == "acc0-nogc":
         gc.collect()
