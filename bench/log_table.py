@@ -9,7 +9,9 @@ interpolated by the run's place between the stock runs around it, as bench does 
 One markdown row per configuration: the medians [min-max] over the trials in the log (the
 untimed trial is never counted; a trial without a stock line is dropped), and its fastest
 trial over stock's fastest: on a shared host, where a disturbance only ever slows a run, what
-each ran at undisturbed (a diagnostic beside the medians, not a target).
+each ran at undisturbed (a diagnostic beside the medians, not a target). Stock's own row
+reads, in its "over stock" cell, each stock run inside a trial over the ones around it:
+stock against itself, the noise every other row carries.
 """
 
 from __future__ import annotations
@@ -52,6 +54,16 @@ def baselines(runs: list[tuple[str, float]]) -> list[tuple[str, float, float]]:
     return out
 
 
+def self_ratios(runs: list[tuple[str, float]]) -> list[float]:
+    """Each stock run but a trial's first and last over the stock runs around it, by place
+    (as `mtpkit.bench.anchors` reads it by time): stock's speedup over itself."""
+    stock = [(i, rate) for i, (name, rate) in enumerate(runs) if name == STOCK]
+    out = []
+    for (i0, r0), (i, rate), (i1, r1) in zip(stock, stock[1:], stock[2:]):
+        out.append(rate / (r0 + (r1 - r0) * (i - i0) / (i1 - i0)))
+    return out
+
+
 def rows(found: dict[int, list[tuple[str, float]]]) -> list[str]:
     stocked = {t: runs for t, runs in found.items() if any(n == STOCK for n, _ in runs)}
     if not stocked:
@@ -59,7 +71,9 @@ def rows(found: dict[int, list[tuple[str, float]]]) -> list[str]:
     paired = {t: baselines(runs) for t, runs in stocked.items()}
     stock_rates = [r for runs in stocked.values() for n, r in runs if n == STOCK]
     names = list(dict.fromkeys(n for runs in paired.values() for n, _, _ in runs))
-    lines = [f"| {STOCK} | {len(stock_rates)} runs | {_cell(stock_rates, '{:.1f}')} | 1.00 | 1.00 |"]
+    itself = [x for runs in stocked.values() for x in self_ratios(runs)]
+    over = _cell(itself, "{:.2f}") if itself else "1.00"
+    lines = [f"| {STOCK} | {len(stock_rates)} runs | {_cell(stock_rates, '{:.1f}')} | {over} | 1.00 |"]
     for name in names:
         rates = [r for runs in paired.values() for n, r, _ in runs if n == name]
         ratios = [r / b for runs in paired.values() for n, r, b in runs if n == name and b]

@@ -37,6 +37,24 @@ def test_stock_runs_open_the_trial_recur_and_close_it_and_baselines_interpolate(
     assert paired[1][1] == pytest.approx(100 - 40 * 4 / 6)
     # c at 9.5: half way from (7.5, 60) to (11.5, 80)
     assert paired[2][1] == pytest.approx(70.0)
+    # the inner stock run (60 at 7.5) against the two around it: 100 at 1.5, 80 at 11.5
+    assert trial.self_ratios() == pytest.approx([60.0 / (100 - 20 * 6 / 10)])
+
+
+def test_stock_over_itself_is_one_on_a_steady_machine_and_needs_three_stock_runs(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(anchors.time, "perf_counter", Clock())
+    steady: Anchored[int] = Anchored(lambda: 80.0, every=1)
+    for i in range(3):
+        steady.timed(lambda i=i: i)
+    steady.finish()
+    assert len(steady.stock_rates) == 4
+    assert steady.self_ratios() == pytest.approx([1.0, 1.0])
+    short: Anchored[int] = Anchored(lambda: 80.0, every=4)
+    short.timed(lambda: 1)
+    short.finish()
+    assert short.self_ratios() == []
 
 
 def test_a_trial_without_a_stock_run_first_opens_with_one(monkeypatch) -> None:

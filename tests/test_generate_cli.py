@@ -222,6 +222,10 @@ def test_bench_synthetic_acceptance(converted: Path) -> None:
     assert 0.2 < runs[(1, 0.5)]["acceptance"] < 0.8
     assert out["stock_token_ms"] > 0 and runs[(1, 1.0)]["step_ms"] > 0
     assert runs[(1, 1.0)]["ceiling_pipelined"] > 0
+    # 10 runs a trial: stock opens it, runs after the 4th and 8th and closes it; the two
+    # inner ones of each trial read against their neighbours give stock over itself.
+    low, high = out["stock_self_range"]
+    assert 0 < low <= out["stock_self"] <= high
     # adaptive acceptance is a median of the trials like every other figure
     adaptive = {r["synthetic_acceptance"]: r for r in out["adaptive"]}
     assert adaptive[1.0]["acceptance"] == 1.0 and adaptive[0.0]["acceptance"] == 0.0

@@ -12,6 +12,13 @@ stock interpolated between that run and the next trial's by the run's place in t
 So a trial now runs stock at its start, after every `EVERY` other runs and at its end, and
 each run's baseline is stock's rate interpolated to the run's midpoint in time between the
 stock runs before and after it.
+
+The same reading gives the noise every speedup carries (`self_ratios`): each stock run inside
+a trial, read as a run against the stock runs before and after it, is stock's "speedup" over
+itself, 1 on a quiet machine. Its spread is what a speedup of a configuration cannot be told
+apart from (on the H100s of 2026-11-28, a second stock load of the same model decoded at
+0.91-1.15 of the first in the same trials: `bench/plain_steps.py`). Its neighbours are
+`EVERY` runs further apart than a configuration's, so it overstates the noise a little.
 """
 
 from __future__ import annotations
@@ -72,6 +79,17 @@ class Anchored(Generic[T]):
             return (before or after)[-1 if before else 0][1]
         (t0, r0), (t1, r1) = before[-1], after[0]
         return r0 + (r1 - r0) * (at - t0) / (t1 - t0)
+
+    def self_ratios(self) -> list[float]:
+        """Each stock run but the first and last over the stock runs around it, read as a
+        configuration's run is read (`baseline` without it): stock's speedup over itself."""
+        ratios = []
+        for i in range(1, len(self.anchors) - 1):
+            (t0, r0), (at, rate), (t1, r1) = self.anchors[i - 1 : i + 2]
+            around = r0 + (r1 - r0) * (at - t0) / (t1 - t0)
+            if around > 0:
+                ratios.append(rate / around)
+        return ratios
 
     @property
     def stock_rates(self) -> list[float]:

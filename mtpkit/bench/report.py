@@ -142,6 +142,8 @@ class BenchResult:
     moe_dtype: str | None = None  # what the experts ran in (bf16 experts run in float32 on CPU)
     acceptances: list[float] | None = None  # --acceptance: synthetic (oracle) drafts
     draft_model: Any = None  # a `mtpkit.bench.draft.DraftModelRun` with --draft-model
+    # Stock over itself (`anchors.Anchored.self_ratios`): the noise a speedup carries.
+    stock_self: Figure = field(default_factory=Figure)
 
     @property
     def beta(self) -> Figure:
@@ -157,6 +159,12 @@ class BenchResult:
         if self.trials < MIN_TRIALS:
             notes.append(
                 f"{self.trials} trial(s) (at least {MIN_TRIALS} for a median to mean much)"
+            )
+        if self.stock_self.values and self.stock_self.spread > MAX_SPREAD:
+            low, high = self.stock_self.range
+            notes.append(
+                f"stock against itself ranged {low:.2f}-{high:.2f}x: the machine's own noise "
+                "is wider than the differences a speedup is read for"
             )
         figures = [("--no-mtp", self.no_mtp_speedup)] + [(_name(r), r.speedup) for r in self.runs]
         wide = [f"{name} {f.spread:.0%}" for name, f in figures if f.spread > MAX_SPREAD]
@@ -189,6 +197,8 @@ class BenchResult:
             "no_mtp_tps_range": self.no_mtp_tps.range,
             "no_mtp_speedup": self.no_mtp_speedup.median,
             "no_mtp_speedup_range": self.no_mtp_speedup.range,
+            "stock_self": self.stock_self.median if self.stock_self.values else None,
+            "stock_self_range": self.stock_self.range if self.stock_self.values else None,
             "forward_seconds": self.costs.one.median,
             "beta": self.beta.median,
             "beta_range": self.beta.range,
@@ -243,6 +253,11 @@ def print_bench(result: BenchResult) -> None:
         f"1-token forward {costs.one.median * 1e3:.2f} ms; beta {result.beta}, delta "
         f"{costs.delta} (verify over a 1-token forward: {verify})"
     )
+    if result.stock_self.values:
+        stdout.print(
+            f"stock against itself {result.stock_self}x (each stock run inside a trial over "
+            "the ones around it, read as a speedup is): the noise every speedup carries"
+        )
     table = Table(title_justify="left")
     columns = ("decoding", "tok/s", "vs stock", "acceptance", "by depth", "ms/step", "ceiling")
     for col in (*columns, "of ceiling"):

@@ -333,6 +333,7 @@ class _Figures:
     plain: Figure = field(default_factory=Figure)
     no_mtp: Figure = field(default_factory=Figure)
     no_mtp_speedup: Figure = field(default_factory=Figure)
+    stock_self: Figure = field(default_factory=Figure)  # stock over itself (`self_ratios`)
 
 
 def _trials(
@@ -383,7 +384,8 @@ def _trials(
             run.ceiling_sync = ceiling(run.acceptance_by_depth, verify, costs.delta.median)
     return BenchResult(
         model, figures.plain, figures.no_mtp, costs, list(figures.runs.values()), len(tokens),
-        plan.max_tokens, plan.trials, figures.no_mtp_speedup, moe_dtype=m.moe_dtype,
+        plan.max_tokens, plan.trials, figures.no_mtp_speedup, stock_self=figures.stock_self,
+        moe_dtype=m.moe_dtype,
         acceptances=plan.acceptances, draft_model=draft.result if draft is not None else None,
     )  # fmt: skip
 
@@ -435,6 +437,7 @@ def _one_trial(setup: _Setup, trial: int, figures: _Figures) -> None:
         else:
             _record(figures.runs[config], stats, rate, baseline, step)
     figures.plain.values.extend(trial_runs.stock_rates)
+    figures.stock_self.values.extend(trial_runs.self_ratios())
 
 
 def _stock_load(m: MtpModel) -> tuple[nn.Module, Any]:
