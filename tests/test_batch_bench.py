@@ -87,3 +87,48 @@ def test_an_untimed_trial_first_is_left_out_of_the_figures(mimo: Path) -> None:
     for run in result.runs:
         assert len(run.stock_tps.values) == 2
         assert all(len(f.values) == 2 for f in run.speedup.values())
+
+
+def test_batch_rows_continue_from_each_prompt_prefilled_once(converted: Path, monkeypatch) -> None:
+    """The batched bench's rows start from each prompt prefilled once (`_Context`): stock's
+    from forks of mlx-lm's cache fed only the last token, mtpkit's from prompt-cache entries
+    one token shorter. Both decode exactly what stock mlx-lm's `batch_generate` decodes from
+    the whole prompts, on a gated-delta-net hybrid, run after run (the forks leave the
+    prefilled state as it was)."""
+    import importlib
+
+    import mlx_lm
+
+    from mtpkit.bench.batch import _Context, stock_batch_tps
+    from mtpkit.bench.prefilled import Prefilled
+    from mtpkit.runtime.model import load_model
+    from mtpkit.speculative.batch import BatchDecoder
+
+    generate = importlib.import_module("mlx_lm.generate")
+    m = load_model(converted)
+    model, tokenizer = mlx_lm.load(str(converted))
+    monkeypatch.setattr(m.tokenizer, "eos_token_ids", [])
+    monkeypatch.setattr(tokenizer, "eos_token_ids", [])
+    prompts = [list(range(5, 60)), list(range(100, 140))]
+    rows = [prompts[0], prompts[1], prompts[0]]  # width 3: the prompts in turn
+    n = 12
+    whole = generate.batch_generate(
+        model, tokenizer, rows, max_tokens=n, return_token_ids=True
+    ).token_ids
+    context = _Context(m, model, tokenizer, prompts, [], n, 0, [Prefilled(m, p) for p in prompts])
+    assert context.rows(3) == rows
+    for depth in (1, 2):
+        caches = context.caches(3)
+        stock = generate.batch_generate(
+            model, tokenizer, [p[-1:] for p in rows], prompt_caches=caches, max_tokens=n,
+            return_token_ids=True,
+        ).token_ids  # fmt: skip
+        assert stock == whole
+        decoder = BatchDecoder(m, depth=depth)
+        entries = context.entries(3)
+        added = [decoder.add(p, max_tokens=n, cached=e) for p, e in zip(rows, entries, strict=True)]
+        while decoder.rows:
+            decoder.step()
+        assert [r.tokens for r in added] == whole
+        assert [r.stats.cached_tokens for r in added] == [len(p) - 2 for p in rows]
+    assert stock_batch_tps(model, tokenizer, rows, 4, context.caches(3)) > 0

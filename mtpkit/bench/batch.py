@@ -13,6 +13,13 @@ Both run with Python's collector off, as one stream's runs do (`speed.collector_
 On a GPU one whole trial runs untimed first: a shape met for the first time builds its
 kernels there (seconds each; on a fresh CUDA machine a batched round's first use took 54 s),
 and the rounds of a trial meet shapes a short warm-up does not.
+
+Every row continues from its prompt prefilled once (`mtpkit.bench.prefilled`, as one stream's
+runs do): stock's rows from a fork of mlx-lm's cache after all but the prompt's last token
+(`batch_generate`'s `prompt_caches`), mtpkit's from a prompt-cache entry one token shorter
+(`BatchDecoder.add(cached=)`: each row prefills that token, as a conversation's next turn
+joins a batch). No figure times a prefill; at 4096 tokens on MLX's CUDA build one costs
+seconds a row (mlx-lm updates a gated-delta-net token by token there).
 """
 
 from __future__ import annotations
@@ -26,6 +33,7 @@ from typing import Any
 import mlx.core as mx
 
 from mtpkit.bench.oracle import OracleDrafts
+from mtpkit.bench.prefilled import Prefilled
 from mtpkit.bench.report import Figure, device_name
 from mtpkit.bench.speed import collector_off, prompt_of_length
 from mtpkit.core.errors import MtpkitError
@@ -35,6 +43,8 @@ from mtpkit.runtime.model import MtpModel, NoMtpHead, library_io, load_model
 from mtpkit.runtime.upcast import upcast_experts
 from mtpkit.speculative.batch import BatchDecoder, Row
 from mtpkit.speculative.batch.rounds import RowDraftFilter, RowPlan
+from mtpkit.speculative.prompt_cache import CachedState
+from mtpkit.speculative.proposers import default_proposer
 from mtpkit.speculative.session import check_prompt
 
 # (oracle acceptance or None for the head's drafts, adaptive drafting): one MTP run a trial.
@@ -110,12 +120,27 @@ def _mean(values: list[float]) -> float | None:
     return sum(values) / len(values) if values else None
 
 
-def stock_batch_tps(model: Any, tokenizer: Any, prompts: list[list[int]], max_tokens: int) -> float:
-    """Aggregate decode tok/s of stock mlx-lm's `batch_generate` (its own `generation_tps`)."""
+def stock_batch_tps(
+    model: Any,
+    tokenizer: Any,
+    prompts: list[list[int]],
+    max_tokens: int,
+    caches: list[list[Any] | None] | None = None,
+) -> float:
+    """Aggregate decode tok/s of stock mlx-lm's `batch_generate` (its own `generation_tps`).
+    `caches`: per row, mlx-lm's cache after all but its prompt's last token (the only one
+    then fed), or None for every row (each prefills its whole prompt)."""
     import mlx_lm
 
+    fed: list[list[int]] = prompts
+    if caches is not None and all(c is not None for c in caches):
+        fed = [p[-1:] for p in prompts]
+    else:
+        caches = None
     with collector_off():
-        response = mlx_lm.batch_generate(model, tokenizer, prompts, max_tokens=max_tokens)
+        response = mlx_lm.batch_generate(
+            model, tokenizer, fed, prompt_caches=caches, max_tokens=max_tokens
+        )
     return float(response.stats.generation_tps)
 
 
@@ -142,11 +167,13 @@ def mtp_batch_run(
     adaptive: bool = False,
     ahead: bool = True,
     policy: Any = None,
+    cached: list[CachedState | None] | None = None,
 ) -> tuple[float, float | None, float]:
     """Aggregate decode tok/s of `BatchDecoder` over `prompts` (every row joined before the
     first round; each row's first token, from its prefill, not counted), its acceptance and
     the share of its steps that were plain. `policy`: the decoder's drafting policy (bench
-    scripts' A/B), else `adaptive`'s."""
+    scripts' A/B), else `adaptive`'s; `cached`: per row, a prompt-cache entry its prompt
+    extends (`_Context.entries`), else each row prefills its whole prompt."""
     draft_filter, plan = oracle_hooks(oracles) if oracles is not None else (None, None)
     decoder = BatchDecoder(
         m,
@@ -158,7 +185,11 @@ def mtp_batch_run(
         ahead=ahead,
     )
     with collector_off():
-        rows = [decoder.add(p, max_tokens=max_tokens) for p in prompts]
+        entries = cached or [None] * len(prompts)
+        rows = [
+            decoder.add(p, max_tokens=max_tokens, cached=c)
+            for p, c in zip(prompts, entries, strict=True)
+        ]
         start = time.perf_counter()
         while decoder.rows:
             decoder.step()
@@ -230,15 +261,17 @@ def bench_batch(
         runs = [WidthRun(w) for w in widths]
         lengths = sorted({len(t) for t in encoded})
         result = BatchBenchResult(str(model), lengths, max_tokens, trials, depth, kinds, runs)
-        context = _Context(m, stock_model, stock_tokenizer, encoded, references, max_tokens, seed)
+        context = _Context(m, stock_model, stock_tokenizer, encoded, references, max_tokens, seed,
+                           [Prefilled(m, t) for t in encoded])  # fmt: skip
         if warm_trial is None:
             warm_trial = device_name() == "gpu"
         if warm_trial:  # a whole trial untimed: every shape the trials meet is built first
             _trial(context, result, "untimed trial:", say, record=False)
         else:  # kernel builds at each width fall outside the trials
             for run in runs:
-                stock_batch_tps(stock_model, stock_tokenizer, context.rows(run.width), 8)
-                mtp_batch_run(m, context.rows(run.width), depth, 8)
+                rows = context.rows(run.width)
+                stock_batch_tps(stock_model, stock_tokenizer, rows, 8, context.caches(run.width))
+                mtp_batch_run(m, rows, depth, 8, cached=context.entries(run.width))
         for trial in range(trials):
             _trial(context, result, f"trial {trial + 1}/{trials}:", say)
         return result
@@ -248,7 +281,8 @@ def bench_batch(
 
 @dataclass
 class _Context:
-    """What every trial decodes: the two loads, the prompts and their greedy references."""
+    """What every trial decodes: the two loads, the prompts, their greedy references and
+    their prefilled states (`Prefilled`, one per prompt)."""
 
     m: MtpModel
     stock_model: Any
@@ -257,9 +291,32 @@ class _Context:
     references: list[list[int]]
     max_tokens: int
     seed: int
+    prefilled: list[Prefilled]
 
     def rows(self, width: int) -> list[list[int]]:
         return [self.encoded[i % len(self.encoded)] for i in range(width)]
+
+    def caches(self, width: int) -> list[list[Any] | None]:
+        """Per row, a fork of stock's cache after all but its prompt's last token."""
+        n = len(self.encoded)
+        return [self.prefilled[i % n].stock_cache(self.stock_model) for i in range(width)]
+
+    def entries(self, width: int) -> list[CachedState | None]:
+        """Per row, a prompt-cache entry of its prompt but the last token (the target's
+        caches over all but the last two, the head over the pairs before), as
+        `BatchDecoder.add(cached=)` continues from one: the row prefills one token."""
+        out: list[CachedState | None] = []
+        for i in range(width):
+            prompt = self.encoded[i % len(self.encoded)]
+            state = self.prefilled[i % len(self.encoded)].mtp_state(
+                "mtp", lambda: default_proposer(self.m)
+            )
+            if state is None:
+                out.append(None)
+                continue
+            cache, proposer, cached = state
+            out.append(CachedState(tuple(prompt[: cached + 1]), cache, proposer, "mtp"))
+        return out
 
 
 def _trial(
@@ -274,7 +331,9 @@ def _trial(
     vocab = int(c.m.embedding.weight.shape[0])
     for run in result.runs:
         batch = c.rows(run.width)
-        base = stock_batch_tps(c.stock_model, c.stock_tokenizer, batch, c.max_tokens)
+        base = stock_batch_tps(
+            c.stock_model, c.stock_tokenizer, batch, c.max_tokens, c.caches(run.width)
+        )
         if record:
             run.stock_tps.values.append(base)
         say(f"{at} batch {run.width} stock mlx-lm {base:.1f} tok/s")
@@ -288,7 +347,8 @@ def _trial(
                     for i in range(run.width)
                 ]
             rate, accepted, plain = mtp_batch_run(
-                c.m, batch, result.depth, c.max_tokens, oracles, adaptive
+                c.m, batch, result.depth, c.max_tokens, oracles, adaptive,
+                cached=c.entries(run.width),
             )
             say(f"{at} batch {run.width} {_name(config)} {rate:.1f} tok/s")
             if not record:
