@@ -305,13 +305,12 @@ class _Context:
         """Per row, a prompt-cache entry of its prompt but the last token (the target's
         caches over all but the last two, the head over the pairs before), as
         `BatchDecoder.add(cached=)` continues from one: the row prefills one token."""
+        n = len(self.encoded)
         out: list[CachedState | None] = []
         for i in range(width):
-            prompt = self.encoded[i % len(self.encoded)]
-            state = self.prefilled[i % len(self.encoded)].mtp_state(
-                "mtp", lambda: default_proposer(self.m)
-            )
-            if state is None:
+            prompt, prefilled = self.encoded[i % n], self.prefilled[i % n]
+            state = prefilled.mtp_state("mtp", lambda: default_proposer(self.m))
+            if state is None:  # a cache that cannot be forked: the row prefills
                 out.append(None)
                 continue
             cache, proposer, cached = state
