@@ -59,7 +59,7 @@ def self_ratios(runs: list[tuple[str, float]]) -> list[float]:
     (as `mtpkit.bench.anchors` reads it by time): stock's speedup over itself."""
     stock = [(i, rate) for i, (name, rate) in enumerate(runs) if name == STOCK]
     out = []
-    for (i0, r0), (i, rate), (i1, r1) in zip(stock, stock[1:], stock[2:]):
+    for (i0, r0), (i, rate), (i1, r1) in zip(stock, stock[1:], stock[2:], strict=False):
         out.append(rate / (r0 + (r1 - r0) * (i - i0) / (i1 - i0)))
     return out
 
