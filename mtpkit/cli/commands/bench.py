@@ -100,7 +100,7 @@ def bench_command(
 ) -> None:
     """Measure plain decoding (stock mlx-lm, --no-mtp) against MTP decoding at depths 1..K.
 
-    Reports decode tok/s and acceptance per depth and with adaptive drafting, stock's ms per token in its own loop, each run's ms per step and the ceiling E*stock/step with the share realized; beta (a 2-token verify over a 1-token forward) and delta (a head step over it) as diagnostics: medians of interleaved trials with their range. A line on stderr (and "reliable": false) says when the trials are too few or their ranges too wide.
+    Reports decode tok/s and acceptance per depth and with adaptive drafting, stock's ms per token in its own loop, each run's ms per step and the ceiling E*stock/step with the share realized; beta (a 2-token verify over a 1-token forward) and delta (a head step over it) as diagnostics: medians of interleaved trials with their range, and stock against itself (each stock run inside a trial over the ones around it: the noise every speedup carries). A line on stderr (and "reliable": false) says when the trials are too few or their ranges, stock's against itself included, too wide.
 
     With --draft-model DIR, two more rows: mtpkit drafting with that separate draft model, and stock mlx-lm's speculative decoding with it (what LM Studio's mlx-engine offers), so the table shows whether the built-in head or a draft model is faster; where stock cannot roll the caches back (Qwen3.5's gated delta nets) its row gets the reason instead. With --prompt-lookup, one more row: mtpkit drafting by prompt lookup. A model without a head gets only these rows.
     """
