@@ -22,6 +22,8 @@ import sys
 from collections import defaultdict
 from pathlib import Path
 
+from mtpkit.bench.anchors import rate_at, self_ratios
+
 LINE = re.compile(r"^\.\.\. trial (\d+)/(\d+): (.+?) ([\d.]+) tok/s")
 STOCK = "stock mlx-lm"
 
@@ -36,32 +38,15 @@ def trials(text: str) -> dict[int, list[tuple[str, float]]]:
     return dict(found)
 
 
+def _stock_points(runs: list[tuple[str, float]]) -> list[tuple[float, float]]:
+    """(place, tok/s) of the trial's stock runs: `anchors` reads them by place here."""
+    return [(i, rate) for i, (name, rate) in enumerate(runs) if name == STOCK]
+
+
 def baselines(runs: list[tuple[str, float]]) -> list[tuple[str, float, float]]:
     """(configuration, tok/s, stock's tok/s interpolated to its place) of each other run."""
-    stock = [(i, rate) for i, (name, rate) in enumerate(runs) if name == STOCK]
-    out = []
-    for i, (name, rate) in enumerate(runs):
-        if name == STOCK:
-            continue
-        before = [s for s in stock if s[0] < i]
-        after = [s for s in stock if s[0] > i]
-        if before and after:
-            (i0, r0), (i1, r1) = before[-1], after[0]
-            base = r0 + (r1 - r0) * (i - i0) / (i1 - i0)
-        else:
-            base = (before or after)[-1 if before else 0][1]
-        out.append((name, rate, base))
-    return out
-
-
-def self_ratios(runs: list[tuple[str, float]]) -> list[float]:
-    """Each stock run but a trial's first and last over the stock runs around it, by place
-    (as `mtpkit.bench.anchors` reads it by time): stock's speedup over itself."""
-    stock = [(i, rate) for i, (name, rate) in enumerate(runs) if name == STOCK]
-    out = []
-    for (i0, r0), (i, rate), (i1, r1) in zip(stock, stock[1:], stock[2:], strict=False):
-        out.append(rate / (r0 + (r1 - r0) * (i - i0) / (i1 - i0)))
-    return out
+    stock = _stock_points(runs)
+    return [(name, rate, rate_at(stock, i)) for i, (name, rate) in enumerate(runs) if name != STOCK]
 
 
 def rows(found: dict[int, list[tuple[str, float]]]) -> list[str]:
@@ -71,7 +56,7 @@ def rows(found: dict[int, list[tuple[str, float]]]) -> list[str]:
     paired = {t: baselines(runs) for t, runs in stocked.items()}
     stock_rates = [r for runs in stocked.values() for n, r in runs if n == STOCK]
     names = list(dict.fromkeys(n for runs in paired.values() for n, _, _ in runs))
-    itself = [x for runs in stocked.values() for x in self_ratios(runs)]
+    itself = [x for runs in stocked.values() for x in self_ratios(_stock_points(runs))]
     over = _cell(itself, "{:.2f}") if itself else "1.00"
     lines = [f"| {STOCK} | {len(stock_rates)} runs | {_cell(stock_rates, '{:.1f}')} | {over} | 1.00 |"]
     for name in names:

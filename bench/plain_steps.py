@@ -59,15 +59,10 @@ def lm_times(model, tok):
 @contextlib.contextmanager
 def untapped_convs(model):
     """The gated-delta-net conv1d layers back in mlx-lm's own class for the block."""
-    convs = [g.conv1d for g in map(gated_delta_net, model.layers) if g is not None]
-    tapped = [type(c) for c in convs]
-    for c, cls in zip(convs, tapped, strict=True):
-        c.__class__ = cls.__mro__[1] if getattr(cls, "_mtpkit_tap", False) else cls
-    try:
+    with contextlib.ExitStack() as stack:
+        for gdn in filter(None, map(gated_delta_net, model.layers)):
+            stack.enter_context(untapped(gdn.conv1d))  # any tapped module, not only a norm
         yield
-    finally:
-        for c, cls in zip(convs, tapped, strict=True):
-            c.__class__ = cls
 
 
 def dec_times(mode):

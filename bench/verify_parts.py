@@ -25,17 +25,9 @@ N = int(sys.argv[2]) if len(sys.argv) > 2 else 200
 timer = _ForwardTimer(m, list(range(5, 45)))
 
 
-def undo(n):
-    for c, saved in zip(timer.cache, timer.saved, strict=True):
-        if saved is None:
-            c.trim(n)
-        else:
-            c.cache = list(saved)
-
-
 def plain(n):
     mx.eval(m.model(mx.array([[timer.token] * n]), cache=timer.cache))
-    undo(n)
+    timer.undo(n)
 
 
 def verify(n, few=True, states=True):
@@ -45,7 +37,7 @@ def verify(n, few=True, states=True):
         v = m.verify(mx.array([timer.token] * n), timer.cache)
         extra = v.snapshots.states if (states and v.snapshots) else []
         mx.eval(v.logits, v.hidden, extra)
-    undo(n)
+    timer.undo(n)
 
 
 @contextlib.contextmanager

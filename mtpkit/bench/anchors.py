@@ -33,6 +33,29 @@ EVERY = 4  # runs between two stock runs of a trial
 T = TypeVar("T")
 
 
+def rate_at(points: list[tuple[float, float]], at: float) -> float:
+    """Stock's rate at `at` from its (time, tok/s) `points` in time order: linear between the
+    ones around it, else the nearest."""
+    before = [p for p in points if p[0] <= at]
+    after = [p for p in points if p[0] > at]
+    if not before or not after:
+        return (before or after)[-1 if before else 0][1]
+    (t0, r0), (t1, r1) = before[-1], after[0]
+    return r0 + (r1 - r0) * (at - t0) / (t1 - t0)
+
+
+def self_ratios(points: list[tuple[float, float]]) -> list[float]:
+    """Each of stock's (time, tok/s) `points` but the first and last over `rate_at` the
+    others: stock's speedup over itself."""
+    ratios = []
+    for i in range(1, len(points) - 1):
+        at, rate = points[i]
+        around = rate_at(points[:i] + points[i + 1 :], at)
+        if around > 0:
+            ratios.append(rate / around)
+    return ratios
+
+
 @dataclass
 class _Run(Generic[T]):
     result: T
@@ -73,23 +96,12 @@ class Anchored(Generic[T]):
 
     def baseline(self, at: float) -> float:
         """Stock's rate at time `at`: linear between the stock runs around it."""
-        before = [a for a in self.anchors if a[0] <= at]
-        after = [a for a in self.anchors if a[0] > at]
-        if not before or not after:
-            return (before or after)[-1 if before else 0][1]
-        (t0, r0), (t1, r1) = before[-1], after[0]
-        return r0 + (r1 - r0) * (at - t0) / (t1 - t0)
+        return rate_at(self.anchors, at)
 
     def self_ratios(self) -> list[float]:
         """Each stock run but the first and last over the stock runs around it, read as a
         configuration's run is read (`baseline` without it): stock's speedup over itself."""
-        ratios = []
-        for i in range(1, len(self.anchors) - 1):
-            (t0, r0), (at, rate), (t1, r1) = self.anchors[i - 1 : i + 2]
-            around = r0 + (r1 - r0) * (at - t0) / (t1 - t0)
-            if around > 0:
-                ratios.append(rate / around)
-        return ratios
+        return self_ratios(self.anchors)
 
     @property
     def stock_rates(self) -> list[float]:

@@ -33,6 +33,10 @@ class _ForwardTimer:
             mx.eval(verified.logits, verified.hidden, snapshots)
         else:
             mx.eval(*self.m.forward(tokens[None], self.cache))
+        self.undo(n)
+
+    def undo(self, n: int) -> None:
+        """Take the last forward of `n` tokens back out of the caches."""
         for c, saved in zip(self.cache, self.saved, strict=True):
             if saved is None:
                 c.trim(n)
