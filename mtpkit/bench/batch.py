@@ -302,20 +302,14 @@ class _Context:
         return [self.prefilled[i % n].stock_cache(self.stock_model) for i in range(width)]
 
     def entries(self, width: int) -> list[CachedState | None]:
-        """Per row, a prompt-cache entry of its prompt but the last token (the target's
-        caches over all but the last two, the head over the pairs before), as
-        `BatchDecoder.add(cached=)` continues from one: the row prefills one token."""
+        """Per row, a prompt-cache entry of its prompt but the last token
+        (`Prefilled.cache_entry`), as `BatchDecoder.add(cached=)` continues from one: the
+        row prefills one token (None: a cache that cannot be forked, the row prefills)."""
         n = len(self.encoded)
-        out: list[CachedState | None] = []
-        for i in range(width):
-            prompt, prefilled = self.encoded[i % n], self.prefilled[i % n]
-            state = prefilled.mtp_state("mtp", lambda: default_proposer(self.m))
-            if state is None:  # a cache that cannot be forked: the row prefills
-                out.append(None)
-                continue
-            cache, proposer, cached = state
-            out.append(CachedState(tuple(prompt[: cached + 1]), cache, proposer, "mtp"))
-        return out
+        return [
+            self.prefilled[i % n].cache_entry("mtp", lambda: default_proposer(self.m))
+            for i in range(width)
+        ]
 
 
 def _trial(

@@ -30,6 +30,7 @@ import mlx.nn as nn
 from mtpkit.runtime.model import MtpModel, untapped
 from mtpkit.runtime.rollback.state import can_fork, fork_cache
 from mtpkit.speculative.decode import MtpDecoder, SamplingSettings
+from mtpkit.speculative.prompt_cache import CachedState
 from mtpkit.speculative.proposers import Proposer
 
 STEP = 2048  # tokens per prefill forward (mlx-lm's default prefill_step_size)
@@ -85,6 +86,15 @@ class Prefilled:
             return None
         cache, proposer = kept
         return [fork_cache(c) for c in cache], proposer.fork(), len(self.prompt) - 2
+
+    def cache_entry(self, name: str, fresh: Callable[[], Proposer]) -> CachedState | None:
+        """`mtp_state` as a prompt-cache entry (`BatchDecoder.add(cached=)`): its tokens are
+        the prompt but the last, which the proposer has seen and the target all but one of."""
+        state = self.mtp_state(name, fresh)
+        if state is None:
+            return None
+        cache, proposer, cached = state
+        return CachedState(tuple(self.prompt[: cached + 1]), cache, proposer, name)
 
     def _mtp_prefill(self, proposer: Proposer) -> tuple[list[Any], Proposer] | None:
         decoder = MtpDecoder(
