@@ -107,7 +107,9 @@ def test_injected_drafts_partial_acceptance_keeps_caches_exact(
 
 
 @pytest.mark.parametrize("layout", ["qwen3_5", "mimo_v2_flash"])
-def test_a_discarded_unlaunched_round_leaves_nothing_to_compute(tmp_path: Path, layout: str) -> None:
+def test_a_discarded_unlaunched_round_leaves_nothing_to_compute(
+    tmp_path: Path, layout: str
+) -> None:
     """A round built ahead but not launched, then discarded, leaves every cache (the
     backbone's KV, gated-delta-net and sliding-window caches, the head's) holding the very
     arrays it held before: no lazy write of the discarded pass stays behind to be computed
@@ -144,37 +146,77 @@ def test_a_discarded_unlaunched_round_leaves_nothing_to_compute(tmp_path: Path, 
         np.testing.assert_array_equal(np.array(a.astype(mx.float32)), b)
 
 
-def test_rounds_look_ahead_by_the_share_of_full_rounds(
+def test_rounds_look_ahead_by_the_share_of_full_rounds_and_serial_timings(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """On a GPU (pipeline None) the next round is launched ahead while most rounds keep every
-    draft, built ahead down to BUILD_MIN_FULL (by default at every share; None: never), and
-    waits for the verdict below; never where no more tokens are wanted; launched ahead only
-    after three full rounds in a row; never before a round of the generation kept every
-    draft (a useless head's judging rounds were each built twice)."""
-    from mtpkit.speculative import decode
+    """On a GPU (pipeline None) no round is looked ahead before one kept every draft and
+    three serial rounds are timed; then a device slower than the host's build launches
+    ahead while most rounds keep every draft and builds ahead below, and a host slower than
+    the device builds ahead only while the few discards cost less than the waits it saves
+    (`look_ahead.look_ahead_by_cost`); never where no more tokens are wanted. Across ranks
+    (untimed) the share alone decides."""
+    from mtpkit.speculative import look_ahead
 
     m = load_model(converted_dir(tmp_path, "qwen3_5"))
     decoder = MtpDecoder(m, PROMPT, depth=1, sampling=SamplingSettings(), adaptive=False)
-    assert decoder.pipeline is False  # the CPU: rounds stay serial
-    decoder.pipeline = None  # as on a GPU
+    assert decoder.pipeline is False and decoder._look_ahead(True) is None  # the CPU: serial
+    look = decoder.look = look_ahead.LookAhead(None)  # as on a GPU
+    look.full_share = 0.99
     assert decoder._look_ahead(True) is None  # no round has kept every draft yet
-    decoder.full_rounds = 1
-    assert decoder._look_ahead(True) == "build"  # the first rounds: launched after verdicts
-    for _ in range(3):  # three full rounds in a row: launched ahead from then on
-        decoder.full_share += decode.FULL_SMOOTHING * (1 - decoder.full_share)
-    assert decoder._look_ahead(True) == "launch"
-    monkeypatch.setattr(decode, "BUILD_MIN_FULL", 0.5)
+    look.full_rounds = 1
+    for _ in range(look_ahead.TIMED_ROUNDS - 1):
+        look.record_serial(0.002, 0.004)
+    assert decoder._look_ahead(True) is None  # not timed enough yet
+    look.record_serial(0.002, 0.004)
     seen = {}
-    for share in (1.0, decode.PIPELINE_MIN_FULL, 0.9, decode.BUILD_MIN_FULL, 0.49, 0.0):
-        decoder.full_share = share
+    for share in (0.99, look_ahead.PIPELINE_MIN_FULL, 0.9, 0.3):  # the device is the slower
+        look.full_share = share
         seen[share] = decoder._look_ahead(True)
         assert decoder._look_ahead(False) is None
-    assert seen == {1.0: "launch", decode.PIPELINE_MIN_FULL: "launch", 0.9: "build",
-                    decode.BUILD_MIN_FULL: "build", 0.49: None, 0.0: None}  # fmt: skip
-    monkeypatch.setattr(decode, "BUILD_MIN_FULL", None)  # no building ahead
-    decoder.full_share = 0.9
+    assert seen == {
+        0.99: "launch",
+        look_ahead.PIPELINE_MIN_FULL: "launch",
+        0.9: "build",
+        0.3: "build",
+    }
+    for _ in range(look_ahead.TIMING_WINDOW):  # the host is: a build 2 ms, a wait 0.1 ms
+        look.record_serial(0.002, 0.0001)
+    seen = {}
+    for share in (0.99, 0.96, 0.9, 0.5):  # builds ahead while 0.1 p > 1.9 (1 - p): p > 0.95
+        look.full_share = share
+        seen[share] = decoder._look_ahead(True)
+    assert seen == {0.99: "build", 0.96: "build", 0.9: None, 0.5: None}
+    monkeypatch.setattr(look_ahead, "BUILD_MIN_FULL", None)  # no building ahead
+    look.full_share = 0.99
     assert decoder._look_ahead(True) is None
+    untimed = look_ahead.LookAhead(None, timed=False, full_rounds=1)  # ranks in lockstep
+    monkeypatch.setattr(look_ahead, "BUILD_MIN_FULL", 0.5)
+    seen = {}
+    for share in (1.0, look_ahead.PIPELINE_MIN_FULL, 0.9, 0.5, 0.49):
+        untimed.full_share = share
+        seen[share] = untimed.choose()
+    assert seen == {1.0: "launch", look_ahead.PIPELINE_MIN_FULL: "launch", 0.9: "build",
+                    0.5: "build", 0.49: None}  # fmt: skip
+    for mode, chosen in ((True, "launch"), ("build", "build"), (False, None)):  # forced
+        assert look_ahead.LookAhead(mode).choose() == chosen
+
+
+def test_a_deciding_decoder_times_its_serial_rounds(tmp_path: Path) -> None:
+    """A decoder that decides its look-ahead (pipeline None, as on a GPU) times the rounds
+    it runs serially, and decodes exactly what a serial decoder decodes."""
+    from mtpkit.speculative import look_ahead
+
+    m = load_model(converted_dir(tmp_path, "qwen3_5"))
+    serial = MtpDecoder(m, PROMPT, depth=2, sampling=SamplingSettings(), adaptive=False)
+    expected = list(serial.tokens(24))
+    deciding = MtpDecoder(m, PROMPT, depth=2, sampling=SamplingSettings(), adaptive=False)
+    deciding.pipeline = None
+    deciding.look = look_ahead.LookAhead(None)
+    assert list(deciding.tokens(24)) == expected
+    timed = len(deciding.look.builds)
+    assert timed >= min(look_ahead.TIMED_ROUNDS, deciding.stats.rounds)
+    assert all(b > 0 for b in deciding.look.builds) and all(w >= 0 for w in deciding.look.waits)
+    assert deciding.stats.rounds - deciding.stats.pipelined >= timed
 
 
 def test_vllm_mlx_qwen3_next_head_file_beside_the_shards(tmp_path: Path) -> None:

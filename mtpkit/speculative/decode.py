@@ -17,13 +17,11 @@ drafts (its last verified token and the head's output at its last pair are then 
 lazy arrays), as mlx-lm's `generate_step` queues the next token before reading this one.
 When the verdict shows a rejection, the queued round is discarded (`PassUndo` takes its pass
 back from every cache, its pairs leave the head's cache) and this round rolls back as usual.
-A discarded round that was launched cost its host time and its kernels ahead of the real
-round, so rounds are launched ahead only while the smoothed share of fully kept rounds is at
-least `PIPELINE_MIN_FULL`. A round can also be only *built* ahead, while the device computes
-this one, and launched once this verdict shows every draft kept (a wrong guess then costs host
-time, none of the device's: by default below the launch threshold, down to `BUILD_MIN_FULL`,
-or always with `pipeline=BUILD_AHEAD`). Both only on a GPU (on a CPU the
-host's build and a discarded round's compute take the cores that decode). Random draws of a
+A round can also be only *built* ahead, while the device computes this one, and launched
+once this verdict shows every draft kept. Which of the three pays (launched, built, neither)
+depends on the share of rounds kept whole and on whether the host or the device is the slower
+(`speculative/look_ahead.py`, which times the first serial rounds); only on a GPU (on a CPU
+the host's build and a discarded round's compute take the cores that decode). Random draws of a
 discarded round are independent of everything kept, so sampling stays exact. Plain steps
 that are certain to be followed by another plain step are queued one ahead, as in mlx-lm's
 loop: the first of them (after a round) is launched before the next is built, as mlx-lm
@@ -55,35 +53,12 @@ from mtpkit.speculative.accept import (
     verdict,
 )
 from mtpkit.speculative.adaptive import AdaptiveDrafting
+from mtpkit.speculative.look_ahead import LAUNCH_AHEAD, LookAhead
 from mtpkit.speculative.proposers import Proposal, Proposer, default_proposer
 from mtpkit.speculative.stats import Stats
 
 # SamplingSettings and rejection_sample live in mtpkit.speculative.accept; importable from here too.
 __all__ = ["AdaptiveDrafting", "MtpDecoder", "SamplingSettings", "Stats", "rejection_sample"]
-
-# Pipeline rounds while at least this share of rounds keeps every draft (exponentially
-# smoothed over ~10 rounds). Measured on an H100 (qwen3_5-0.8b, depth 1, README
-# "Performance"): a pipelined round that is kept costs ~0.87 of a serial one, a discarded
-# one wastes ~1.3 serial rounds (its host time, and its kernels ahead of the real round), so
-# at 83% fully kept rounds pipelining made rounds 11% slower; break-even is near 91%.
-PIPELINE_MIN_FULL = 0.92
-# Build the next round ahead (launched only after a full verdict) while at least this share
-# of rounds keeps every draft (None: never; `pipeline=BUILD_AHEAD` forces it). A wrong guess
-# costs host time the device was busy through anyway. Measured on an H100 (2026-11-25,
-# `bash bench/gpu_bench.sh bench ab`: qwen3_5-4b with 8 layers, 5 interleaved trials, speedup
-# over stock, serial -> built ahead, qmv routes on): depth 1 at acceptance 0 0.55 -> 0.54,
-# at 0.8 1.00 -> 1.15, depth 3 at 0.9 1.33 -> 1.48; so at every share.
-BUILD_MIN_FULL: float | None = 0.0
-FULL_SMOOTHING = 0.1
-# The share before any round: just under the launch threshold, so that the first rounds wait
-# for their verdicts and three full rounds in a row start launching ahead. From 1.0 the first
-# round was launched ahead blind, and a useless head's first discard cost ~1.3 rounds of the
-# few it drafts before adaptive drafting stops it (its target: >= 0.97 of stock).
-FULL_SHARE_START = 0.9
-
-# How a round is looked ahead (`MtpDecoder(pipeline=...)`): built and launched before this
-# verdict is read, or built only and launched once the verdict keeps every draft.
-LAUNCH_AHEAD, BUILD_AHEAD = "launch", "build"
 
 # A draft filter: (position of the round's first draft in prompt + output, the proposer's
 # drafts [K]) -> the drafts to verify [K] (tests' injected drafts).
@@ -119,8 +94,8 @@ class MtpDecoder:
     plain steps until done. `proposer` drafts (default: the model's own MTP head,
     `proposers.default_proposer`); `cache` is the target's (default: a fresh one), of which
     the first `cached` prompt tokens are already in it and seen by the proposer (a session's
-    prompt cache). `pipeline`: None decides on a GPU by the share of fully kept rounds
-    (launch or build the next round ahead, see the module's text), True always launches
+    prompt cache). `pipeline`: None decides on a GPU by the share of fully kept rounds and
+    the timings of serial rounds (`look_ahead.LookAhead`), True always launches
     ahead, BUILD_AHEAD always builds ahead, False never looks ahead (tests force each);
     `draft_filter` replaces the proposer's drafts (tests). `choose_depth`: adaptive drafting
     picks each round's depth up to `depth` (`speculative/adaptive.py`)."""
@@ -188,8 +163,8 @@ class MtpDecoder:
         # take a queued round back (pipeline stages hold different cache kinds).
         discardable = self.lockstep.all_true(can_discard(self.cache))
         self.pipeline = self.lockstep.share_choice(pipeline) if discardable else False
-        self.full_share = FULL_SHARE_START  # smoothed share of rounds that kept every draft
-        self.full_rounds = 0  # rounds that kept every draft
+        # Across ranks each machine's clock may differ: there the share alone decides.
+        self.look = LookAhead(self.pipeline, timed=self.lockstep.size == 1)
         self.draft_filter = draft_filter
         self.after_prefill: Callable[[], None] | None = None  # a session keeps the state
         self.prefill_step_size = 2048  # tokens per prefill forward (mlx-lm's default)
@@ -276,16 +251,9 @@ class MtpDecoder:
 
     def _look_ahead(self, may_look_ahead: bool) -> str | None:
         """LAUNCH_AHEAD, BUILD_AHEAD or None (the next round waits for this verdict)."""
-        if not may_look_ahead or not self.adaptive.want_draft() or self.pipeline is False:
+        if not may_look_ahead or not self.adaptive.want_draft():
             return None
-        if self.pipeline is None:
-            if not self.full_rounds:  # no premise held yet: a head may keep none at all
-                return None
-            if self.full_share >= PIPELINE_MIN_FULL:
-                return LAUNCH_AHEAD
-            building = BUILD_MIN_FULL is not None and self.full_share >= BUILD_MIN_FULL
-            return BUILD_AHEAD if building else None
-        return BUILD_AHEAD if self.pipeline == BUILD_AHEAD else LAUNCH_AHEAD
+        return self.look.choose()
 
     def draft_round(
         self, may_look_ahead: bool = False, proposal: Proposal | None = None,
@@ -298,6 +266,7 @@ class MtpDecoder:
         returns no token past it: the caches hold the output and its EOS but the last, the
         state a conversation's next turn extends (`Session`'s prompt cache)."""
         r, self._queued = self._queued, None
+        start = time.perf_counter() if r is None else None
         if r is None:
             last = mx.array([self.last_token], dtype=mx.int32)
             position = len(self.prompt) + self.n_confirmed
@@ -311,10 +280,12 @@ class MtpDecoder:
             queued = self.build_round(r.followers[-1:], position, True, launch=launch)
             self.stats.pipelined += 1
             self.stats.launched_ahead += launch
+        queued_at = time.perf_counter()
         v = self.read_round_verdict(r)
+        if start is not None and queued is None:  # a serial round: what building ahead saves
+            self.look.record_serial(queued_at - start, time.perf_counter() - queued_at)
         full = v.accepted == r.depth
-        self.full_share += FULL_SMOOTHING * (full - self.full_share)
-        self.full_rounds += full
+        self.look.record_verdict(full)
         take = self._taken(v.confirmed, left)
         if queued is not None and full and take == len(v.confirmed):
             if not queued.launched:
