@@ -6,7 +6,8 @@ drafts (the model's head), the bench's default prompt.
     python bench/look_ahead_modes.py MODEL_DIR [TRIALS] [DEPTHS]   # on the GPU machine
 
 Prints, per configuration, the median speedup over stock [range], and from the last trial
-the rounds, those looked ahead (of them launched ahead) and those discarded.
+the rounds, those looked ahead (of them launched ahead) and those discarded, and the
+median host build and wait of its serial rounds (what the default decides by).
 """
 
 import statistics
@@ -32,7 +33,9 @@ def stock():
 def mtp(depth, mode, adaptive=False):
     tps, _, decoder = _mtp_run(m, prompt, depth, N, adaptive=adaptive, pipeline=mode)
     s = decoder.stats
-    LAST[(depth, mode, adaptive)] = (s.rounds, s.pipelined, s.launched_ahead, s.discarded)
+    look = decoder.look
+    timed = (statistics.median(look.builds) * 1e3, statistics.median(look.waits) * 1e3) if look.builds else None
+    LAST[(depth, mode, adaptive)] = (s.rounds, s.pipelined, s.launched_ahead, s.discarded, timed)
     return tps
 
 
@@ -55,6 +58,7 @@ for _ in range(trials):
         res[k].append(fn() / base)
 print(f"stock {statistics.median(bases):.1f} tok/s [{min(bases):.1f}-{max(bases):.1f}]")
 for (k, v), stats in zip(res.items(), LAST.values(), strict=True):
-    rounds, pipelined, launched, discarded = stats
+    rounds, pipelined, launched, discarded, timed = stats
+    serial = f"  serial build {timed[0]:.2f} ms, wait {timed[1]:.2f} ms" if timed else ""
     print(f"{k:<16} {statistics.median(v):5.2f} [{min(v):.2f}-{max(v):.2f}]  rounds {rounds} "
-          f"ahead {pipelined} (launched {launched}) discarded {discarded}", flush=True)
+          f"ahead {pipelined} (launched {launched}) discarded {discarded}{serial}", flush=True)
