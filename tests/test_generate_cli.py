@@ -188,6 +188,7 @@ def test_bench_json(converted: Path) -> None:
     assert len(out["adaptive"][0]["rounds_by_depth"]) == 3
     for r in out["runs"]:
         assert {"depth", "acceptance", "decode_tps", "speedup", "ceiling"} <= set(r)
+        assert r["looked_ahead"] == r["launched_ahead"] == r["discarded"] == 0  # a CPU: serial
         assert r["decode_tps"] > 0 and r["ceiling"] > 0
         low, high = r["speedup_range"]
         assert low <= r["speedup"] <= high

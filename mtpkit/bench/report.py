@@ -73,6 +73,8 @@ class BenchRun:
     rounds: list[int] = field(default_factory=list)
     plain_steps: list[int] = field(default_factory=list)
     rounds_by_depth: list[list[int]] = field(default_factory=list)  # adaptive's choices
+    # Rounds looked ahead, launched ahead, discarded (`speculative/look_ahead.py`'s choices).
+    looked_ahead: list[tuple[int, int, int]] = field(default_factory=list)
     oracle: float | None = None  # synthetic: drafts right with this probability
     drafter: str = "mtp"  # the proposer: the head, "draft-model", "gemma4-assistant", ...
 
@@ -114,6 +116,10 @@ class BenchRun:
             "rounds_by_depth": [
                 statistics.median(t[j] for t in self.rounds_by_depth) for j in range(self.depth)
             ] if self.rounds_by_depth else [],
+            **{
+                key: statistics.median(t[j] for t in self.looked_ahead) if self.looked_ahead else 0
+                for j, key in enumerate(("looked_ahead", "launched_ahead", "discarded"))
+            },
         }  # fmt: skip
 
 
