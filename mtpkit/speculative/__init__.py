@@ -1,7 +1,8 @@
 """Speculative decoding: the drafters behind one protocol (`proposers/`), accepting on the
 device (`accept`), adaptive drafting (`adaptive`), the draft/verify/accept round and its loop
-(`decode`), batched rows (`batch/`), plain decoding (`plain`), a loaded model serving requests
-(`session`, with its `prompt_cache` and `text`), prompt-to-text generation (`generate`)."""
+(`decode`, rounds looked ahead as `look_ahead` decides), batched rows (`batch/`), plain
+decoding (`plain`), a loaded model serving requests (`session`, with its `prompt_cache` and
+`text`), prompt-to-text generation (`generate`)."""
 
 from mtpkit.core.exports import lazy_exports
 
