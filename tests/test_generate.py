@@ -98,6 +98,7 @@ def test_plain_steps_after_drafting_stops_are_queued_ahead(
     from mtpkit.bench.oracle import OracleDrafts
     from mtpkit.bench.speed import DEFAULT_PROMPT
     from mtpkit.speculative.adaptive import FIRST_ROUNDS
+    from mtpkit.speculative.look_ahead import LookAhead
 
     prompt = encode_prompt(model.tokenizer, DEFAULT_PROMPT)
     n = 40
@@ -109,7 +110,7 @@ def test_plain_steps_after_drafting_stops_are_queued_ahead(
     oracle = OracleDrafts(reference, len(prompt), 0.0, model.embedding.weight.shape[0])
     decoder = MtpDecoder(model, prompt, depth=3, sampling=SamplingSettings(), adaptive=True,
                          choose_depth=True, draft_filter=oracle)  # fmt: skip
-    decoder.pipeline = None  # looks ahead as on a GPU
+    decoder.look = LookAhead(None)  # looks ahead as on a GPU
     events: list[str] = []
     plain_step, launch = decoder.plain_step, mx.async_eval
 

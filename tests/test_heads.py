@@ -159,7 +159,7 @@ def test_rounds_look_ahead_by_the_share_of_full_rounds_and_serial_timings(
 
     m = load_model(converted_dir(tmp_path, "qwen3_5"))
     decoder = MtpDecoder(m, PROMPT, depth=1, sampling=SamplingSettings(), adaptive=False)
-    assert decoder.pipeline is False and decoder._look_ahead(True) is None  # the CPU: serial
+    assert decoder.look.mode is False and decoder._look_ahead(True) is None  # the CPU: serial
     look = decoder.look = look_ahead.LookAhead(None)  # as on a GPU
     look.full_share = 0.99
     assert decoder._look_ahead(True) is None  # no round has kept every draft yet
@@ -210,8 +210,7 @@ def test_a_deciding_decoder_times_its_serial_rounds(tmp_path: Path) -> None:
     serial = MtpDecoder(m, PROMPT, depth=2, sampling=SamplingSettings(), adaptive=False)
     expected = list(serial.tokens(24))
     deciding = MtpDecoder(m, PROMPT, depth=2, sampling=SamplingSettings(), adaptive=False)
-    deciding.pipeline = None
-    deciding.look = look_ahead.LookAhead(None)
+    deciding.look = look_ahead.LookAhead(None)  # as on a GPU
     assert list(deciding.tokens(24)) == expected
     timed = len(deciding.look.builds)
     assert timed >= min(look_ahead.TIMED_ROUNDS, deciding.stats.rounds)

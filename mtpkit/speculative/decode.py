@@ -162,9 +162,9 @@ class MtpDecoder:
         # Every rank pipelines rounds alike: rank 0's choice, if every rank's caches can
         # take a queued round back (pipeline stages hold different cache kinds).
         discardable = self.lockstep.all_true(can_discard(self.cache))
-        self.pipeline = self.lockstep.share_choice(pipeline) if discardable else False
+        pipeline = self.lockstep.share_choice(pipeline) if discardable else False
         # Across ranks each machine's clock may differ: there the share alone decides.
-        self.look = LookAhead(self.pipeline, timed=self.lockstep.size == 1)
+        self.look = LookAhead(pipeline, timed=self.lockstep.size == 1)
         self.draft_filter = draft_filter
         self.after_prefill: Callable[[], None] | None = None  # a session keeps the state
         self.prefill_step_size = 2048  # tokens per prefill forward (mlx-lm's default)
