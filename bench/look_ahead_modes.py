@@ -1,5 +1,5 @@
 """How a model's own drafting rounds are looked ahead, interleaved against stock mlx-lm in
-the same trials: the decoder's default (by the share of fully kept rounds), always launched
+the same trials: the decoder's default (`speculative/look_ahead.py` decides), always launched
 ahead, always built ahead only, never; at fixed depths and with adaptive drafting. Real
 drafts (the model's head), the bench's default prompt.
 
