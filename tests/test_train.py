@@ -23,9 +23,10 @@ from mlx.utils import tree_flatten
 from typer.testing import CliRunner
 
 from mtpkit.cli.app import app
+from mtpkit.core.corpus import file_documents
 from mtpkit.core.errors import MtpkitError
 from mtpkit.speculative.generate import generate, load_model, measure_acceptance
-from mtpkit.train.data import ChunkStream, DataSpec, file_documents
+from mtpkit.train.data import ChunkStream, DataSpec
 from mtpkit.train.loop import TrainSettings, train_head
 from tests.checkpoints import build_dense_model
 from tests.conftest import EXAMPLE

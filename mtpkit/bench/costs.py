@@ -71,7 +71,8 @@ def measure_costs(m: MtpModel, prompt: list[int], *, max_depth: int, repeats: in
 
 
 def _head_step(m: MtpModel, prompt: list[int]) -> Callable[[], None]:
-    """One head step (block, final norm, lm_head, argmax) at the prompt's position."""
+    """One head step (block, final norm, lm_head over the draft vocabulary, argmax) at the
+    prompt's position."""
     head = m.head
     token = mx.array([[prompt[-1]]])
     dtype = m.embed(token).dtype
@@ -82,8 +83,8 @@ def _head_step(m: MtpModel, prompt: list[int]) -> Callable[[], None]:
 
     def step() -> None:
         x = head(h, m.embed(token), cache)
-        logits = m.lm_head(head.final_norm(0)(x))
-        mx.eval(mx.argmax(logits, axis=-1))
+        logits = m.drafting.logits(head.final_norm(0)(x))
+        mx.eval(m.drafting.token(mx.argmax(logits, axis=-1)))
         for c in cache:
             c.trim(1)
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 import re
 import shutil
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -34,6 +34,7 @@ from mtpkit.convert.destination import (
     new_directory,
     refuse_overlap,
 )
+from mtpkit.convert.draft_vocab import check_size, write_draft_vocab
 from mtpkit.convert.plan import Converter, Plan, Settings, check_conv1d, refuse_problems
 from mtpkit.convert.recipes import load_recipe, recipe_note
 from mtpkit.convert.records import build_manifest, drafter_record, output_config
@@ -118,6 +119,8 @@ def convert(
     layout: str | None = None,
     hidden: str | None = None,
     recipe: str | Path | None = None,
+    draft_vocab: int | None = None,
+    draft_vocab_corpus: Sequence[str] = (),
     force: bool = False,
     quiet: bool = True,
 ) -> ConvertResult:
@@ -125,14 +128,17 @@ def convert(
 
     The backbone is quantized as `mlx_lm.convert -q` quantizes it when `quantize` is set or
     any of `bits`, a `mode` other than affine, or a `quant_predicate` is given (the same
-    defaults per mode). Flags override the recipe's settings. The directory is written into
-    a temporary sibling and renamed at the end, so an interrupted run leaves no `output`.
+    defaults per mode). Flags override the recipe's settings. `draft_vocab` N: the head
+    drafts over N token ids (`mtpkit.convert.draft_vocab`), the most frequent of the
+    `draft_vocab_corpus` files. The directory is written into a temporary sibling and renamed
+    at the end, so an interrupted run leaves no `output`.
     """
     started = time.perf_counter()
     flags = ConvertFlags(
         quantize=quantize, bits=bits, group_size=group_size, mode=mode,
         quant_predicate=quant_predicate, keep_mtp_bf16=keep_mtp_bf16, mtp_bits=mtp_bits,
-        dtype=dtype, layout=layout, hidden=hidden,
+        dtype=dtype, layout=layout, hidden=hidden, draft_vocab=draft_vocab,
+        draft_vocab_corpus=tuple(draft_vocab_corpus),
     )  # fmt: skip
     settings, recipe_family = resolve_settings(recipe, flags)
     notes = [] if recipe is None else [recipe_note(load_recipe(recipe), source)]
@@ -194,6 +200,11 @@ def _convert_into(
         with new_directory(out, force=force) as tmp:
             _write_output(tmp, ckpt, converter, plan, config, manifest, quiet=quiet)
             refuse_nonfinite_head(tmp / HEAD_WEIGHTS_PATH, ckpt, settings.dtype)
+            if settings.draft_vocab is not None:
+                manifest["draft_vocab"] = write_draft_vocab(
+                    tmp, settings.draft_vocab, settings.draft_vocab_corpus, vocab_size(config)
+                )
+                write_manifest(tmp / MANIFEST_PATH, manifest)
     finally:
         mx.set_cache_limit(cache_limit)
         converter.close()
@@ -309,6 +320,19 @@ def _check_convertible(
         )
     check_conv1d(ckpt)
     side_files(ckpt)
+    if settings.draft_vocab is not None:
+        if ckpt.family.standalone or not ckpt.mtp_tensors:
+            raise MtpkitError(
+                f"--draft-vocab subsets the MTP head's lm_head, and {ckpt.source.describe()} "
+                "has no MTP head"
+            )
+        check_size(settings.draft_vocab, vocab_size(ckpt.config))
+
+
+def vocab_size(config: dict[str, Any]) -> int:
+    """The width of the model's logits (the lm_head's rows)."""
+    text = config.get("text_config") or config
+    return int(text.get("vocab_size") or config.get("vocab_size") or 0)
 
 
 def source_quantization(ckpt: Checkpoint) -> dict[str, Any] | None:
@@ -396,6 +420,8 @@ class ConvertFlags:
     dtype: str | None = None
     layout: str | None = None
     hidden: str | None = None
+    draft_vocab: int | None = None
+    draft_vocab_corpus: tuple[str, ...] = ()
 
     def given(self) -> dict[str, Any]:
         """The flags that were given, by `Settings` field name."""

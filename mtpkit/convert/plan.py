@@ -72,6 +72,8 @@ class Settings:
     quantize: bool = False  # -q: quantize the backbone (implied by bits, mode or predicate)
     mode: str = "affine"
     quant_predicate: str | None = None
+    draft_vocab: int | None = None  # --draft-vocab N: the head drafts over N ids
+    draft_vocab_corpus: tuple[str, ...] = ()  # the files whose token counts choose them
 
     def validate(self) -> None:
         choices = (
@@ -95,6 +97,12 @@ class Settings:
                 f"--quant-predicate {self.quant_predicate} supports only --q-mode affine, "
                 f"not {self.mode}"
             )
+        if self.draft_vocab_corpus:
+            from mtpkit.core.corpus import check_files
+
+            if self.draft_vocab is None:
+                raise MtpkitError("--draft-vocab-corpus chooses the ids of --draft-vocab N: pass both")
+            check_files(self.draft_vocab_corpus, "--draft-vocab-corpus")
         quantizing = self.quantizes_backbone or self.mtp_bits is not None
         if quantizing and (problem := mode_problem(self.mode, self.bits, self.group_size)):
             raise MtpkitError(problem)

@@ -13,7 +13,6 @@
 from __future__ import annotations
 
 import contextlib
-import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,10 +23,17 @@ import mlx.nn as nn
 
 from mtpkit.checkpoint.headers import require_valid_headers
 from mtpkit.checkpoint.source import HubSource, open_source
+from mtpkit.checkpoint.tokenizer import (  # noqa: F401 (callers import them from here)
+    RemoteCodeRequired,
+    StdinClosed,
+    library_io,
+    load_tokenizer,
+)
 from mtpkit.core.choices import DEFAULT_HIDDEN, HIDDEN_VARIANTS, POST_NORM
 from mtpkit.core.errors import MtpkitError
 from mtpkit.families import BackboneParts, backbone_parts
 from mtpkit.mlxlm import eval_private_arrays, stock_model_classes
+from mtpkit.runtime.draft_vocab import FullVocab, SubsetVocab, load_draft_vocab
 from mtpkit.runtime.headload import HeadWeights, MtpHead, load_head
 from mtpkit.runtime.kernels.attention import few_query_attention
 from mtpkit.runtime.kernels.gdn_verify import use_fast_verify
@@ -138,6 +144,14 @@ class MtpModel:
     lockstep: Lockstep = SINGLE
     # True on a rank without the head while rank 0 has one (a non-last pipeline stage).
     head_elsewhere: bool = False
+    # The ids the head drafts over when `convert --draft-vocab` chose a subset.
+    draft_vocab: SubsetVocab | None = None
+
+    @property
+    def drafting(self) -> FullVocab:
+        """The vocabulary the head drafts over (`mtpkit.runtime.draft_vocab`): the subset,
+        or every token through `lm_head`."""
+        return self.draft_vocab if self.draft_vocab is not None else FullVocab(self.lm_head)
 
     @property
     def has_head(self) -> bool:
@@ -317,62 +331,6 @@ def load_backbone(
     return model, tokenizer, config
 
 
-class RemoteCodeRequired(MtpkitError):
-    """The tokenizer exists only as custom code in the repo, which mtpkit never runs."""
-
-
-class StdinClosed:
-    """Standard input while a library loads: reading it is a bug (a question to a user)."""
-
-    def read(self, *args: object) -> str:
-        raise MtpkitError("a library tried to read standard input while loading; refused")
-
-    readline = read
-
-    def isatty(self) -> bool:
-        return False
-
-
-@contextlib.contextmanager
-def library_io() -> Iterator[None]:
-    """While transformers/mlx-lm load: their prints go to stderr, stdin cannot be read.
-
-    stdout carries only the result (`--json` must parse), and a CI job never waits on a
-    question such as transformers' "Do you wish to run the custom code? [y/N]".
-    """
-    stdin = sys.stdin
-    sys.stdin = StdinClosed()  # type: ignore[assignment]
-    try:
-        with contextlib.redirect_stdout(sys.stderr):
-            yield
-    finally:
-        sys.stdin = stdin
-
-
-def load_tokenizer(path: Path, eos_token_ids: Any = None) -> Any:
-    """mlx-lm's tokenizer wrapper over transformers' library classes, never remote code.
-
-    `trust_remote_code=False` keeps transformers from asking on stdin when `config.json`
-    has an `auto_map` and a `model_type` it does not know (MiMo-7B): the tokenizer's own
-    class (`tokenizer_class`, `tokenizer.json`) is used. A tokenizer that exists only as
-    custom code is a one-line error.
-    """
-    from mlx_lm.utils import load_tokenizer as mlx_load_tokenizer
-
-    try:
-        with library_io():
-            return mlx_load_tokenizer(
-                path, {"trust_remote_code": False}, eos_token_ids=eos_token_ids
-            )
-    except ValueError as e:
-        if "custom code" not in str(e) and "trust_remote_code" not in str(e):
-            raise
-        raise RemoteCodeRequired(
-            f"the tokenizer of {path} needs custom code from the repo (its auto_map), which "
-            "mtpkit never runs: publish a tokenizer.json (a library tokenizer class) with it"
-        ) from None
-
-
 _BACKBONES: dict[tuple[str, float], tuple[nn.Module, Any, dict[str, Any]]] = {}
 
 
@@ -451,7 +409,28 @@ def assemble(
     use_fast_verify(model)  # CUDA only: one-kernel recurrence and multi-row matmuls
     text = config.get("text_config") or config
     context = text.get("max_position_embeddings") or config.get("max_position_embeddings")
+    draft_vocab = None
+    if head is not None and head_weights is not None:
+        draft_vocab = _draft_vocab(path, head_weights, tokenizer, parts, config, lockstep)
     return MtpModel(
         path, model, tokenizer, config, head, head_weights, hidden, capture, context, parts,
-        lockstep, head_elsewhere,
+        lockstep, head_elsewhere, draft_vocab,
     )  # fmt: skip
+
+
+def _draft_vocab(
+    path: Path, head_weights: HeadWeights, tokenizer: Any, parts: BackboneParts,
+    config: dict[str, Any], lockstep: Lockstep,
+) -> SubsetVocab | None:  # fmt: skip
+    """The head's draft vocabulary (`convert --draft-vocab`); across ranks, whose lm_head
+    may be sharded by vocabulary, the head drafts over every token."""
+    if not (head_weights.manifest or {}).get("draft_vocab"):
+        return None
+    if lockstep is not SINGLE:
+        from mtpkit.core.console import warn
+
+        warn("across ranks the head drafts over every token (its --draft-vocab is not used)")
+        return None
+    text = config.get("text_config") or config
+    vocab = int(text.get("vocab_size") or config.get("vocab_size") or 0)
+    return load_draft_vocab(path, head_weights.manifest, tokenizer, parts, vocab)

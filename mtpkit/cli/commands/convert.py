@@ -92,6 +92,26 @@ IntoOpt = Annotated[
     str | None,
     typer.Option("--into", metavar="DIR", help="The existing MLX directory to graft into."),
 ]
+DraftVocabOpt = Annotated[
+    int | None,
+    typer.Option(
+        "--draft-vocab",
+        metavar="N",
+        min=1,
+        help="Let the MTP head draft over N token ids only (e.g. 32768): a cheaper draft step, "
+        "the same output (the model still verifies over every token). The ids: the most "
+        "frequent of --draft-vocab-corpus, else the tokenizer's id order (merge order for BPE).",
+    ),
+]
+DraftVocabCorpusOpt = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--draft-vocab-corpus",
+        metavar="FILE",
+        help="Text whose token counts choose the --draft-vocab ids: .txt (documents split by "
+        "blank lines) or .jsonl (text, messages or prompt+completion); repeat for several.",
+    ),
+]
 UploadRepoOpt = Annotated[
     str | None,
     typer.Option(
@@ -123,6 +143,8 @@ def convert_command(
     layout: LayoutOpt = None,
     hidden: HiddenOpt = None,
     recipe: RecipeOpt = None,
+    draft_vocab: DraftVocabOpt = None,
+    draft_vocab_corpus: DraftVocabCorpusOpt = None,
     force: ForceOpt = False,
     mtp_only: MtpOnlyOpt = False,
     into: IntoOpt = None,
@@ -142,6 +164,8 @@ def convert_command(
     """Convert a checkpoint to an MLX directory that stock mlx-lm loads, keeping its MTP head.
 
     The backbone is written as mlx_lm.convert writes it (same names, quantization modes, mixed recipes and dtypes); the head goes to mtp/weights.safetensors and every decision (norm shift, expert layout, quantization, source commit) to mtp/manifest.json. Without -q (or --q-bits, --q-mode, --quant-predicate) nothing is quantized; with it the head is quantized like the backbone unless --keep-mtp-bf16 or --mtp-bits says otherwise.
+
+    With --draft-vocab N the head drafts over N token ids (mtp/draft_vocab.safetensors): a cheaper draft step, the same output.
 
     With --mtp-only --into DIR, only the head is read (on the Hub: its byte ranges) and added to an existing MLX conversion of the same model, quantized like it.
 
@@ -180,7 +204,11 @@ def convert_command(
         raise typer.BadParameter(f"{upload_repo!r} is not a Hub repo id (org/name)")
     if replace_repo and upload_repo is None:
         ctx.fail("--replace-repo applies to --upload-repo ORG/NAME: pass both")
+    if draft_vocab_corpus and draft_vocab is None:
+        ctx.fail("--draft-vocab-corpus chooses the ids of --draft-vocab N: pass both")
     if mtp_only:
+        if draft_vocab is not None:
+            ctx.fail("--draft-vocab is made when converting: pass it with -o DIR, not --mtp-only")
         if into is None or output is not None or quantizing or layout or recipe:
             ctx.fail(
                 "--mtp-only takes --into DIR and only the head flags (--keep-mtp-bf16, "
@@ -212,6 +240,8 @@ def convert_command(
             quant_predicate=value(quant_predicate),
             layout=value(layout),
             recipe=recipe,
+            draft_vocab=draft_vocab,
+            draft_vocab_corpus=draft_vocab_corpus or (),
             **common,
         )
         if quantizing or recipe is not None:

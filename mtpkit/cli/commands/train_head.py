@@ -195,8 +195,9 @@ def train_head_command(
     used unchanged by generate, bench and check.
     """
     model = _model_and_destination(ctx, model, model_option, output, into)
+    from mtpkit.core.corpus import check_files
     from mtpkit.core.prompts import read_prompts
-    from mtpkit.train.data import DataSpec, check_files
+    from mtpkit.train.data import DataSpec
     from mtpkit.train.output import check_destination
 
     check_destination(output, into, force, model)

@@ -84,18 +84,19 @@ class HeadProposer(ProposerBase):
         drafts: list[mx.array] = []
         dists = []
         normed = None
+        vocab = m.drafting  # every token, or the subset of `convert --draft-vocab`
         for k in range(depth):
             if k > 0:
                 prev = normed if m.hidden == POST_NORM else x
                 x = head(prev, m.embed(drafts[-1].reshape(1, 1)), self.cache, step=k)
             normed = head.final_norm(head.layer_for_step(k))(x)
-            logits = m.lm_head(normed)[0, -1]
+            logits = vocab.logits(normed)[0, -1]
             if sampling.greedy:
-                token = mx.argmax(logits, axis=-1)
+                token = vocab.token(mx.argmax(logits, axis=-1))
             else:
-                q = sampling.probs(logits)
-                token = mx.random.categorical(mx.log(q))
-                dists.append(q)
+                q = vocab.probs(sampling, logits)
+                token = vocab.token(mx.random.categorical(mx.log(q)))
+                dists.append(vocab.spread(q))
             drafts.append(token.astype(mx.int32).reshape(1))
         return Proposal(mx.concatenate(drafts), mx.stack(dists) if dists else None)
 
