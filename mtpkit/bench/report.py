@@ -148,6 +148,7 @@ class BenchResult:
     moe_dtype: str | None = None  # what the experts ran in (bf16 experts run in float32 on CPU)
     acceptances: list[float] | None = None  # --acceptance: synthetic (oracle) drafts
     draft_model: Any = None  # a `mtpkit.bench.draft.DraftModelRun` with --draft-model
+    draft_vocab: int | None = None  # ids the head drafts over (None: every token)
     # Stock over itself (`anchors.Anchored.self_ratios`): the noise a speedup carries.
     stock_self: Figure = field(default_factory=Figure)
 
@@ -189,6 +190,7 @@ class BenchResult:
             "mlx": mx.__version__,
             "dtype": self.dtype,
             "moe_dtype": self.moe_dtype,
+            "draft_vocab": self.draft_vocab,
             "synthetic": self.acceptances is not None,
             "acceptances": self.acceptances,
             "prompt_tokens": self.prompt_tokens,

@@ -130,8 +130,11 @@ def build_random_model(
     tokenizer_from: Path | None = None,
     overrides: dict[str, Any] | None = None,
     progress: Callable[[str], None] | None = None,
+    draft_vocab: int | None = None,
 ) -> Path:
-    """Write a random-weight mlx-lm directory of `shape`, quantized, with an MTP sidecar.
+    """Write a random-weight mlx-lm directory of `shape`, quantized, with an MTP sidecar
+    (drafting over the first `draft_vocab` token ids when given, as `convert --draft-vocab`
+    without a corpus chooses them).
 
     `dtype` is that of the quantization scales and the unquantized weights. On Linux's CPU
     backend float32 scales multiply about ten times faster than bfloat16 ones; on a GPU
@@ -162,7 +165,20 @@ def build_random_model(
         for f in tokenizer_from.iterdir():
             if f.name.startswith(("tokenizer", "special_tokens")) or f.suffix in (".jinja",):
                 shutil.copy(f, out / f.name)
+    if draft_vocab is not None:
+        _add_draft_vocab(out, draft_vocab, config)
     return out
+
+
+def _add_draft_vocab(out: Path, size: int, config: dict[str, Any]) -> None:
+    """The head's draft vocabulary, recorded in its manifest as convert records it."""
+    from mtpkit.convert.draft_vocab import write_draft_vocab
+
+    text = config.get("text_config") or config
+    manifest_path = out / "mtp" / "manifest.json"
+    manifest = json.loads(manifest_path.read_text())
+    manifest["draft_vocab"] = write_draft_vocab(out, size, (), int(text["vocab_size"]))
+    manifest_path.write_text(json.dumps(manifest, indent=2) + "\n")
 
 
 def _write_head(
@@ -215,9 +231,11 @@ def random_model_dir(
     *,
     layers: int | None = None,
     progress: Callable[[str], None] | None = None,
+    draft_vocab: int | None = None,
 ) -> Path:
     """A temporary directory holding a random model of `shape` (the caller removes its
-    parent); `layers` builds only that many layers (same widths), for a quicker build.
+    parent); `layers` builds only that many layers (same widths), for a quicker build;
+    `draft_vocab`: the head drafts over that many ids.
     Interrupted while building (Ctrl-C, SIGTERM), it removes what it built; the directories
     of runs killed outright are removed by the next run."""
     from importlib.resources import files
@@ -238,6 +256,7 @@ def random_model_dir(
             tokenizer_from=tok,
             overrides=overrides,
             progress=progress,
+            draft_vocab=draft_vocab,
         )
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -386,6 +386,7 @@ def _trials(
         model, figures.plain, figures.no_mtp, costs, list(figures.runs.values()), len(tokens),
         plan.max_tokens, plan.trials, figures.no_mtp_speedup, stock_self=figures.stock_self,
         moe_dtype=m.moe_dtype,
+        draft_vocab=m.drafting.size,
         acceptances=plan.acceptances, draft_model=draft.result if draft is not None else None,
     )  # fmt: skip
 

@@ -75,6 +75,16 @@ BatchOpt = Annotated[
         "oracle drafts per row; with --prompt-tokens: each prompt made that long).",
     ),
 ]
+DraftVocabOpt = Annotated[
+    int | None,
+    typer.Option(
+        "--draft-vocab",
+        metavar="N",
+        min=1,
+        help="With --random: the head drafts over the first N token ids, as `convert "
+        "--draft-vocab N` makes it (a model of your own: convert it with --draft-vocab).",
+    ),
+]
 
 
 @friendly_errors
@@ -97,6 +107,7 @@ def bench_command(
     pipeline: PipelineOpt = False,
     timeout: TimeoutOpt = DEFAULT_TIMEOUT,
     batch: BatchOpt = None,
+    draft_vocab: DraftVocabOpt = None,
 ) -> None:
     """Measure plain decoding (stock mlx-lm, --no-mtp) against MTP decoding at depths 1..K.
 
@@ -111,6 +122,8 @@ def bench_command(
     if random_shape is None and (dtype is not None or random_layers is not None):
         flag = "--dtype" if dtype is not None else "--random-layers"
         ctx.fail(f"{flag} applies to the model --random builds: it has no effect with --model")
+    if draft_vocab is not None and random_shape is None:
+        ctx.fail("--draft-vocab applies to --random: convert your model with --draft-vocab N")
     if random_layers is not None and random_layers % 4:
         ctx.fail(f"--random-layers must be a multiple of 4 (3 linear, 1 full), not {random_layers}")
     shape = value(random_shape)
@@ -146,7 +159,9 @@ def bench_command(
         draft = DraftModelBench(draft_model, num_draft_tokens)
     with library_io():  # mlx-lm's "[INFO] Quantized model ..." goes to stderr, not stdout
         built = (
-            random_model_dir(shape, scales, layers=random_layers, progress=progress)
+            random_model_dir(
+                shape, scales, layers=random_layers, progress=progress, draft_vocab=draft_vocab
+            )
             if shape
             else None
         )
