@@ -11,15 +11,14 @@ from __future__ import annotations
 
 import asyncio
 import json
-import secrets
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from pathlib import Path
 from typing import Any
 
-from fastapi import Depends, FastAPI, HTTPException
+from fastapi import FastAPI, HTTPException
 from fastapi import Request as HttpRequest
 from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
@@ -27,7 +26,9 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from mtpkit.core.errors import MtpkitError
+from mtpkit.serve.guard import Guard
 from mtpkit.serve.prompts import build_request
+from mtpkit.serve.refusals import Refused
 from mtpkit.serve.schemas import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -63,13 +64,15 @@ class ApiError(Exception):
 
 def create_app(settings: ServeSettings, worker: Worker) -> FastAPI:
     app = FastAPI(title="mtpkit serve", docs_url=None, redoc_url=None, openapi_url=None)
+    # The key and the body's size before any body is read; CORS outside it, so that a
+    # browser's preflight and a 401 both carry its headers.
+    app.add_middleware(Guard, api_key=settings.api_key, max_body=settings.max_body)
     app.add_middleware(
         CORSMiddleware, allow_origins=list(settings.allowed_origins), allow_methods=["*"],
         allow_headers=["*"],
     )  # fmt: skip
     _add_error_handlers(app)
     served = Served(settings, worker)
-    auth = [Depends(_key_check(settings.api_key))] if settings.api_key else []
 
     @app.get("/health")
     async def health() -> dict[str, Any]:
@@ -81,15 +84,15 @@ def create_app(settings: ServeSettings, worker: Worker) -> FastAPI:
             "cancelled": worker.cancelled,
         }
 
-    @app.get("/v1/models", dependencies=auth)
+    @app.get("/v1/models")
     async def models() -> dict[str, Any]:
         return model_list(settings.model, served.created)
 
-    @app.post("/v1/chat/completions", dependencies=auth)
+    @app.post("/v1/chat/completions")
     async def chat(body: ChatCompletionRequest, request: HttpRequest) -> Response:
         return await served.complete(body, request, chat=True)
 
-    @app.post("/v1/completions", dependencies=auth)
+    @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: HttpRequest) -> Response:
         return await served.complete(body, request, chat=False)
 
@@ -234,18 +237,6 @@ def _code(error: MtpkitError) -> str | None:
     return "context_length_exceeded" if isinstance(error, PromptTooLong) else None
 
 
-def _key_check(key: str) -> Callable[[HttpRequest], Awaitable[None]]:
-    """`--api-key`: every /v1 route needs `Authorization: Bearer KEY`."""
-
-    async def check(request: HttpRequest) -> None:
-        scheme, _, token = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip(), key):
-            message = "invalid or missing API key (send Authorization: Bearer KEY)"
-            raise ApiError(401, message, "invalid_api_key")
-
-    return check
-
-
 def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(ApiError)
     async def api_error(_request: HttpRequest, error: ApiError) -> JSONResponse:
@@ -257,6 +248,9 @@ def _add_error_handlers(app: FastAPI) -> None:
         first = problems[0] if problems else {"loc": (), "msg": "invalid request"}
         loc = [str(p) for p in first.get("loc", ()) if p != "body"]
         param = ".".join(loc) or None
+        refused = first.get("ctx", {}).get("error")
+        if isinstance(refused, Refused):  # the message names the field already
+            return ApiError(400, str(refused), "unsupported_value", refused.param).response()
         message = str(first.get("msg", "invalid request")).removeprefix("Value error, ")
         if first.get("type") == "json_invalid":
             message, param = "the body is not valid JSON", None

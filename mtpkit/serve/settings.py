@@ -10,6 +10,8 @@ from mtpkit.speculative.prompt_cache import DEFAULT_SIZE
 
 DEFAULT_MAX_TOKENS = 512  # mlx_lm.server's --max-tokens default
 DEFAULT_QUEUE_SIZE = 64
+# The largest request body read (bytes); a prompt of a model's whole context is far smaller.
+DEFAULT_MAX_BODY = 8 * 1024 * 1024
 
 
 @dataclass(frozen=True)
@@ -38,7 +40,8 @@ class ServeSettings:
     max_kv_size: int | None = None
     log_level: str = "INFO"
     # Serving.
-    api_key: str | None = None
+    api_key: str | None = None  # checked at start-up (`guard.checked_api_key`)
+    max_body: int = DEFAULT_MAX_BODY  # bytes of a request body read at most
     allow_model_paths: bool = False
     queue_size: int = DEFAULT_QUEUE_SIZE
     # Requests decoded together (mlx_lm.server's --decode-concurrency); 1: one stream at a
