@@ -46,11 +46,13 @@ def load_engine(settings: ServeSettings) -> Engine:
     if settings.chat_template:
         engine.m.tokenizer.chat_template = settings.chat_template
     else:
-        from mtpkit.core.templates import check_template
+        from mtpkit.core.templates import ChatTemplateError, check_template
 
         own = getattr(engine.m.tokenizer, "chat_template", None)
-        if isinstance(own, str):  # rendered bounded per request; a syntax error shows now
-            check_template(own, f"the chat template of {settings.model}")
+        try:  # rendered bounded per request; a syntax error shows now, once
+            check_template(own, "the model's chat template") if own is not None else None
+        except ChatTemplateError as e:
+            log.warning("%s: chat completions will be refused", e)
     return engine
 
 
