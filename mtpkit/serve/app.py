@@ -25,7 +25,7 @@ from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from mtpkit.core.errors import MtpkitError
+from mtpkit.core.errors import MtpkitError, shortened
 from mtpkit.serve.guard import Guard
 from mtpkit.serve.prompts import build_request
 from mtpkit.serve.refusals import Refused
@@ -113,26 +113,32 @@ class Served:
         self.encoder = ThreadPoolExecutor(1, thread_name_prefix="mtpkit-encode")
 
     def resolve_model(self, name: str | None) -> str | None:
-        """None for the served model; another model's directory only with
-        --allow-model-paths (a request never names files otherwise)."""
+        """None for the served model; another model's directory under the root that
+        --allow-model-paths names (a request never names files otherwise). Every refusal
+        is the same 404, echoing only the client's own name (escaped): it tells nothing of
+        which paths exist or where a link leads. Runs on the encoding thread."""
         if not name or name in self.names:
             return None
-        if not self.settings.allow_model_paths:
+        shown = shortened(name, 200)
+        root = self.settings.allow_model_paths
+        if root is None:
             raise ApiError(
-                404, f"the model `{name}` does not exist: this server serves "
+                404, f"the model `{shown}` does not exist: this server serves "
                 f"`{self.settings.model}`", "model_not_found", "model",
             )  # fmt: skip
-        path = Path(name).expanduser()
-        if not path.is_dir():
-            raise ApiError(404, f"no model directory at `{name}`", "model_not_found", "model")
-        resolved = path.resolve()
-        return None if resolved == self.served_path else str(resolved)
+        found = model_under(Path(root), name)
+        if found is None:
+            raise ApiError(
+                404, f"no model directory `{shown}` under the server's model root",
+                "model_not_found", "model",
+            )  # fmt: skip
+        return None if found == self.served_path else str(found)
 
     async def complete(
         self, body: ChatCompletionRequest | CompletionRequest, request: HttpRequest, chat: bool
     ) -> Response:
-        model = self.resolve_model(body.model)
         loop = asyncio.get_running_loop()
+        model = await loop.run_in_executor(self.encoder, self.resolve_model, body.model)
         if model is None:  # encoded and checked now, before it takes a slot
             engine = self.worker.served_engine
             try:
@@ -168,6 +174,21 @@ class Served:
             return JSONResponse(ids.complete(item))
         finally:
             watcher.cancel()
+
+
+def model_under(root: Path, name: str) -> Path | None:
+    """The model directory `name` (relative to `root`, or absolute) names, resolved, when it
+    lies under `root` (links followed) and holds a config.json; None otherwise, whatever
+    the reason (missing, outside, not a model, a name no file system takes)."""
+    try:
+        base = root.resolve(strict=True)
+        path = Path(name)
+        found = (path if path.is_absolute() else base / path).resolve(strict=True)
+        if found.is_relative_to(base) and (found / "config.json").is_file():
+            return found
+    except (OSError, ValueError, RuntimeError):  # too long, a NUL byte, a link loop
+        pass
+    return None
 
 
 class JobStream(StreamingResponse):

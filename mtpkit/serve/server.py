@@ -10,6 +10,7 @@ import logging
 import signal
 import socket
 from collections.abc import Iterator
+from pathlib import Path
 from types import FrameType
 
 import uvicorn
@@ -65,6 +66,10 @@ def _check_at_start(settings: ServeSettings) -> None:
     if settings.chat_template:
         check_template(settings.chat_template, "--chat-template")
     template_variables(settings.chat_template_args)
+    root = settings.allow_model_paths
+    if root is not None and not Path(root).expanduser().is_dir():
+        raise MtpkitError(f"--allow-model-paths {root}: no such directory (name the root of "
+                          "the model directories requests may load)")  # fmt: skip
 
 
 def load_other(settings: ServeSettings, path: str) -> Engine:

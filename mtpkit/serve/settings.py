@@ -42,7 +42,8 @@ class ServeSettings:
     # Serving.
     api_key: str | None = None  # checked at start-up (`guard.checked_api_key`)
     max_body: int = DEFAULT_MAX_BODY  # bytes of a request body read at most
-    allow_model_paths: bool = False
+    # The directory under which a request's `model` may name another model (None: never).
+    allow_model_paths: str | None = None
     queue_size: int = DEFAULT_QUEUE_SIZE
     # Requests decoded together (mlx_lm.server's --decode-concurrency); 1: one stream at a
     # time (the prompt cache serves both).

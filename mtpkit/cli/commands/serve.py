@@ -95,9 +95,12 @@ def serve_command(
         ),
     ] = None,
     allow_model_paths: Annotated[
-        bool,
-        typer.Option(help="Let a request's `model` name another local model directory to load."),
-    ] = False,
+        str | None,
+        typer.Option(
+            metavar="ROOT",
+            help="Let a request's `model` name another model directory under ROOT to load.",
+        ),
+    ] = None,
     queue_size: Annotated[
         int,
         typer.Option(min=1, metavar="N", help="Requests that may wait; more get 503 Retry-After."),
