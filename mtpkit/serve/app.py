@@ -25,7 +25,8 @@ from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from mtpkit.core.errors import MtpkitError, shortened
+from mtpkit.core.console import printable
+from mtpkit.core.errors import MtpkitError
 from mtpkit.serve.guard import Guard
 from mtpkit.serve.prompts import build_request
 from mtpkit.serve.refusals import Refused
@@ -44,6 +45,7 @@ from mtpkit.speculative.session import TokenEvent
 # How often a waiting request checks that its client is still there (seconds).
 DISCONNECT_POLL = 0.5
 RETRY_AFTER = "1"  # seconds, on a full queue
+MAX_NAME = 200  # characters of a client's model name a refusal repeats
 
 
 class ApiError(Exception):
@@ -119,7 +121,7 @@ class Served:
         which paths exist or where a link leads. Runs on the encoding thread."""
         if not name or name in self.names:
             return None
-        shown = shortened(name, 200)
+        shown = printable(name[:MAX_NAME]) + ("..." if len(name) > MAX_NAME else "")
         root = self.settings.allow_model_paths
         if root is None:
             raise ApiError(

@@ -50,8 +50,9 @@ def encode_completion_prompt(tokenizer: Any, prompt: str | list[str] | list[int]
 
 def within_context(engine: Engine, prompt: list[int], max_tokens: int) -> int:
     """`max_tokens`, or fewer where the prompt and they would pass the model's context:
-    decoding then ends at the context with finish_reason "length" (as mlx_lm.server's
-    answer ends), rather than refusing a request whose answer may well be short."""
+    decoding then ends at the context with finish_reason "length", rather than refusing a
+    request whose answer may well end sooner (OpenAI refuses it; a client's default
+    max_tokens would make every long prompt a refusal)."""
     context = engine.m.context_length
     return min(max_tokens, int(context) - len(prompt)) if context else max_tokens
 

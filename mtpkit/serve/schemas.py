@@ -60,7 +60,7 @@ class GenerationFields(BaseModel):
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0.0)
-    top_p: float | None = Field(None, ge=0.0, le=1.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
     top_k: int | None = Field(None, ge=0)
     min_p: float | None = Field(None, ge=0.0, le=1.0)
     seed: int | None = Field(None, ge=0, le=2**64 - 1)  # MLX's random key takes 64 bits
