@@ -415,3 +415,25 @@ def test_upload_names_a_missing_or_damaged_directory(tmp_path: Path) -> None:
         result = runner.invoke(app, ["upload", str(directory), "--upload-repo", "org/x"])
         assert result.exit_code == 1
         assert result.stderr.splitlines() == [f"Error: {message}"]
+
+
+def test_upload_never_overwrites_the_users_own_readme(
+    hub: HubStandIn, source: str, conversion: Path
+) -> None:
+    """Issue 48, 0: a README.md of the user's in DIR was replaced by the model card without a
+    word. It is now published as it is and stays on disk byte for byte; mtpkit's own card
+    (from an earlier upload) is still rewritten."""
+    mine = "# my notes\n\nbenchmarks I ran by hand\n"
+    (conversion / "README.md").write_text(mine)
+    logged: list[str] = []
+    upload(conversion, "org/mine", check=False, log=logged.append)
+    assert (conversion / "README.md").read_text() == mine
+    assert Path(hf_hub_download("org/mine", "README.md")).read_text() == mine
+    assert any("is your own" in line for line in logged)
+
+    (conversion / "README.md").unlink()
+    upload(conversion, "org/cards", check=False)
+    first = (conversion / "README.md").read_text()
+    assert "# org/cards" in first
+    upload(conversion, "org/cards-2", check=False)  # the earlier card is mtpkit's: rewritten
+    assert "# org/cards-2" in (conversion / "README.md").read_text()

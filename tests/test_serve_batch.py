@@ -33,7 +33,10 @@ MAX_TOKENS = 40
 @pytest.fixture(scope="module")
 def server(converted: Path, tmp_path_factory: pytest.TempPathFactory):
     log = tmp_path_factory.mktemp("serve-batch") / "server.log"
-    proc = ServerProcess(converted, log, "--decode-concurrency", "4", "--allow-model-paths")
+    root = str(tmp_path_factory.getbasetemp())  # holds every test's tmp_path
+    proc = ServerProcess(
+        converted, log, "--decode-concurrency", "4", "--allow-model-paths", root
+    )
     yield proc
     proc.stop()
 

@@ -21,7 +21,8 @@ LONG = {"prompt": "def main(argv):", "max_tokens": 3500}
 @pytest.fixture(scope="module")
 def server(converted: Path, tmp_path_factory: pytest.TempPathFactory):
     log = tmp_path_factory.mktemp("serve") / "server.log"
-    proc = ServerProcess(converted, log, "--queue-size", "1", "--allow-model-paths")
+    root = str(tmp_path_factory.getbasetemp())  # holds every test's tmp_path
+    proc = ServerProcess(converted, log, "--queue-size", "1", "--allow-model-paths", root)
     yield proc
     proc.stop()
 

@@ -15,13 +15,14 @@ from __future__ import annotations
 
 import contextlib
 import json
-import signal
-import threading
+import sys
+import time
 from collections.abc import Iterator
 from datetime import datetime
 from types import FrameType
 from typing import Any
 
+from mtpkit.core.console import printable
 from mtpkit.core.errors import MtpkitError
 
 # A rendered prompt, or any string or list a template builds, holds at most this many items
@@ -33,9 +34,18 @@ MAX_SECONDS = 10.0
 MAX_EXPONENT = 4096
 
 
+# The file name Jinja gives a template compiled from a string (`Environment.from_string`).
+TEMPLATE_FILE = "<template>"
+# `tokenizer.apply_chat_template`'s own parameters: never template variables.
+CALL_PARAMETERS = frozenset({
+    "conversation", "messages", "tools", "documents", "chat_template", "tokenize", "padding",
+    "truncation", "max_length", "return_tensors", "return_dict", "return_assistant_tokens_mask",
+    "tokenizer_kwargs", "processor_kwargs",
+})  # fmt: skip
+
 FIX = (
-    "fix chat_template in the model's tokenizer files, or pass --no-chat-template where the "
-    "command takes it"
+    "fix chat_template in the model's tokenizer files (or the template given to the command), "
+    "or pass --no-chat-template where the command takes it"
 )
 
 
@@ -50,7 +60,8 @@ class _Overrun(Exception):
 def apply_chat_template(tokenizer: Any, messages: list[dict[str, Any]], **kwargs: Any) -> list[int]:
     """`tokenizer.apply_chat_template(messages, tokenize=True, **kwargs)`, bounded: the
     template is rendered in the bounded sandbox first; a template that raises or overruns is a
-    `ChatTemplateError`."""
+    `ChatTemplateError`. `kwargs` are template variables (`template_variables`)."""
+    kwargs = template_variables(kwargs)
     template = _template_text(tokenizer)
     limit = _limit(messages)
     try:
@@ -66,6 +77,10 @@ def apply_chat_template(tokenizer: Any, messages: list[dict[str, Any]], **kwargs
         raise ChatTemplateError(
             f"the tokenizer's chat template {e}: it is not run further; {FIX}"
         ) from None
+    except RecursionError:  # a macro calling itself without end
+        raise ChatTemplateError(
+            f"the tokenizer's chat template recurses without end: it is not run further; {FIX}"
+        ) from None
     except Exception as e:  # jinja2.TemplateError: the template's raise_exception, or a fault
         if type(e).__module__.split(".")[0] != "jinja2":
             raise
@@ -74,11 +89,48 @@ def apply_chat_template(tokenizer: Any, messages: list[dict[str, Any]], **kwargs
         ) from None
 
 
+def template_variables(args: dict[str, Any]) -> dict[str, Any]:
+    """`args` when each is a variable for the template (e.g. `enable_thinking`); a
+    ChatTemplateError names the first that is not: one of `tokenizer.apply_chat_template`'s
+    own parameters (`chat_template` would replace the template, `tools` bypass a refusal,
+    `return_tensors` change what comes back) or a name no template can read."""
+    for name in args:
+        if name in CALL_PARAMETERS:
+            raise ChatTemplateError(
+                f"chat template argument `{name}` is not a template variable (it is a "
+                "parameter of the tokenizer's apply_chat_template): leave it out"
+            )
+        if not isinstance(name, str) or not name.isidentifier():
+            raise ChatTemplateError(
+                f"chat template argument {printable(repr(name))[:80]} is not a variable name"
+            )
+    return args
+
+
+def check_template(template: str, origin: str) -> None:
+    """Raise a ChatTemplateError naming `origin` (e.g. "--chat-template") when `template`
+    is not a Jinja template (checked once, where it is given, not at the first request)."""
+    if not isinstance(template, str):
+        raise ChatTemplateError(f"{origin} must be text (a Jinja template), not {type(template).__name__}")
+    from jinja2.exceptions import TemplateError
+
+    try:
+        _bounded_environment(MAX_CHARS).parse(template)
+    except TemplateError as e:
+        raise ChatTemplateError(
+            f"{origin} is not a valid Jinja template ({type(e).__name__}: {printable(str(e))})"
+        ) from None
+
+
 def _template_text(tokenizer: Any) -> str | None:
     template = getattr(tokenizer, "chat_template", None)
     if isinstance(template, dict):  # named templates: transformers uses "default"
         template = template.get("default")
-    return template if isinstance(template, str) else None
+    if template is not None and not isinstance(template, str):
+        raise ChatTemplateError(
+            f"the tokenizer's chat template is {type(template).__name__}, not text; {FIX}"
+        )
+    return template
 
 
 def _limit(messages: list[dict[str, Any]]) -> int:
@@ -88,22 +140,29 @@ def _limit(messages: list[dict[str, Any]]) -> int:
 
 @contextlib.contextmanager
 def _time_limit(seconds: float) -> Iterator[None]:
-    """Raise `_Overrun` in the main thread after `seconds` (SIGALRM); elsewhere, where Python
-    runs no signal handler, the size bounds alone apply."""
-    if threading.current_thread() is not threading.main_thread() or not hasattr(signal, "SIGALRM"):
-        yield
-        return
+    """Raise `_Overrun` once the template has run `seconds`, in whichever thread renders it
+    (the server renders off the main thread, where SIGALRM cannot reach): the thread's trace
+    function watches only the template's own compiled code (Jinja names it `<template>`) and
+    checks the clock at each of its lines, so each loop turn, macro call and output piece
+    passes a check. A single builtin step is bounded by the sandbox's size limits instead.
+    A render in a subprocess would also bound memory, but costs a process per prompt and a
+    copy of the tokenizer's special tokens; this costs nothing outside the template."""
+    deadline = time.monotonic() + seconds
 
-    def expire(signum: int, frame: FrameType | None) -> None:
-        raise _Overrun(f"ran longer than {seconds:g} seconds")
+    def line(frame: FrameType, event: str, arg: Any) -> Any:
+        if time.monotonic() > deadline:
+            raise _Overrun(f"ran longer than {seconds:g} seconds")
+        return line
 
-    previous = signal.signal(signal.SIGALRM, expire)
-    signal.setitimer(signal.ITIMER_REAL, seconds)
+    def call(frame: FrameType, event: str, arg: Any) -> Any:
+        return line if frame.f_code.co_filename == TEMPLATE_FILE else None
+
+    previous = sys.gettrace()
+    sys.settrace(call)
     try:
         yield
     finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, previous)
+        sys.settrace(previous)
 
 
 def _trial_render(
@@ -122,7 +181,7 @@ def _trial_render(
         "messages": messages,
         "tools": None,
         "documents": None,
-        "add_generation_prompt": kwargs.get("add_generation_prompt", False),
+        **kwargs,
     }
     produced = 0
     for piece in compiled.generate(**variables):

@@ -19,6 +19,15 @@ HUB_REPO = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 PROMPT = "Write a haiku about the sea."
 
 
+# The card's last line: a README.md holding it is mtpkit's own card, which an upload writes
+# again; any other README.md in the directory is the user's and is never overwritten.
+CARD_MARK = "<!-- written by mtpkit upload; a README.md without this line is kept as it is -->"
+
+
+def is_mtpkit_card(text: str) -> bool:
+    return CARD_MARK in text
+
+
 def hub_source(spec: str | None) -> str | None:
     """The source's Hub repo id, or None for a local directory."""
     if not spec or Path(spec).expanduser().exists() or not HUB_REPO.match(spec):
@@ -164,6 +173,8 @@ def model_card(repo: str, manifest: dict[str, Any], check: dict[str, Any] | None
             _check_section(check),
             "",
             f"Re-check it any time: `mtpkit check {repo}` (add `--probe` to measure acceptance).",
+            "",
+            CARD_MARK,
             "",
         ]
     )

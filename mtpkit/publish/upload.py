@@ -32,7 +32,7 @@ from mtpkit.checkpoint.links import contained_file
 from mtpkit.checkpoint.source import source_repo
 from mtpkit.core.errors import MtpkitError
 from mtpkit.core.manifest import MANIFEST_PATH
-from mtpkit.publish.card import model_card
+from mtpkit.publish.card import is_mtpkit_card, model_card
 from mtpkit.publish.hub import bounded_requests, on_the_hub
 
 CARD = "README.md"
@@ -181,7 +181,7 @@ def upload(
     if state is None:
         state = preflight(repo_id, replace=replace, quiet=quiet)
     result = checked(output, say) if check else None
-    (output / CARD).write_text(model_card(repo_id, manifest, result))
+    _write_card(output / CARD, model_card(repo_id, manifest, result), say)
     files = published_files(output)
     say(f"uploading {len(files)} files to {repo_id}")
     retry = f"mtpkit upload {output} --upload-repo {repo_id}" + (
@@ -202,6 +202,16 @@ def upload(
                 _deleted(HfApi(), repo_id)
         raise
     return {"repo": repo_id, "commit": info.oid, "url": info.commit_url, "check": result}
+
+
+def _write_card(path: Path, card: str, say: Log) -> None:
+    """mtpkit's model card as `path`, unless `path` is a README.md of the user's own (not
+    one an earlier upload wrote): that one is published as it is, and never overwritten."""
+    if path.is_file() and not is_mtpkit_card(path.read_text(encoding="utf-8", errors="replace")):
+        say(f"{path} is your own: it is uploaded as the model card, unchanged (move it away "
+            "to have mtpkit write its card)")  # fmt: skip
+        return
+    path.write_text(card, encoding="utf-8")
 
 
 def _manifest(output: Path) -> dict[str, Any]:

@@ -159,6 +159,15 @@ class MtpModel:
         return self.head is not None or self.head_elsewhere
 
     @property
+    def vocab_size(self) -> int | None:
+        """The ids the model embeds and scores (its config's vocab_size), None if unknown."""
+        for config in (self.config, self.config.get("text_config") or {}):
+            size = config.get("vocab_size") if isinstance(config, dict) else None
+            if isinstance(size, int) and not isinstance(size, bool) and size > 0:
+                return size
+        return None
+
+    @property
     def moe_dtype(self) -> str | None:
         """The dtype the MoE experts compute in (`mtpkit.runtime.upcast.moe_dtype`); None without."""
         return moe_dtype(self.model) or (moe_dtype(self.head) if self.head is not None else None)

@@ -11,23 +11,25 @@ from __future__ import annotations
 
 import asyncio
 import json
-import secrets
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from pathlib import Path
 from typing import Any
 
-from fastapi import Depends, FastAPI, HTTPException
+from fastapi import FastAPI, HTTPException
 from fastapi import Request as HttpRequest
 from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from mtpkit.core.console import printable
 from mtpkit.core.errors import MtpkitError
+from mtpkit.serve.guard import Guard
 from mtpkit.serve.prompts import build_request
+from mtpkit.serve.refusals import Refused
 from mtpkit.serve.schemas import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -43,6 +45,7 @@ from mtpkit.speculative.session import TokenEvent
 # How often a waiting request checks that its client is still there (seconds).
 DISCONNECT_POLL = 0.5
 RETRY_AFTER = "1"  # seconds, on a full queue
+MAX_NAME = 200  # characters of a client's model name a refusal repeats
 
 
 class ApiError(Exception):
@@ -63,13 +66,15 @@ class ApiError(Exception):
 
 def create_app(settings: ServeSettings, worker: Worker) -> FastAPI:
     app = FastAPI(title="mtpkit serve", docs_url=None, redoc_url=None, openapi_url=None)
+    # The key and the body's size before any body is read; CORS outside it, so that a
+    # browser's preflight and a 401 both carry its headers.
+    app.add_middleware(Guard, api_key=settings.api_key, max_body=settings.max_body)
     app.add_middleware(
         CORSMiddleware, allow_origins=list(settings.allowed_origins), allow_methods=["*"],
         allow_headers=["*"],
     )  # fmt: skip
     _add_error_handlers(app)
     served = Served(settings, worker)
-    auth = [Depends(_key_check(settings.api_key))] if settings.api_key else []
 
     @app.get("/health")
     async def health() -> dict[str, Any]:
@@ -81,15 +86,15 @@ def create_app(settings: ServeSettings, worker: Worker) -> FastAPI:
             "cancelled": worker.cancelled,
         }
 
-    @app.get("/v1/models", dependencies=auth)
+    @app.get("/v1/models")
     async def models() -> dict[str, Any]:
         return model_list(settings.model, served.created)
 
-    @app.post("/v1/chat/completions", dependencies=auth)
+    @app.post("/v1/chat/completions")
     async def chat(body: ChatCompletionRequest, request: HttpRequest) -> Response:
         return await served.complete(body, request, chat=True)
 
-    @app.post("/v1/completions", dependencies=auth)
+    @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: HttpRequest) -> Response:
         return await served.complete(body, request, chat=False)
 
@@ -110,26 +115,32 @@ class Served:
         self.encoder = ThreadPoolExecutor(1, thread_name_prefix="mtpkit-encode")
 
     def resolve_model(self, name: str | None) -> str | None:
-        """None for the served model; another model's directory only with
-        --allow-model-paths (a request never names files otherwise)."""
+        """None for the served model; another model's directory under the root that
+        --allow-model-paths names (a request never names files otherwise). Every refusal
+        is the same 404, echoing only the client's own name (escaped): it tells nothing of
+        which paths exist or where a link leads. Runs on the encoding thread."""
         if not name or name in self.names:
             return None
-        if not self.settings.allow_model_paths:
+        shown = printable(name[:MAX_NAME]) + ("..." if len(name) > MAX_NAME else "")
+        root = self.settings.allow_model_paths
+        if root is None:
             raise ApiError(
-                404, f"the model `{name}` does not exist: this server serves "
+                404, f"the model `{shown}` does not exist: this server serves "
                 f"`{self.settings.model}`", "model_not_found", "model",
             )  # fmt: skip
-        path = Path(name).expanduser()
-        if not path.is_dir():
-            raise ApiError(404, f"no model directory at `{name}`", "model_not_found", "model")
-        resolved = path.resolve()
-        return None if resolved == self.served_path else str(resolved)
+        found = model_under(Path(root), name)
+        if found is None:
+            raise ApiError(
+                404, f"no model directory `{shown}` under the server's model root",
+                "model_not_found", "model",
+            )  # fmt: skip
+        return None if found == self.served_path else str(found)
 
     async def complete(
         self, body: ChatCompletionRequest | CompletionRequest, request: HttpRequest, chat: bool
     ) -> Response:
-        model = self.resolve_model(body.model)
         loop = asyncio.get_running_loop()
+        model = await loop.run_in_executor(self.encoder, self.resolve_model, body.model)
         if model is None:  # encoded and checked now, before it takes a slot
             engine = self.worker.served_engine
             try:
@@ -165,6 +176,21 @@ class Served:
             return JSONResponse(ids.complete(item))
         finally:
             watcher.cancel()
+
+
+def model_under(root: Path, name: str) -> Path | None:
+    """The model directory `name` (relative to `root`, or absolute) names, resolved, when it
+    lies under `root` (links followed) and holds a config.json; None otherwise, whatever
+    the reason (missing, outside, not a model, a name no file system takes)."""
+    try:
+        base = root.resolve(strict=True)
+        path = Path(name)
+        found = (path if path.is_absolute() else base / path).resolve(strict=True)
+        if found.is_relative_to(base) and (found / "config.json").is_file():
+            return found
+    except (OSError, ValueError, RuntimeError):  # too long, a NUL byte, a link loop
+        pass
+    return None
 
 
 class JobStream(StreamingResponse):
@@ -234,18 +260,6 @@ def _code(error: MtpkitError) -> str | None:
     return "context_length_exceeded" if isinstance(error, PromptTooLong) else None
 
 
-def _key_check(key: str) -> Callable[[HttpRequest], Awaitable[None]]:
-    """`--api-key`: every /v1 route needs `Authorization: Bearer KEY`."""
-
-    async def check(request: HttpRequest) -> None:
-        scheme, _, token = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip(), key):
-            message = "invalid or missing API key (send Authorization: Bearer KEY)"
-            raise ApiError(401, message, "invalid_api_key")
-
-    return check
-
-
 def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(ApiError)
     async def api_error(_request: HttpRequest, error: ApiError) -> JSONResponse:
@@ -257,6 +271,9 @@ def _add_error_handlers(app: FastAPI) -> None:
         first = problems[0] if problems else {"loc": (), "msg": "invalid request"}
         loc = [str(p) for p in first.get("loc", ()) if p != "body"]
         param = ".".join(loc) or None
+        refused = first.get("ctx", {}).get("error")
+        if isinstance(refused, Refused):  # the message names the field already
+            return ApiError(400, str(refused), "unsupported_value", refused.param).response()
         message = str(first.get("msg", "invalid request")).removeprefix("Value error, ")
         if first.get("type") == "json_invalid":
             message, param = "the body is not valid JSON", None

@@ -44,8 +44,17 @@ def encode_completion_prompt(tokenizer: Any, prompt: str | list[str] | list[int]
     vocab = len(tokenizer.vocab) if hasattr(tokenizer, "vocab") else None
     bad = [t for t in prompt if t < 0 or (vocab is not None and t >= vocab)]
     if bad:
-        raise BadPrompt(f"token id {bad[0]} is not in the vocabulary (0..{vocab})")
+        raise BadPrompt(f"token id {bad[0]} is not in the vocabulary (0..{vocab - 1})")
     return list(prompt)
+
+
+def within_context(engine: Engine, prompt: list[int], max_tokens: int) -> int:
+    """`max_tokens`, or fewer where the prompt and they would pass the model's context:
+    decoding then ends at the context with finish_reason "length", rather than refusing a
+    request whose answer may well end sooner (OpenAI refuses it; a client's default
+    max_tokens would make every long prompt a refusal)."""
+    context = engine.m.context_length
+    return min(max_tokens, int(context) - len(prompt)) if context else max_tokens
 
 
 def build_request(
@@ -59,15 +68,16 @@ def build_request(
     else:
         prompt = encode_completion_prompt(tokenizer, body.prompt)
     check_prompt(engine.m, prompt)
-    sampling = SamplingSettings(
+    sampling = SamplingSettings.checked(
         temp=settings.temp if body.temperature is None else body.temperature,
         top_p=settings.top_p if body.top_p is None else body.top_p,
         top_k=settings.top_k if body.top_k is None else body.top_k,
         min_p=settings.min_p if body.min_p is None else body.min_p,
+        vocab_size=engine.m.vocab_size,
     )
     return Request(
         prompt,
-        max_tokens=body.token_limit(settings.max_tokens),
+        max_tokens=within_context(engine, prompt, body.token_limit(settings.max_tokens)),
         sampling=sampling,
         seed=body.seed,
         stop=body.stop_strings(),

@@ -3,8 +3,9 @@ here before it reaches the decoding queue (a bad value is a 400 in OpenAI's erro
 `app.py`), and a response is built here from a finished session.
 
 Fields the OpenAI API defines that mtpkit does not implement are accepted at their neutral
-value and refused otherwise (`n` > 1, `logprobs`, penalties, tools): a client that asks for
-them learns so at once instead of getting an answer that silently ignored them.
+value and refused otherwise (`n` > 1, `logprobs`, penalties, tools, and the table of
+`refusals.py`): a client that asks for them learns so at once instead of getting an answer
+that silently ignored them.
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ import uuid
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from mtpkit.serve.refusals import refuse_unhonoured
 
 # Roles a chat template receives as they are ("developer" is OpenAI's newer "system").
 Role = Literal["system", "developer", "user", "assistant", "tool"]
@@ -57,10 +60,10 @@ class GenerationFields(BaseModel):
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0.0)
-    top_p: float | None = Field(None, ge=0.0, le=1.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
     top_k: int | None = Field(None, ge=0)
     min_p: float | None = Field(None, ge=0.0, le=1.0)
-    seed: int | None = None
+    seed: int | None = Field(None, ge=0, le=2**64 - 1)  # MLX's random key takes 64 bits
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -69,6 +72,12 @@ class GenerationFields(BaseModel):
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     tools: list[Any] | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _honoured(cls, data: Any) -> Any:
+        refuse_unhonoured(data)  # the fields in refusals.REFUSED, and lone surrogates
+        return data
 
     @field_validator("temperature", "top_p", "min_p")
     @classmethod
@@ -108,7 +117,7 @@ class GenerationFields(BaseModel):
     @field_validator("stop")
     @classmethod
     def _stop_strings(cls, value: str | list[str] | None) -> str | list[str] | None:
-        if isinstance(value, list) and any(not s for s in value):
+        if value == "" or isinstance(value, list) and any(not s for s in value):
             raise ValueError("stop strings must not be empty")
         return value
 

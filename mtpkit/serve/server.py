@@ -5,15 +5,19 @@ the process ends with status 0)."""
 from __future__ import annotations
 
 import contextlib
+import ipaddress
 import logging
 import signal
 import socket
 from collections.abc import Iterator
+from pathlib import Path
 from types import FrameType
 
 import uvicorn
 
+from mtpkit.core.console import printable
 from mtpkit.core.errors import MtpkitError
+from mtpkit.serve.guard import checked_api_key
 from mtpkit.serve.settings import ServeSettings
 from mtpkit.serve.worker import Worker
 from mtpkit.speculative.proposers.choose import DrafterChoice
@@ -42,7 +46,30 @@ def load_engine(settings: ServeSettings) -> Engine:
         log.warning("%s has no MTP head: decoding without drafting", settings.model)
     if settings.chat_template:
         engine.m.tokenizer.chat_template = settings.chat_template
+    else:
+        from mtpkit.core.templates import ChatTemplateError, check_template
+
+        own = getattr(engine.m.tokenizer, "chat_template", None)
+        try:  # rendered bounded per request; a syntax error shows now, once
+            check_template(own, "the model's chat template") if own is not None else None
+        except ChatTemplateError as e:
+            log.warning("%s: chat completions will be refused", e)
     return engine
+
+
+def _check_at_start(settings: ServeSettings) -> None:
+    """What the operator passed, checked before the model loads: a key that can
+    authenticate, a template that parses, template arguments that are variables."""
+    from mtpkit.core.templates import check_template, template_variables
+
+    checked_api_key(settings.api_key)
+    if settings.chat_template:
+        check_template(settings.chat_template, "--chat-template")
+    template_variables(settings.chat_template_args)
+    root = settings.allow_model_paths
+    if root is not None and not Path(root).expanduser().is_dir():
+        raise MtpkitError(f"--allow-model-paths {root}: no such directory (name the root of "
+                          "the model directories requests may load)")  # fmt: skip
 
 
 def load_other(settings: ServeSettings, path: str) -> Engine:
@@ -75,8 +102,13 @@ def serve(settings: ServeSettings) -> None:
     """Serve `settings.model` over the OpenAI API until SIGTERM or Ctrl-C."""
     from mtpkit.serve.app import create_app
 
-    logging.basicConfig(level=settings.log_level, format="%(levelname)s %(name)s: %(message)s")
-    logging.getLogger("mtpkit.serve").setLevel(settings.log_level)
+    _check_at_start(settings)
+    _log_printably(settings.log_level)
+    if settings.api_key is None and not _loopback(settings.host):
+        log.warning(
+            "serving on %s without --api-key: anyone who reaches this host can use the model",
+            settings.host,
+        )  # fmt: skip
     sock = bind(settings.host, settings.port)
     try:
         engine = load_engine(settings)
@@ -94,6 +126,7 @@ def serve(settings: ServeSettings) -> None:
             )  # fmt: skip
         config = uvicorn.Config(
             create_app(settings, worker), log_level=settings.log_level.lower(), lifespan="off",
+            log_config=None,  # uvicorn's records reach the root's printable handler
             timeout_graceful_shutdown=GRACEFUL_SHUTDOWN,
         )  # fmt: skip
         server = _Server(config, worker)
@@ -111,6 +144,33 @@ def serve(settings: ServeSettings) -> None:
     finally:
         sock.close()
     log.info("stopped")
+
+
+class PrintableFormatter(logging.Formatter):
+    """Every log line as text, whatever a client sent: terminal controls escaped (a model
+    name or path echoed in a message or a traceback cannot retitle or clear the operator's
+    terminal), lone surrogates written as escapes (the line always encodes)."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        text = super().format(record)
+        return printable(text.encode("utf-8", "backslashreplace").decode("utf-8"))
+
+
+def _log_printably(level: str) -> None:
+    """The root logger's one handler, on stderr, with `PrintableFormatter`; mtpkit's and
+    uvicorn's loggers at `level`."""
+    handler = logging.StreamHandler()
+    handler.setFormatter(PrintableFormatter("%(levelname)s %(name)s: %(message)s"))
+    logging.basicConfig(level=level, handlers=[handler], force=True)
+    for name in ("mtpkit.serve", "uvicorn", "uvicorn.error", "uvicorn.access"):
+        logging.getLogger(name).setLevel(level)
+
+
+def _loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return host == "localhost"
 
 
 class _Server(uvicorn.Server):

@@ -10,6 +10,8 @@ from mtpkit.speculative.prompt_cache import DEFAULT_SIZE
 
 DEFAULT_MAX_TOKENS = 512  # mlx_lm.server's --max-tokens default
 DEFAULT_QUEUE_SIZE = 64
+# The largest request body read (bytes); a prompt of a model's whole context is far smaller.
+DEFAULT_MAX_BODY = 8 * 1024 * 1024
 
 
 @dataclass(frozen=True)
@@ -38,8 +40,10 @@ class ServeSettings:
     max_kv_size: int | None = None
     log_level: str = "INFO"
     # Serving.
-    api_key: str | None = None
-    allow_model_paths: bool = False
+    api_key: str | None = None  # checked at start-up (`guard.checked_api_key`)
+    max_body: int = DEFAULT_MAX_BODY  # bytes of a request body read at most
+    # The directory under which a request's `model` may name another model (None: never).
+    allow_model_paths: str | None = None
     queue_size: int = DEFAULT_QUEUE_SIZE
     # Requests decoded together (mlx_lm.server's --decode-concurrency); 1: one stream at a
     # time (the prompt cache serves both).

@@ -16,12 +16,49 @@ when every draft is accepted, else the recovered token that replaces the first r
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+import math
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import mlx.core as mx
 
 from mtpkit.core.choices import TOP_P_OFF
+from mtpkit.core.errors import MtpkitError
+
+
+class BadSampling(MtpkitError):
+    """A sampling setting outside what the sampler can draw with."""
+
+
+@contextlib.contextmanager
+def random_state_kept() -> Iterator[None]:
+    """mlx-lm's filters and categorical draw are compiled with MLX's global random state as
+    their input and output (`mx.compile(inputs=mx.random.state, ...)`): while one is traced
+    the state holds placeholders, and a trace that raises (mlx-lm's own check of `top_k`,
+    say) leaves them there, so every later unseeded draw fails ("Attempting to eval an array
+    without a primitive"). Here the state is put back, as a generator seeded from the key it
+    held before, when the body raises."""
+    saved = list(mx.random.state)
+    try:
+        yield
+    except BaseException:
+        high, low = (int(part) for part in saved[0].tolist())
+        mx.random.seed((high << 32) | low)
+        raise
+
+
+def _real(name: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise BadSampling(f"{name} must be a finite number, not {value!r}")
+    return float(value)
+
+
+def _count(name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise BadSampling(f"{name} must be an integer of 0 or more, not {value!r}")
+    return value
 
 
 @dataclass(frozen=True)
@@ -32,6 +69,35 @@ class SamplingSettings:
     min_p: float = 0.0
     min_tokens_to_keep: int = 1  # of min-p's filter (mlx_lm.generate --min-tokens-to-keep)
 
+    @classmethod
+    def checked(
+        cls, *, temp: Any = 0.0, top_p: Any = TOP_P_OFF, top_k: Any = 0, min_p: Any = 0.0,
+        min_tokens_to_keep: Any = 1, vocab_size: int | None = None,
+    ) -> SamplingSettings:  # fmt: skip
+        """The settings, validated once where they are built (the CLI, the Python API and
+        the server all build them here): a `BadSampling` naming the first that mlx-lm's
+        sampler would reject, misread or crash on. temp >= 0, 0 < top_p <= 1, 0 <= min_p
+        <= 1, integers top_k >= 0 and min_tokens_to_keep >= 1; then `fitted` to the model's
+        `vocab_size` when it is known."""
+        temp, top_p, min_p = _real("temp", temp), _real("top_p", top_p), _real("min_p", min_p)
+        if temp < 0:
+            raise BadSampling(f"temp must be 0 (greedy) or more, not {temp:g}")
+        if not 0 < top_p <= 1:
+            raise BadSampling(f"top_p must be above 0 and at most 1, not {top_p:g}")
+        if not 0 <= min_p <= 1:
+            raise BadSampling(f"min_p must be from 0 to 1, not {min_p:g}")
+        top_k = _count("top_k", top_k)
+        if _count("min_tokens_to_keep", min_tokens_to_keep) < 1:
+            raise BadSampling("min_tokens_to_keep must be 1 or more")
+        return cls(temp, top_p, top_k, min_p, min_tokens_to_keep).fitted(vocab_size)
+
+    def fitted(self, vocab_size: int | None) -> SamplingSettings:
+        """These settings for a model of `vocab_size` ids: a top_k of that many or more
+        keeps every token, which is what 0 means (mlx-lm's filter refuses it)."""
+        if vocab_size is not None and self.top_k >= vocab_size:
+            return SamplingSettings(self.temp, self.top_p, 0, self.min_p, self.min_tokens_to_keep)
+        return self
+
     @property
     def greedy(self) -> bool:
         return self.temp == 0
@@ -39,14 +105,25 @@ class SamplingSettings:
     def sampler(self) -> Callable[[mx.array], mx.array]:
         from mlx_lm.sample_utils import make_sampler
 
-        return make_sampler(
+        sample = make_sampler(
             temp=self.temp, top_p=self.top_p, min_p=self.min_p, top_k=self.top_k,
             min_tokens_to_keep=self.min_tokens_to_keep,
         )  # fmt: skip
 
+        def kept(logprobs: mx.array) -> mx.array:
+            with random_state_kept():
+                return sample(logprobs)
+
+        return kept
+
     def probs(self, logits: mx.array) -> mx.array:
         """The distribution mlx-lm's sampler draws from, for each row of `logits` (its
         filters in its order: top-p, min-p, top-k)."""
+
+        with random_state_kept():
+            return self._probs(logits)
+
+    def _probs(self, logits: mx.array) -> mx.array:
         from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
 
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)

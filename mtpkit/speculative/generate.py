@@ -187,6 +187,9 @@ def generate(
     """
     loads = not isinstance(model, MtpModel)
     check_seed(seed)
+    sampling = SamplingSettings.checked(
+        temp=temp, top_p=top_p, top_k=top_k, min_p=min_p, min_tokens_to_keep=min_tokens_to_keep
+    )
     if mtp is True and options.plain_only():
         raise GenerateError(f"{options.plain_only_reason()}: add --no-mtp")
     if seed is not None and loads:  # as mlx_lm.generate: loading draws from the generator
@@ -205,7 +208,7 @@ def generate(
         prefill_response=prefill_response, template_args=chat_template_args,
         default_template=default_chat_template,
     )  # fmt: skip
-    sampling = SamplingSettings(temp, top_p, top_k, min_p, min_tokens_to_keep)
+    sampling = sampling.fitted(m.vocab_size)
     check_prompt(m, tokens)
     mx.reset_peak_memory()
     if not use_mtp:

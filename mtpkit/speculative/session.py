@@ -14,6 +14,7 @@ thread owns the engine.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,6 +38,15 @@ HEAD = DrafterChoice()  # the model's own MTP head
 STOP, LENGTH, CANCELLED = "stop", "length", "cancelled"
 
 
+class EngineThreadError(MtpkitError):
+    """An Engine used from a thread other than the one that decodes on it."""
+
+
+def _check_count(name: str, value: object, least: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < least:
+        raise GenerateError(f"{name} must be an integer of {least} or more, not {value!r}")
+
+
 class PromptTooLong(MtpkitError):
     """The prompt does not fit the model's context."""
 
@@ -50,8 +60,17 @@ def check_seed(seed: int | None) -> None:
 
 
 def check_prompt(m: MtpModel, prompt: list[int]) -> None:
+    """A prompt of token ids the model can take: not empty, integers inside its vocabulary
+    (an id past it would read past the embedding), shorter than its context."""
     if not prompt:
         raise GenerateError("the prompt is empty")
+    vocab = m.vocab_size
+    for token in prompt:
+        if isinstance(token, bool) or not isinstance(token, int):
+            raise GenerateError(f"a prompt of token ids holds {token!r}, not an integer id")
+        if token < 0 or (vocab is not None and token >= vocab):
+            last = "" if vocab is None else f" (0..{vocab - 1})"
+            raise GenerateError(f"token id {token} is not in the model's vocabulary{last}")
     if m.context_length and len(prompt) >= int(m.context_length):
         raise PromptTooLong(
             f"the prompt has {len(prompt)} tokens but {m.path.name} has a context of "
@@ -101,9 +120,13 @@ class Engine:
         max_kv_size: int | None = None,
         pipeline: bool | str | None = None,
     ) -> None:
+        _check_count("prompt_cache_size", prompt_cache_size, 0)
+        if max_kv_size is not None:
+            _check_count("max_kv_size", max_kv_size, 1)
         self.m = m
         self.max_kv_size = max_kv_size
         self.pipeline = pipeline
+        self.owner: threading.Thread | None = None  # the thread that decodes (`session`)
         self.drafts = bool(mtp) and (not drafter.uses_head or m.has_head)
         if mtp is True and not self.drafts:
             raise NoMtpHead(f"{m.path} has no MTP head")
@@ -129,6 +152,18 @@ class Engine:
         return self.proposers.name if self.proposers is not None else "none"
 
     def session(self, request: Request) -> Session:
+        """A session on this engine, on the thread that made the engine's first one: the
+        model carries process-wide state while it decodes, and MLX's streams belong to a
+        thread, so two threads decoding on one engine would corrupt each other."""
+        current = threading.current_thread()
+        if self.owner is None:
+            self.owner = current
+        elif self.owner is not current:
+            raise EngineThreadError(
+                f"this Engine decodes on thread {self.owner.name!r}, not {current.name!r}: "
+                "decode each engine on one thread (hand requests to it through a queue, as "
+                "`mtpkit serve` does), or load one engine per thread"
+            )
         return Session(self, request)
 
     def stream(self, request: Request) -> Iterator[TokenEvent]:
@@ -257,9 +292,17 @@ def stream_generate(
         tokens = encode_prompt(tokenizer, prompt, chat_template=chat_template)
     elif prompt and isinstance(prompt[0], dict):
         tokens = encode_messages(tokenizer, prompt)  # type: ignore[arg-type]
+    elif isinstance(prompt, list | tuple):
+        tokens = list(prompt)
     else:
-        tokens = list(prompt)  # type: ignore[arg-type]
-    sampling = SamplingSettings(temp=temp, top_p=top_p, top_k=top_k, min_p=min_p)
+        raise GenerateError(
+            f"the prompt must be text, token ids or chat messages, not {type(prompt).__name__}"
+        )
+    check_prompt(engine.m, tokens)
+    check_seed(seed)
+    sampling = SamplingSettings.checked(
+        temp=temp, top_p=top_p, top_k=top_k, min_p=min_p, vocab_size=engine.m.vocab_size
+    )
     request = Request(tokens, max_tokens, sampling, seed, tuple(stop), depth)
     return engine.stream(request)
 

@@ -57,7 +57,9 @@ def chat_command(
         model, draft_model=draft_model, prompt_lookup=prompt_lookup,
         mtp="auto" if mtp is None else mtp, max_kv_size=max_kv_size,
     )  # fmt: skip
-    sampling = SamplingSettings(temp=temp, top_p=top_p, top_k=top_k, min_p=min_p)
+    sampling = SamplingSettings.checked(
+        temp=temp, top_p=top_p, top_k=top_k, min_p=min_p, vocab_size=engine.m.vocab_size
+    )
     conversation = Conversation(engine, system_prompt, max_tokens, sampling, seed, depth)
     print(f"[INFO] Starting chat session with {model}.\n{HELP}", flush=True)
     while True:

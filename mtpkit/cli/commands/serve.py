@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from enum import Enum
 from typing import Annotated, Any
 
@@ -95,9 +96,12 @@ def serve_command(
         ),
     ] = None,
     allow_model_paths: Annotated[
-        bool,
-        typer.Option(help="Let a request's `model` name another local model directory to load."),
-    ] = False,
+        str | None,
+        typer.Option(
+            metavar="ROOT",
+            help="Let a request's `model` name another model directory under ROOT to load.",
+        ),
+    ] = None,
     queue_size: Annotated[
         int,
         typer.Option(min=1, metavar="N", help="Requests that may wait; more get 503 Retry-After."),
@@ -124,6 +128,8 @@ def serve_command(
 
     if trust_remote_code:
         typer.echo(REMOTE_CODE_NOTE, err=True)
+    if api_key is None and "MTPKIT_API_KEY" in os.environ:  # Click takes "" as unset
+        api_key = os.environ["MTPKIT_API_KEY"]  # refused at start-up, never auth turned off
     if draft_model is not None and prompt_lookup:
         raise typer.BadParameter("--draft-model and --prompt-lookup are two drafters: pass one")
     if mtp is False and (draft_model is not None or prompt_lookup or depth is not None):

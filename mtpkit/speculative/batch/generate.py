@@ -85,6 +85,10 @@ def generate_batch(
     arguments (chat_template, system_prompt, prefill_response, template_args,
     default_template)."""
     check_seed(seed)
+    check_seed(None if seed is None else seed + max(len(prompts) - 1, 0))  # row i: seed + i
+    sampling = SamplingSettings.checked(
+        temp=temp, top_p=top_p, top_k=top_k, min_p=min_p, min_tokens_to_keep=min_tokens_to_keep
+    )
     if depth is not None:
         require_depth(depth)
     if not prompts:
@@ -99,7 +103,7 @@ def generate_batch(
             check_prompt(m, tokens)
         except MtpkitError as e:  # which of the prompts it is
             raise type(e)(f"prompt {i} of {len(encoded)}: {e}") from None
-    sampling = SamplingSettings(temp, top_p, top_k, min_p, min_tokens_to_keep)
+    sampling = sampling.fitted(m.vocab_size)
     mx.reset_peak_memory()
     if not drafts:
         return _stock_batch(m, encoded, max_tokens, sampling, seed)
