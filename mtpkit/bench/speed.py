@@ -390,6 +390,9 @@ def _trials(
     )  # fmt: skip
 
 
+DRAFT_ROW = "draft model (stock mlx-lm)"  # the timed run of stock mlx-lm's draft-model row
+
+
 def _one_trial(setup: _Setup, trial: int, figures: _Figures) -> None:
     """Stock (at the start, after every few runs and at the end: `anchors.Anchored`),
     `--no-mtp`, a draft model's stock row, then each configuration; each run's speedup is
@@ -412,17 +415,22 @@ def _one_trial(setup: _Setup, trial: int, figures: _Figures) -> None:
             )
         return config, rate, step, decoder.stats
 
-    trial_runs: Anchored[tuple[Config | None, float, float, Stats | None]] = Anchored(stock)
-    base = trial_runs.anchor()
+    trial_runs: Anchored[tuple[Config | str | None, float, float, Stats | None]]
+    trial_runs = Anchored(stock)
+    trial_runs.anchor()
     _, rate, _, _ = trial_runs.timed(
         lambda: (None, _no_mtp_run(m, tokens, plan, setup.prefilled), 0.0, None)
     )
     say(f"{at} mtpkit --no-mtp {rate:.1f} tok/s")
-    if draft is not None and not draft.result.unavailable:  # against the trial's first stock
-        rate = draft.run(
-            setup.stock_model, setup.stock_tokenizer, tokens, plan.max_tokens,
-            base if trial >= 0 else None,
-        )  # fmt: skip
+    if draft is not None and not draft.result.unavailable:
+        # Timed as every other row, so that its speedup is over stock's rate at its time.
+        def draft_run() -> float:
+            return draft.run(setup.stock_model, setup.stock_tokenizer, tokens, plan.max_tokens)
+
+        if trial < 0:
+            rate = draft_run()
+        else:
+            _, rate, _, _ = trial_runs.timed(lambda: (DRAFT_ROW, draft_run(), 0.0, None))
         share = draft.result.acceptance
         say(f"{at} draft model {rate:.1f} tok/s"
             + (f", {share:.1%} from the draft" if share is not None else ""))  # fmt: skip
@@ -431,7 +439,9 @@ def _one_trial(setup: _Setup, trial: int, figures: _Figures) -> None:
         shown = "n/a" if stats is None or stats.acceptance is None else f"{stats.acceptance:.1%}"
         say(f"{at} {_name(config)} {rate:.1f} tok/s, acceptance {shown}")
     for (config, rate, step, stats), baseline in trial_runs.finish():
-        if config is None or stats is None:
+        if config == DRAFT_ROW and draft is not None:
+            draft.record(rate, baseline)
+        elif config is None or stats is None:
             figures.no_mtp.values.append(rate)
             figures.no_mtp_speedup.values.append(rate / baseline if baseline else 0.0)
         else:
