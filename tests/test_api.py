@@ -38,6 +38,7 @@ def test_import_mtpkit_lists_its_api() -> None:
 def test_text_is_the_models_input_as_in_mlx_lm(engine: mtpkit.Engine, converted: Path) -> None:
     model, tokenizer = mlx_lm.load(str(converted))
     tokenizer.chat_template = QWEN3_STYLE  # a template mlx-lm's generate does not apply
+    original = engine.tokenizer.chat_template  # the loaded tokenizer is shared: put it back
     engine.tokenizer.chat_template = QWEN3_STYLE
     try:
         want = mlx_lm.generate(model, tokenizer, PROMPT, max_tokens=24)
@@ -50,7 +51,7 @@ def test_text_is_the_models_input_as_in_mlx_lm(engine: mtpkit.Engine, converted:
         assert mtpkit.generate(engine, messages, max_tokens=24) == want
         assert mtpkit.generate(engine, PROMPT, max_tokens=24, chat_template=True) == want
     finally:
-        engine.tokenizer.chat_template = None
+        engine.tokenizer.chat_template = original
 
 
 def test_verbose_prints_mlx_lm_generates_lines(engine, converted, capsys) -> None:
