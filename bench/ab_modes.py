@@ -15,7 +15,7 @@ import sys
 
 from mtpkit.bench.oracle import OracleDrafts
 from mtpkit.bench.shapes import random_model_dir
-from mtpkit.bench.speed import DEFAULT_PROMPT, _mtp_run, _stock_run, _stock_tokens
+from mtpkit.bench.speed import DEFAULT_PROMPT, mtp_run, stock_run, stock_tokens
 from mtpkit.core.prompts import encode_prompt
 from mtpkit.runtime.kernels import routing
 from mtpkit.runtime.model import load_model, untapped
@@ -29,7 +29,7 @@ m = load_model(path)
 m.tokenizer.eos_token_ids = []
 prompt = encode_prompt(m.tokenizer, DEFAULT_PROMPT, chat_template=True)
 with untapped(m.final_norm):
-    reference = _stock_tokens(m.model, m.tokenizer, prompt, N + 8)
+    reference = stock_tokens(m.model, m.tokenizer, prompt, N + 8)
 vocab = m.embedding.weight.shape[0]
 ref, tapped, _ = routing._TAPPED.get(id(m.model), (None, [], {}))
 
@@ -38,13 +38,13 @@ def mtp(depth, acceptance, mode, qmv):
     if ref is not None:  # routes off: no layer of this model is swapped in
         routing._TAPPED[id(m.model)] = (ref, tapped if qmv else [], {})
     oracle = OracleDrafts(reference, len(prompt), acceptance, vocab)
-    tps, _, _ = _mtp_run(m, prompt, depth, N, draft_filter=oracle, pipeline=mode)
+    tps, _, _ = mtp_run(m, prompt, depth, N, draft_filter=oracle, pipeline=mode)
     return tps
 
 
 def stock():
     with untapped(m.final_norm):
-        return _stock_run(m.model, m.tokenizer, prompt, N)
+        return stock_run(m.model, m.tokenizer, prompt, N)
 
 
 def rows2(timed_all: bool):

@@ -33,9 +33,9 @@ SHARD_BYTES = 1 << 30
 
 
 def _config(layers: int) -> dict:
-    from tests.checkpoints import _qwen3_5_config
+    from tests.fixtures.qwen3_5 import qwen3_5_config
 
-    config = _qwen3_5_config(moe=False, vocab_size=32768, dtype="bfloat16")
+    config = qwen3_5_config(moe=False, vocab_size=32768, dtype="bfloat16")
     text = config["text_config"]
     text.update(
         hidden_size=2048,

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from mtpkit.bench.oracle import OracleDrafts
 from mtpkit.bench.shapes import random_model_dir
-from mtpkit.bench.speed import DEFAULT_PROMPT, _mtp_run, _stock_run, _stock_tokens
+from mtpkit.bench.speed import DEFAULT_PROMPT, mtp_run, stock_run, stock_tokens
 from mtpkit.core.prompts import encode_prompt
 from mtpkit.runtime.model import load_model, untapped
 
@@ -34,19 +34,19 @@ prompt = encode_prompt(m.tokenizer, DEFAULT_PROMPT, chat_template=True)
 acceptances = [float(a) for a in os.environ.get("ACCEPTANCE", "0.8,0.9").split(",")] if random_shape else [None]
 if random_shape:
     with untapped(m.final_norm):
-        reference = _stock_tokens(m.model, m.tokenizer, prompt, N + 8)
+        reference = stock_tokens(m.model, m.tokenizer, prompt, N + 8)
 
 
 def stock():
     with untapped(m.final_norm):
-        return _stock_run(m.model, m.tokenizer, prompt, N)
+        return stock_run(m.model, m.tokenizer, prompt, N)
 
 
 def mtp(depth, mode, adaptive=False, acceptance=None):
     oracle = None
     if acceptance is not None:
         oracle = OracleDrafts(reference, len(prompt), acceptance, m.embedding.weight.shape[0])
-    tps, _, decoder = _mtp_run(m, prompt, depth, N, adaptive=adaptive, pipeline=mode, draft_filter=oracle)
+    tps, _, decoder = mtp_run(m, prompt, depth, N, adaptive=adaptive, pipeline=mode, draft_filter=oracle)
     s = decoder.stats
     look = decoder.look
     timed = (statistics.median(look.builds) * 1e3, statistics.median(look.waits) * 1e3) if look.builds else None

@@ -27,7 +27,7 @@ import mlx_lm
 
 from mtpkit.bench.oracle import OracleDrafts
 from mtpkit.bench.shapes import random_model_dir
-from mtpkit.bench.speed import DEFAULT_PROMPT, _stock_load, _stock_tokens
+from mtpkit.bench.speed import DEFAULT_PROMPT, stock_load, stock_tokens
 from mtpkit.core.prompts import encode_prompt
 from mtpkit.runtime.model import load_model, untapped
 from mtpkit.runtime.rollback.gdn import gated_delta_net
@@ -40,12 +40,12 @@ N = int(sys.argv[3]) if len(sys.argv) > 3 else 128
 path = random_model_dir(shape, "bfloat16")
 m = load_model(path)
 m.tokenizer.eos_token_ids = []
-stock, stock_tok = _stock_load(m)
+stock, stock_tok = stock_load(m)
 stock_tok.eos_token_ids = []
-stock2, stock2_tok = _stock_load(m)
+stock2, stock2_tok = stock_load(m)
 stock2_tok.eos_token_ids = []
 prompt = encode_prompt(m.tokenizer, DEFAULT_PROMPT, chat_template=True)
-reference = _stock_tokens(stock, stock_tok, prompt, N + 8)
+reference = stock_tokens(stock, stock_tok, prompt, N + 8)
 vocab = int(m.embedding.weight.shape[0])
 
 

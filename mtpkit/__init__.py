@@ -1,8 +1,12 @@
 """mtpkit: keep, convert, run and check multi-token-prediction heads on MLX.
 
-The Python API, as mlx-lm's: `load` a model once, then `generate` (text) or
-`stream_generate` (a `TokenEvent` per token) with its MTP head, a draft model or prompt
-lookup; `Engine.session(Request(...))` for full control (stop strings, seeds, statistics).
+The Python API, as mlx-lm's: `engine = mtpkit.load(path)` loads a model once (drafting with
+its MTP head, a draft model or prompt lookup); `mtpkit.generate(engine, prompt)` returns the
+text and `mtpkit.stream_generate(engine, prompt)` yields a `TokenEvent` per token. A text
+prompt is the model's input as it stands, as in mlx-lm (`chat_template=True`, or a list of
+chat messages, goes through the chat template). `engine.tokenizer` is the model's tokenizer;
+`engine.session(mtpkit.Request(prompt=ids))` gives full control (stop strings, seeds, and the
+statistics: acceptance, prompt tokens reused from the cache).
 """
 
 from typing import Any
@@ -14,11 +18,16 @@ _API = {
     "Engine": "mtpkit.speculative.session",
     "Session": "mtpkit.speculative.session",
     "Request": "mtpkit.speculative.session",
+    "make_request": "mtpkit.speculative.session",
     "TokenEvent": "mtpkit.speculative.session",
     "SamplingSettings": "mtpkit.speculative.accept",
     "DrafterChoice": "mtpkit.speculative.proposers.choose",
 }
 __all__ = sorted(_API)
+
+
+def __dir__() -> list[str]:
+    return sorted([*__all__, "__version__"])
 
 
 def __getattr__(name: str) -> Any:

@@ -30,6 +30,8 @@ def test_batch_widths_against_stock_batching_as_json(mimo: Path) -> None:
     report = json.loads(result.stdout)
     assert [w["batch"] for w in report["widths"]] == [1, 3]
     assert report["depth"] == 1 and report["trials"] == 2
+    assert report["reliable"] is False  # two trials, as one stream's bench says
+    assert report["unreliable_because"][0] == "2 trial(s) (at least 5 for a median to mean much)"
     assert report["matmul_routes"] == {}  # the multi-row matmul is routed on CUDA only
     for width in report["widths"]:
         assert width["stock_tps"]["median"] > 0
@@ -51,6 +53,10 @@ def test_batch_table_and_bad_widths(mimo: Path) -> None:
     assert "stock is mlx-lm's batch_generate at the same width" in result.stdout
     assert "MTP (head)" in result.stdout and "MTP (head), adaptive" in result.stdout
     assert "SYNTHETIC" not in result.stdout
+    # The warning one stream's bench prints at too few trials, on stderr.
+    one_stream = runner.invoke(app, [*base, "--depth", "1"])
+    warning = "Warning: these figures mean little: 1 trial(s) (at least 5 for a median to mean much)"
+    assert warning in one_stream.stderr and warning in result.stderr
     bad = runner.invoke(app, [*base, "--batch", "0,2"])
     assert bad.exit_code == 2
     assert "positive integers" in bad.output

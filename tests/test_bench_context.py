@@ -34,7 +34,7 @@ def test_bench_decodes_after_the_context_asked_with_the_collector_off(
     --no-mtp, each MTP configuration) runs with Python's collector off, and it is on again
     after bench."""
     collector_on: list[bool] = []
-    stock_run, mtp_run = speed._stock_run, speed._mtp_run
+    stock_run, mtp_run = speed.stock_run, speed.mtp_run
 
     def stock(*args, **kwargs):
         collector_on.append(gc.isenabled())
@@ -44,8 +44,8 @@ def test_bench_decodes_after_the_context_asked_with_the_collector_off(
         collector_on.append(gc.isenabled())
         return mtp_run(*args, **kwargs)
 
-    monkeypatch.setattr(speed, "_stock_run", stock)
-    monkeypatch.setattr(speed, "_mtp_run", mtp)
+    monkeypatch.setattr(speed, "stock_run", stock)
+    monkeypatch.setattr(speed, "mtp_run", mtp)
     args = ["bench", "--model", str(converted), "--prompt-tokens", "300", "--trials", "1"]
     result = runner.invoke(app, [*args, "--max-tokens", "8", "--depth", "1", "--json"])
     assert result.exit_code == 0, result.output
@@ -96,9 +96,9 @@ def test_runs_from_the_prompt_prefilled_once_decode_what_a_whole_prefill_decodes
     # The tokenizer is shared by every load of the directory: its EOS comes back after the test.
     monkeypatch.setattr(m.tokenizer, "eos_token_ids", [])
     prompt = prompt_of_length(m.tokenizer.encode("The hash table maps keys to values."), 300)
-    stock, stock_tokenizer = speed._stock_load(m)
+    stock, stock_tokenizer = speed.stock_load(m)
     monkeypatch.setattr(stock_tokenizer, "eos_token_ids", [])
-    whole = speed._stock_tokens(stock, stock_tokenizer, prompt, 12)
+    whole = speed.stock_tokens(stock, stock_tokenizer, prompt, 12)
 
     prefilled = Prefilled(m, prompt)
     for _ in range(2):
@@ -113,7 +113,7 @@ def test_runs_from_the_prompt_prefilled_once_decode_what_a_whole_prefill_decodes
     for depth in (1, 3, 1):
         state = prefilled.mtp_state("mtp", lambda: default_proposer(m))
         assert state is not None and state[2] == len(prompt) - 2  # one token left to prefill
-        _, _, decoder = speed._mtp_run(m, prompt, depth, 12, state=state)
+        _, _, decoder = speed.mtp_run(m, prompt, depth, 12, state=state)
         assert decoder.confirmed[:12] == whole
         assert decoder.stats.rounds > 0  # the head drafted from its forked state
 

@@ -37,6 +37,10 @@ def test_a_draft_model_is_measured_in_the_same_trials(mimo: Path) -> None:
     assert run.generated == 16 and run.acceptance >= 0.6
     row = result.to_json()["draft_model"]
     assert row["num_draft_tokens"] == 3 and row["speedup"] == run.speedup.median
+    # Each speedup is over stock's rate at the run's time: a rate between the stock runs'.
+    low, high = min(result.plain_tps.values), max(result.plain_tps.values)
+    for rate, speedup in zip(run.decode_tps.values, run.speedup.values, strict=True):
+        assert low * 0.999 <= rate / speedup <= high * 1.001
 
 
 def test_a_model_mlx_lm_cannot_roll_back_gets_the_reason(converted: Path) -> None:

@@ -203,7 +203,7 @@ def test_cli_passes_the_raw_example_through_a_conversion(tmp_path, monkeypatch):
     assert list((tmp_path / "cache").iterdir()) == []  # the temporary conversion is gone
 
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+README = Path(__file__).resolve().parents[1] / "docs" / "REFERENCE.md"  # check's reference
 
 
 def readme_figure(pattern: str) -> str:

@@ -203,7 +203,7 @@ def test_module_help_lists_convert():
 
 
 def readme_recipe_names() -> list[str]:
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    readme = (Path(__file__).resolve().parents[1] / "docs" / "REFERENCE.md").read_text()
     start = readme.index("Recipes, each with why:") + len("Recipes, each with why:")
     listed = readme[start : readme.index(".\n", start)]
     return [name.strip() for name in listed.replace("\n", " ").split(",")]

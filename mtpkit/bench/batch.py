@@ -34,7 +34,7 @@ import mlx.core as mx
 
 from mtpkit.bench.oracle import OracleDrafts
 from mtpkit.bench.prefilled import Prefilled
-from mtpkit.bench.report import Figure, device_name
+from mtpkit.bench.report import MAX_SPREAD, MIN_TRIALS, Figure, device_name
 from mtpkit.bench.speed import collector_off, prompt_of_length
 from mtpkit.core.errors import MtpkitError
 from mtpkit.core.prompts import encode_prompt
@@ -77,6 +77,27 @@ class BatchBenchResult:
     def configs(self) -> list[Config]:
         return [(a, adaptive) for a in self.acceptances for adaptive in (False, True)]
 
+    def reliability(self) -> list[str]:
+        """Why the figures mean little, if they do, as one stream's bench says it: too few
+        trials, speedup ranges too wide."""
+        notes = []
+        if self.trials < MIN_TRIALS:
+            notes.append(
+                f"{self.trials} trial(s) (at least {MIN_TRIALS} for a median to mean much)"
+            )
+        wide = [
+            f"batch {r.width} {'adaptive' if adaptive else 'MTP'}"
+            f"{'' if a is None else f' @{a:g}'} {f.spread:.0%}"
+            for r in self.runs
+            for (a, adaptive), f in r.speedup.items()
+            if f.spread > MAX_SPREAD
+        ]
+        if wide:
+            notes.append(
+                f"speedup ranges wider than {MAX_SPREAD:.0%} of the median: {', '.join(wide)}"
+            )
+        return notes
+
     def to_json(self) -> dict[str, Any]:
         def fig(f: Figure) -> dict[str, Any]:
             return {"median": f.median, "range": f.range}
@@ -90,6 +111,8 @@ class BatchBenchResult:
             "prompt_tokens": self.prompt_tokens,
             "max_tokens": self.max_tokens,
             "trials": self.trials,
+            "reliable": not self.reliability(),
+            "unreliable_because": self.reliability(),
             "depth": self.depth,
             "matmul_routes": routes_summary(),
             "widths": [

@@ -14,7 +14,7 @@ from mtpkit.bench.report import Costs, Figure
 from mtpkit.runtime.model import MtpModel, is_recurrent_cache
 
 
-class _ForwardTimer:
+class ForwardTimer:
     """Times backbone forwards of n tokens at a fixed cache position, undoing each one."""
 
     def __init__(self, m: MtpModel, prompt: list[int]) -> None:
@@ -46,7 +46,7 @@ class _ForwardTimer:
 
 def measure_costs(m: MtpModel, prompt: list[int], *, max_depth: int, repeats: int = 20) -> Costs:
     """Interleaved per repeat: a 1-token forward, verifies of 2..K+1 tokens, a head step."""
-    timer = _ForwardTimer(m, prompt)
+    timer = ForwardTimer(m, prompt)
     head_step = _head_step(m, prompt) if m.head is not None else None
     steps: list[tuple[int, Callable[[], None]]] = [(0, lambda: timer.forward(1))]
     steps += [(k, lambda k=k: timer.forward(k + 1)) for k in range(1, max_depth + 1)]

@@ -92,16 +92,8 @@ class DraftModelBench:
                 "be rolled back"
             )
 
-    def run(
-        self,
-        target: Any,
-        tokenizer: Any,
-        prompt: list[int],
-        max_tokens: int,
-        base: float | None = None,
-    ) -> float:
-        """One trial: decode tok/s (mlx-lm's `generation_tps`), recorded with its ratio to
-        `base` (stock decoding in the same trial); `base=None` is a warm-up, not recorded."""
+    def run(self, target: Any, tokenizer: Any, prompt: list[int], max_tokens: int) -> float:
+        """One decode: its tok/s (mlx-lm's `generation_tps`), the tokens it drafted kept."""
         import mlx_lm
 
         if self.result.unavailable:
@@ -114,10 +106,10 @@ class DraftModelBench:
             last = response
             generated += 1
             drafted += bool(response.from_draft)
-        rate = float(last.generation_tps) if last is not None else 0.0
-        if base is None:
-            return rate
+        self.result.drafted, self.result.generated = drafted, generated
+        return float(last.generation_tps) if last is not None else 0.0
+
+    def record(self, rate: float, base: float) -> None:
+        """A trial's decode: its rate, and its ratio to `base` (stock's rate at its time)."""
         self.result.decode_tps.values.append(rate)
         self.result.speedup.values.append(rate / base if base else 0.0)
-        self.result.drafted, self.result.generated = drafted, generated
-        return rate

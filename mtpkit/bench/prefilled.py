@@ -1,7 +1,7 @@
 """The bench's prompt prefilled once per load and forked for every run.
 
 Every bench run decodes after the same prompt, and none times its prefill (stock mlx-lm's
-`generation_tps` starts at the first token, `speed._mtp_run` after the first round). Yet
+`generation_tps` starts at the first token, `speed.mtp_run` after the first round). Yet
 each run prefilled it again: at 4096 tokens on MLX's CUDA build, where mlx-lm updates a
 gated-delta-net layer token by token in Python (its kernel is Metal's only), that was ~10 s a
 run and 70+ runs a shape, so `bench --prompt-tokens 4096` on four shapes did not fit a GPU

@@ -174,6 +174,8 @@ class BenchResult:
                 "is wider than the differences a speedup is read for"
             )
         figures = [("--no-mtp", self.no_mtp_speedup)] + [(_name(r), r.speedup) for r in self.runs]
+        if self.draft_model is not None and self.draft_model.speedup.values:
+            figures.append(("draft model (stock mlx-lm)", self.draft_model.speedup))
         wide = [f"{name} {f.spread:.0%}" for name, f in figures if f.spread > MAX_SPREAD]
         if wide:
             notes.append(

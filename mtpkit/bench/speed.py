@@ -106,7 +106,7 @@ def collector_off() -> Iterator[None]:
         gc.enable()
 
 
-def _stock_run(
+def stock_run(
     model: nn.Module,
     tokenizer: Any,
     prompt: list[int],
@@ -129,7 +129,7 @@ def _stock_run(
     return float(last.generation_tps) if last is not None else 0.0
 
 
-def _stock_tokens(model: nn.Module, tokenizer: Any, prompt: list[int], n: int) -> list[int]:
+def stock_tokens(model: nn.Module, tokenizer: Any, prompt: list[int], n: int) -> list[int]:
     """Stock mlx-lm's greedy continuation: what oracle drafts take as the backbone's tokens."""
     import mlx_lm
 
@@ -138,7 +138,7 @@ def _stock_tokens(model: nn.Module, tokenizer: Any, prompt: list[int], n: int) -
     ]
 
 
-def _mtp_run(
+def mtp_run(
     m: MtpModel,
     prompt: list[int],
     depth: int,
@@ -319,7 +319,7 @@ class _Setup:
 
     def stock(self, max_tokens: int) -> float:
         cache = self.prefilled.stock_cache(self.stock_model)
-        return _stock_run(
+        return stock_run(
             self.stock_model, self.stock_tokenizer, self.tokens, max_tokens, self.m.lockstep.tick,
             cache,
         )  # fmt: skip
@@ -347,7 +347,7 @@ def _trials(
     factories: dict[str, ProposerFactory] | None = None,
 ) -> BenchResult:
     # Stock mlx-lm on its own, untouched load of the directory.
-    stock_model, stock_tokenizer = _stock_load(m)
+    stock_model, stock_tokenizer = stock_load(m)
     upcast_experts([stock_model], what=str(m.path))  # as mtpkit's own load does (CPU only)
     stock_tokenizer.eos_token_ids = []  # every run decodes exactly max_tokens tokens
     # Every run continues from the prompt prefilled once.
@@ -356,15 +356,15 @@ def _trials(
     setup.stock(8)  # warm up
     for depth in range(1, max(plan.max_depth, AUTO_MAX_DEPTH) + 1):  # kernel builds, routes
         for name in ["mtp"] * plan.head + list(setup.factories):
-            _mtp_run(m, tokens, depth, 8, **setup.start(name))
+            mtp_run(m, tokens, depth, 8, **setup.start(name))
     if plan.head:  # and adaptive drafting's path
-        _mtp_run(m, tokens, AUTO_MAX_DEPTH, 8, adaptive=True, **setup.start("mtp"))
+        mtp_run(m, tokens, AUTO_MAX_DEPTH, 8, adaptive=True, **setup.start("mtp"))
     if draft is not None:
         draft.check_target(stock_model, stock_tokenizer)
         draft.run(stock_model, stock_tokenizer, tokens, 8)  # warm up
     setup.filters[None] = None
     if plan.acceptances is not None:
-        reference = _stock_tokens(stock_model, stock_tokenizer, tokens, plan.max_tokens + 8)
+        reference = stock_tokens(stock_model, stock_tokenizer, tokens, plan.max_tokens + 8)
         vocab = int(m.embedding.weight.shape[0])
         for a in plan.acceptances:
             setup.filters[a] = OracleDrafts(reference, len(tokens), a, vocab, plan.seed)
@@ -391,6 +391,9 @@ def _trials(
     )  # fmt: skip
 
 
+DRAFT_ROW = "draft model (stock mlx-lm)"  # the timed run of stock mlx-lm's draft-model row
+
+
 def _one_trial(setup: _Setup, trial: int, figures: _Figures) -> None:
     """Stock (at the start, after every few runs and at the end: `anchors.Anchored`),
     `--no-mtp`, a draft model's stock row, then each configuration; each run's speedup is
@@ -408,22 +411,27 @@ def _one_trial(setup: _Setup, trial: int, figures: _Figures) -> None:
         depth, adaptive, oracle, drafter = config
         begin = setup.start(drafter)
         with collector_off():
-            rate, step, decoder = _mtp_run(
+            rate, step, decoder = mtp_run(
                 m, tokens, depth, plan.max_tokens, adaptive, setup.filters[oracle], **begin
             )
         return config, rate, step, decoder.stats
 
-    trial_runs: Anchored[tuple[Config | None, float, float, Stats | None]] = Anchored(stock)
-    base = trial_runs.anchor()
+    trial_runs: Anchored[tuple[Config | str | None, float, float, Stats | None]]
+    trial_runs = Anchored(stock)
+    trial_runs.anchor()
     _, rate, _, _ = trial_runs.timed(
         lambda: (None, _no_mtp_run(m, tokens, plan, setup.prefilled), 0.0, None)
     )
     say(f"{at} mtpkit --no-mtp {rate:.1f} tok/s")
-    if draft is not None and not draft.result.unavailable:  # against the trial's first stock
-        rate = draft.run(
-            setup.stock_model, setup.stock_tokenizer, tokens, plan.max_tokens,
-            base if trial >= 0 else None,
-        )  # fmt: skip
+    if draft is not None and not draft.result.unavailable:
+        # Timed as every other row, so that its speedup is over stock's rate at its time.
+        def draft_run() -> float:
+            return draft.run(setup.stock_model, setup.stock_tokenizer, tokens, plan.max_tokens)
+
+        if trial < 0:
+            rate = draft_run()
+        else:
+            _, rate, _, _ = trial_runs.timed(lambda: (DRAFT_ROW, draft_run(), 0.0, None))
         share = draft.result.acceptance
         say(f"{at} draft model {rate:.1f} tok/s"
             + (f", {share:.1%} from the draft" if share is not None else ""))  # fmt: skip
@@ -432,7 +440,9 @@ def _one_trial(setup: _Setup, trial: int, figures: _Figures) -> None:
         shown = "n/a" if stats is None or stats.acceptance is None else f"{stats.acceptance:.1%}"
         say(f"{at} {_name(config)} {rate:.1f} tok/s, acceptance {shown}")
     for (config, rate, step, stats), baseline in trial_runs.finish():
-        if config is None or stats is None:
+        if config == DRAFT_ROW and draft is not None:
+            draft.record(rate, baseline)
+        elif config is None or stats is None:
             figures.no_mtp.values.append(rate)
             figures.no_mtp_speedup.values.append(rate / baseline if baseline else 0.0)
         else:
@@ -441,7 +451,7 @@ def _one_trial(setup: _Setup, trial: int, figures: _Figures) -> None:
     figures.stock_self.values.extend(trial_runs.self_ratios())
 
 
-def _stock_load(m: MtpModel) -> tuple[nn.Module, Any]:
+def stock_load(m: MtpModel) -> tuple[nn.Module, Any]:
     """Stock mlx-lm's own load of the directory: `mlx_lm.load`, or across ranks its
     `sharded_load` sharded the same way as mtpkit's model."""
     import mlx_lm
@@ -470,7 +480,7 @@ def _no_mtp_run(m: MtpModel, tokens: list[int], plan: Plan, prefilled: Prefilled
     """`--no-mtp`: stock mlx-lm's loop on mtpkit's load (its final norm untapped)."""
     cache = prefilled.stock_cache(m.model)
     with untapped(m.final_norm), collector_off():
-        return _stock_run(m.model, m.tokenizer, tokens, plan.max_tokens, m.lockstep.tick, cache)
+        return stock_run(m.model, m.tokenizer, tokens, plan.max_tokens, m.lockstep.tick, cache)
 
 
 def _record(run: BenchRun, stats: Stats, rate: float, base: float, step: float) -> None:

@@ -55,7 +55,9 @@ def _root(
 app.command(name="inspect")(inspect.inspect_command)
 app.command(name="check")(check.check_command)
 app.command(name="convert")(convert.convert_command)
-app.command(name="generate", context_settings=generate.CONTEXT)(generate.generate_command)
+app.command(name="generate", cls=generate.GenerateCommand, context_settings=generate.CONTEXT)(
+    generate.generate_command
+)
 app.command(name="bench")(bench.bench_command)
 app.command(name="serve")(serve.serve_command)
 app.command(name="train-head")(train_head.train_head_command)

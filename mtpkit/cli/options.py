@@ -516,7 +516,7 @@ ExtraEosTokenOpt = Annotated[
     typer.Option(
         "--extra-eos-token",
         metavar="TOKEN",
-        help="Also stop at this token or id (repeat the option for several).",
+        help="Also stop at this token or id (several: --extra-eos-token A B, as mlx-lm, or the option repeated).",
     ),
 ]
 VerboseOpt = Annotated[

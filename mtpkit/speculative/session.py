@@ -141,11 +141,20 @@ class Engine:
         drafter: DrafterChoice = HEAD,
         mtp: bool | str = True,
         hidden: str | None = None,
+        adapter_path: str | Path | None = None,
         **kwargs: Any,
     ) -> Engine:
-        """Load a model directory (or Hub repo) and its drafter."""
-        m = load_model(model, hidden=hidden, with_head=bool(mtp) and drafter.uses_head)
+        """Load a model directory (or Hub repo) and its drafter; `adapter_path`: LoRA
+        adapters applied to the model, as `mlx_lm.load` applies them."""
+        with_head = bool(mtp) and drafter.uses_head
+        m = load_model(model, hidden=hidden, with_head=with_head, adapter_path=adapter_path)
         return cls(m, drafter=drafter, mtp=mtp, **kwargs)
+
+    @property
+    def tokenizer(self) -> Any:
+        """The model's tokenizer (mlx-lm's `TokenizerWrapper`, as `mlx_lm.load` returns it):
+        `engine.tokenizer.encode(text)` gives the token ids a `Request` takes."""
+        return self.m.tokenizer
 
     @property
     def drafter_name(self) -> str:
@@ -260,18 +269,19 @@ def load(
     mtp: bool | str = "auto",
     prompt_cache_size: int = DEFAULT_SIZE,
     max_kv_size: int | None = None,
+    adapter_path: str | Path | None = None,
 ) -> Engine:
     """A model directory (or Hub repo) loaded once, ready to decode requests: drafting with
     its MTP head where it has one (`mtp` "auto"; True requires one, False decodes plainly), or
-    with `draft_model` / `prompt_lookup`."""
+    with `draft_model` / `prompt_lookup`; `adapter_path` as mlx-lm's."""
     drafter = DrafterChoice(draft_model=draft_model, prompt_lookup=prompt_lookup)
     return Engine.load(
         model, drafter=drafter, mtp=mtp, prompt_cache_size=prompt_cache_size,
-        max_kv_size=max_kv_size,
+        max_kv_size=max_kv_size, adapter_path=adapter_path,
     )  # fmt: skip
 
 
-def stream_generate(
+def make_request(
     engine: Engine,
     prompt: str | list[int] | list[dict[str, Any]],
     *,
@@ -283,15 +293,19 @@ def stream_generate(
     seed: int | None = None,
     stop: Sequence[str] = (),
     depth: int | None = None,
-    chat_template: bool = True,
-) -> Iterator[TokenEvent]:
-    """Decode `prompt` (text, token ids, or chat messages) and yield a `TokenEvent` per
-    token; text goes through the chat template unless `chat_template` is False."""
-    tokenizer = engine.m.tokenizer
+    chat_template: bool = False,
+    sampler: SamplingSettings | None = None,
+) -> Request:
+    """The `Request` that decodes `prompt`. As mlx-lm's `stream_generate`,
+    text is the model's input as it stands (`chat_template=True` puts it through the chat
+    template as one user message) and token ids are used as given; chat messages (a list of
+    `{"role", "content"}` dicts) always go through the template. `sampler` is a
+    `SamplingSettings` in place of `temp`/`top_p`/`top_k`/`min_p` (mlx-lm's sampler is a
+    function, which rejection sampling cannot judge a draft with)."""
     if isinstance(prompt, str):
-        tokens = encode_prompt(tokenizer, prompt, chat_template=chat_template)
+        tokens = encode_prompt(engine.tokenizer, prompt, chat_template=chat_template)
     elif prompt and isinstance(prompt[0], dict):
-        tokens = encode_messages(tokenizer, prompt)  # type: ignore[arg-type]
+        tokens = encode_messages(engine.tokenizer, prompt)  # type: ignore[arg-type]
     elif isinstance(prompt, list | tuple):
         tokens = list(prompt)
     else:
@@ -300,13 +314,71 @@ def stream_generate(
         )
     check_prompt(engine.m, tokens)
     check_seed(seed)
-    sampling = SamplingSettings.checked(
-        temp=temp, top_p=top_p, top_k=top_k, min_p=min_p, vocab_size=engine.m.vocab_size
-    )
-    request = Request(tokens, max_tokens, sampling, seed, tuple(stop), depth)
-    return engine.stream(request)
+    if sampler is None:
+        sampler = SamplingSettings.checked(
+            temp=temp, top_p=top_p, top_k=top_k, min_p=min_p, vocab_size=engine.m.vocab_size
+        )
+    elif not isinstance(sampler, SamplingSettings):
+        raise GenerateError(
+            "sampler= takes an mtpkit.SamplingSettings (an mlx-lm sampler is a function, which "
+            "rejection sampling cannot judge a draft with): pass temp=, top_p=, top_k=, min_p="
+        )
+    else:
+        sampler = SamplingSettings.checked(
+            **{f: getattr(sampler, f) for f in ("temp", "top_p", "top_k", "min_p")},
+            min_tokens_to_keep=sampler.min_tokens_to_keep, vocab_size=engine.m.vocab_size,
+        )  # fmt: skip
+    return Request(tokens, max_tokens, sampler, seed, tuple(stop), depth)
 
 
-def generate(engine: Engine, prompt: str | list[int] | list[dict[str, Any]], **kwargs: Any) -> str:
-    """The text `stream_generate` decodes (same arguments)."""
-    return "".join(event.text for event in stream_generate(engine, prompt, **kwargs))
+def stream_generate(engine: Engine, prompt: Any, **kwargs: Any) -> Iterator[TokenEvent]:
+    """Decode `prompt` and yield a `TokenEvent` per token (the arguments as `make_request`'s:
+    `max_tokens`, `temp`, `top_p`, `top_k`, `min_p`, `seed`, `stop`, `depth`,
+    `chat_template`, `sampler`)."""
+    return engine.stream(make_request(engine, prompt, **kwargs))
+
+
+def generate(
+    engine: Engine,
+    prompt: str | list[int] | list[dict[str, Any]],
+    *,
+    verbose: bool = False,
+    **kwargs: Any,
+) -> str:
+    """The text `stream_generate` decodes (same arguments). `verbose`, as mlx-lm's: the text
+    as it streams between `==========` lines, then the `Prompt:`, `Generation:` and
+    `Peak memory:` lines, and mtpkit's `MTP:` line (acceptance)."""
+    session = engine.session(make_request(engine, prompt, **kwargs))
+    if verbose:
+        print("=" * 10)
+    pieces = []
+    for event in session:
+        pieces.append(event.text)
+        if verbose:
+            print(event.text, end="", flush=True)
+    text = "".join(pieces)
+    if verbose:
+        print_summary(session, text)
+    return text
+
+
+def print_summary(session: Session, text: str) -> None:
+    """mlx-lm's closing lines for `generate(..., verbose=True)`, and an `MTP:` line."""
+    stats = session.stats
+    print()
+    print("=" * 10)
+    if not text:
+        print("No text generated for this prompt")
+        return
+    prompt_tps = stats.prompt_tokens / stats.prompt_time if stats.prompt_time else 0.0
+    decode_tps = stats.decode_tokens / stats.decode_time if stats.decode_time else 0.0
+    # mlx-lm counts the EOS that ended generation among the generated tokens.
+    at_eos = session.finish_reason == STOP and not session.text_stream.stopped
+    print(f"Prompt: {stats.prompt_tokens} tokens, {prompt_tps:.3f} tokens-per-sec")
+    print(f"Generation: {len(stats.generated) + at_eos} tokens, {decode_tps:.3f} tokens-per-sec")
+    print(f"Peak memory: {mx.get_peak_memory() / 1e9:.3f} GB")
+    if stats.proposer == "none":
+        print("MTP: off (plain decoding)")
+        return
+    acceptance = "n/a" if stats.acceptance is None else f"{stats.acceptance:.1%}"
+    print(f"MTP: {stats.proposer}, acceptance {acceptance} ({stats.accepted}/{stats.drafted})")

@@ -223,6 +223,7 @@ def _bench_batch(
 ) -> None:
     from mtpkit.bench.batch import bench_batch, print_batch_bench
     from mtpkit.cli.output import print_json
+    from mtpkit.core.console import warn
 
     result = bench_batch(
         model, widths=widths, prompts=prompts, prompt_tokens=prompt_tokens,
@@ -231,6 +232,9 @@ def _bench_batch(
     )  # fmt: skip
     if name is not None:
         result.model = name
+    notes = result.reliability()
+    if notes:
+        warn(f"these figures mean little: {'; '.join(notes)}")
     if json_output:
         print_json(result.to_json())
     else:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import typer
 
 from mtpkit.cli.options import (
+    REMOTE_CODE_NOTE,
+    AdapterPathOpt,
     DepthOpt,
     DrafterModelOpt,
     GenerateModelOpt,
@@ -12,12 +14,17 @@ from mtpkit.cli.options import (
     MaxTokensOpt,
     MinPOpt,
     MtpOpt,
+    PipelineOpt,
+    PrefillStepSizeOpt,
     PromptLookupOpt,
     SampleSeedOpt,
     SystemPromptOpt,
     TempOpt,
     TopKOpt,
     TopPOpt,
+    TrustRemoteCodeOpt,
+    XtcProbabilityOpt,
+    XtcThresholdOpt,
     friendly_errors,
 )
 
@@ -40,27 +47,45 @@ def chat_command(
     max_kv_size: MaxKvSizeOpt = None,
     draft_model: DrafterModelOpt = None,
     prompt_lookup: PromptLookupOpt = False,
+    trust_remote_code: TrustRemoteCodeOpt = False,
+    adapter_path: AdapterPathOpt = None,
+    prefill_step_size: PrefillStepSizeOpt = 2048,
+    xtc_probability: XtcProbabilityOpt = 0.0,
+    xtc_threshold: XtcThresholdOpt = 0.1,
+    pipeline: PipelineOpt = False,
 ) -> None:
     """Chat with a model in the terminal (as mlx_lm.chat), drafting with its MTP head.
 
-    Reads a message per line from standard input ('q' exits, 'r' resets the conversation, 'h' lists the commands), streams each answer, then one line: what drafted, its acceptance, and how many prompt tokens came from the cache (each turn prefills only what it adds). --draft-model and --prompt-lookup draft instead of the head; --no-mtp decodes plainly.
+    Reads a message per line from standard input ('q' exits, 'r' resets the conversation, 'h' lists the commands), streams each answer (Ctrl-C stops the answer, not the chat), then one line: what drafted, its acceptance, and how many prompt tokens came from the cache (each turn prefills only what it adds, as mlx_lm.chat keeps its cache). --draft-model and --prompt-lookup draft instead of the head; --no-mtp decodes plainly. mlx_lm.chat's flags mean what they mean there.
     """
     import sys
 
+    from mtpkit.core.errors import MtpkitError
     from mtpkit.speculative.accept import SamplingSettings
-    from mtpkit.speculative.chat import Conversation, turn_summary
+    from mtpkit.speculative.chat import Conversation, interrupt_ends_answer, turn_summary
     from mtpkit.speculative.session import load
 
     if draft_model is not None and prompt_lookup:
         ctx.fail("--draft-model and --prompt-lookup are two drafters: pass one")
+    if pipeline:
+        ctx.fail("--pipeline splits a model across mlx.launch ranks; chat runs on one machine")
+    if xtc_probability > 0:
+        raise MtpkitError(
+            "--xtc-probability: XTC's random cut cannot judge a draft, and chat decodes on "
+            "mtpkit's loop: use mlx_lm.chat for XTC sampling"
+        )
+    if trust_remote_code:
+        typer.echo(REMOTE_CODE_NOTE, err=True)
     engine = load(
         model, draft_model=draft_model, prompt_lookup=prompt_lookup,
-        mtp="auto" if mtp is None else mtp, max_kv_size=max_kv_size,
+        mtp="auto" if mtp is None else mtp, max_kv_size=max_kv_size, adapter_path=adapter_path,
     )  # fmt: skip
     sampling = SamplingSettings.checked(
         temp=temp, top_p=top_p, top_k=top_k, min_p=min_p, vocab_size=engine.m.vocab_size
     )
-    conversation = Conversation(engine, system_prompt, max_tokens, sampling, seed, depth)
+    conversation = Conversation(
+        engine, system_prompt, max_tokens, sampling, seed, depth, prefill_step_size
+    )
     print(f"[INFO] Starting chat session with {model}.\n{HELP}", flush=True)
     while True:
         print(">> ", end="", flush=True)
@@ -75,8 +100,9 @@ def chat_command(
             print(HELP, flush=True)
             continue
         session = conversation.turn(text)
-        for event in session:
-            print(event.text, end="", flush=True)
+        with interrupt_ends_answer(session):
+            for event in session:
+                print(event.text, end="", flush=True)
         print(flush=True)
-        conversation.remember(session.text)
+        conversation.remember(session)
         print(turn_summary(session), flush=True)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import typer
+from typer.core import TyperCommand
 
 from mtpkit.cli.options import (
     DEFAULT_PROMPT,
@@ -66,6 +67,36 @@ if TYPE_CHECKING:
 # `--mtp auto` reaches the command as the --mtp flag and one extra word (generate takes no
 # arguments otherwise, so the usage line shows none).
 CONTEXT = {"allow_extra_args": True}
+EXTRA_EOS = "--extra-eos-token"
+
+
+class GenerateCommand(TyperCommand):
+    """generate's command line, which also takes mlx_lm.generate's `--extra-eos-token A B`
+    (argparse's nargs="+"), read as the option given once per token."""
+
+    def parse_args(self, ctx: typer.Context, args: list[str]) -> list[str]:
+        return super().parse_args(ctx, spread_extra_eos(args))
+
+
+def spread_extra_eos(args: list[str]) -> list[str]:
+    """`--extra-eos-token A B --temp 0` as `--extra-eos-token A --extra-eos-token B --temp 0`:
+    the words after the option's value, up to the next option, are more tokens (generate
+    takes no arguments of its own)."""
+    out, state = [], "normal"
+    for i, arg in enumerate(args):
+        if arg == "--":
+            return out + args[i:]
+        if state == "value":
+            out.append(arg)
+            state = "more"
+        elif state == "more" and not arg.startswith("-"):
+            out += [EXTRA_EOS, arg]
+        else:
+            out.append(arg)
+            state = "value" if arg == EXTRA_EOS else "normal"
+            if arg.startswith(EXTRA_EOS + "="):
+                state = "more"
+    return out
 
 
 @friendly_errors
