@@ -30,6 +30,9 @@ Keys written by `mtpkit convert` (stable; `MANIFEST_KEYS` lists them):
   mixed recipe, e.g. "mixed_3_6") when one chose the bits per layer.
 - `dropped`: source tensors deliberately not written (duplicated embeddings and heads,
   tied lm_head, vision tower, rotary buffers).
+- `draft_vocab`: only with `--draft-vocab N`, the ids the head drafts over:
+  `{path, size, vocab_size, source ("corpus" or "id_order"), corpus_tokens, corpus_coverage,
+  tokenizer_sha256}` (`mtpkit.convert.draft_vocab`).
 - `grafted_into`: only after `--mtp-only --into DIR`, the directory grafted into.
 
 `head_manifest` is the one builder of these keys: `mtpkit.convert.records` fills it from a
@@ -77,6 +80,7 @@ MANIFEST_KEYS = (
     "mtp_quantization_paths",
     "backbone_quantization",
     "dropped",
+    "draft_vocab",
 )
 
 
