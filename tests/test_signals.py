@@ -203,3 +203,26 @@ def dead_pid() -> int:
     proc = subprocess.Popen([sys.executable, "-c", "pass"])
     proc.wait()
     return proc.pid
+
+
+def test_a_signal_during_typers_start_up_is_one_error_line(monkeypatch, capsys):
+    """Issue 48: SIGTERM while Typer builds the command (its first 0.6-1.2 s) ended with exit
+    130 and nothing on stderr: Typer answers a KeyboardInterrupt there with a bare Exit(130).
+    Raised here where the signal landed (making the command's context)."""
+    import typer.core
+
+    from mtpkit.cli.entry import main
+    from mtpkit.core import signals
+    from mtpkit.core.signals import Interrupted
+
+    monkeypatch.setattr(signals, "install", lambda: None)  # the test's own handlers stay
+
+    def interrupted(*args, **kwargs):
+        raise Interrupted(signal.SIGTERM)
+
+    monkeypatch.setattr(typer.core.TyperGroup, "make_context", interrupted)
+    monkeypatch.setattr(sys, "argv", ["mtpkit", "inspect", "x"])
+    with pytest.raises(SystemExit) as ended:
+        main()
+    assert ended.value.code == 128 + signal.SIGTERM
+    assert capsys.readouterr().err.splitlines() == ["Error: interrupted by SIGTERM"]

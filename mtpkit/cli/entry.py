@@ -31,6 +31,9 @@ def main() -> None:
             else:
                 app()
         except SystemExit as e:
+            interrupt = _interrupt_behind(e)
+            if interrupt is not None:  # Typer turned it into a silent exit 130
+                raise interrupt from None
             if isinstance(e.code, int) and e.code >= 128:  # a signal ended the command
                 signals.exit_now_if_workers_hang(e.code)
             raise
@@ -43,3 +46,17 @@ def main() -> None:
         from mtpkit.core.console import closed_pipe_exit_code
 
         raise SystemExit(closed_pipe_exit_code()) from None
+
+
+def _interrupt_behind(exit: SystemExit) -> KeyboardInterrupt | None:
+    """The Ctrl-C or SIGTERM that Typer answered with a bare exit 130 (a signal during its
+    start-up, before the command's own handling: `raise Exit(130) from interrupt`, then
+    `sys.exit`): it is then one `Error:` line and the signal's own code, like a signal at
+    any other moment."""
+    from typer import Exit
+
+    typer_exit = exit.__context__
+    if exit.code == 130 and isinstance(typer_exit, Exit):
+        cause = typer_exit.__cause__
+        return cause if isinstance(cause, KeyboardInterrupt) else None
+    return None

@@ -28,6 +28,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from mtpkit.core.console import printable
 from mtpkit.core.errors import MtpkitError
 from mtpkit.serve.guard import Guard
+from mtpkit.serve.openapi import served_schema
 from mtpkit.serve.prompts import build_request
 from mtpkit.serve.refusals import Refused
 from mtpkit.serve.schemas import (
@@ -65,7 +66,10 @@ class ApiError(Exception):
 
 
 def create_app(settings: ServeSettings, worker: Worker) -> FastAPI:
-    app = FastAPI(title="mtpkit serve", docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(
+        title="mtpkit serve", docs_url=None, redoc_url=None, openapi_url="/openapi.json"
+    )
+    app.openapi = lambda: served_schema(app)  # type: ignore[method-assign]
     # The key and the body's size before any body is read; CORS outside it, so that a
     # browser's preflight and a 401 both carry its headers.
     app.add_middleware(Guard, api_key=settings.api_key, max_body=settings.max_body)
