@@ -83,6 +83,11 @@ class Request:
         one stream decodes it, never looking a round ahead."""
         return bool(self.logits.processors()) or self.logprobs is not None
 
+    @property
+    def one_stream(self) -> bool:
+        """Whether only the one-stream decoder honours it (a batch does not yet)."""
+        return self.needs_history or self.logits.plain_only(self.sampling.temp)
+
 
 @dataclass
 class TokenEvent:
@@ -120,6 +125,7 @@ class Engine:
             raise NoMtpHead(f"{m.path} has no MTP head")
         self.proposers = ProposerFactory(m, drafter) if self.drafts else None
         self.prompt_cache = PromptCache(prompt_cache_size)
+        self.prefill_step_size = 2048  # tokens per prefill forward (mlx-lm's default)
 
     @classmethod
     def load(
@@ -129,10 +135,13 @@ class Engine:
         drafter: DrafterChoice = HEAD,
         mtp: bool | str = True,
         hidden: str | None = None,
+        adapter_path: str | Path | None = None,
         **kwargs: Any,
     ) -> Engine:
-        """Load a model directory (or Hub repo) and its drafter."""
-        m = load_model(model, hidden=hidden, with_head=bool(mtp) and drafter.uses_head)
+        """Load a model directory (or Hub repo) and its drafter; `adapter_path`: LoRA
+        adapters on the backbone, as `mlx_lm.load` applies them."""
+        with_head = bool(mtp) and drafter.uses_head
+        m = load_model(model, hidden=hidden, with_head=with_head, adapter_path=adapter_path)
         return cls(m, drafter=drafter, mtp=mtp, **kwargs)
 
     @property
@@ -176,6 +185,7 @@ class Session:
             pipeline=False if request.needs_history else engine.pipeline,
             choose_depth=choose, proposer=proposer, cache=cache, cached=cached,
         )  # fmt: skip
+        self.decoder.prefill_step_size = engine.prefill_step_size
         self.decoder.processors = request.logits.processors()
         self.decoder.logprobs_top = request.logprobs
         if plain:
