@@ -37,6 +37,14 @@ class LogitsSettings:
     xtc_probability: float = 0.0
     xtc_threshold: float = 0.1
 
+    @property
+    def processes(self) -> bool:
+        """Whether any processor changes the logits (known without building one)."""
+        return bool(
+            self.logit_bias or self.repetition_penalty or self.presence_penalty
+            or self.frequency_penalty
+        )  # fmt: skip
+
     def processors(self) -> list[Processor]:
         from mlx_lm.sample_utils import make_logits_processors
 

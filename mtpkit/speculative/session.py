@@ -81,7 +81,7 @@ class Request:
     def needs_history(self) -> bool:
         """Whether each round needs the tokens before it (processors or log-probabilities):
         one stream decodes it, never looking a round ahead."""
-        return bool(self.logits.processors()) or self.logprobs is not None
+        return self.logits.processes or self.logprobs is not None
 
     @property
     def one_stream(self) -> bool:
