@@ -148,7 +148,10 @@ def test_langchain_bind_tools_round_trip(servers) -> None:
             ("get_weather", {"city": "Paris"})
         ]
         result = get_weather.invoke(called.tool_calls[0]["args"])
-        messages += [called, ToolMessage(result, tool_call_id=called.tool_calls[0]["id"])]
+        assert called.tool_calls[0]["id"]
+        # Each server makes its own random id, which the template renders: the same one here.
+        called.tool_calls[0]["id"] = "call_1"
+        messages += [called, ToolMessage(result, tool_call_id="call_1")]
         answer = llm.invoke(messages)
         transcripts.append(
             (answer.content, [(c["name"], c["args"]) for c in answer.tool_calls],
