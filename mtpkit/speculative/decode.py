@@ -334,8 +334,10 @@ class MtpDecoder:
     def _plain_forward(self, token: mx.array) -> tuple[mx.array, mx.array]:
         logits, hidden = self.m.forward(token.reshape(1, 1), self.cache)
         logits = logits[:, -1, :]
-        for processor in self.processors:  # the history ends with `token` (no step ahead)
-            logits = processor(mx.array(self.prompt + self.confirmed, dtype=mx.int32), logits)
+        if self.processors:  # the history ends with `token` (no step ahead with processors)
+            history = mx.array(self.prompt + self.confirmed, dtype=mx.int32)
+            for processor in self.processors:
+                logits = processor(history, logits)
         self._plain_logits = logits
         logprobs = logits - mx.logsumexp(logits, keepdims=True)
         y = self.sampler(logprobs)
