@@ -203,38 +203,6 @@ def test_another_model_by_path_decodes_alone_while_the_batch_waits(
     assert text == ref.text
 
 
-def test_sigterm_ends_every_row_and_the_server(server) -> None:
-    """Last in the module: SIGTERM while two rows decode ends both streams with a
-    `shutting_down` error event and `[DONE]`, and the process with status 0."""
-    url = server.url + "/v1/completions"
-    server.wait_idle()
-    streams: list[list[str]] = [[], []]
-    started = [threading.Event(), threading.Event()]
-
-    def stream(i: int) -> None:
-        body = {"prompt": LONG[i], "max_tokens": 3500, "stream": True}
-        with httpx.stream("POST", url, json=body, timeout=TIMEOUT) as r:
-            for line in r.iter_lines():
-                if line:
-                    streams[i].append(line)
-                    started[i].set()
-        started[i].set()
-
-    threads = [threading.Thread(target=stream, args=(i,)) for i in range(2)]
-    for t in threads:
-        t.start()
-    assert all(s.wait(TIMEOUT) for s in started) and all(streams)
-    assert server.terminate() == 0, server.log_path.read_text()[-4000:]
-    for t in threads:
-        t.join(TIMEOUT)
-    for lines in streams:
-        assert lines[-1] == "data: [DONE]"
-        assert '"shutting_down"' in lines[-2]
-    log = server.log_path.read_text()
-    assert "Traceback" not in log
-    assert "decode concurrency: 4" in log
-
-
 def test_fields_the_batch_cannot_honour_decode_alone_beside_it(client, refs) -> None:
     """A penalty and logprobs while other requests decode in the batch: the request decodes
     as one stream (the batch waits), giving stock mlx-lm's text and log-probabilities."""
@@ -267,3 +235,35 @@ def test_fields_the_batch_cannot_honour_decode_alone_beside_it(client, refs) -> 
     assert [e["id"] for e in content] == [t for t, _ in stock]
     assert all(abs(e["logprob"] - lp) < 1e-2 for e, (_, lp) in zip(content, stock, strict=True))
     assert r.model_extra["mtp"]["drafted"] > 0
+
+
+def test_sigterm_ends_every_row_and_the_server(server) -> None:
+    """Last in the module: SIGTERM while two rows decode ends both streams with a
+    `shutting_down` error event and `[DONE]`, and the process with status 0."""
+    url = server.url + "/v1/completions"
+    server.wait_idle()
+    streams: list[list[str]] = [[], []]
+    started = [threading.Event(), threading.Event()]
+
+    def stream(i: int) -> None:
+        body = {"prompt": LONG[i], "max_tokens": 3500, "stream": True}
+        with httpx.stream("POST", url, json=body, timeout=TIMEOUT) as r:
+            for line in r.iter_lines():
+                if line:
+                    streams[i].append(line)
+                    started[i].set()
+        started[i].set()
+
+    threads = [threading.Thread(target=stream, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    assert all(s.wait(TIMEOUT) for s in started) and all(streams)
+    assert server.terminate() == 0, server.log_path.read_text()[-4000:]
+    for t in threads:
+        t.join(TIMEOUT)
+    for lines in streams:
+        assert lines[-1] == "data: [DONE]"
+        assert '"shutting_down"' in lines[-2]
+    log = server.log_path.read_text()
+    assert "Traceback" not in log
+    assert "decode concurrency: 4" in log
