@@ -259,7 +259,7 @@ BAD_REQUESTS = [
     ("/v1/chat/completions", {"messages": MSG, "temperature": -0.5}, 400, "temperature"),
     ("/v1/chat/completions", {"messages": MSG, "top_p": 1.5}, 400, "top_p"),
     ("/v1/chat/completions", {"messages": MSG, "n": 3}, 400, "n"),
-    ("/v1/chat/completions", {"messages": MSG, "logprobs": True}, 400, "logprobs"),
+    ("/v1/chat/completions", {"messages": MSG, "response_format": {"type": "json_object"}}, 400, "response_format"),
     ("/v1/chat/completions", {"messages": MSG, "stop": [""]}, 400, "stop"),
     ("/v1/chat/completions", {"messages": MSG, "stream": "yes please"}, 400, "stream"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": [

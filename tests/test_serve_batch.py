@@ -206,6 +206,40 @@ def test_another_model_by_path_decodes_alone_while_the_batch_waits(
     assert text == ref.text
 
 
+def test_fields_the_batch_cannot_honour_decode_alone_beside_it(client, refs) -> None:
+    """A penalty and logprobs while other requests decode in the batch: the request decodes
+    as one stream (the batch waits), giving stock mlx-lm's text and log-probabilities."""
+    import mlx.core as mx
+    import mlx_lm
+    from mlx_lm.sample_utils import make_logits_processors
+
+    ids = refs.text_ids(LONG[0])
+    processors = make_logits_processors(repetition_penalty=1.3, repetition_context_size=8)
+    stock = [
+        (r.token, r.logprobs[r.token].item())
+        for r in mlx_lm.stream_generate(
+            refs.stock, refs.tokenizer, mx.array(ids), max_tokens=MAX_TOKENS,
+            logits_processors=processors,
+        )
+    ]  # fmt: skip
+    fields = {"repetition_penalty": 1.3, "repetition_context_size": 8, "logprobs": True}
+    with ThreadPoolExecutor(3) as pool:
+        others = [
+            pool.submit(client.completions.create, model="default_model", prompt=p,
+                        max_tokens=MAX_TOKENS)
+            for p in LONG[1:3]
+        ]  # fmt: skip
+        r = client.completions.create(
+            model="default_model", prompt=ids, max_tokens=MAX_TOKENS, extra_body=fields
+        )
+        for other in others:
+            assert other.result().choices[0].text
+    content = r.choices[0].logprobs.model_extra["content"]
+    assert [e["id"] for e in content] == [t for t, _ in stock]
+    assert all(abs(e["logprob"] - lp) < 1e-2 for e, (_, lp) in zip(content, stock, strict=True))
+    assert r.model_extra["mtp"]["drafted"] > 0
+
+
 def test_sigterm_ends_every_row_and_the_server(server) -> None:
     """Last in the module: SIGTERM while two rows decode ends both streams with a
     `shutting_down` error event and `[DONE]`, and the process with status 0."""

@@ -29,7 +29,17 @@ FLAGS = [
     "--model", "--draft-model", "--num-draft-tokens", "--chat-template", "--trust-remote-code",
     "--allowed-origins", "--depth", "--no-mtp", "--prompt-lookup", "--api-key",
     "--allow-model-paths", "--queue-size", "--max-kv-size", "--decode-concurrency",
+    "--served-model-name", "--adapter-path", "--prefill-step-size", "--use-default-chat-template",
 ]  # fmt: skip
+# mlx_lm.server's flags mtpkit serve cannot honour: each a usage error saying why.
+UNSERVED = {
+    "--prompt-concurrency": (["4"], "prefills one prompt at a time"),
+    "--prompt-cache-bytes": (["1G"], "bounded by entries (--prompt-cache-size)"),
+    "--kv-bits": (["4"], "a quantized KV cache cannot be rolled back"),
+    "--kv-group-size": (["32"], "a quantized KV cache cannot be rolled back"),
+    "--quantized-kv-start": (["100"], "a quantized KV cache cannot be rolled back"),
+    "--pipeline": ([], "runs on one machine"),
+}
 
 
 def run(*args: str):
@@ -80,3 +90,13 @@ def test_a_missing_model_is_one_error_line(tmp_path: Path) -> None:
 def test_usage_errors_exit_2(args: list[str], tmp_path: Path) -> None:
     result = run("--model", str(tmp_path), *args)
     assert result.exit_code == 2, result.output
+
+
+@pytest.mark.parametrize("flag", list(UNSERVED))
+def test_mlx_lm_server_flags_it_cannot_honour_say_why(flag: str, tmp_path: Path) -> None:
+    value, why = UNSERVED[flag]
+    result = run("--model", str(tmp_path), flag, *value)
+    assert result.exit_code == 2, result.output
+    error = [line for line in result.output.splitlines() if line.startswith("Error")]
+    assert len(error) == 1 and f"{flag} is mlx_lm.server's and not served" in error[0]
+    assert why in error[0] and "Traceback" not in result.output

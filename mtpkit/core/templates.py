@@ -179,7 +179,7 @@ def _trial_render(
     variables = {
         **dict(getattr(tokenizer, "special_tokens_map", {}) or {}),
         "messages": messages,
-        "tools": None,
+        "tools": kwargs.get("tools"),
         "documents": None,
         **kwargs,
     }

@@ -2,15 +2,16 @@
 
 A request is validated (pydantic, `schemas.py`), its model resolved and its prompt encoded
 and checked against the context before it takes a queue slot; every refusal is a 4xx in
-OpenAI's error shape. A streamed response starts once the first text is decoded, so an error
-found while decoding starts is still a status code. A client that goes away cancels its job
-(waiting or decoding), which frees its slot.
+OpenAI's error shape. A streamed response starts with the first text, or after
+HEADERS_AFTER seconds without one (a long prompt prefilling, a request waiting its turn:
+then `: keepalive` comments until the text comes), so an error found while decoding starts
+is still a status code. A client that goes away cancels its job (waiting or decoding), which
+frees its slot. Every route answers under `/v1` and without it, as mlx_lm.server's do.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
@@ -34,19 +35,20 @@ from mtpkit.serve.refusals import Refused
 from mtpkit.serve.schemas import (
     ChatCompletionRequest,
     CompletionRequest,
-    Outcome,
     ResponseIds,
     error_body,
+    model_card,
     model_list,
 )
 from mtpkit.serve.settings import ServeSettings
+from mtpkit.serve.stream import Shaping, collect, sse
 from mtpkit.serve.worker import Failed, Job, QueueFull, ShuttingDown, Worker
-from mtpkit.speculative.session import TokenEvent
 
 # How often a waiting request checks that its client is still there (seconds).
 DISCONNECT_POLL = 0.5
 RETRY_AFTER = "1"  # seconds, on a full queue
 MAX_NAME = 200  # characters of a client's model name a refusal repeats
+HEADERS_AFTER = 1.0  # seconds a stream waits for its first text before it starts
 
 
 class ApiError(Exception):
@@ -90,18 +92,26 @@ def create_app(settings: ServeSettings, worker: Worker) -> FastAPI:
             "cancelled": worker.cancelled,
         }
 
-    @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        return model_list(settings.model, served.created)
+        return model_list(served.model_id, served.created)
 
-    @app.post("/v1/chat/completions")
+    async def model(model_id: str) -> dict[str, Any]:
+        if served.resolve_model(model_id) is not None:  # another model is not listed
+            shown = printable(model_id[:MAX_NAME])
+            raise ApiError(404, f"the model `{shown}` does not exist", "model_not_found")
+        return model_card(served.model_id, served.created)
+
     async def chat(body: ChatCompletionRequest, request: HttpRequest) -> Response:
         return await served.complete(body, request, chat=True)
 
-    @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: HttpRequest) -> Response:
         return await served.complete(body, request, chat=False)
 
+    for prefix in ("/v1", ""):  # mlx_lm.server answers both
+        app.get(f"{prefix}/models")(models)
+        app.get(f"{prefix}/models/{{model_id:path}}")(model)
+        app.post(f"{prefix}/chat/completions")(chat)
+        app.post(f"{prefix}/completions")(completions)
     return app
 
 
@@ -113,7 +123,12 @@ class Served:
         self.created = int(time.time())
         path = Path(settings.model).expanduser()
         self.served_path = path.resolve() if path.is_dir() else None
-        self.names = {settings.model, "default_model", path.name}
+        # The id /v1/models lists; a request may name the model by it, by --model as given,
+        # by the directory's name or absolute path (mlx_lm.server's id), or "default_model".
+        self.model_id = settings.served_model_name or settings.model
+        self.names = {self.model_id, settings.model, "default_model", path.name}
+        if self.served_path is not None:
+            self.names.add(str(self.served_path))
         # Prompts are encoded on one thread of their own, beside the decoding thread: a
         # tokenizer is not promised to be safe under many threads at once.
         self.encoder = ThreadPoolExecutor(1, thread_name_prefix="mtpkit-encode")
@@ -126,6 +141,8 @@ class Served:
         if not name or name in self.names:
             return None
         shown = printable(name[:MAX_NAME]) + ("..." if len(name) > MAX_NAME else "")
+        if self.served_path is not None and _same_path(name, self.served_path):
+            return None  # mlx_lm.server's id: the directory's absolute path
         root = self.settings.allow_model_paths
         if root is None:
             raise ApiError(
@@ -152,7 +169,7 @@ class Served:
                 built = await loop.run_in_executor(self.encoder, encode)
             except MtpkitError as e:
                 raise ApiError(400, str(e), _code(e)) from None
-            job = Job(lambda _engine: built, None, loop)
+            job = Job(lambda _engine: built, None, loop, alone=built.one_stream)
         else:
             job = Job(partial(build_request, body=body, settings=self.settings), model, loop)
         try:
@@ -164,20 +181,20 @@ class Served:
             ) from None  # fmt: skip
         except ShuttingDown as e:
             raise ApiError(503, str(e), "shutting_down", kind="server_error") from None
-        ids = ResponseIds(chat, body.model or self.settings.model)
+        ids = ResponseIds(chat, body.model or self.model_id)
+        tokenizer = self.worker.served_engine.m.tokenizer
+        shaping = Shaping(tokenizer, body, chat, streaming=body.stream)
         watcher = asyncio.create_task(_cancel_when_gone(job, request))
         try:
-            first = await job.events.get()
-            if isinstance(first, Failed):
-                raise _failure(first)
             if body.stream:  # from here on the response notices a client gone itself
-                return JobStream(job, _sse(job, ids, first, body.include_usage, chat))
-            item = first
-            while not isinstance(item, Outcome):
-                item = await job.events.get()
-                if isinstance(item, Failed):
-                    raise _failure(item)
-            return JSONResponse(ids.complete(item))
+                first = await _first_event(job, HEADERS_AFTER)
+                if isinstance(first, Failed):
+                    raise _failure(first)
+                return JobStream(job, sse(job, ids, first, body.include_usage, shaping))
+            answer = await collect(job, await job.events.get(), ids, shaping)
+            if isinstance(answer, Failed):
+                raise _failure(answer)
+            return JSONResponse(answer)
         finally:
             watcher.cancel()
 
@@ -195,6 +212,21 @@ def model_under(root: Path, name: str) -> Path | None:
     except (OSError, ValueError, RuntimeError):  # too long, a NUL byte, a link loop
         pass
     return None
+
+
+async def _first_event(job: Job, seconds: float) -> Any:
+    """The job's first event, or None when none came within `seconds`."""
+    try:
+        return await asyncio.wait_for(job.events.get(), seconds)
+    except asyncio.TimeoutError:
+        return None
+
+
+def _same_path(name: str, path: Path) -> bool:
+    try:
+        return Path(name).expanduser().resolve() == path
+    except (OSError, RuntimeError, ValueError):
+        return False
 
 
 class JobStream(StreamingResponse):
@@ -220,37 +252,15 @@ async def _cancel_when_gone(job: Job, request: HttpRequest) -> None:
     job.cancel()
 
 
-async def _sse(
-    job: Job, ids: ResponseIds, first: TokenEvent | Outcome, include_usage: bool, chat: bool
-) -> AsyncIterator[str]:
-    """Server-sent events: chunks of text, the finish chunk (with the mtp object), the usage
-    chunk when asked for, `[DONE]`; an error while decoding is an `error` event."""
-    try:
-        if chat:
-            yield _event(ids.role_chunk())
-        item: TokenEvent | Outcome | Failed = first
-        while True:
-            if isinstance(item, TokenEvent):
-                yield _event(ids.chunk(item.text))
-            elif isinstance(item, Outcome):
-                last = ids.chunk(None, item.finish_reason)
-                last["mtp"] = item.mtp.model_dump()
-                yield _event(last)
-                if include_usage:
-                    yield _event(ids.usage_chunk(item))
-                break
-            else:
-                kind = "server_error" if item.status >= 500 else "invalid_request_error"
-                yield _event(error_body(item.message, kind, code=item.code))
-                break
-            item = await job.events.get()
-        yield "data: [DONE]\n\n"
-    finally:
-        job.cancel()  # the client left mid-stream: stop decoding, free the slot (also JobStream)
-
-
-def _event(payload: dict[str, Any]) -> str:
-    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+def _not_an_object(content_type: str | None) -> str:
+    """What is wrong with a body that is not a JSON object, in the user's words."""
+    if content_type and content_type.split(";")[0].strip().lower() == "application/json":
+        return 'the body must be a JSON object, e.g. {"model": ..., "messages": [...]}'
+    sent = f"`Content-Type: {content_type}`" if content_type else "no Content-Type"
+    return (
+        f"the body must be JSON sent with `Content-Type: application/json` (this request "
+        f"has {sent}; with curl, add -H 'Content-Type: application/json')"
+    )
 
 
 def _failure(failed: Failed) -> ApiError:
@@ -270,7 +280,7 @@ def _add_error_handlers(app: FastAPI) -> None:
         return error.response()
 
     @app.exception_handler(RequestValidationError)
-    async def invalid(_request: HttpRequest, error: RequestValidationError) -> JSONResponse:
+    async def invalid(request: HttpRequest, error: RequestValidationError) -> JSONResponse:
         problems = error.errors()
         first = problems[0] if problems else {"loc": (), "msg": "invalid request"}
         loc = [str(p) for p in first.get("loc", ()) if p != "body"]
@@ -281,6 +291,8 @@ def _add_error_handlers(app: FastAPI) -> None:
         message = str(first.get("msg", "invalid request")).removeprefix("Value error, ")
         if first.get("type") == "json_invalid":
             message, param = "the body is not valid JSON", None
+        elif not loc and first.get("type") in ("model_attributes_type", "dict_type"):
+            message = _not_an_object(request.headers.get("content-type"))
         text = f"{param}: {message}" if param else message
         return ApiError(400, text, "invalid_value", param).response()
 

@@ -41,8 +41,8 @@ def served_schema(app: FastAPI) -> dict[str, Any]:
     if app.openapi_schema is None:
         schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
         for path, operations in schema.get("paths", {}).items():
-            for operation in operations.values() if path.startswith("/v1/") else ():
-                _true_responses(operation, streams=path != "/v1/models")
+            for operation in operations.values() if path != "/health" else ():
+                _true_responses(operation, streams=path.endswith("completions"))
         schema.get("components", {}).get("schemas", {}).pop("HTTPValidationError", None)
         schema.get("components", {}).get("schemas", {}).pop("ValidationError", None)
         app.openapi_schema = schema

@@ -34,17 +34,12 @@ def _text_format(value: Any) -> bool:
 
 # field -> (is its value neutral?, what to tell the client)
 REFUSED: dict[str, tuple[Any, str]] = {
-    "logit_bias": (_unset, "logit_bias is not supported (decoding stays lossless)"),
-    "response_format": (_text_format, "response_format other than text is not supported"),
-    "top_logprobs": (_zero, "top_logprobs are not supported"),
+    "response_format": (
+        _text_format, "structured output (json_object, json_schema) is not supported"
+    ),
     "best_of": (_one, "best_of is not supported (one choice per request)"),
-    "functions": (_unset, "function calling (functions) is not supported"),
-    "function_call": (_unset, "function calling (function_call) is not supported"),
-    "tool_choice": (lambda v: _unset(v) or v == "none", "tool calling is not supported"),
-    "repetition_penalty": (lambda v: v is None or v == 1, "repetition_penalty is not supported"),
-    "repetition_context_size": (lambda v: True, "ignored without repetition_penalty"),
-    "xtc_probability": (_zero, "XTC sampling (xtc_probability) is not supported"),
-    "xtc_threshold": (_zero, "XTC sampling (xtc_threshold) is not supported"),
+    "functions": (_unset, "the legacy functions API is not supported: send `tools`"),
+    "function_call": (_unset, "the legacy functions API is not supported: send `tools`"),
     "logits_processors": (_unset, "logits processors are not supported"),
     "prediction": (_unset, "predicted outputs (prediction) are not supported"),
     "audio": (_unset, "audio output is not supported"),

@@ -2,10 +2,11 @@
 here before it reaches the decoding queue (a bad value is a 400 in OpenAI's error shape, see
 `app.py`), and a response is built here from a finished session.
 
+The fields mlx_lm.server honours are honoured (tools, logprobs, penalties, logit bias, XTC).
 Fields the OpenAI API defines that mtpkit does not implement are accepted at their neutral
-value and refused otherwise (`n` > 1, `logprobs`, penalties, tools, and the table of
-`refusals.py`): a client that asks for them learns so at once instead of getting an answer
-that silently ignored them.
+value and refused otherwise (`n` > 1, and the table of `refusals.py`: `best_of`,
+`response_format`, the legacy `functions`, ...): a client that asks for them learns so at once
+instead of getting an answer that silently ignored them.
 """
 
 from __future__ import annotations
@@ -23,28 +24,43 @@ from mtpkit.serve.refusals import refuse_unhonoured
 Role = Literal["system", "developer", "user", "assistant", "tool"]
 
 
-class TextPart(BaseModel):
-    """A part of a message's content; only text parts are supported."""
-
-    model_config = ConfigDict(extra="allow")
-    type: str
-    text: str | None = None
-
-    @model_validator(mode="after")
-    def _only_text(self) -> TextPart:
-        if self.type != "text" or self.text is None:
-            raise ValueError(f"content parts of type {self.type!r} are not supported: send text")
-        return self
+def _part_problem(part: Any) -> str | None:
+    """Why a content part cannot be read (None: a text part)."""
+    if not isinstance(part, dict):
+        return 'a content part must be an object such as {"type": "text", "text": "..."}'
+    kind = part.get("type")
+    if kind == "text" and isinstance(part.get("text"), str):
+        return None
+    if kind in ("image_url", "input_image", "image", "input_audio", "file"):
+        return f"this server reads text only: {kind!r} content parts cannot be sent to this model"
+    return f"a content part of type {kind!r} is not supported: send text parts or a string"
 
 
 class ChatMessage(BaseModel):
+    """A message as the chat template reads it: `name`, `tool_calls` (an assistant's
+    calls) and `tool_call_id` (a tool's result) pass to the template with the content."""
+
     model_config = ConfigDict(extra="allow")
     role: Role
-    content: str | list[TextPart] | None = None
+    content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _readable(cls, value: Any) -> Any:
+        if isinstance(value, list):
+            for part in value:
+                if (problem := _part_problem(part)) is not None:
+                    raise ValueError(problem)
+        elif value is not None and not isinstance(value, str):
+            raise ValueError("the content must be a string or a list of text parts")
+        return value
 
     def text(self) -> str:
         if isinstance(self.content, list):
-            return "".join(part.text or "" for part in self.content)
+            return "".join(part["text"] for part in self.content)
         return self.content or ""
 
 
@@ -68,10 +84,23 @@ class GenerationFields(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: int = 1
-    logprobs: bool | int | None = None
+    # Honoured as mlx_lm.server honours them (its names, defaults and ranges).
+    logprobs: bool | int | None = None  # chat: a bool; completions: also the legacy top-n
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+    repetition_penalty: float = Field(0.0, ge=0.0)
+    repetition_context_size: int = Field(20, ge=0)
     presence_penalty: float = 0.0
+    presence_context_size: int = Field(20, ge=0)
     frequency_penalty: float = 0.0
-    tools: list[Any] | None = None
+    frequency_context_size: int = Field(20, ge=0)
+    logit_bias: dict[str, float] | None = None
+    xtc_probability: float = Field(0.0, ge=0.0, le=1.0)
+    xtc_threshold: float = Field(0.1, ge=0.0, le=1.0)
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    user: str | None = None  # OpenAI's end-user id: nothing to decode differently
+    # Fields mtpkit cannot honour are refused by `refusals.REFUSED` (a 400 naming each).
 
     @model_validator(mode="before")
     @classmethod
@@ -79,7 +108,7 @@ class GenerationFields(BaseModel):
         refuse_unhonoured(data)  # the fields in refusals.REFUSED, and lone surrogates
         return data
 
-    @field_validator("temperature", "top_p", "min_p")
+    @field_validator("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty")
     @classmethod
     def _finite(cls, value: float | None) -> float | None:
         if value is not None and not math.isfinite(value):
@@ -95,24 +124,46 @@ class GenerationFields(BaseModel):
 
     @field_validator("logprobs")
     @classmethod
-    def _no_logprobs(cls, value: bool | int | None) -> bool | int | None:
-        if value:
-            raise ValueError("logprobs are not supported")
+    def _logprobs(cls, value: bool | int | None) -> bool | int | None:
+        if not isinstance(value, bool) and isinstance(value, int) and not 0 <= value <= 20:
+            raise ValueError("must be true, false or (completions) a number of top tokens, 0-20")
         return value
 
-    @field_validator("presence_penalty", "frequency_penalty")
+    @field_validator("logit_bias")
     @classmethod
-    def _no_penalty(cls, value: float) -> float:
-        if value != 0:
-            raise ValueError("penalties are not supported (decoding stays lossless): send 0")
+    def _token_ids(cls, value: dict[str, float] | None) -> dict[str, float] | None:
+        for key, bias in (value or {}).items():
+            if not key.strip().isdigit():
+                raise ValueError(f"keys are token ids (integers), not {key!r}")
+            if not math.isfinite(bias):
+                raise ValueError(f"the bias of token {key} must be a finite number")
         return value
 
-    @field_validator("tools")
+    @field_validator("tool_choice")
     @classmethod
-    def _no_tools(cls, value: list[Any] | None) -> list[Any] | None:
-        if value:
-            raise ValueError("tool calling is not supported")
+    def _tool_choice(cls, value: str | dict[str, Any] | None) -> str | dict[str, Any] | None:
+        if value not in (None, "auto", "none"):
+            raise ValueError(
+                "only 'auto' and 'none' are supported: this server cannot force the model to "
+                "call a tool"
+            )
         return value
+
+    @field_validator("parallel_tool_calls")
+    @classmethod
+    def _parallel(cls, value: bool | None) -> bool | None:
+        if value is False:
+            raise ValueError("false is not supported: every call the model makes is returned")
+        return value
+
+    def top_tokens(self) -> int | None:
+        """None: no log-probabilities; n: each token's, with the top n (mlx_lm.server's
+        `logprobs` and `top_logprobs`; a completion's `logprobs: n` is OpenAI's legacy form)."""
+        top = self.top_logprobs or 0
+        if not isinstance(self.logprobs, bool) and isinstance(self.logprobs, int):
+            top = max(top, self.logprobs)
+            return top
+        return top if self.logprobs or top > 0 else None
 
     @field_validator("stop")
     @classmethod
@@ -144,18 +195,30 @@ class ChatCompletionRequest(GenerationFields):
 
 
 class CompletionRequest(GenerationFields):
-    # A string, one string in a list, or token ids; several prompts per request are not.
-    prompt: str | list[str] | list[int]
+    # A string or token ids, alone or as the one prompt in a list (lm-eval sends [[ids]]);
+    # several prompts per request are not supported.
+    prompt: str | list[int]
     echo: bool = False
     suffix: str | None = None
 
-    @field_validator("prompt")
+    @field_validator("prompt", mode="before")
     @classmethod
-    def _one_prompt(cls, value: str | list[str] | list[int]) -> str | list[str] | list[int]:
-        if isinstance(value, list) and not value:
+    def _one_prompt(cls, value: Any) -> Any:
+        if isinstance(value, list) and value and isinstance(value[0], (str, list)):
+            if len(value) != 1:
+                raise ValueError(
+                    f"only one prompt per request is supported, not {len(value)}: send them "
+                    "one request each"
+                )
+            value = value[0]
+        if isinstance(value, str):
+            return value
+        if not isinstance(value, list) or not all(
+            isinstance(t, int) and not isinstance(t, bool) for t in value
+        ):
+            raise ValueError("must be a string or a list of token ids (integers)")
+        if not value:
             raise ValueError("the prompt is empty")
-        if isinstance(value, list) and isinstance(value[0], str) and len(value) != 1:
-            raise ValueError("only one prompt per request is supported")
         return value
 
     @field_validator("echo")
@@ -198,12 +261,16 @@ class Usage(BaseModel):
 
 
 class Outcome(BaseModel):
-    """What a finished decode hands to the response builders."""
+    """What a finished decode hands to the response builders; `scored`: with logprobs
+    asked for, (token id, `TokenLogprob`) of every completion token, the EOS included (as
+    mlx_lm.server reports them)."""
 
+    model_config = ConfigDict(arbitrary_types_allowed=True)
     text: str
     finish_reason: str
     usage: Usage
     mtp: Mtp
+    scored: list[Any] | None = None
 
 
 def _header(kind: str, prefix: str, model: str) -> dict[str, Any]:
@@ -226,26 +293,45 @@ class ResponseIds:
     def body(self, kind: str, **fields: Any) -> dict[str, Any]:
         return {**self.base, "object": kind, **fields}
 
-    def complete(self, outcome: Outcome) -> dict[str, Any]:
-        """The non-streaming response."""
+    def complete(
+        self, outcome: Outcome, content: str | None = None,
+        tool_calls: list[dict[str, Any]] | None = None, logprobs: dict[str, Any] | None = None,
+    ) -> dict[str, Any]:  # fmt: skip
+        """The non-streaming response; `content` (default: the outcome's text) is the text
+        without its tool calls."""
+        text = outcome.text if content is None else content
+        reason = "tool_calls" if tool_calls and outcome.finish_reason == "stop" else None
+        reason = reason or outcome.finish_reason
         if self.chat:
-            message = {"role": "assistant", "content": outcome.text}
-            choice = {"index": 0, "message": message, "finish_reason": outcome.finish_reason}
+            message: dict[str, Any] = {"role": "assistant", "content": text}
+            if tool_calls:
+                message["content"] = text or None
+                message["tool_calls"] = tool_calls
+            choice = {"index": 0, "message": message, "finish_reason": reason}
+            choice["logprobs"] = logprobs
             kind = "chat.completion"
         else:
-            choice = {"index": 0, "text": outcome.text, "finish_reason": outcome.finish_reason}
-            choice["logprobs"] = None
+            choice = {"index": 0, "text": text, "finish_reason": reason, "logprobs": logprobs}
             kind = "text_completion"
         extra = {"usage": outcome.usage.model_dump(), "mtp": outcome.mtp.model_dump()}
         return self.body(kind, choices=[choice], **extra)
 
-    def chunk(self, text: str | None, finish_reason: str | None = None) -> dict[str, Any]:
-        """One streamed chunk: a text piece, or the last one with the finish reason."""
+    def chunk(
+        self, text: str | None, finish_reason: str | None = None,
+        tool_calls: list[dict[str, Any]] | None = None, logprobs: dict[str, Any] | None = None,
+    ) -> dict[str, Any]:  # fmt: skip
+        """One streamed chunk: a text piece (and the tool calls and log-probabilities that
+        came with it), or the last one with the finish reason."""
         if self.chat:
             delta: dict[str, Any] = {} if text is None else {"content": text}
+            if tool_calls:
+                delta["tool_calls"] = tool_calls
             choice = {"index": 0, "delta": delta, "finish_reason": finish_reason}
+            if logprobs is not None:
+                choice["logprobs"] = logprobs
             return self.body("chat.completion.chunk", choices=[choice])
-        choice = {"index": 0, "text": text or "", "finish_reason": finish_reason, "logprobs": None}
+        choice = {"index": 0, "text": text or "", "finish_reason": finish_reason}
+        choice["logprobs"] = logprobs
         return self.body("text_completion", choices=[choice])
 
     def role_chunk(self) -> dict[str, Any]:
@@ -267,6 +353,9 @@ def error_body(
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
+def model_card(model_id: str, created: int) -> dict[str, Any]:
+    return {"id": model_id, "object": "model", "created": created, "owned_by": "mtpkit"}
+
+
 def model_list(model_id: str, created: int) -> dict[str, Any]:
-    card = {"id": model_id, "object": "model", "created": created, "owned_by": "mtpkit"}
-    return {"object": "list", "data": [card]}
+    return {"object": "list", "data": [model_card(model_id, created)]}

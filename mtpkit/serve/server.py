@@ -41,15 +41,20 @@ def load_engine(settings: ServeSettings) -> Engine:
     engine = Engine.load(
         settings.model, drafter=drafter, mtp=settings.mtp,
         prompt_cache_size=settings.prompt_cache_size, max_kv_size=settings.max_kv_size,
+        adapter_path=settings.adapter_path,
     )  # fmt: skip
+    engine.prefill_step_size = settings.prefill_step_size
     if not engine.drafts and settings.mtp:
         log.warning("%s has no MTP head: decoding without drafting", settings.model)
+    tokenizer = engine.m.tokenizer
     if settings.chat_template:
-        engine.m.tokenizer.chat_template = settings.chat_template
+        tokenizer.chat_template = settings.chat_template
     else:
+        if settings.use_default_chat_template and tokenizer.chat_template is None:
+            tokenizer.chat_template = getattr(tokenizer, "default_chat_template", None)
         from mtpkit.core.templates import ChatTemplateError, check_template
 
-        own = getattr(engine.m.tokenizer, "chat_template", None)
+        own = getattr(tokenizer, "chat_template", None)
         try:  # rendered bounded per request; a syntax error shows now, once
             check_template(own, "the model's chat template") if own is not None else None
         except ChatTemplateError as e:

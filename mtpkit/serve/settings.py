@@ -39,6 +39,10 @@ class ServeSettings:
     prompt_cache_size: int = DEFAULT_SIZE
     max_kv_size: int | None = None
     log_level: str = "INFO"
+    served_model_name: str | None = None  # the id /v1/models lists (default: --model)
+    prefill_step_size: int = 2048  # mlx_lm.server's --prefill-step-size
+    adapter_path: str | None = None  # LoRA adapters on the backbone (mlx_lm.server's)
+    use_default_chat_template: bool = False  # the tokenizer's default where it has none
     # Serving.
     api_key: str | None = None  # checked at start-up (`guard.checked_api_key`)
     max_body: int = DEFAULT_MAX_BODY  # bytes of a request body read at most

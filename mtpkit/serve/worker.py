@@ -60,6 +60,9 @@ class Job:
     build: RequestBuilder
     model: str | None  # another model by path (--allow-model-paths), None: the served one
     loop: asyncio.AbstractEventLoop
+    # Decoded as one stream even beside a batch: the batch honours no logits processors,
+    # log-probabilities or XTC yet (`Request.one_stream`).
+    alone: bool = False
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     cancelled: threading.Event = field(default_factory=threading.Event)
 
@@ -183,7 +186,7 @@ class Worker:
                     return
                 if self._skipped(job):
                     continue
-                if job.model is not None:  # another model: decoded alone, the batch waits
+                if job.model is not None or job.alone:  # decoded alone, the batch waits
                     self._alone(job)
                     continue
                 self._join(batch, job)
@@ -253,7 +256,7 @@ class Worker:
             tokens += event.token is not None
             if job.cancelled.is_set():
                 session.cancel()
-            if event.text:
+            if event.text or event.logprob is not None:
                 job.put(event)
         self._answer(job, engine, session, tokens)
 
@@ -300,4 +303,8 @@ def outcome(engine: Engine, session: Session | BatchEntry, generated: int) -> Ou
         acceptance=stats.acceptance,
     )
     reason = "length" if session.finish_reason == "length" else "stop"
-    return Outcome(text=session.text, finish_reason=reason, usage=usage, mtp=mtp)
+    scored = None
+    if request.logprobs is not None and isinstance(session, Session):
+        decoder = session.decoder
+        scored = list(zip(decoder.confirmed, decoder.logprobs, strict=False))[:completion]
+    return Outcome(text=session.text, finish_reason=reason, usage=usage, mtp=mtp, scored=scored)

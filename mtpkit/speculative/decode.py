@@ -53,6 +53,7 @@ from mtpkit.speculative.accept import (
     verdict,
 )
 from mtpkit.speculative.adaptive import AdaptiveDrafting
+from mtpkit.speculative.logits import Processor, TokenLogprob, process_rows, token_logprobs
 from mtpkit.speculative.look_ahead import LAUNCH_AHEAD, LookAhead
 from mtpkit.speculative.proposers import Proposal, Proposer, default_proposer
 from mtpkit.speculative.stats import Stats
@@ -77,6 +78,7 @@ class Round:
     state: Any  # the proposer's work over the verified pairs (`Proposer.after_verify`)
     undo: PassUndo | None = None  # set when queued on the previous round's premise
     launched: bool = True  # False: built ahead, not on the device yet
+    scored: mx.array | None = None  # the verified rows' logits, processed [K+1, V]
 
     @property
     def depth(self) -> int:
@@ -168,6 +170,13 @@ class MtpDecoder:
         self.draft_filter = draft_filter
         self.after_prefill: Callable[[], None] | None = None  # a session keeps the state
         self.prefill_step_size = 2048  # tokens per prefill forward (mlx-lm's default)
+        # A request's logits processors (`speculative/logits.py`), and the log-probabilities
+        # of its tokens (None: not wanted; n: with the top n), one per confirmed token. Both
+        # need each round's history, so a session that sets them never looks ahead.
+        self.processors: list[Processor] = []
+        self.logprobs_top: int | None = None
+        self.logprobs: list[TokenLogprob] = []
+        self._plain_logits: mx.array | None = None
 
     @property
     def drafting(self) -> bool:
@@ -223,8 +232,11 @@ class MtpDecoder:
             drafts = self.draft_filter(position, drafts)
         drafts = self.lockstep.share(drafts)  # rank 0's drafts on every rank
         verified = self.m.verify(mx.concatenate([last, drafts]), self.cache)
+        scored = verified.logits[0]
+        if self.processors:
+            scored = process_rows(self.processors, self.prompt + self.confirmed, scored, drafts)
         if proposer.drafts_locally:
-            packed, followers = verdict(verified.logits[0], drafts, proposal.dists, self.sampling)
+            packed, followers = verdict(scored, drafts, proposal.dists, self.sampling)
         else:  # a rank without the head reads rank 0's verdict
             packed = placeholder_verdict(depth, self.sampling.greedy, verified.logits)
         if self.lockstep.size > 1:  # rank 0's verdict, and the followers it implies
@@ -233,7 +245,7 @@ class MtpDecoder:
         if launch:
             mx.async_eval(packed)
         state = proposer.after_verify(proposal, verified.hidden, followers, launch)
-        return Round(position, proposal, verified, packed, followers, state, undo, launch)
+        return Round(position, proposal, verified, packed, followers, state, undo, launch, scored)
 
     def read_round_verdict(self, r: Round) -> Verdict:
         """The round's one host read: drafts kept, the backbone's token after them, the
@@ -302,6 +314,8 @@ class MtpDecoder:
         self.stats.record_round(r.position, v.drafts, v.accepted)
         self.round_depth = r.depth
         confirmed = v.confirmed[:take]
+        if self.logprobs_top is not None:
+            self.logprobs.extend(token_logprobs(r.scored, confirmed, self.logprobs_top))
         self.n_confirmed += take
         self.confirmed.extend(confirmed)
         self.last_token = confirmed[-1]
@@ -320,6 +334,11 @@ class MtpDecoder:
     def _plain_forward(self, token: mx.array) -> tuple[mx.array, mx.array]:
         logits, hidden = self.m.forward(token.reshape(1, 1), self.cache)
         logits = logits[:, -1, :]
+        if self.processors:  # the history ends with `token` (no step ahead with processors)
+            history = mx.array(self.prompt + self.confirmed, dtype=mx.int32)
+            for processor in self.processors:
+                logits = processor(history, logits)
+        self._plain_logits = logits
         logprobs = logits - mx.logsumexp(logits, keepdims=True)
         y = self.sampler(logprobs)
         if self.lockstep.size > 1:  # rank 0's token (as int32: every backend sums those)
@@ -341,6 +360,8 @@ class MtpDecoder:
             self._ahead = self._plain_forward(y)
             mx.async_eval(*self._ahead)
         token = int(y.item())
+        if self.logprobs_top is not None:
+            self.logprobs.extend(token_logprobs(self._plain_logits, [token], self.logprobs_top))
         self.last_token = token
         self.n_confirmed += 1
         self.confirmed.append(token)
@@ -372,6 +393,7 @@ class MtpDecoder:
             self.adaptive.record_round(len(new), time.perf_counter() - t0, self.round_depth)
             return new
         ahead = not self.use_mtp or self.adaptive.plain_ahead() > 0
+        ahead = ahead and not self.processors and self.logprobs_top is None
         new = self.plain_step(ahead=ahead and left > 1)
         self.adaptive.record_plain(time.perf_counter() - t0)
         return new

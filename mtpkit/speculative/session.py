@@ -29,6 +29,7 @@ from mtpkit.runtime.model import GenerateError, MtpModel, NoMtpHead, load_model
 from mtpkit.speculative.accept import SamplingSettings
 from mtpkit.speculative.adaptive import resolve_depth
 from mtpkit.speculative.decode import MtpDecoder, Stats
+from mtpkit.speculative.logits import NO_PROCESSING, LogitsSettings, TokenLogprob
 from mtpkit.speculative.prompt_cache import DEFAULT_SIZE, PromptCache
 from mtpkit.speculative.proposers.choose import DrafterChoice, ProposerFactory
 from mtpkit.speculative.text import TextStream
@@ -82,7 +83,8 @@ def check_prompt(m: MtpModel, prompt: list[int]) -> None:
 class Request:
     """One decode: the prompt's token ids and how to continue it. `depth` None: adaptive
     drafting chooses each round's (1-3; without `adaptive`, 1). `stop`: strings that end
-    the text (not included in it)."""
+    the text (not included in it). `logits`: processors and XTC (`speculative/logits.py`);
+    `logprobs`: None, or each token's log-probability with the top `logprobs` others."""
 
     prompt: list[int]
     max_tokens: int = 256
@@ -91,6 +93,19 @@ class Request:
     stop: tuple[str, ...] = ()
     depth: int | None = None
     adaptive: bool = True
+    logits: LogitsSettings = NO_PROCESSING
+    logprobs: int | None = None
+
+    @property
+    def needs_history(self) -> bool:
+        """Whether each round needs the tokens before it (processors or log-probabilities):
+        one stream decodes it, never looking a round ahead."""
+        return self.logits.processes or self.logprobs is not None
+
+    @property
+    def one_stream(self) -> bool:
+        """Whether only the one-stream decoder honours it (a batch does not yet)."""
+        return self.needs_history or self.logits.plain_only(self.sampling.temp)
 
 
 @dataclass
@@ -103,6 +118,7 @@ class TokenEvent:
     text: str
     from_draft: bool = False
     finish_reason: str | None = None
+    logprob: TokenLogprob | None = None  # with `Request.logprobs`
 
 
 class Engine:
@@ -132,6 +148,7 @@ class Engine:
             raise NoMtpHead(f"{m.path} has no MTP head")
         self.proposers = ProposerFactory(m, drafter) if self.drafts else None
         self.prompt_cache = PromptCache(prompt_cache_size)
+        self.prefill_step_size = 2048  # tokens per prefill forward (mlx-lm's default)
 
     @classmethod
     def load(
@@ -202,11 +219,18 @@ class Session:
             cached = len(hit.tokens) - 1
         elif engine.proposers is not None:
             proposer = engine.proposers()
+        plain = request.logits.plain_only(request.sampling.temp)
         self.decoder = MtpDecoder(
             m, request.prompt, depth=depth, sampling=request.sampling, adaptive=request.adaptive,
-            use_mtp=engine.drafts, pipeline=engine.pipeline, max_kv_size=engine.max_kv_size,
+            use_mtp=engine.drafts and not plain, max_kv_size=engine.max_kv_size,
+            pipeline=False if request.needs_history else engine.pipeline,
             choose_depth=choose, proposer=proposer, cache=cache, cached=cached,
         )  # fmt: skip
+        self.decoder.prefill_step_size = engine.prefill_step_size
+        self.decoder.processors = request.logits.processors()
+        self.decoder.logprobs_top = request.logprobs
+        if plain:
+            self.decoder.sampler = request.logits.xtc_sampler(request.sampling, m.tokenizer)
         self.text_stream = TextStream(m.tokenizer, request.stop)
         self.finish_reason: str | None = None
         self.cancelled = False
@@ -235,6 +259,8 @@ class Session:
                 if last is not None:
                     yield last
                 last = TokenEvent(token, piece, from_draft)
+                if request.logprobs is not None:
+                    last.logprob = decoder.logprobs[produced - 1]
                 if self.text_stream.stopped:
                     break
                 if self.cancelled:

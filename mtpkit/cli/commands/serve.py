@@ -11,12 +11,14 @@ import typer
 
 from mtpkit.cli.options import (
     REMOTE_CODE_NOTE,
+    AdapterPathOpt,
     AdaptiveOpt,
     DepthOpt,
     DrafterModelOpt,
     GenerateModelOpt,
     MaxKvSizeOpt,
     MinPOpt,
+    PrefillStepSizeOpt,
     PromptLookupMaxOpt,
     PromptLookupMinOpt,
     PromptLookupOpt,
@@ -34,6 +36,34 @@ class LogLevel(str, Enum):
     WARNING = "WARNING"
     ERROR = "ERROR"
     CRITICAL = "CRITICAL"
+
+
+# mlx_lm.server's flags that mtpkit serve cannot honour, and why (a usage error naming it).
+UNSERVED = {
+    "--prompt-concurrency": "mtpkit prefills one prompt at a time (a request joins the batch "
+    "between rounds): leave it out",
+    "--prompt-cache-bytes": "mtpkit's prompt cache is bounded by entries (--prompt-cache-size), "
+    "not bytes",
+    "--kv-bits": "a quantized KV cache cannot be rolled back after a rejected draft: mtpkit "
+    "serve keeps the KV cache in full precision",
+    "--kv-group-size": "it sizes --kv-bits' groups, and a quantized KV cache cannot be rolled "
+    "back after a rejected draft",
+    "--quantized-kv-start": "it starts --kv-bits' quantization, and a quantized KV cache cannot "
+    "be rolled back after a rejected draft",
+    "--pipeline": "mtpkit serve runs on one machine: pipeline parallelism is not served",
+}
+Unserved = Annotated[
+    str | None, typer.Option(metavar="VALUE", help="mlx_lm.server's; refused here (says why).")
+]
+UnservedFlag = Annotated[
+    bool, typer.Option("--pipeline", help="mlx_lm.server's; refused here (says why).")
+]
+
+
+def _refuse_unserved(given: dict[str, object]) -> None:
+    for flag, value in given.items():
+        if value not in (None, False):
+            raise typer.BadParameter(f"{flag} is mlx_lm.server's and not served: {UNSERVED[flag]}")
 
 
 def _json_object(text: str) -> dict[str, Any]:
@@ -119,8 +149,28 @@ def serve_command(
     allowed_origins: Annotated[
         str, typer.Option(metavar="ORIGINS", help="CORS origins, comma-separated.")
     ] = "*",
+    served_model_name: Annotated[
+        str | None,
+        typer.Option(metavar="NAME", help="The model id /v1/models lists (default: --model)."),
+    ] = None,
+    adapter_path: AdapterPathOpt = None,
+    prefill_step_size: PrefillStepSizeOpt = 2048,
+    use_default_chat_template: Annotated[
+        bool,
+        typer.Option(
+            "--use-default-chat-template",
+            help="Where the tokenizer has no chat template, its default one (mlx_lm.server's); "
+            "without either, messages get mlx_lm.server's plain role prefixes.",
+        ),
+    ] = False,
+    prompt_concurrency: Unserved = None,
+    prompt_cache_bytes: Unserved = None,
+    kv_bits: Unserved = None,
+    kv_group_size: Unserved = None,
+    quantized_kv_start: Unserved = None,
+    pipeline: UnservedFlag = False,
 ) -> None:
-    """Serve a model over the OpenAI API (/v1/chat/completions, /v1/completions, /v1/models, /health), drafting with its MTP head.
+    """Serve a model over the OpenAI API (/v1/chat/completions, /v1/completions, /v1/models, /health; also without /v1), drafting with its MTP head.
 
     mlx_lm.server's options mean what they mean there; every answer is the model's own (greedy: token for token stock mlx-lm's) and carries an `mtp` object (drafter, depth, drafted, accepted, acceptance). One thread decodes (up to --decode-concurrency requests together); requests wait in a queue of --queue-size. Stops cleanly on SIGTERM or Ctrl-C.
     """
@@ -134,6 +184,11 @@ def serve_command(
         raise typer.BadParameter("--draft-model and --prompt-lookup are two drafters: pass one")
     if mtp is False and (draft_model is not None or prompt_lookup or depth is not None):
         raise typer.BadParameter("--no-mtp decodes plainly: it contradicts drafting options")
+    _refuse_unserved({
+        "--prompt-concurrency": prompt_concurrency, "--prompt-cache-bytes": prompt_cache_bytes,
+        "--kv-bits": kv_bits, "--kv-group-size": kv_group_size,
+        "--quantized-kv-start": quantized_kv_start, "--pipeline": pipeline,
+    })  # fmt: skip
     serve(
         ServeSettings(
             model=model, host=host, port=port, draft_model=draft_model,
@@ -145,6 +200,9 @@ def serve_command(
             prompt_cache_size=prompt_cache_size, max_kv_size=max_kv_size,
             log_level=log_level.value, api_key=api_key, allow_model_paths=allow_model_paths,
             queue_size=queue_size, decode_concurrency=decode_concurrency,
+            served_model_name=served_model_name, adapter_path=adapter_path,
+            prefill_step_size=prefill_step_size,
+            use_default_chat_template=use_default_chat_template,
             allowed_origins=tuple(o.strip() for o in allowed_origins.split(",") if o.strip()),
         )
     )  # fmt: skip
@@ -165,4 +223,3 @@ def _exit_now_in_a_console() -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
-
