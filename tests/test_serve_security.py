@@ -305,7 +305,7 @@ def test_schemathesis_finds_no_5xx_and_no_undocumented_answer(server) -> None:
     assert {op.path for op in operations} >= {"/v1/chat/completions", "/v1/completions"}
     for operation in operations:
 
-        @settings(max_examples=25, deadline=None, database=None,
+        @settings(max_examples=25, deadline=None, database=None, derandomize=True,
                   suppress_health_check=list(HealthCheck))  # fmt: skip
         @given(case=operation.as_strategy())
         def run(case) -> None:

@@ -107,21 +107,22 @@ def has_chat_template(tokenizer: Any) -> bool:
 
 def encode_messages(
     tokenizer: Any, messages: list[dict[str, Any]], *, add_generation_prompt: bool = True,
-    template_args: dict[str, Any] | None = None,
+    template_args: dict[str, Any] | None = None, tools: list[Any] | None = None,
 ) -> list[int]:  # fmt: skip
     """A conversation's token ids through the tokenizer's chat template (`chat`, the
     server's chat completions); `template_args` go to the template (mlx_lm.server's
-    --chat-template-args, e.g. enable_thinking). Without a template, the messages as one
-    text, as mlx_lm.server renders them."""
+    --chat-template-args, e.g. enable_thinking), `tools` are a request's tool definitions.
+    Without a template, the messages as one text, as mlx_lm.server renders them."""
     if not has_chat_template(tokenizer):
         from mtpkit.mlxlm import chat_as_text
 
         return list(tokenizer.encode(chat_as_text(messages)))
-    from mtpkit.core.templates import apply_chat_template
+    from mtpkit.core.templates import apply_chat_template, template_variables
 
     return apply_chat_template(
-        tokenizer, messages, add_generation_prompt=add_generation_prompt, **(template_args or {})
-    )
+        tokenizer, messages, add_generation_prompt=add_generation_prompt, tools=tools,
+        **template_variables(template_args or {}),  # `tools` among them is refused by name
+    )  # fmt: skip
 
 
 def encode_prompt(

@@ -57,11 +57,17 @@ class _Overrun(Exception):
     """Raised inside a render that broke a bound (caught and named by `apply_chat_template`)."""
 
 
-def apply_chat_template(tokenizer: Any, messages: list[dict[str, Any]], **kwargs: Any) -> list[int]:
-    """`tokenizer.apply_chat_template(messages, tokenize=True, **kwargs)`, bounded: the
-    template is rendered in the bounded sandbox first; a template that raises or overruns is a
-    `ChatTemplateError`. `kwargs` are template variables (`template_variables`)."""
+def apply_chat_template(
+    tokenizer: Any, messages: list[dict[str, Any]], *, tools: list[Any] | None = None,
+    **kwargs: Any,
+) -> list[int]:  # fmt: skip
+    """`tokenizer.apply_chat_template(messages, tokenize=True, tools=tools, **kwargs)`,
+    bounded: the template is rendered in the bounded sandbox first; a template that raises or
+    overruns is a `ChatTemplateError`. `kwargs` are template variables (`template_variables`);
+    `tools` (a request's own field, never a template argument) the tool definitions."""
     kwargs = template_variables(kwargs)
+    if tools:
+        kwargs = {**kwargs, "tools": tools}
     template = _template_text(tokenizer)
     limit = _limit(messages)
     try:

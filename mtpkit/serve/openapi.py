@@ -56,4 +56,6 @@ def _true_responses(operation: dict[str, Any], streams: bool) -> None:
         responses[code] = {"description": text, "content": {"application/json": {"schema": ERROR}}}
     if streams and "requestBody" in operation:
         ok = responses.setdefault("200", {"description": "The completion"})
-        ok.setdefault("content", {})["text/event-stream"] = {"schema": {"type": "string"}}
+        # Server-sent events: each `data:` line a chunk object, the last `[DONE]` (no one
+        # JSON schema describes the stream as a whole).
+        ok.setdefault("content", {})["text/event-stream"] = {"schema": {}}

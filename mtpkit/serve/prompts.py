@@ -32,10 +32,8 @@ def encode_messages(
     from mtpkit.core.templates import ChatTemplateError
 
     plain = template_messages(messages)
-    if tools:
-        template_args = {**template_args, "tools": tools}
     try:  # the template bounded in time and size; none: mlx_lm.server's rendering
-        return encode_conversation(tokenizer, plain, template_args=template_args)
+        return encode_conversation(tokenizer, plain, template_args=template_args, tools=tools)
     except ChatTemplateError as e:  # a template's raise_exception (e.g. roles out of order)
         raise BadPrompt(str(e)) from None
     except Exception as e:  # a template that fails otherwise is the request's problem
