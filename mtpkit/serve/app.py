@@ -27,6 +27,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from mtpkit.core.errors import MtpkitError
+from mtpkit.serve.metrics import CONTENT_TYPE, RequestTimer, ServeMetrics
 from mtpkit.serve.prompts import build_request
 from mtpkit.serve.schemas import (
     ChatCompletionRequest,
@@ -68,7 +69,7 @@ def create_app(settings: ServeSettings, worker: Worker) -> FastAPI:
         allow_headers=["*"],
     )  # fmt: skip
     _add_error_handlers(app)
-    served = Served(settings, worker)
+    served = Served(settings, worker, ServeMetrics(worker, settings.model))
     auth = [Depends(_key_check(settings.api_key))] if settings.api_key else []
 
     @app.get("/health")
@@ -80,6 +81,10 @@ def create_app(settings: ServeSettings, worker: Worker) -> FastAPI:
             "finished": worker.finished,
             "cancelled": worker.cancelled,
         }
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(served.metrics.render(), media_type=CONTENT_TYPE)
 
     @app.get("/v1/models", dependencies=auth)
     async def models() -> dict[str, Any]:
@@ -99,8 +104,8 @@ def create_app(settings: ServeSettings, worker: Worker) -> FastAPI:
 class Served:
     """The routes' shared work: resolve, encode, queue, answer."""
 
-    def __init__(self, settings: ServeSettings, worker: Worker) -> None:
-        self.settings, self.worker = settings, worker
+    def __init__(self, settings: ServeSettings, worker: Worker, metrics: ServeMetrics) -> None:
+        self.settings, self.worker, self.metrics = settings, worker, metrics
         self.created = int(time.time())
         path = Path(settings.model).expanduser()
         self.served_path = path.resolve() if path.is_dir() else None
@@ -129,6 +134,7 @@ class Served:
         self, body: ChatCompletionRequest | CompletionRequest, request: HttpRequest, chat: bool
     ) -> Response:
         model = self.resolve_model(body.model)
+        timer = self.metrics.timer()
         loop = asyncio.get_running_loop()
         if model is None:  # encoded and checked now, before it takes a slot
             engine = self.worker.served_engine
@@ -155,13 +161,15 @@ class Served:
             first = await job.events.get()
             if isinstance(first, Failed):
                 raise _failure(first)
+            timer.token()
             if body.stream:  # from here on the response notices a client gone itself
-                return JobStream(job, _sse(job, ids, first, body.include_usage, chat))
+                return JobStream(job, _sse(job, ids, first, body.include_usage, chat, timer))
             item = first
             while not isinstance(item, Outcome):
                 item = await job.events.get()
                 if isinstance(item, Failed):
                     raise _failure(item)
+            timer.done(item)
             return JSONResponse(ids.complete(item))
         finally:
             watcher.cancel()
@@ -191,8 +199,9 @@ async def _cancel_when_gone(job: Job, request: HttpRequest) -> None:
 
 
 async def _sse(
-    job: Job, ids: ResponseIds, first: TokenEvent | Outcome, include_usage: bool, chat: bool
-) -> AsyncIterator[str]:
+    job: Job, ids: ResponseIds, first: TokenEvent | Outcome, include_usage: bool, chat: bool,
+    timer: RequestTimer,
+) -> AsyncIterator[str]:  # fmt: skip
     """Server-sent events: chunks of text, the finish chunk (with the mtp object), the usage
     chunk when asked for, `[DONE]`; an error while decoding is an `error` event."""
     try:
@@ -203,9 +212,8 @@ async def _sse(
             if isinstance(item, TokenEvent):
                 yield _event(ids.chunk(item.text))
             elif isinstance(item, Outcome):
-                last = ids.chunk(None, item.finish_reason)
-                last["mtp"] = item.mtp.model_dump()
-                yield _event(last)
+                timer.done(item)
+                yield _event({**ids.chunk(None, item.finish_reason), **item.extras()})
                 if include_usage:
                     yield _event(ids.usage_chunk(item))
                 break

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 
 from mtpkit.core.errors import MtpkitError, one_line
 from mtpkit.serve.schemas import Mtp, Outcome, PromptTokensDetails, Usage
+from mtpkit.serve.spec_fields import SpeculativeDecoding
 from mtpkit.speculative.session import CANCELLED, STOP, Engine, Request, Session
 
 if TYPE_CHECKING:
@@ -299,5 +300,6 @@ def outcome(engine: Engine, session: Session | BatchEntry, generated: int) -> Ou
         accepted=stats.accepted,
         acceptance=stats.acceptance,
     )
+    spec = SpeculativeDecoding.from_stats(stats) if drafts else None
     reason = "length" if session.finish_reason == "length" else "stop"
-    return Outcome(text=session.text, finish_reason=reason, usage=usage, mtp=mtp)
+    return Outcome(text=session.text, finish_reason=reason, usage=usage, mtp=mtp, spec=spec)
