@@ -133,7 +133,7 @@ def main() -> None:
     worker.on = True
     wall, tokens = 0.0, 0
     for r in range(args.rounds):
-        samples, seconds = run_round(
+        samples, seconds, _errors = run_round(
             url, args.model, mixed_prompts(args.clients, r * args.clients), args.max_tokens, late
         )
         wall += seconds

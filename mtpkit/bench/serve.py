@@ -21,7 +21,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from mtpkit.bench.serve_load import Sample, long_prompt, mixed_prompts, run_round
+from mtpkit.bench.serve_load import (
+    Sample,
+    ServeBenchError,
+    long_prompt,
+    mixed_prompts,
+    run_round,
+)
 from mtpkit.bench.serve_servers import ServerProcess, start_servers
 
 DEFAULT_LEVELS = (1, 2, 4, 8, 16, 32)
@@ -55,6 +61,7 @@ class LevelRuns:
     clients: int
     samples: dict[str, list[Sample]] = field(default_factory=lambda: {n: [] for n in SERVERS})
     walls: dict[str, list[float]] = field(default_factory=lambda: {n: [] for n in SERVERS})
+    errors: dict[str, list[str]] = field(default_factory=lambda: {n: [] for n in SERVERS})
 
 
 def percentiles(values: list[float]) -> dict[str, float | None]:
@@ -71,9 +78,13 @@ def percentiles(values: list[float]) -> dict[str, float | None]:
     return out
 
 
-def summarize_server(samples: list[Sample], walls: list[float]) -> dict[str, Any]:
-    """A server's figures at one level (stable JSON keys)."""
-    out: dict[str, Any] = {"requests": len(samples), "wall_s": sum(walls)}
+def summarize_server(
+    samples: list[Sample], walls: list[float], errors: list[str] | None = None
+) -> dict[str, Any]:
+    """A server's figures at one level (stable JSON keys); `requests` counts those answered,
+    `errors` those that failed."""
+    out: dict[str, Any] = {"requests": len(samples), "errors": len(errors or []),
+                           "wall_s": sum(walls)}  # fmt: skip
     for key, figure in FIGURES.items():
         values: list[float] = []
         for s in samples:
@@ -95,10 +106,10 @@ def summarize_server(samples: list[Sample], walls: list[float]) -> dict[str, Any
 
 
 def summarize(runs: LevelRuns) -> dict[str, Any]:
-    a, b = (summarize_server(runs.samples[n], runs.walls[n]) for n in SERVERS)
-    # Each round's samples are kept in client order, the same prompts for both servers.
-    pairs = zip(runs.samples["mtpkit"], runs.samples["mlx_lm"], strict=True)
-    equal = sum(x.text == y.text for x, y in pairs)
+    a, b = (summarize_server(runs.samples[n], runs.walls[n], runs.errors[n]) for n in SERVERS)
+    # The same prompt went to both servers as the same round's same client.
+    theirs = {(s.round, s.client): s.text for s in runs.samples["mlx_lm"]}
+    equal = sum(theirs.get((s.round, s.client)) == s.text for s in runs.samples["mtpkit"])
     return {
         "clients": runs.clients,
         "mtpkit": a,
@@ -129,10 +140,16 @@ def bench_serve(
     levels = []
     try:
         for server in servers:  # warm-up: first graphs, caches
-            run_round(server.url, settings.model, mixed_prompts(2), 16)
+            _, _, errors = run_round(server.url, settings.model, mixed_prompts(2), 16)
+            if errors:
+                raise ServeBenchError(f"{server.name} failed its warm-up: {errors[0]}")
         for clients in settings.levels:
             say(f"{clients} client(s): {settings.rounds} round(s) per server")
-            levels.append(summarize(_drive_level(servers, settings, clients)))
+            runs = _drive_level(servers, settings, clients)
+            for name, errors in runs.errors.items():
+                if errors:
+                    say(f"{name}: {len(errors)} request(s) failed, the first: {errors[0]}")
+            levels.append(summarize(runs))
     finally:
         for server in servers:
             server.stop()
@@ -156,10 +173,13 @@ def _drive_level(
         prompts = level_prompts(clients, r)
         order = servers if r % 2 == 0 else servers[::-1]
         for server in order:  # interleaved rounds
-            samples, wall = run_round(
+            samples, wall, errors = run_round(
                 server.url, settings.model, prompts, settings.max_tokens,
                 late if clients > 1 else None,
             )  # fmt: skip
-            runs.samples[server.name] += sorted(samples, key=lambda s: s.client)
+            for sample in samples:
+                sample.round = r
+            runs.samples[server.name] += samples
             runs.walls[server.name].append(wall)
+            runs.errors[server.name] += errors
     return runs

@@ -18,6 +18,8 @@ from dataclasses import dataclass, field
 
 import httpx
 
+from mtpkit.core.errors import MtpkitError
+
 # mtpkit's probe prompts that the bundled example continues past 128 tokens (code, SQL, a
 # list; its prose prompts end at an EOS within a few tokens).
 LONG_STARTS = ("import os", "class Stack", "for (int", "SELECT", "Numbers from")
@@ -25,6 +27,10 @@ LONG_STARTS = ("import os", "class Stack", "for (int", "SELECT", "Numbers from")
 PREFIX_COUNTS = (0, 2, 6, 1, 12)
 CHARS_PER_TOKEN = 3  # a rough guess to size the long prompt; usage reports the real count
 REQUEST_TIMEOUT = 3600.0
+# Seconds between the clients' first requests of a round: mlx_lm.server's listening socket
+# keeps socketserver's backlog of 5, and 17 connections opened at once lose some to resets
+# on Linux (seen at 16 clients + 1); 10 ms apart, 16 clients arrive within 0.16 s.
+STAGGER = 0.01
 
 
 @dataclass
@@ -39,6 +45,7 @@ class Sample:
     chunk_gaps: list[float] = field(default_factory=list)
     text: str = ""
     long_prompt: bool = False
+    round: int = 0  # the level's round it was sent in
     spec: dict | None = None  # the response's metrics.speculative_decoding, where sent
 
     @property
@@ -128,7 +135,7 @@ async def one_request(
     )  # fmt: skip
 
 
-class ServeBenchError(RuntimeError):
+class ServeBenchError(MtpkitError):
     """A server refused or failed a benchmark request."""
 
 
@@ -142,6 +149,7 @@ async def _round(
     async with httpx.AsyncClient(timeout=REQUEST_TIMEOUT, limits=limits) as client:
 
         async def early(i: int, prompt: str) -> Sample:
+            await asyncio.sleep(i * STAGGER)
             try:
                 return await one_request(client, url, model, prompt, max_tokens, i, started)
             finally:
@@ -157,13 +165,24 @@ async def _round(
         tasks = [early(i, p) for i, p in enumerate(prompts)]
         if late is not None:
             tasks.append(joiner())
-        return list(await asyncio.gather(*tasks))
+        return list(await asyncio.gather(*tasks, return_exceptions=True))
 
 
 def run_round(
     url: str, model: str, prompts: list[str], max_tokens: int, late: str | None = None
-) -> tuple[list[Sample], float]:
-    """One round's samples and its wall time (first request sent -> last answer)."""
+) -> tuple[list[Sample], float, list[str]]:
+    """One round's samples, its wall time (first request sent -> last answer) and its
+    failed requests' errors (a refusal, an error event, a dropped connection), one line
+    each; anything else is raised."""
     start = time.perf_counter()
-    samples = asyncio.run(_round(url, model, prompts, max_tokens, late))
-    return samples, time.perf_counter() - start
+    results = asyncio.run(_round(url, model, prompts, max_tokens, late))
+    wall = time.perf_counter() - start
+    samples, errors = [], []
+    for r in results:
+        if isinstance(r, Sample):
+            samples.append(r)
+        elif isinstance(r, ServeBenchError | httpx.TransportError):
+            errors.append(f"{url}: {type(r).__name__}: {r}".strip())
+        else:
+            raise r
+    return samples, wall, errors

@@ -40,7 +40,7 @@ def print_serve_bench(result: dict[str, Any]) -> None:
     table = Table(title_justify="left")
     columns = (
         "clients", "server", "out tok/s", "req/s", "TTFT ms", "TPOT ms", "ITL/chunk ms",
-        "tok/s/req", "late TTFT ms", "accepted",
+        "tok/s/req", "late TTFT ms", "accepted", "failed",
     )  # fmt: skip
     for col in columns:
         table.add_column(col, justify="left" if col == "server" else "right")
@@ -52,11 +52,12 @@ def print_serve_bench(result: dict[str, Any]) -> None:
                 _triple(r["ttft_s"]), _triple(r["tpot_s"]), _triple(r["itl_chunk_s"]),
                 _num(r["decode_tps"]["p50"]), _ms(r["long_prompt_ttft_s"]),
                 "-" if r["draft_acceptance_rate"] is None else f"{r['draft_acceptance_rate']:.0%}",
+                str(r["errors"]),
             )  # fmt: skip
         table.add_row(
             "", "ratio", _ratio(level["ratio_output_tps"]), "",
             _ratio(level["ratio_ttft_p50"]), "", "", _ratio(level["ratio_decode_tps_p50"]), "",
-            f"same text {level['equal_texts']}/{level['mtpkit']['requests']}",
+            f"same text {level['equal_texts']}/{level['mtpkit']['requests']}", "",
             end_section=True,
         )  # fmt: skip
     stdout.print(table)
