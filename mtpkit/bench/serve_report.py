@@ -34,7 +34,7 @@ def print_serve_bench(result: dict[str, Any]) -> None:
             f" on {device_name()}: streamed greedy completions of {result['max_tokens']} "
             f"tokens, {result['rounds']} interleaved round(s) per level"
             + (f", one late client with a ~{late}-token prompt from 2 clients on" if late else "")
-            + "; p50/p90/p99 over every request",
+            + "; times in ms: p50 p90 p99 over every request",
         )
     )
     table = Table(title_justify="left")
@@ -43,7 +43,7 @@ def print_serve_bench(result: dict[str, Any]) -> None:
         "tok/s/req", "late TTFT ms", "accepted", "failed",
     )  # fmt: skip
     for col in columns:
-        table.add_column(col, justify="left" if col == "server" else "right")
+        table.add_column(col, justify="left" if col == "server" else "right", overflow="fold")
     for level in result["levels"]:
         for name in SERVERS:
             r = level[name]
@@ -64,4 +64,4 @@ def print_serve_bench(result: dict[str, Any]) -> None:
 
 
 def _triple(p: dict[str, float | None]) -> str:
-    return "/".join(_ms(p[k]) for k in ("p50", "p90", "p99"))
+    return " ".join(_ms(p[k]) for k in ("p50", "p90", "p99"))
