@@ -363,7 +363,12 @@ def _trial(
                     for i in range(run.width)
                 ]
             rate, accepted, plain = mtp_batch_run(
-                c.m, batch, result.depth, c.max_tokens, oracles, adaptive,
+                c.m,
+                batch,
+                result.depth,
+                c.max_tokens,
+                oracles,
+                adaptive,
                 cached=c.entries(run.width),
             )
             say(f"{at} batch {run.width} {_name(config)} {rate:.1f} tok/s")

@@ -29,6 +29,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from mtpkit.core.console import printable
 from mtpkit.core.errors import MtpkitError
 from mtpkit.serve.guard import Guard
+from mtpkit.serve.metrics import CONTENT_TYPE, ServeMetrics
 from mtpkit.serve.openapi import served_schema
 from mtpkit.serve.prompts import build_request
 from mtpkit.serve.refusals import Refused
@@ -80,7 +81,7 @@ def create_app(settings: ServeSettings, worker: Worker) -> FastAPI:
         allow_headers=["*"],
     )  # fmt: skip
     _add_error_handlers(app)
-    served = Served(settings, worker)
+    served = Served(settings, worker, ServeMetrics(worker, settings.model))
 
     @app.get("/health")
     async def health() -> dict[str, Any]:
@@ -91,6 +92,10 @@ def create_app(settings: ServeSettings, worker: Worker) -> FastAPI:
             "finished": worker.finished,
             "cancelled": worker.cancelled,
         }
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(served.metrics.render(), media_type=CONTENT_TYPE)
 
     async def models() -> dict[str, Any]:
         return model_list(served.model_id, served.created)
@@ -118,8 +123,8 @@ def create_app(settings: ServeSettings, worker: Worker) -> FastAPI:
 class Served:
     """The routes' shared work: resolve, encode, queue, answer."""
 
-    def __init__(self, settings: ServeSettings, worker: Worker) -> None:
-        self.settings, self.worker = settings, worker
+    def __init__(self, settings: ServeSettings, worker: Worker, metrics: ServeMetrics) -> None:
+        self.settings, self.worker, self.metrics = settings, worker, metrics
         self.created = int(time.time())
         path = Path(settings.model).expanduser()
         self.served_path = path.resolve() if path.is_dir() else None
@@ -160,6 +165,7 @@ class Served:
     async def complete(
         self, body: ChatCompletionRequest | CompletionRequest, request: HttpRequest, chat: bool
     ) -> Response:
+        timer = self.metrics.timer()
         loop = asyncio.get_running_loop()
         model = await loop.run_in_executor(self.encoder, self.resolve_model, body.model)
         if model is None:  # encoded and checked now, before it takes a slot
@@ -190,8 +196,8 @@ class Served:
                 first = await _first_event(job, HEADERS_AFTER)
                 if isinstance(first, Failed):
                     raise _failure(first)
-                return JobStream(job, sse(job, ids, first, body.include_usage, shaping))
-            answer = await collect(job, await job.events.get(), ids, shaping)
+                return JobStream(job, sse(job, ids, first, body.include_usage, shaping, timer))
+            answer = await collect(job, await job.events.get(), ids, shaping, timer)
             if isinstance(answer, Failed):
                 raise _failure(answer)
             return JSONResponse(answer)

@@ -19,6 +19,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from mtpkit.serve.refusals import refuse_unhonoured
+from mtpkit.serve.spec_fields import SpeculativeDecoding
 
 # Roles a chat template receives as they are ("developer" is OpenAI's newer "system").
 Role = Literal["system", "developer", "user", "assistant", "tool"]
@@ -271,6 +272,15 @@ class Outcome(BaseModel):
     usage: Usage
     mtp: Mtp
     scored: list[Any] | None = None
+    spec: SpeculativeDecoding | None = None  # where the request was decoded drafting
+
+    def extras(self) -> dict[str, Any]:
+        """What rides beside `usage`: the mtp object, and vLLM's per-request
+        `metrics.speculative_decoding` where drafting ran."""
+        extra: dict[str, Any] = {"mtp": self.mtp.model_dump()}
+        if self.spec is not None:
+            extra["metrics"] = {"speculative_decoding": self.spec.model_dump()}
+        return extra
 
 
 def _header(kind: str, prefix: str, model: str) -> dict[str, Any]:
@@ -313,7 +323,7 @@ class ResponseIds:
         else:
             choice = {"index": 0, "text": text, "finish_reason": reason, "logprobs": logprobs}
             kind = "text_completion"
-        extra = {"usage": outcome.usage.model_dump(), "mtp": outcome.mtp.model_dump()}
+        extra = {"usage": outcome.usage.model_dump(), **outcome.extras()}
         return self.body(kind, choices=[choice], **extra)
 
     def chunk(
@@ -341,8 +351,7 @@ class ResponseIds:
     def usage_chunk(self, outcome: Outcome) -> dict[str, Any]:
         """`stream_options.include_usage`: the last chunk, no choices, the usage (and mtp)."""
         kind = "chat.completion.chunk" if self.chat else "text_completion"
-        usage, mtp = outcome.usage.model_dump(), outcome.mtp.model_dump()
-        return self.body(kind, choices=[], usage=usage, mtp=mtp)
+        return self.body(kind, choices=[], usage=outcome.usage.model_dump(), **outcome.extras())
 
 
 def error_body(

@@ -15,6 +15,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from mtpkit.serve.logprobs import Scored, chat_logprobs, text_logprobs
+from mtpkit.serve.metrics import RequestTimer
 from mtpkit.serve.schemas import Outcome, ResponseIds, error_body
 from mtpkit.serve.tools import ToolCalls, parses_tools
 from mtpkit.serve.worker import Failed, Job
@@ -71,14 +72,21 @@ def scored_of(event: TokenEvent) -> list[Scored]:
 
 
 async def collect(
-    job: Job, first: TokenEvent | Outcome, ids: ResponseIds, shaping: Shaping
-) -> dict[str, Any] | Failed:
-    """The non-streaming body, once the job has ended (or its failure)."""
+    job: Job, first: TokenEvent | Outcome, ids: ResponseIds, shaping: Shaping,
+    timer: RequestTimer | None = None,
+) -> dict[str, Any] | Failed:  # fmt: skip
+    """The non-streaming body, once the job has ended (or its failure); `timer` records the
+    request's times for /metrics."""
     item: TokenEvent | Outcome | Failed = first
     while not isinstance(item, Outcome):
         if isinstance(item, Failed):
             return item
+        if timer is not None:
+            timer.token()
         item = await job.events.get()
+    if timer is not None:
+        timer.token()
+        timer.done(item)
     content, calls = shaping.split(item.text, end=True)
     return ids.complete(item, content, calls, shaping.scores(item.scored or []))
 
@@ -93,7 +101,7 @@ async def next_event(job: Job) -> TokenEvent | Outcome | Failed | None:
 
 async def sse(
     job: Job, ids: ResponseIds, first: TokenEvent | Outcome | None, include_usage: bool,
-    shaping: Shaping,
+    shaping: Shaping, timer: RequestTimer | None = None,
 ) -> AsyncIterator[str]:  # fmt: skip
     """Server-sent events: keepalive comments until the first text, chunks of text (with
     their tool calls and log-probabilities), the finish chunk (with the mtp object), the
@@ -108,6 +116,8 @@ async def sse(
             if item is None:
                 yield ": keepalive\n\n"
             elif isinstance(item, TokenEvent):
+                if timer is not None:
+                    timer.token()
                 pending += scored_of(item)
                 content, calls = shaping.split(item.text)
                 if content or calls:
@@ -115,12 +125,15 @@ async def sse(
                     shaping.offset += len(content)
                     sent, pending = sent + len(pending), []
             elif isinstance(item, Outcome):
+                if timer is not None:
+                    timer.token()
+                    timer.done(item)
                 content, calls = shaping.split("", end=True)
                 pending = (item.scored or [])[sent:]  # held back, and the EOS
                 if content or calls or pending:
                     yield event(ids.chunk(content, None, calls, shaping.scores(pending)))
                 last = ids.chunk(None, shaping.finish_reason(item.finish_reason))
-                last["mtp"] = item.mtp.model_dump()
+                last.update(item.extras())  # the mtp object, vLLM's speculative metrics
                 yield event(last)
                 if include_usage:
                     yield event(ids.usage_chunk(item))

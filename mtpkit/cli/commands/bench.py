@@ -7,6 +7,15 @@ from typing import Annotated
 
 import typer
 
+from mtpkit.cli.commands.bench_serve import (
+    ClientsOpt,
+    LongPromptOpt,
+    MlxLmArgsOpt,
+    RoundsOpt,
+    ServeArgsOpt,
+    ServeOpt,
+    run_serve_bench,
+)
 from mtpkit.cli.options import (
     BenchDepthOpt,
     BenchMaxTokensOpt,
@@ -108,10 +117,18 @@ def bench_command(
     timeout: TimeoutOpt = DEFAULT_TIMEOUT,
     batch: BatchOpt = None,
     draft_vocab: DraftVocabOpt = None,
+    serve: ServeOpt = False,
+    clients: ClientsOpt = "1,2,4,8,16,32",
+    rounds: RoundsOpt = 2,
+    long_prompt_tokens: LongPromptOpt = 1024,
+    serve_args: ServeArgsOpt = "",
+    mlx_lm_args: MlxLmArgsOpt = "",
 ) -> None:
     """Measure plain decoding (stock mlx-lm, --no-mtp) against MTP decoding at depths 1..K.
 
     Reports decode tok/s and acceptance per depth and with adaptive drafting, stock's ms per token in its own loop, each run's ms per step and the ceiling E*stock/step with the share realized; beta (a 2-token verify over a 1-token forward) and delta (a head step over it) as diagnostics: medians of interleaved trials with their range, and stock against itself (each stock run inside a trial over the ones around it: the noise every speedup carries). A line on stderr (and "reliable": false) says when the trials are too few or their ranges, stock's against itself included, too wide.
+
+    With --serve, mtpkit serve against mlx_lm.server on the same directory, many clients at once (see --clients); with --random, on the random model with its random head.
 
     With --draft-model DIR, two more rows: mtpkit drafting with that separate draft model, and stock mlx-lm's speculative decoding with it (what LM Studio's mlx-engine offers), so the table shows whether the built-in head or a draft model is faster; where stock cannot roll the caches back (Qwen3.5's gated delta nets) its row gets the reason instead. With --prompt-lookup, one more row: mtpkit drafting by prompt lookup. A model without a head gets only these rows.
     """
@@ -133,6 +150,9 @@ def bench_command(
     if widths is not None and (draft_model is not None or prompt_lookup):
         flag = "--draft-model" if draft_model is not None else "--prompt-lookup"
         ctx.fail(f"--batch measures the MTP head against stock batching: drop {flag}")
+    if serve and (widths is not None or draft_model or prompt_lookup or acceptances):
+        ctx.fail("--serve takes none of --batch, --draft-model, --prompt-lookup, --acceptance")
+    levels = parse_widths(clients, "--clients") if serve else None
     prompts = prompt or [None]
     if widths is None and len(prompts) > 1:
         ctx.fail("several --prompt are the rows of --batch: a single stream takes one")
@@ -165,6 +185,18 @@ def bench_command(
             if shape
             else None
         )
+    if levels is not None:
+        try:
+            run_serve_bench(
+                str(built) if built else model, levels, rounds=rounds, max_tokens=max_tokens,
+                long_prompt_tokens=long_prompt_tokens, serve_args=serve_args,
+                mlx_lm_args=mlx_lm_args, json_output=json_output, progress=progress,
+                name=f"random:{shape}" if shape else None,
+            )  # fmt: skip
+        finally:
+            if built is not None:
+                shutil.rmtree(built.parent, ignore_errors=True)
+        return
     if widths is not None:
         _bench_batch(
             str(built) if built else model, widths, [p or DEFAULT_PROMPT for p in prompts],
@@ -241,7 +273,7 @@ def _bench_batch(
         print_batch_bench(result)
 
 
-def parse_widths(text: str | None) -> list[int] | None:
+def parse_widths(text: str | None, flag: str = "--batch") -> list[int] | None:
     """`--batch 1,2,4,8` as positive ints (a bad list is a command-line error)."""
     if text is None:
         return None
@@ -251,7 +283,7 @@ def parse_widths(text: str | None) -> list[int] | None:
         values = []
     if not values or min(values) < 1:
         raise typer.BadParameter(
-            f"takes positive integers separated by commas, not {text!r}", param_hint="--batch"
+            f"takes positive integers separated by commas, not {text!r}", param_hint=flag
         )
     return values
 
