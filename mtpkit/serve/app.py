@@ -93,7 +93,7 @@ def create_app(settings: ServeSettings, worker: Worker) -> FastAPI:
             "cancelled": worker.cancelled,
         }
 
-    @app.get("/metrics")
+    @app.get("/metrics", include_in_schema=False)  # Prometheus text, not JSON
     async def metrics() -> Response:
         return Response(served.metrics.render(), media_type=CONTENT_TYPE)
 
