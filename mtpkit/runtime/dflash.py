@@ -8,6 +8,7 @@ config.json's `quantization` block). Either loads strictly here.
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -15,7 +16,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
-from mtpkit.core.errors import MtpkitError
+from mtpkit.core.errors import MtpkitError, one_line
 from mtpkit.families.dflash import DFlashLayout, DFlashModel, is_dflash, tensor_name
 from mtpkit.runtime.headload import quantization_predicate
 
@@ -62,6 +63,20 @@ def read_weights(path: Path) -> dict[str, mx.array]:
     return weights
 
 
+def tensor_problem(layout: DFlashLayout, names: Iterable[str]) -> str | None:
+    """The first tensor the layout needs and `names` lack, or has and the layout does not."""
+    present = {n.removesuffix(".weight") for n in names if n.endswith(".weight")}
+    present |= {n.rsplit(".", 1)[0] for n in names if n.endswith((".scales", ".biases"))}
+    expected = {n.removesuffix(".weight") for n in layout.tensor_names()}
+    missing = sorted(expected - present)
+    if missing:
+        return f"it lacks {missing[0]}.weight ({len(missing)} tensor(s) missing)"
+    unknown = sorted(present - expected)
+    if unknown:
+        return f"it has {unknown[0]}, which a DFlash drafter of this config has not"
+    return None
+
+
 def load_dflash(path: str | Path) -> DFlashDrafter:
     """The drafter in `path` (a directory), weights loaded strictly."""
     path = Path(path).expanduser()
@@ -74,6 +89,9 @@ def load_dflash(path: str | Path) -> DFlashDrafter:
     if problems:
         raise MtpkitError(f"the DFlash drafter in {path} cannot draft: {problems[0]}")
     weights = read_weights(path)
+    problem = tensor_problem(layout, weights)
+    if problem is not None:
+        raise MtpkitError(f"the drafter in {path} does not match its config.json: {problem}")
     model = DFlashModel(layout)
     if any(k.endswith(".scales") for k in weights):
         qconfig = config.get("quantization") or {}
@@ -86,7 +104,9 @@ def load_dflash(path: str | Path) -> DFlashDrafter:
     try:
         model.load_weights(list(weights.items()), strict=True)
     except ValueError as e:
-        raise MtpkitError(f"the drafter in {path} does not match its config.json ({e})") from None
+        raise MtpkitError(
+            f"the drafter in {path} does not match its config.json ({one_line(e)})"
+        ) from None
     # Loaded now, on this thread's stream (a server decodes on another thread).
     mx.eval(model.parameters())
     model.eval()
