@@ -17,6 +17,7 @@ of confirmed positions are kept in the drafter's own cache; the block's are neve
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -172,6 +173,20 @@ class DFlashLayout:
         if vocab is not None and int(vocab) != self.vocab_size:
             problems.append(f"a vocabulary of {self.vocab_size} against the target's {vocab}")
         return problems
+
+
+def tensor_problem(layout: DFlashLayout, names: Iterable[str]) -> str | None:
+    """The first tensor the layout needs and `names` lack, or has and the layout does not."""
+    present = {n.removesuffix(".weight") for n in names if n.endswith(".weight")}
+    present |= {n.rsplit(".", 1)[0] for n in names if n.endswith((".scales", ".biases"))}
+    expected = {n.removesuffix(".weight") for n in layout.tensor_names()}
+    missing = sorted(expected - present)
+    if missing:
+        return f"it lacks {missing[0]}.weight ({len(missing)} tensor(s) missing)"
+    unknown = sorted(present - expected)
+    if unknown:
+        return f"it has {unknown[0]}, which a DFlash drafter of this config has not"
+    return None
 
 
 class DFlashAttention(nn.Module):

@@ -8,7 +8,6 @@ config.json's `quantization` block). Either loads strictly here.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -17,7 +16,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from mtpkit.core.errors import MtpkitError, one_line
-from mtpkit.families.dflash import DFlashLayout, DFlashModel, is_dflash, tensor_name
+from mtpkit.families.dflash import DFlashLayout, DFlashModel, tensor_name, tensor_problem
 from mtpkit.runtime.headload import quantization_predicate
 
 
@@ -38,16 +37,10 @@ class DFlashDrafter:
 
 def dflash_directory(spec: str | Path, revision: str | None = None) -> Path | None:
     """The local directory of `spec` (a directory or a Hub repo) when it is a DFlash
-    drafter, else None; on the Hub only config.json is read before deciding, then only the
-    drafter's own files are fetched."""
-    from mtpkit.checkpoint.source import HubSource, open_source
+    drafter, else None (`mtpkit.checkpoint.drafters.drafter_directory`)."""
+    from mtpkit.checkpoint.drafters import drafter_directory
 
-    source = open_source(str(spec), revision=revision)
-    if not is_dflash(source.read_json("config.json")):
-        return None
-    if isinstance(source, HubSource):
-        return source.download(["*.json", "*.safetensors"])
-    return source.snapshot_dir()
+    return drafter_directory(spec, "dflash", revision)
 
 
 def read_weights(path: Path) -> dict[str, mx.array]:
@@ -61,20 +54,6 @@ def read_weights(path: Path) -> dict[str, mx.array]:
     if not weights:
         raise MtpkitError(f"{path} has no safetensors weights: pass the drafter's directory")
     return weights
-
-
-def tensor_problem(layout: DFlashLayout, names: Iterable[str]) -> str | None:
-    """The first tensor the layout needs and `names` lack, or has and the layout does not."""
-    present = {n.removesuffix(".weight") for n in names if n.endswith(".weight")}
-    present |= {n.rsplit(".", 1)[0] for n in names if n.endswith((".scales", ".biases"))}
-    expected = {n.removesuffix(".weight") for n in layout.tensor_names()}
-    missing = sorted(expected - present)
-    if missing:
-        return f"it lacks {missing[0]}.weight ({len(missing)} tensor(s) missing)"
-    unknown = sorted(present - expected)
-    if unknown:
-        return f"it has {unknown[0]}, which a DFlash drafter of this config has not"
-    return None
 
 
 def load_dflash(path: str | Path) -> DFlashDrafter:

@@ -1,5 +1,6 @@
 """Which proposer drafts, from what the user asked for: the model's own MTP head by default, a
-draft model (`--draft-model`), or prompt lookup (`--prompt-lookup`)."""
+draft model (`--draft-model`; a Gemma 4 assistant or a DFlash block drafter is recognised
+from its config.json), or prompt lookup (`--prompt-lookup`)."""
 
 from __future__ import annotations
 
