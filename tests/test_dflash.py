@@ -194,3 +194,28 @@ def test_a_drafter_missing_a_tensor_is_one_line(tmp_path: Path) -> None:
     with pytest.raises(MtpkitError, match="it lacks layers.1.mlp.up_proj.weight") as e:
         load_dflash(draft)
     assert "\n" not in str(e.value)
+
+
+def test_a_next_turn_drafts_from_the_prompt_caches_state(tmp_path: Path) -> None:
+    """A session's second turn extends the first from the prompt cache (the drafter's
+    state forked with the target's cache): the text is stock's for the whole prompt and its
+    drafts are the reference's over the confirmed tokens."""
+    from mtpkit.speculative.session import Engine, Request
+
+    target, draft = pair(tmp_path, "qwen3")
+    m = load_model(target, with_head=False)
+    m.tokenizer.eos_token_ids = []
+    engine = Engine(m, drafter=DrafterChoice(draft_model=draft), prompt_cache_size=4)
+    first = engine.session(Request(PROMPT, max_tokens=12, depth=3, adaptive=False))
+    said = [e.token for e in first if e.token is not None]
+    turn = PROMPT + said + [30, 31, 32]
+    second = engine.session(Request(turn, max_tokens=12, depth=3, adaptive=False))
+    seen = spy_drafts(second.decoder)
+    answer = [e.token for e in second if e.token is not None]
+    assert second.stats.cached_tokens == len(PROMPT) + len(said) - 1
+    reference = stock_tokens(target, turn, 12, eos=False)
+    assert answer == reference
+    stock, ref = StockTarget(target), ReferenceDFlash(draft)
+    assert seen
+    for position, drafts in seen:
+        assert drafts == ref.drafts((turn + reference)[:position], len(drafts), stock), position
