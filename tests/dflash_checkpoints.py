@@ -101,3 +101,48 @@ def build_dflash(path: Path, target: Path, *, layers: int = 2, target_layer_ids:
     mx.save_safetensors(str(path / "model.safetensors"), weights, metadata={"format": "pt"})
     (path / "config.json").write_text(json.dumps(config, indent=2))
     return path
+
+
+def fit_dflash(draft: Path, target: Path, tokens: list[int], start: int, *, steps: int = 60,
+               depth: int = 4) -> None:  # fmt: skip
+    """Train the drafter in `draft` (in place, bf16 again) to predict the target's greedy
+    `tokens` from every position after `start`: a drafter whose drafts the target keeps,
+    so that acceptance is worth comparing. The weights are only a fixture: the tests hold
+    the drafter to `tests.dflash_reference`, whatever its weights."""
+    import mlx.nn as nn
+    import mlx.optimizers as optim
+    from mlx.utils import tree_flatten
+
+    from mtpkit.runtime.dflash import load_dflash
+    from tests.dflash_reference import StockTarget
+
+    stock = StockTarget(target)
+    d = load_dflash(draft)
+    ids = list(d.layout.target_layer_ids)
+    features, _ = stock.layer_outputs(tokens, ids)
+    features = mx.array(features)[None]
+    embed, head = stock.model.model.embed_tokens, stock.model.lm_head
+    mask = d.layout.mask_token_id
+    model = d.model
+    model.set_dtype(mx.float32)
+    model.train()
+    examples = [t for t in range(start, len(tokens) - depth)]
+
+    def loss_fn(model: nn.Module) -> mx.array:
+        total = mx.array(0.0)
+        for t in examples:
+            block = embed(mx.array([[tokens[t]] + [mask] * depth]))
+            h = model(block, features[:, :t], model.make_cache())
+            logits = head(h[:, 1:])
+            labels = mx.array([tokens[t + 1 : t + 1 + depth]])
+            total = total + nn.losses.cross_entropy(logits, labels).mean()
+        return total / len(examples)
+
+    optimizer = optim.Adam(learning_rate=3e-2)
+    step = nn.value_and_grad(model, loss_fn)
+    for _ in range(steps):
+        _, grads = step(model)
+        optimizer.update(model, grads)
+        mx.eval(model.parameters(), optimizer.state)
+    weights = {k: v.astype(mx.bfloat16) for k, v in tree_flatten(model.parameters())}
+    mx.save_safetensors(str(Path(draft) / "model.safetensors"), weights, metadata={"format": "pt"})
