@@ -226,3 +226,25 @@ def test_a_next_turn_drafts_from_the_prompt_caches_state(tmp_path: Path) -> None
     assert seen
     for position, drafts in seen:
         assert drafts == ref.drafts((turn + reference)[:position], len(drafts), stock), position
+
+
+def test_a_long_prompt_is_put_in_the_drafters_cache_as_it_is_prefilled(tmp_path: Path) -> None:
+    """A prompt longer than a context chunk (its K/V computed at once, its features not
+    kept), prefilled in chunks: the text is stock's and the drafts the reference's."""
+    from mtpkit.speculative.proposers.dflash import CONTEXT_CHUNK
+
+    target, draft = pair(tmp_path, "llama")
+    prompt = [(7 * i) % 500 + 3 for i in range(CONTEXT_CHUNK + 40)]
+    decoder = decoder_for(target, draft, 3, prompt)
+    decoder.prefill_step_size = CONTEXT_CHUNK + 8
+    seen = spy_drafts(decoder)
+    stream = decoder.proposer.stream
+    after_prefill = []
+    decoder.after_prefill = lambda: after_prefill.append((stream.cached, stream.covered))
+    reference = stock_tokens(target, prompt, 8, eos=False)
+    assert list(decoder.tokens(8)) == reference
+    # In the cache as prefilled: only the last chunk's few positions still pending.
+    assert after_prefill == [(CONTEXT_CHUNK + 8, len(prompt) - 1)]
+    stock, ref = StockTarget(target), ReferenceDFlash(draft)
+    for position, drafts in seen:
+        assert drafts == ref.drafts((prompt + reference)[:position], len(drafts), stock), position

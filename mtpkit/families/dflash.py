@@ -204,7 +204,8 @@ class DFlashAttention(nn.Module):
         self.q_norm = nn.RMSNorm(d, eps=layout.rms_norm_eps)
         self.k_norm = nn.RMSNorm(d, eps=layout.rms_norm_eps)
 
-    def _kv(self, x: mx.array, rope: Any, offset: int) -> tuple[mx.array, mx.array]:
+    def kv(self, x: mx.array, rope: Any, offset: int) -> tuple[mx.array, mx.array]:
+        """Keys (normed, rotated from `offset`) and values of `x` [B, N, H]."""
         b, n, _ = x.shape
         k = self.k_norm(self.k_proj(x).reshape(b, n, self.kv_heads, -1)).transpose(0, 2, 1, 3)
         v = self.v_proj(x).reshape(b, n, self.kv_heads, -1).transpose(0, 2, 1, 3)
@@ -216,9 +217,9 @@ class DFlashAttention(nn.Module):
         start = cache.offset + new  # the block's first position
         q = self.q_norm(self.q_proj(x).reshape(b, n, self.heads, -1)).transpose(0, 2, 1, 3)
         q = rope(q, offset=start)
-        k, v = self._kv(x, rope, start)
+        k, v = self.kv(x, rope, start)
         if new:  # confirmed positions: kept in the cache; the block's never are
-            keys, values = cache.update_and_fetch(*self._kv(context, rope, cache.offset))
+            keys, values = cache.update_and_fetch(*self.kv(context, rope, cache.offset))
         elif cache.offset:
             keys, values = cache_keys_values(cache)
         else:
@@ -269,6 +270,14 @@ class DFlashModel(nn.Module):
         from mlx_lm.models.cache import KVCache
 
         return [KVCache() for _ in self.layers]
+
+    def add_context(self, features: mx.array, cache: list[Any]) -> None:
+        """Put the K/V of target `features` [1, S, n*H] (the next confirmed positions) into
+        `cache`, with no block (a prompt's chunk: its features need not be kept)."""
+        context = self.hidden_norm(self.fc(features))
+        for layer, c in zip(self.layers, cache, strict=True):
+            attn = layer.self_attn
+            c.update_and_fetch(*attn.kv(context, self.rope, c.offset))
 
     def __call__(self, block: mx.array, features: mx.array | None, cache: list[Any]) -> mx.array:
         """Final-normed hidden states [1, L, H] of the embedded `block` [1, L, H], after the

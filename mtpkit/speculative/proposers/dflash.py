@@ -23,6 +23,8 @@ from mtpkit.runtime.model import MtpModel
 from mtpkit.speculative.accept import SamplingSettings, Verdict
 from mtpkit.speculative.proposers.base import Proposal, ProposerBase
 
+CONTEXT_CHUNK = 64  # pending positions past which their context K/V are computed at once
+
 
 @dataclass
 class DFlashStream:
@@ -92,8 +94,14 @@ class DFlashProposer(ProposerBase):
             s.blind = False
 
     def observe(self, hidden: mx.array, tokens: list[int]) -> None:
-        self.stream.add(hidden)
-        self.stream.last_token = tokens[-1]
+        s = self.stream
+        s.add(hidden)
+        s.last_token = tokens[-1]
+        if s.pending is not None and s.pending.shape[1] >= CONTEXT_CHUNK:
+            # A prompt's chunk: its context K/V now, so no prompt-long features are held.
+            self.drafter.model.add_context(s.pending, s.cache)
+            s.pending = None
+            mx.eval([c.state for c in s.cache])
 
     def can_propose(self) -> bool:
         # Until the target has computed one position there is no context (a one-token prompt).
