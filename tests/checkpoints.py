@@ -376,7 +376,9 @@ def add_tensor(path: Path, shard_name: str, name: str, value: mx.array) -> None:
     _write_json(path / "model.safetensors.index.json", index)
 
 
-def build_dense_model(path: Path, model_type: str = "llama", *, seed: int = 3) -> Path:
+def build_dense_model(
+    path: Path, model_type: str = "llama", *, seed: int = 3, layers: int = 2
+) -> Path:
     """A tiny dense decoder of `model_type` (llama, qwen2, qwen3: families that ship no MTP
     head) with random weights, written by stock mlx-lm's own `save_model`, and a tokenizer."""
     import importlib
@@ -386,7 +388,7 @@ def build_dense_model(path: Path, model_type: str = "llama", *, seed: int = 3) -
     config = {
         "model_type": model_type,
         "hidden_size": 64,
-        "num_hidden_layers": 2,
+        "num_hidden_layers": layers,
         "intermediate_size": 128,
         "num_attention_heads": 4,
         "num_key_value_heads": 2,

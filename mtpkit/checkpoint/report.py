@@ -13,6 +13,7 @@ from mtpkit.checkpoint.inspect import (
     read_checkpoint,
 )
 from mtpkit.checkpoint.runtimes import head_layout, runtimes
+from mtpkit.core.errors import MtpkitError
 from mtpkit.families.base import expert_layout
 
 
@@ -66,13 +67,26 @@ def report(ckpt: Checkpoint) -> dict[str, Any]:
     }
 
 
-def inspect_checkpoint(source: str, *, revision: str | None = None) -> dict[str, Any]:
-    """Read a checkpoint's headers and report its MTP head (see `report`)."""
+def inspect_checkpoint(
+    source: str, *, revision: str | None = None, target: str | None = None
+) -> dict[str, Any]:
+    """Read a checkpoint's headers and report its MTP head (see `report`), or a block
+    drafter's layout (`mtpkit.checkpoint.drafters`; checked against `target` if given)."""
+    from mtpkit.checkpoint.drafters import inspect_drafter
+
+    drafter = inspect_drafter(source, revision=revision, target=target)
+    if drafter is not None:
+        return drafter
+    if target is not None:
+        raise MtpkitError(f"--target checks a block drafter against its target; {source} is none")
     return report(read_checkpoint(source, revision=revision))
 
 
 def head_state(result: dict[str, Any]) -> str:
-    """`ok`, `absent`, `missing` (declared, no tensors) or `incomplete`."""
+    """`ok`, `absent`, `missing` (declared, no tensors) or `incomplete` (a block drafter:
+    `ok` or `incomplete`)."""
+    if "drafter" in result:
+        return "incomplete" if result["problems"] else "ok"
     codes = {p["code"] for p in result["problems"]}
     if "mtp_declared_not_present" in codes:
         return "missing"

@@ -379,7 +379,8 @@ DrafterModelOpt = Annotated[
         metavar="DIR",
         help="Draft with this separate model (a local MLX directory or a Hub repo of the same "
         "tokenizer) instead of the MTP head; hybrid targets and draft models included; for a "
-        "Gemma 4 target, its MTP assistant.",
+        "Gemma 4 target, its MTP assistant; a DFlash block drafter's directory (recognised from "
+        "its config.json) drafts a block per pass from the target's hidden layers.",
     ),
 ]
 PromptLookupOpt = Annotated[

@@ -186,6 +186,7 @@ DRAFTER_NAMES = {
     "draft-model": "draft model",
     "prompt-lookup": "prompt lookup",
     "gemma4-assistant": "Gemma 4 assistant",
+    "dflash": "DFlash block drafter",
 }
 
 

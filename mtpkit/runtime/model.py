@@ -122,6 +122,38 @@ def untapped(norm: nn.Module) -> Iterator[None]:
         norm.__class__ = cls
 
 
+class LayerCapture:
+    """The outputs of chosen decoder layers in the last forward pass, in the order chosen:
+    what a block drafter (DFlash) reads of its target (transformers' `hidden_states[l + 1]`)."""
+
+    def __init__(self, layers: list[nn.Module]) -> None:
+        self.layers = layers
+
+    def features(self) -> mx.array:
+        """[1, T, n*H]: the tapped layers' outputs, concatenated on the last axis."""
+        return mx.concatenate([layer._mtpkit_output for layer in self.layers], axis=-1)
+
+
+def tap_layers(layers: list[nn.Module], ids: tuple[int, ...]) -> LayerCapture:
+    """Make layers `ids` of `layers` record their output, keeping their class, weights and
+    result (as `tap_final_norm` does: a subclass per instance; tapping twice is a no-op)."""
+    for i in ids:
+        layer = layers[i]
+        base = type(layer)
+        if getattr(base, "_mtpkit_layer_tap", False):
+            continue
+
+        def __call__(self: nn.Module, *args: Any, _base: type = base, **kwargs: Any) -> Any:
+            out = _base.__call__(self, *args, **kwargs)
+            self._mtpkit_output = out
+            return out
+
+        layer.__class__ = type(
+            f"Tapped{base.__name__}", (base,), {"__call__": __call__, "_mtpkit_layer_tap": True}
+        )
+    return LayerCapture([layers[i] for i in ids])
+
+
 # ---------------------------------------------------------------------------------------
 # The model: stock backbone + head.
 
@@ -152,6 +184,8 @@ class MtpModel:
         """The vocabulary the head drafts over (`mtpkit.runtime.draft_vocab`): the subset,
         or every token through `lm_head`."""
         return self.draft_vocab if self.draft_vocab is not None else FullVocab(self.lm_head)
+    # Set by a block drafter: the hidden state is then the tapped layers' outputs.
+    layer_taps: LayerCapture | None = None
 
     @property
     def has_head(self) -> bool:
@@ -197,7 +231,14 @@ class MtpModel:
 
         return gather_last_axis(logits, group)
 
+    def tap_layers(self, ids: tuple[int, ...]) -> None:
+        """From now on the hidden state of a pass is the outputs of backbone layers `ids`,
+        concatenated (a block drafter's input); the logits are unchanged."""
+        self.layer_taps = tap_layers(self.parts.layers, ids)
+
     def hidden_state(self) -> mx.array:
+        if self.layer_taps is not None:
+            return self.layer_taps.features()
         return self.capture.post if self.hidden == POST_NORM else self.capture.pre
 
     def make_cache(self, max_kv_size: int | None = None) -> list[Any]:

@@ -34,6 +34,14 @@ def inspect_command(
     tensors: Annotated[
         bool, typer.Option("--tensors/--no-tensors", help="List every MTP tensor (table only).")
     ] = True,
+    target: Annotated[
+        str | None,
+        typer.Option(
+            "--target",
+            metavar="MODEL",
+            help="With a block drafter (DFlash): the target model to check it against.",
+        ),
+    ] = None,
 ) -> None:
     """Report a checkpoint's MTP head from its config, index and safetensors headers.
 
@@ -41,14 +49,20 @@ def inspect_command(
 
     Also says how the head is stored (mtpkit's sidecar, inline, a raw checkpoint, vllm-mlx's or MTPLX's sidecars, an mlx-vlm drafter directory) and which runtimes run the directory, with its head or plainly (mlx-lm, mtpkit, mlx-vlm, MTPLX, Rapid-MLX, vllm-mlx, LM Studio).
 
+    A block drafter's directory (DFlash) is reported as a drafter: its target, the target layers it reads, its block size, mask token and vocabulary mapping, and its problems (with --target: whether it drafts for that model).
+
     Exit 0 when the checkpoint could be read (problems are listed, not fatal), 3 with --require-mtp when the head is not usable, 1 on an error.
     """
     from mtpkit.checkpoint.report import head_state, inspect_checkpoint
     from mtpkit.cli.output import print_inspect, print_json
 
-    result = inspect_checkpoint(one_source(ctx, source, model), revision=revision)
+    result = inspect_checkpoint(one_source(ctx, source, model), revision=revision, target=target)
     if json_output:
         print_json(result)
+    elif "drafter" in result:
+        from mtpkit.cli.drafter_output import print_drafter
+
+        print_drafter(result)
     else:
         print_inspect(result, show_tensors=tensors)
     if require_mtp and head_state(result) != "ok":

@@ -1,5 +1,6 @@
 """Which proposer drafts, from what the user asked for: the model's own MTP head by default, a
-draft model (`--draft-model`), or prompt lookup (`--prompt-lookup`)."""
+draft model (`--draft-model`; a Gemma 4 assistant or a DFlash block drafter is recognised
+from its config.json), or prompt lookup (`--prompt-lookup`)."""
 
 from __future__ import annotations
 
@@ -45,16 +46,24 @@ class ProposerFactory:
         self.vocab = m.embedding.weight.shape[0] if hasattr(m.embedding, "weight") else None
         self.draft = None
         self.assistant = None
+        self.dflash = None
         if choice.draft_model is not None:
             self._load_draft_model(choice.draft_model)
         if choice.prompt_lookup:  # the option check, before any decoding
             self._prompt_lookup()
 
     def _load_draft_model(self, spec: str | Path) -> None:
-        """A Gemma 4 assistant (checked to pair with the target), else a draft model
-        (checked to share its tokenizer)."""
+        """A Gemma 4 assistant (checked to pair with the target), a DFlash block drafter
+        (checked to read this target), else a draft model (checked to share its tokenizer)."""
         from mtpkit.runtime.assistant import assistant_directory, check_pairs, load_assistant
+        from mtpkit.runtime.dflash import check_target, dflash_directory, load_dflash
 
+        where = dflash_directory(spec)
+        if where is not None:
+            self.dflash = load_dflash(where)
+            names = (str(spec), self.m.path.name)
+            check_target(self.dflash, self.m.config, self._embedding_rows(), names)
+            return
         where = assistant_directory(spec)
         if where is not None:
             self.assistant = load_assistant(where)
@@ -68,7 +77,14 @@ class ProposerFactory:
 
     @property
     def name(self) -> str:
+        if self.dflash is not None:
+            return "dflash"
         return "gemma4-assistant" if self.assistant is not None else self.choice.name
+
+    def _embedding_rows(self) -> int:
+        """The token ids the target's embedding has rows for."""
+        weight = getattr(self.m.embedding, "weight", None)  # quantized too: [V, packed]
+        return int(weight.shape[0]) if weight is not None else self._target_vocab()
 
     def _target_vocab(self) -> int:
         """The width of the target's logits (a probe of one token through its output head)."""
@@ -84,6 +100,11 @@ class ProposerFactory:
         return PromptLookupProposer(self._target_vocab(), c.prompt_lookup_min, c.prompt_lookup_max)
 
     def __call__(self) -> Proposer:
+        if self.dflash is not None:
+            from mtpkit.speculative.proposers.dflash import DFlashProposer
+
+            share = self.dflash.parameter_bytes / max(1, _parameter_bytes(self.m))
+            return DFlashProposer(self.m, self.dflash, share)
         if self.assistant is not None:
             from mlx.utils import tree_flatten
 

@@ -1,0 +1,48 @@
+"""How `mtpkit inspect` shows a block drafter (`mtpkit.checkpoint.drafters`) to people."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rich.table import Table
+
+from mtpkit.cli.output import human_bytes
+from mtpkit.core.console import stdout
+
+
+def print_drafter(result: dict[str, Any]) -> None:
+    d = result["drafter"]
+    summary = Table(show_header=False, box=None, pad_edge=False)
+    summary.add_column(style="bold")
+    summary.add_column(overflow="fold")
+    where = result["source"] + (f"@{result['revision']}" if result["revision"] else "")
+    target = d["target"]
+    mask = d["mask_token_id"]
+    rows = [
+        ("source", where),
+        ("drafter", f"{d['kind']} ({d['architecture']}), {d['layers']} layer(s)"),
+        ("target", f"{target['num_hidden_layers']} layers, hidden size {target['hidden_size']}, "
+                   f"vocabulary {target['vocab_size']}"),  # fmt: skip
+        ("target layers read", ", ".join(map(str, d["target_layer_ids"]))),
+        ("block size", f"{d['block_size']} (up to {d['max_drafts']} drafts a pass)"),
+        ("mask token", f"{mask}" + (f" ({d['mask_token']})" if d["mask_token"] else "")),
+        ("vocabulary mapping", d["vocabulary"]),
+        ("tensors", f"{d['tensor_count']} ({human_bytes(d['bytes'])})"),
+        ("dtypes", ", ".join(f"{k} x{v}" for k, v in d["dtypes"].items())),
+        ("quantized", "yes" if d["quantized"] else "no"),
+    ]
+    if result.get("pairing"):
+        fits = "yes" if not result["pairing"]["problems"] else "no"
+        rows.append(("drafts for " + result["pairing"]["target"], fits))
+    for key, value in rows:
+        summary.add_row(key, value)
+    stdout.print(summary)
+    if result["problems"]:
+        table = Table(title="Problems", title_justify="left")
+        table.add_column("code", style="red")
+        table.add_column("message", overflow="fold")
+        for p in result["problems"]:
+            table.add_row(p["code"], p["message"])
+        stdout.print(table)
+    else:
+        stdout.print("no problems found")

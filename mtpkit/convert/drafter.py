@@ -1,0 +1,84 @@
+"""`mtpkit convert` of a block drafter (DFlash): an MLX drafter directory, bf16 (or
+`--dtype`), its linear layers quantized with `-q` as a head's are (`--mtp-bits`, else
+`--q-bits`; `--keep-mtp-bf16` keeps them whole).
+
+Only the drafter's files are fetched (config.json and its safetensors); tensors it shares
+with its target (an embedding or output head some exports carry) are left out. The
+directory is written into a temporary sibling and renamed at the end.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+
+from mtpkit.convert.plan import Settings
+from mtpkit.convert.quant import QuantSpec, dtype_name, is_floating, quantize
+from mtpkit.core.errors import MtpkitError
+from mtpkit.families.dflash import DFlashLayout, tensor_name, tensor_problem
+
+DTYPES = {"bfloat16": mx.bfloat16, "float16": mx.float16, "float32": mx.float32}
+
+
+def drafter_spec(settings: Settings) -> QuantSpec | None:
+    """How the drafter's linear layers are quantized (None: kept in the float dtype)."""
+    if settings.quant_predicate is not None:
+        raise MtpkitError(
+            f"--quant-predicate {settings.quant_predicate} picks layers of a full model; a "
+            "DFlash drafter is quantized uniformly: pass -q (and --mtp-bits) instead"
+        )
+    wanted = settings.quantize or settings.mtp_bits is not None
+    if not wanted or settings.keep_mtp_bf16:
+        return None
+    return QuantSpec.for_mode(settings.mode, settings.mtp_bits or settings.bits, settings.group_size)
+
+
+def convert_dflash(source_dir: Path, out: Path, settings: Settings, *, force: bool) -> dict[str, Any]:
+    """Write the MLX drafter of `source_dir` to `out`; returns what was done (the record
+    `ConvertResult.manifest` carries)."""
+    from mtpkit.convert.destination import new_directory
+
+    config = json.loads((source_dir / "config.json").read_text())
+    layout = DFlashLayout.of(config, str(source_dir))
+    problems = layout.intrinsic_problems()
+    if problems:
+        raise MtpkitError(f"the DFlash drafter in {source_dir} cannot draft: {problems[0]}")
+    weights: dict[str, mx.array] = {}
+    for shard in sorted(source_dir.glob("*.safetensors")):
+        for name, array in mx.load(str(shard)).items():
+            if (new := tensor_name(name)) is not None:
+                weights[new] = array
+    problem = tensor_problem(layout, weights) if weights else "it has no safetensors weights"
+    if problem is not None:
+        raise MtpkitError(f"the drafter in {source_dir} does not match its config.json: {problem}")
+    dtype = DTYPES[settings.dtype or "bfloat16"]
+    spec = drafter_spec(settings)
+    quantized = any(n.endswith(".scales") for n in weights)
+    out_weights: dict[str, mx.array] = {}
+    for name, array in weights.items():
+        if is_floating(array.dtype) and not name.endswith((".scales", ".biases")):
+            array = array.astype(dtype)
+        linear = name.endswith(("_proj.weight", "fc.weight")) and array.ndim == 2
+        if spec is not None and not quantized and linear and array.shape[-1] % spec.group_size == 0:
+            prefix = name.removesuffix(".weight")
+            out_weights.update({f"{prefix}.{k}": v for k, v in quantize(array, spec).items()})
+        else:
+            out_weights[name] = array
+    if spec is not None and not quantized:
+        config["quantization"] = spec.as_config()
+    config["torch_dtype"] = dtype_name(dtype)
+    record = {
+        "drafter": "dflash",
+        "source": str(source_dir),
+        "dtype": config["torch_dtype"],
+        "quantization": config.get("quantization"),
+        "tensors": len(out_weights),
+        "target_layer_ids": list(layout.target_layer_ids),
+    }
+    with new_directory(out, force=force) as tmp:
+        mx.save_safetensors(str(tmp / "model.safetensors"), out_weights, metadata={"format": "mlx"})
+        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return record
