@@ -73,7 +73,9 @@ def test_a_cancelled_request_leaves_and_the_others_finish(engine: Engine) -> Non
         assert entries[i].text == alone(engine, Request(ids[i], max_tokens=24))[0]
 
 
-def test_the_server_batches_only_with_the_head_drafting(engine: Engine, converted: Path) -> None:
+def test_the_server_batches_with_the_head_or_without_a_drafter(engine: Engine) -> None:
+    """Issue 43: `--no-mtp` batches too (plain batched steps); a drafter that does not batch
+    yet decodes one request at a time, and the worker says why in one line."""
     from mtpkit.serve.worker import Worker
     from mtpkit.speculative.proposers.choose import DrafterChoice
 
@@ -81,5 +83,32 @@ def test_the_server_batches_only_with_the_head_drafting(engine: Engine, converte
     assert Worker(engine, capacity=1, concurrency=1).batch is None  # the single stream
     plain = Engine(engine.m, mtp=False)
     lookup = Engine(engine.m, drafter=DrafterChoice(prompt_lookup=True))
-    assert Worker(plain, capacity=1, concurrency=4).batch is None
-    assert Worker(lookup, capacity=1, concurrency=4).batch is None
+    assert Worker(plain, capacity=1, concurrency=4).batch is not None
+    alone = Worker(lookup, capacity=1, concurrency=4)
+    assert alone.batch is None
+    assert alone.alone_because == (
+        "the prompt-lookup drafter does not decode in a batch yet: its requests decode one at "
+        "a time"
+    )
+
+
+def test_requests_without_a_drafter_join_and_leave_as_single_streams(engine: Engine) -> None:
+    """`--no-mtp`: the rows take plain batched steps; each request, joining late or leaving
+    at a stop string, gets what the same request gets alone."""
+    plain = Engine(engine.m, mtp=False, prompt_cache_size=0)
+    ids = [plain.m.tokenizer.encode(p) for p in PROMPTS]
+    full = alone(plain, Request(ids[1], max_tokens=24))[0]
+    stop = full[len(full) // 2 : len(full) // 2 + 3]
+    requests = [Request(ids[0], max_tokens=24), Request(ids[1], max_tokens=24, stop=(stop,)),
+                Request(ids[2], max_tokens=9), Request(ids[3], max_tokens=24)]  # fmt: skip
+    batch = BatchSession(plain)
+    entries = [batch.add(r) for r in requests[:2]]
+    for _ in range(4):
+        batch.step()
+    entries += [batch.add(r) for r in requests[2:]]
+    while batch.entries:
+        batch.step()
+    for request, entry in zip(requests, entries, strict=True):
+        assert (entry.text, entry.finish_reason, entry.generated) == alone(plain, request)
+        assert entry.stats.drafted == 0 and entry.stats.proposer == "none"
+    assert batch.decoder.plain_steps > 0 and entries[1].finish_reason == "stop"

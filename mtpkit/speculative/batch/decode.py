@@ -66,7 +66,9 @@ class BatchDecoder:
     (see the module's text). `draft_filter` replaces each row's drafts (tests, bench's
     oracle), `plan` holds each row's verdict to a count (bench's oracle); `policy` decides
     per width whether a step drafts (`adaptive`: `WidthDrafting`; default: every step
-    drafts); `ahead` False reads every round before the next is built."""
+    drafts); `ahead` False reads every round before the next is built. `drafts` False: no
+    drafter (`--no-mtp`, a model without a head), every step a plain batched step queued one
+    ahead, as mlx-lm's `BatchGenerator` steps."""
 
     def __init__(
         self,
@@ -79,11 +81,14 @@ class BatchDecoder:
         policy: WidthDrafting | None = None,
         prompt_cache: PromptCache | None = None,
         ahead: bool = True,
+        drafts: bool = True,
     ) -> None:
-        if m.head is None:
+        if drafts and m.head is None:
             raise NoMtpHead(f"{m.path} has no MTP head")
         if not 0 <= depth <= MAX_DEPTH:
             raise GenerateError(f"depth must be in [0, {MAX_DEPTH}], not {depth}")
+        self.drafts = drafts
+        depth = depth if drafts else 0
         self.m, self.depth, self.draft_filter, self.plan = m, depth, draft_filter, plan
         self.ahead = ahead
         self.prompt_cache = prompt_cache
@@ -92,6 +97,7 @@ class BatchDecoder:
         self.cache: list[Any] | None = None
         self.head: BatchHead | None = None
         self._uids = itertools.count()
+        adaptive = adaptive and drafts
         self.policy = policy if policy is not None else WidthDrafting() if adaptive else None
         self.plain_steps = 0
         self.rounds_ahead = 0  # rounds built before the round before them was read
@@ -142,52 +148,71 @@ class BatchDecoder:
             row.decoded.append(first)
             if not self._confirm(row, [first]):
                 return row
-            head.observe(hidden, [first])
-            head_cache, ready = row_head(self.m, head)
+            batched = None
+            if head is not None:
+                head.observe(hidden, [first])
+                head_cache, ready = row_head(self.m, head)
+                batched = BatchHead(self.m, batch_caches([head_cache]), ready)
             mx.eval([c.state for c in cache])
-        self._join(row, batch_caches([cache]), BatchHead(self.m, batch_caches([head_cache]), ready))
+        self._join(row, batch_caches([cache]), batched)
         return row
 
-    def _prefill(self, row: Row, cached: CachedState | None) -> tuple[list[Any], HeadProposer]:
+    @property
+    def proposer_name(self) -> str:
+        """The prompt cache's name of what drafts (one stream's `Engine.drafter_name`)."""
+        return "mtp" if self.drafts else "none"
+
+    def _prefill(
+        self, row: Row, cached: CachedState | None
+    ) -> tuple[list[Any], HeadProposer | None]:
         """The target's caches over all of `row`'s prompt but its last token, and the head's
         state over its pairs (from `cached` on, when given), as one stream's prefill leaves
-        them; kept in the prompt cache."""
+        them; kept in the prompt cache. Without drafts there is no head state (None)."""
         prompt = row.prompt
         if cached is not None and self._continues(cached, prompt):
             cache, head = cached.fork()
             start = row.stats.cached_tokens = len(cached.tokens) - 1
         else:
-            cache, head, start = self.m.make_cache(), HeadProposer(self.m), 0
-        head.begin(prompt, start)
+            head = HeadProposer(self.m) if self.drafts else None
+            cache, start = self.m.make_cache(), 0
+        if head is not None:
+            head.begin(prompt, start)
         for i in range(start, len(prompt) - 1, PREFILL_STEP):
             j = min(i + PREFILL_STEP, len(prompt) - 1)
             _, hidden = self.m.forward(mx.array(prompt[i:j])[None], cache)
             mx.eval(hidden, [c.state for c in cache])
-            head.observe(hidden, prompt[i + 1 : j + 1])
-        head.end_prefill()
+            if head is not None:
+                head.observe(hidden, prompt[i + 1 : j + 1])
+        if head is not None:
+            head.end_prefill()
         if self.prompt_cache is not None and start < len(prompt) - 1:
-            self.prompt_cache.store(prompt, cache, head, head.name)
+            self.prompt_cache.store(prompt, cache, head, self.proposer_name)
         return cache, head
 
     def _continues(self, cached: CachedState, prompt: list[int]) -> bool:
         """Whether a row of `prompt` can join from `cached`: its tokens start the prompt,
-        its head state is a `HeadProposer`'s and its caches are of the kinds a row's are (an
+        its head state is a `HeadProposer`'s (none without drafts) and its caches are of the kinds a row's are (an
         entry of a session with `max_kv_size` holds rotating caches)."""
         n = len(cached.tokens)
         kinds = [type(c) for c in self.m.make_cache()]
         return (
             n <= len(prompt) and tuple(prompt[:n]) == cached.tokens
-            and isinstance(cached.proposer, HeadProposer)
+            and (
+                isinstance(cached.proposer, HeadProposer)
+                if self.drafts
+                else cached.proposer is None
+            )
             and [type(c) for c in cached.cache] == kinds
         )  # fmt: skip
 
-    def _join(self, row: Row, cache: list[Any], head: BatchHead) -> None:
+    def _join(self, row: Row, cache: list[Any], head: BatchHead | None) -> None:
         if self.cache is None:
             self.cache, self.head = cache, head
         else:
             for layer, more in zip(self.cache, cache, strict=True):
                 layer.extend(more)
-            self.head.extend(head)
+            if self.head is not None:
+                self.head.extend(head)
         self.rows.append(row)
 
     # -- leaving --------------------------------------------------------------------------
@@ -215,7 +240,8 @@ class BatchDecoder:
         index = mx.array(keep, dtype=mx.int32)
         for layer in self.cache:
             layer.filter(index)
-        self.head.filter(keep)
+        if self.head is not None:
+            self.head.filter(keep)
         if self._inflight is not None:
             self._inflight.take(index)
         if self._ahead is not None:
@@ -234,17 +260,19 @@ class BatchDecoder:
             self.prompt_cache.store(tokens, cache, head, head.name)
             return
         cache = [layer.extract(r) for layer in self.cache]
-        head = row_proposer(self.head, r, tokens)
+        head = row_proposer(self.head, r, tokens) if self.head is not None else None
         if self._ahead is not None:
             ahead_tokens, ahead_hidden = self._ahead
             token = int(ahead_tokens[r].item())
             tokens = [*tokens, token]
-            head.pending_hidden.append(ahead_hidden[r : r + 1])
-            head.pending_tokens.append(token)
-            head.ready = None
+            if head is not None:
+                head.pending_hidden.append(ahead_hidden[r : r + 1])
+                head.pending_tokens.append(token)
+                head.ready = None
         # Computed now: a lazy slice would hold the whole batch's buffers alive.
-        mx.async_eval([c.state for c in cache], [c.state for c in head.cache])
-        self.prompt_cache.store(tokens, cache, head, head.name)
+        head_states = [c.state for c in head.cache] if head is not None else []
+        mx.async_eval([c.state for c in cache], head_states)
+        self.prompt_cache.store(tokens, cache, head, self.proposer_name)
 
     # -- a step: a drafting round or a plain batched step -------------------------------
     def step(self, draft: bool = False) -> dict[int, list[int]]:
@@ -256,7 +284,7 @@ class BatchDecoder:
         if not self.rows:
             return stash
         width = len(self.rows)
-        if self._ahead is not None:  # a queued plain step is taken whatever else is asked
+        if self._ahead is not None or not self.drafts:  # a queued plain step is taken first
             drafting = False
         elif self._inflight is not None:  # and so is a round built ahead
             drafting = True
@@ -286,7 +314,8 @@ class BatchDecoder:
             else:
                 last = mx.array([[row.last] for row in rows], dtype=mx.int32)
                 tokens, hidden = self._plain_forward(last)
-            self.head.observe(hidden, tokens[:, None])
+            if self.head is not None:
+                self.head.observe(hidden, tokens[:, None])
             if queue and self._next_is_plain():
                 self._ahead = self._plain_forward(tokens[:, None])
                 mx.async_eval(self._ahead[0])
@@ -312,11 +341,11 @@ class BatchDecoder:
         (nothing would read the next) or, with a prompt cache, any row does (its caches
         would hold a token past its end, which a next turn's prompt does not extend)."""
         ending = [len(r.tokens) + 1 >= r.max_tokens for r in self.rows]
-        if self.policy is None or all(ending):
+        if (self.drafts and self.policy is None) or all(ending):
             return False
         if self.prompt_cache is not None and any(ending):
             return False
-        return self._next_is(drafting=False)
+        return not self.drafts or self._next_is(drafting=False)
 
     def _next_is(self, *, drafting: bool) -> bool:
         """Whether the next step drafts (`drafting` True) or is plain (False), as the policy

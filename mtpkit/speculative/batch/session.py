@@ -12,6 +12,11 @@ prompt and output). A request's `depth`
 (None: 1) is the drafts its row verifies a round; `adaptive` decides per batch width whether
 a round drafts at all (`WidthDrafting`), except while a sampled request with a seed is in
 the batch: then every round drafts, so that its text is the same alone or in any batch.
+
+An engine that does not draft (`--no-mtp`, a model without a head) decodes its batch with
+plain batched steps. The drafters that do not batch yet (a draft model, prompt lookup,
+Gemma 4's assistant) are refused by `BatchSession` (`BatchUnsupported`, one line): their
+requests decode one at a time.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from typing import Any
 
 from mtpkit.core.choices import MAX_DEPTH
 from mtpkit.speculative.batch.decode import BatchDecoder
+from mtpkit.speculative.batch.rollback import BatchUnsupported
 from mtpkit.speculative.batch.row import CANCELLED, LENGTH, STOP, Row
 from mtpkit.speculative.session import Engine, Request, TokenEvent, check_prompt
 from mtpkit.speculative.stats import Stats
@@ -35,6 +41,7 @@ class BatchEntry:
 
     request: Request
     text_stream: TextStream
+    proposer: str = "mtp"  # what drafts its row ("none": plain batched steps)
     row: Row | None = None
     tag: Any = None
     generated: int = 0  # tokens handed to the text stream (an EOS excluded)
@@ -55,26 +62,34 @@ class BatchEntry:
         row = self.row
         prompt = len(self.request.prompt)
         if row is None:
-            return Stats(prompt_tokens=prompt, proposer="mtp")
+            return Stats(prompt_tokens=prompt, proposer=self.proposer)
         stats = copy.deepcopy(row.stats)
-        stats.prompt_tokens, stats.proposer, stats.depth = prompt, "mtp", row.depth
+        stats.prompt_tokens, stats.proposer, stats.depth = prompt, self.proposer, row.depth
         stats.generated = list(row.tokens)
         return stats
 
 
 class BatchSession:
-    """Requests on one engine decoding in one batch (see the module's text). The engine must
-    draft with its MTP head. Usage: `add` requests, then `step` while `entries` is not
-    empty; each call returns the entries that have new events (`take_events`)."""
+    """Requests on one engine decoding in one batch (see the module's text). The engine
+    drafts with its MTP head or not at all. Usage: `add` requests, then `step` while
+    `entries` is not empty; each call returns the entries that have new events
+    (`take_events`)."""
 
     def __init__(self, engine: Engine, *, adaptive: bool = True) -> None:
+        name = engine.drafter_name
+        if name not in ("mtp", "none"):
+            raise BatchUnsupported(
+                f"the {name} drafter does not decode in a batch yet: its requests decode "
+                "one at a time"
+            )
         self.engine = engine
         # Rows choose their depth up to the deepest the head drafts; a round drafts the
         # deepest row's count for all.
         cache = engine.prompt_cache if engine.prompt_cache.size > 0 else None
         self.decoder = BatchDecoder(
-            engine.m, depth=MAX_DEPTH, adaptive=adaptive, prompt_cache=cache
-        )
+            engine.m, depth=MAX_DEPTH, adaptive=adaptive, prompt_cache=cache,
+            drafts=engine.drafts,
+        )  # fmt: skip
         self.entries: list[BatchEntry] = []  # joined and not yet done
 
     def add(self, request: Request, tag: Any = None) -> BatchEntry:
@@ -82,12 +97,15 @@ class BatchSession:
         entry's `events`. An entry done at once (max_tokens 0, an EOS or a stop string
         first) never joins."""
         check_prompt(self.engine.m, request.prompt)
-        entry = BatchEntry(request, TextStream(self.engine.m.tokenizer, request.stop), tag=tag)
+        stream = TextStream(self.engine.m.tokenizer, request.stop)
+        entry = BatchEntry(request, stream, self.engine.drafter_name, tag=tag)
         if request.max_tokens <= 0:
             self._end(entry, LENGTH)
             return entry
         depth = 1 if request.depth is None else request.depth
-        cached = self.engine.prompt_cache.longest_prefix(request.prompt, "mtp")
+        if not self.decoder.drafts:
+            depth = 0  # nothing drafts: a plain step each round, as one stream without a head
+        cached = self.engine.prompt_cache.longest_prefix(request.prompt, self.decoder.proposer_name)
         entry.row = self.decoder.add(
             request.prompt, max_tokens=request.max_tokens, sampling=request.sampling,
             seed=request.seed, depth=depth, cached=cached,
@@ -132,7 +150,7 @@ class BatchSession:
         decoder = self.decoder
         self.decoder = BatchDecoder(
             decoder.m, depth=decoder.depth, adaptive=decoder.policy is not None,
-            prompt_cache=decoder.prompt_cache, ahead=decoder.ahead,
+            prompt_cache=decoder.prompt_cache, ahead=decoder.ahead, drafts=decoder.drafts,
         )  # fmt: skip
         self.entries = []
 
