@@ -112,3 +112,21 @@ def test_requests_without_a_drafter_join_and_leave_as_single_streams(engine: Eng
         assert (entry.text, entry.finish_reason, entry.generated) == alone(plain, request)
         assert entry.stats.drafted == 0 and entry.stats.proposer == "none"
     assert batch.decoder.plain_steps > 0 and entries[1].finish_reason == "stop"
+
+
+def test_a_request_without_a_depth_chooses_it_in_a_batch_as_alone(engine: Engine) -> None:
+    """Issue 43: `depth` unset means adaptive depth (1-3) at any concurrency, chosen from
+    the row's own verdicts; greedy, every row stays its single stream."""
+    ids = [engine.m.tokenizer.encode(p) for p in PROMPTS]
+    batch = BatchSession(engine, adaptive=False)  # every round drafts: the depths show
+    chosen = [batch.add(Request(i, max_tokens=40)) for i in ids[:2]]
+    fixed = batch.add(Request(ids[2], max_tokens=40, adaptive=False))
+    while batch.entries:
+        batch.step()
+    for entry in [*chosen, fixed]:
+        assert (entry.text, entry.finish_reason, entry.generated) == alone(engine, entry.request)
+    # The head's yield here does not pay for a round on the CPU's prior, alone as in a
+    # batch: the rows (not the batch, whose adaptive drafting is off) chose plain stretches.
+    depths = {len(d) for e in chosen for _, d in e.row.draft_log}
+    assert depths == {0, 1} and all(e.row.chooser is not None for e in chosen)
+    assert fixed.row.chooser is None and {len(d) for _, d in fixed.row.draft_log} == {1}

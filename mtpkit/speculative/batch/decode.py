@@ -41,6 +41,7 @@ import mlx.core as mx
 from mtpkit.core.choices import MAX_DEPTH
 from mtpkit.runtime.model import GenerateError, MtpModel, NoMtpHead
 from mtpkit.speculative.accept import SamplingSettings, Verdict
+from mtpkit.speculative.adaptive import AUTO_MAX_DEPTH, AdaptiveDrafting
 from mtpkit.speculative.batch.adaptive import WidthDrafting
 from mtpkit.speculative.batch.draws import draw_rows, sample_first
 from mtpkit.speculative.batch.head import BatchHead, row_head, row_proposer
@@ -120,12 +121,15 @@ class BatchDecoder:
         seed: int | None = None,
         depth: int | None = None,
         cached: CachedState | None = None,
+        choose_depth: bool = False,
     ) -> Row:
         """Prefill `prompt` alone (from `cached`, an entry of the prompt cache whose tokens
         it extends, when given), confirm its first token, and merge it into the batch
         (unless that token already ends it). Returns the row; its `tokens` grow as it
         decodes. `seed`: the row samples from its own PRNG key (else MLX's global state);
-        `depth`: its drafts a round (default: the decoder's)."""
+        `depth`: its drafts a round (default: the decoder's); `choose_depth`: chosen per
+        round from the row's own verdicts, up to `depth` or `AUTO_MAX_DEPTH` (one stream's
+        adaptive depth, `Row.choose_next`)."""
         from mtpkit.speculative.session import check_prompt
 
         check_prompt(self.m, prompt)
@@ -140,7 +144,11 @@ class BatchDecoder:
         if max_tokens < 1:
             raise GenerateError(f"max_tokens must be at least 1, not {max_tokens}")
         key = mx.random.key(seed) if seed is not None else None
-        row = Row(next(self._uids), list(prompt), max_tokens, sampling, depth, key)
+        chooser = None
+        if choose_depth and depth > 0:
+            chooser = AdaptiveDrafting(True, min(depth, AUTO_MAX_DEPTH), choose_depth=True)
+            depth = chooser.depth
+        row = Row(next(self._uids), list(prompt), max_tokens, sampling, depth, key, chooser)
         with mx.stream(_generation_stream()):
             cache, head = self._prefill(row, cached)
             logits, hidden = self.m.forward(mx.array(prompt[-1:])[None], cache)
@@ -324,6 +332,7 @@ class BatchDecoder:
         new = {}
         for row, token in zip(rows, values, strict=True):
             before = len(row.tokens)
+            row.choose_next(0, 0)
             row.decoded.append(token)
             self._confirm(row, [token])
             new[row.uid] = row.tokens[before:]
@@ -405,6 +414,7 @@ class BatchDecoder:
         else:  # the row's drafting is off: a plain step inside the round
             stats.draft_log.append((row.position, []))
             stats.rounds += 1
+        row.choose_next(len(v.drafts), v.accepted)
         before = len(row.tokens)
         row.decoded.extend(v.confirmed[:taken])
         self._confirm(row, v.confirmed)

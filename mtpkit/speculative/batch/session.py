@@ -8,8 +8,9 @@ Each request's text, usage and drafting counts are its own (`BatchEntry`). The e
 prompt cache is shared with one stream's sessions: a request joins from the longest cached
 sequence its prompt extends, and a finished one leaves its state there (`BatchDecoder`).
 What one stream has and a batch does not: `max_kv_size` (each row's KV cache grows with its
-prompt and output). A request's `depth`
-(None: 1) is the drafts its row verifies a round; `adaptive` decides per batch width whether
+prompt and output). A request's `depth` is the drafts its row verifies a round (None, with
+`adaptive`: chosen per round from the row's own verdicts, 1-3, as one stream chooses it;
+None without `adaptive`: 1); `adaptive` also decides per batch width whether
 a round drafts at all (`WidthDrafting`), except while a sampled request with a seed is in
 the batch: then every round drafts, so that its text is the same alone or in any batch.
 
@@ -26,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from mtpkit.core.choices import MAX_DEPTH
+from mtpkit.speculative.adaptive import resolve_depth
 from mtpkit.speculative.batch.decode import BatchDecoder
 from mtpkit.speculative.batch.rollback import BatchUnsupported
 from mtpkit.speculative.batch.row import CANCELLED, LENGTH, STOP, Row
@@ -102,13 +104,13 @@ class BatchSession:
         if request.max_tokens <= 0:
             self._end(entry, LENGTH)
             return entry
-        depth = 1 if request.depth is None else request.depth
+        depth, choose = resolve_depth(request.depth, request.adaptive)
         if not self.decoder.drafts:
             depth = 0  # nothing drafts: a plain step each round, as one stream without a head
         cached = self.engine.prompt_cache.longest_prefix(request.prompt, self.decoder.proposer_name)
         entry.row = self.decoder.add(
             request.prompt, max_tokens=request.max_tokens, sampling=request.sampling,
-            seed=request.seed, depth=depth, cached=cached,
+            seed=request.seed, depth=depth, cached=cached, choose_depth=choose,
         )  # fmt: skip
         self._feed(entry, list(entry.row.tokens))
         if not entry.done:
