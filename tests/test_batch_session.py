@@ -130,3 +130,25 @@ def test_a_request_without_a_depth_chooses_it_in_a_batch_as_alone(engine: Engine
     depths = {len(d) for e in chosen for _, d in e.row.draft_log}
     assert depths == {0, 1} and all(e.row.chooser is not None for e in chosen)
     assert fixed.row.chooser is None and {len(d) for _, d in fixed.row.draft_log} == {1}
+
+
+def test_a_seeded_row_choosing_its_depth_samples_alike_whatever_joins(engine: Engine) -> None:
+    """A seeded sampled request without a depth draws the same text alone and with rows
+    joining it mid-decode (a join reads a round built ahead early: its depths must not
+    follow when that happens)."""
+    from mtpkit.speculative.accept import SamplingSettings
+
+    ids = [engine.m.tokenizer.encode(p) for p in PROMPTS]
+    sampled = Request(ids[0], max_tokens=40, sampling=SamplingSettings(temp=1.0), seed=7)
+
+    def decode(joining: list[list[int]]) -> str:
+        batch = BatchSession(engine, adaptive=False)
+        entry = batch.add(sampled)
+        for prompt in joining:
+            batch.step()
+            batch.add(Request(prompt, max_tokens=40))
+        while batch.entries:
+            batch.step()
+        return entry.text
+
+    assert decode(ids[1:]) == decode([])

@@ -85,8 +85,6 @@ def serve(settings: ServeSettings) -> None:
             engine, capacity=settings.queue_size, load=load,
             concurrency=settings.decode_concurrency, adaptive=settings.adaptive,
         )  # fmt: skip
-        if worker.batch is not None and settings.max_kv_size is not None:
-            log.warning("--max-kv-size applies to one stream only: batched rows keep full caches")
         if worker.alone_because is not None:
             log.warning("--decode-concurrency %d: %s", settings.decode_concurrency,
                         worker.alone_because)  # fmt: skip

@@ -375,10 +375,20 @@ class BatchDecoder:
                 last = mx.array([[row.last] for row in rows], dtype=mx.int32)
                 positions = mx.array([row.position for row in rows], dtype=mx.int32)
                 built = build_round(self, last, positions, ahead=self.ahead)
-            if built.last is not None and can_build_ahead(built) and self._next_is(drafting=True):
+            ahead = built.last is not None and can_build_ahead(built) and not self._read_first()
+            if ahead and self._next_is(drafting=True):
                 self._inflight = build_round(self, built.last, built.positions, ahead=True)
                 self.rounds_ahead += 1
             return self._read(built)
+
+    def _read_first(self) -> bool:
+        """Whether each round is read before the next is built: while a seeded sampled row
+        chooses its depth. Its depth (and with it how its key splits) then follows its
+        verdicts one round later, whatever joins (a join reads a round built ahead early)."""
+        return any(
+            r.chooser is not None and r.key is not None and not r.sampling.greedy
+            for r in self.rows
+        )
 
     def _drain(self) -> dict[int, list[int]]:
         """Read the round built ahead (a row joins: it was built for the rows before)."""

@@ -16,8 +16,8 @@ the batch: then every round drafts, so that its text is the same alone or in any
 
 An engine that does not draft (`--no-mtp`, a model without a head) decodes its batch with
 plain batched steps. The drafters that do not batch yet (a draft model, prompt lookup,
-Gemma 4's assistant) are refused by `BatchSession` (`BatchUnsupported`, one line): their
-requests decode one at a time.
+Gemma 4's assistant) and an engine with `max_kv_size` are refused by `BatchSession`
+(`BatchUnsupported`, one line): their requests decode one at a time.
 """
 
 from __future__ import annotations
@@ -67,6 +67,8 @@ class BatchEntry:
             return Stats(prompt_tokens=prompt, proposer=self.proposer)
         stats = copy.deepcopy(row.stats)
         stats.prompt_tokens, stats.proposer, stats.depth = prompt, self.proposer, row.depth
+        if row.chooser is not None:  # as one stream reports a chosen depth: the deepest
+            stats.depth, stats.depth_chosen = row.chooser.max_depth, True
         stats.generated = list(row.tokens)
         return stats
 
@@ -83,6 +85,11 @@ class BatchSession:
             raise BatchUnsupported(
                 f"the {name} drafter does not decode in a batch yet: its requests decode "
                 "one at a time"
+            )
+        if engine.max_kv_size is not None:  # a batch's rows keep full caches
+            raise BatchUnsupported(
+                "--max-kv-size bounds one stream's caches, not a batch's: requests decode "
+                "one at a time (drop --max-kv-size to batch them)"
             )
         self.engine = engine
         # Rows choose their depth up to the deepest the head drafts; a round drafts the
