@@ -273,10 +273,8 @@ class BatchDecoder:
             ahead_tokens, ahead_hidden = self._ahead
             token = int(ahead_tokens[r].item())
             tokens = [*tokens, token]
-            if head is not None:
-                head.pending_hidden.append(ahead_hidden[r : r + 1])
-                head.pending_tokens.append(token)
-                head.ready = None
+            if head is not None:  # the queued step's pair, not run by the head yet
+                head.observe(ahead_hidden[r : r + 1], [token])
         # Computed now: a lazy slice would hold the whole batch's buffers alive.
         head_states = [c.state for c in head.cache] if head is not None else []
         mx.async_eval([c.state for c in cache], head_states)

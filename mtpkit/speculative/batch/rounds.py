@@ -174,12 +174,11 @@ def ended_row_entry(
         elif extra:
             single.trim(extra)
         cache.append(single)
-    head = HeadProposer(batch.m)
-    head.cache = [c.extract(r) for c in batch.head.cache]
+    head_cache = [c.extract(r) for c in batch.head.cache]
     if extra:
-        head.cache[batch.head.head.layer_for_step(0)].trim(extra)
-    head.ready = built.out[i : i + 1, taken - 1 : taken]
-    return cache, head
+        head_cache[batch.head.head.layer_for_step(0)].trim(extra)
+    ready = built.out[i : i + 1, taken - 1 : taken]
+    return cache, HeadProposer.holding(batch.m, head_cache, ready=ready)
 
 
 def _states(caches: list[Any]) -> list[Any]:
