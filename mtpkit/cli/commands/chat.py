@@ -11,6 +11,7 @@ from mtpkit.cli.options import (
     MaxKvSizeOpt,
     MaxTokensOpt,
     MinPOpt,
+    MinTokensToKeepOpt,
     MtpOpt,
     PromptLookupOpt,
     SampleSeedOpt,
@@ -35,6 +36,7 @@ def chat_command(
     top_p: TopPOpt = 1.0,
     min_p: MinPOpt = 0.0,
     top_k: TopKOpt = 0,
+    min_tokens_to_keep: MinTokensToKeepOpt = 1,
     seed: SampleSeedOpt = None,
     system_prompt: SystemPromptOpt = None,
     max_kv_size: MaxKvSizeOpt = None,
@@ -57,7 +59,9 @@ def chat_command(
         model, draft_model=draft_model, prompt_lookup=prompt_lookup,
         mtp="auto" if mtp is None else mtp, max_kv_size=max_kv_size,
     )  # fmt: skip
-    sampling = SamplingSettings(temp=temp, top_p=top_p, top_k=top_k, min_p=min_p)
+    sampling = SamplingSettings(
+        temp=temp, top_p=top_p, top_k=top_k, min_p=min_p, min_tokens_to_keep=min_tokens_to_keep
+    )
     conversation = Conversation(engine, system_prompt, max_tokens, sampling, seed, depth)
     print(f"[INFO] Starting chat session with {model}.\n{HELP}", flush=True)
     while True:
