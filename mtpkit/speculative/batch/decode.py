@@ -26,6 +26,10 @@ batch's caches (`extract`) into an entry of its prompt, its output and the EOS t
 (a round that ends a row keeps its caches up to there, `_taken`): a conversation's next
 turn, alone or in a batch, prefills only what it adds.
 
+Without a drafter (`drafts=False`: `--no-mtp`, a model without a head) every step is a plain
+batched step, the next queued before a step's tokens are read, as mlx-lm's `BatchGenerator`
+steps; rows join and leave, and keep prompt-cache entries, as they do with the head.
+
 Nothing of one row reaches another: rows share matrix products only, the mask hides every
 other row's padding and rejected entries, and each row's verdict reads its own logits.
 """
