@@ -152,3 +152,24 @@ def test_a_seeded_row_choosing_its_depth_samples_alike_whatever_joins(engine: En
         return entry.text
 
     assert decode(ids[1:]) == decode([])
+
+
+def test_without_a_drafter_a_next_turn_joins_from_a_single_streams_cache(
+    engine: Engine,
+) -> None:
+    """A `--no-mtp` conversation: a turn decoded alone leaves its state in the prompt cache;
+    the next turn, in a batch, prefills only what it adds and gets its text alone."""
+    plain = Engine(engine.m, mtp=False)
+    first = Request(plain.m.tokenizer.encode(PROMPTS[0]), max_tokens=12)
+    session = plain.session(first)
+    list(session)
+    assert session.stats.generated  # the cached state holds the answer, not only the prompt
+    turn = Request([*first.prompt, *session.stats.generated, *first.prompt[:3]], max_tokens=12)
+    batch = BatchSession(plain)
+    entry = batch.add(turn)
+    batch.add(Request(plain.m.tokenizer.encode(PROMPTS[1]), max_tokens=12))
+    while batch.entries:
+        batch.step()
+    assert entry.stats.cached_tokens == len(first.prompt) + len(session.stats.generated) - 1
+    fresh = Engine(engine.m, mtp=False, prompt_cache_size=0)
+    assert (entry.text, entry.finish_reason, entry.generated) == alone(fresh, turn)
