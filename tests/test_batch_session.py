@@ -73,7 +73,9 @@ def test_a_cancelled_request_leaves_and_the_others_finish(engine: Engine) -> Non
         assert entries[i].text == alone(engine, Request(ids[i], max_tokens=24))[0]
 
 
-def test_the_server_batches_only_with_the_head_drafting(engine: Engine, converted: Path) -> None:
+def test_the_server_batches_with_the_head_or_without_a_drafter(engine: Engine) -> None:
+    """Issue 43: `--no-mtp` batches too (plain batched steps); a drafter that does not batch
+    yet decodes one request at a time, and the worker says why in one line."""
     from mtpkit.serve.worker import Worker
     from mtpkit.speculative.proposers.choose import DrafterChoice
 
@@ -81,5 +83,93 @@ def test_the_server_batches_only_with_the_head_drafting(engine: Engine, converte
     assert Worker(engine, capacity=1, concurrency=1).batch is None  # the single stream
     plain = Engine(engine.m, mtp=False)
     lookup = Engine(engine.m, drafter=DrafterChoice(prompt_lookup=True))
-    assert Worker(plain, capacity=1, concurrency=4).batch is None
-    assert Worker(lookup, capacity=1, concurrency=4).batch is None
+    assert Worker(plain, capacity=1, concurrency=4).batch is not None
+    alone = Worker(lookup, capacity=1, concurrency=4)
+    assert alone.batch is None
+    assert alone.alone_because == (
+        "the prompt-lookup drafter does not decode in a batch yet: its requests decode one at "
+        "a time"
+    )
+
+
+def test_requests_without_a_drafter_join_and_leave_as_single_streams(engine: Engine) -> None:
+    """`--no-mtp`: the rows take plain batched steps; each request, joining late or leaving
+    at a stop string, gets what the same request gets alone."""
+    plain = Engine(engine.m, mtp=False, prompt_cache_size=0)
+    ids = [plain.m.tokenizer.encode(p) for p in PROMPTS]
+    full = alone(plain, Request(ids[1], max_tokens=24))[0]
+    stop = full[len(full) // 2 : len(full) // 2 + 3]
+    requests = [Request(ids[0], max_tokens=24), Request(ids[1], max_tokens=24, stop=(stop,)),
+                Request(ids[2], max_tokens=9), Request(ids[3], max_tokens=24)]  # fmt: skip
+    batch = BatchSession(plain)
+    entries = [batch.add(r) for r in requests[:2]]
+    for _ in range(4):
+        batch.step()
+    entries += [batch.add(r) for r in requests[2:]]
+    while batch.entries:
+        batch.step()
+    for request, entry in zip(requests, entries, strict=True):
+        assert (entry.text, entry.finish_reason, entry.generated) == alone(plain, request)
+        assert entry.stats.drafted == 0 and entry.stats.proposer == "none"
+    assert batch.decoder.plain_steps > 0 and entries[1].finish_reason == "stop"
+
+
+def test_a_request_without_a_depth_chooses_it_in_a_batch_as_alone(engine: Engine) -> None:
+    """Issue 43: `depth` unset means adaptive depth (1-3) at any concurrency, chosen from
+    the row's own verdicts; greedy, every row stays its single stream."""
+    ids = [engine.m.tokenizer.encode(p) for p in PROMPTS]
+    batch = BatchSession(engine, adaptive=False)  # every round drafts: the depths show
+    chosen = [batch.add(Request(i, max_tokens=40)) for i in ids[:2]]
+    fixed = batch.add(Request(ids[2], max_tokens=40, adaptive=False))
+    while batch.entries:
+        batch.step()
+    for entry in [*chosen, fixed]:
+        assert (entry.text, entry.finish_reason, entry.generated) == alone(engine, entry.request)
+    # The head's yield here does not pay for a round on the CPU's prior, alone as in a
+    # batch: the rows (not the batch, whose adaptive drafting is off) chose plain stretches.
+    depths = {len(d) for e in chosen for _, d in e.row.draft_log}
+    assert depths == {0, 1} and all(e.row.chooser is not None for e in chosen)
+    assert fixed.row.chooser is None and {len(d) for _, d in fixed.row.draft_log} == {1}
+
+
+def test_a_seeded_row_choosing_its_depth_samples_alike_whatever_joins(engine: Engine) -> None:
+    """A seeded sampled request without a depth draws the same text alone and with rows
+    joining it mid-decode (a join reads a round built ahead early: its depths must not
+    follow when that happens)."""
+    from mtpkit.speculative.accept import SamplingSettings
+
+    ids = [engine.m.tokenizer.encode(p) for p in PROMPTS]
+    sampled = Request(ids[0], max_tokens=40, sampling=SamplingSettings(temp=1.0), seed=7)
+
+    def decode(joining: list[list[int]]) -> str:
+        batch = BatchSession(engine, adaptive=False)
+        entry = batch.add(sampled)
+        for prompt in joining:
+            batch.step()
+            batch.add(Request(prompt, max_tokens=40))
+        while batch.entries:
+            batch.step()
+        return entry.text
+
+    assert decode(ids[1:]) == decode([])
+
+
+def test_without_a_drafter_a_next_turn_joins_from_a_single_streams_cache(
+    engine: Engine,
+) -> None:
+    """A `--no-mtp` conversation: a turn decoded alone leaves its state in the prompt cache;
+    the next turn, in a batch, prefills only what it adds and gets its text alone."""
+    plain = Engine(engine.m, mtp=False)
+    first = Request(plain.m.tokenizer.encode(PROMPTS[0]), max_tokens=12)
+    session = plain.session(first)
+    list(session)
+    assert session.stats.generated  # the cached state holds the answer, not only the prompt
+    turn = Request([*first.prompt, *session.stats.generated, *first.prompt[:3]], max_tokens=12)
+    batch = BatchSession(plain)
+    entry = batch.add(turn)
+    batch.add(Request(plain.m.tokenizer.encode(PROMPTS[1]), max_tokens=12))
+    while batch.entries:
+        batch.step()
+    assert entry.stats.cached_tokens == len(first.prompt) + len(session.stats.generated) - 1
+    fresh = Engine(engine.m, mtp=False, prompt_cache_size=0)
+    assert (entry.text, entry.finish_reason, entry.generated) == alone(fresh, turn)

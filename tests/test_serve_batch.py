@@ -61,7 +61,8 @@ def check_answer(r, ref, ids: list[int]) -> None:
     # Prefilled whole, or (a prompt asked before in this module) from its own cached state.
     assert r.usage.prompt_tokens_details.cached_tokens in (0, len(ids) - 1)
     mtp = r.model_extra["mtp"]
-    assert mtp["drafter"] == "mtp" and mtp["depth"] == 1
+    # Issue 43: depth unset is adaptive in a batch too (1-3, as test_serve's one stream).
+    assert mtp["drafter"] == "mtp" and 1 <= mtp["depth"] <= 3
     assert 0 <= mtp["accepted"] <= mtp["drafted"]
 
 
@@ -238,6 +239,28 @@ def test_fields_the_batch_cannot_honour_decode_alone_beside_it(client, refs) -> 
     assert [e["id"] for e in content] == [t for t, _ in stock]
     assert all(abs(e["logprob"] - lp) < 1e-2 for e, (_, lp) in zip(content, stock, strict=True))
     assert r.model_extra["mtp"]["drafted"] > 0
+
+
+def test_without_a_drafter_clients_decode_in_one_batch(
+    converted: Path, refs, tmp_path: Path
+) -> None:
+    """Issue 43: `--no-mtp --decode-concurrency 4` batches (plain batched steps), where it
+    used to decode one request at a time; each answer is stock mlx-lm's text alone."""
+    proc = ServerProcess(converted, tmp_path / "server.log", "--no-mtp",
+                         "--decode-concurrency", "4")  # fmt: skip
+    try:
+        client = openai.OpenAI(base_url=proc.url + "/v1", api_key="unused", timeout=TIMEOUT)
+        with ThreadPoolExecutor(len(LONG)) as pool:
+            answers = list(pool.map(lambda p: client.completions.create(
+                model="default_model", prompt=p, max_tokens=MAX_TOKENS), LONG))  # fmt: skip
+        for prompt, r in zip(LONG, answers, strict=True):
+            text, count = refs.stock_text(refs.text_ids(prompt), MAX_TOKENS)
+            assert r.choices[0].text == text and r.usage.completion_tokens == count
+            assert r.model_extra["mtp"]["drafter"] == "none"
+    finally:
+        proc.stop()
+    log = (tmp_path / "server.log").read_text()
+    assert "drafter: none, decode concurrency: 4" in log and "Traceback" not in log
 
 
 def test_sigterm_ends_every_row_and_the_server(server) -> None:

@@ -171,3 +171,33 @@ def test_a_seed_out_of_range_is_one_error_from_python(converted: Path) -> None:
     for seed in (-1, 2**64, 1.5):
         with pytest.raises(MtpkitError, match="the seed must be an integer"):
             generate(converted, PROMPT, max_tokens=4, seed=seed)  # type: ignore[arg-type]
+
+
+def test_chat_samples_with_min_tokens_to_keep_as_stock(converted: Path) -> None:
+    """Issue 43: `--min-tokens-to-keep` reaches chat's sampler. At min-p 1.0 only the top
+    token survives min-p's filter unless more are kept: with 40 kept, chat's seeded answer is
+    stock mlx-lm's with the same sampler and seed (and not the one keeping 1)."""
+    import mlx.core as mx
+    import mlx_lm
+    from mlx_lm.sample_utils import make_sampler
+    from typer.testing import CliRunner
+
+    from mtpkit.cli.app import app
+    from mtpkit.core.prompts import encode_messages
+
+    message = "Create a new event loop."
+    args = ["chat", "--model", str(converted), "--max-tokens", "12", "--no-mtp", "--temp", "1",
+            "--min-p", "1.0", "--min-tokens-to-keep", "40", "--seed", "3"]  # fmt: skip
+    result = CliRunner().invoke(app, args, input=f"{message}\nq\n")
+    assert result.exit_code == 0, result.output
+    answer = result.stdout.split(">> ")[1].split("\n[plain decoding")[0]
+    model, tokenizer = mlx_lm.load(str(converted))
+    ids = mx.array(encode_messages(tokenizer, [{"role": "user", "content": message}]))
+
+    def stock(keep: int) -> str:
+        mx.random.seed(3)
+        sampler = make_sampler(1.0, min_p=1.0, min_tokens_to_keep=keep)
+        pieces = mlx_lm.stream_generate(model, tokenizer, ids, max_tokens=12, sampler=sampler)
+        return "".join(r.text for r in pieces)
+
+    assert answer == stock(40) and answer != stock(1)

@@ -122,13 +122,9 @@ def serve(settings: ServeSettings) -> None:
             engine, capacity=settings.queue_size, load=load,
             concurrency=settings.decode_concurrency, adaptive=settings.adaptive,
         )  # fmt: skip
-        if worker.batch is not None and settings.max_kv_size is not None:
-            log.warning("--max-kv-size applies to one stream only: batched rows keep full caches")
-        if settings.decode_concurrency > 1 and worker.batch is None:
-            log.warning(
-                "--decode-concurrency %d needs the model's MTP head drafting: decoding one "
-                "request at a time", settings.decode_concurrency,
-            )  # fmt: skip
+        if worker.alone_because is not None:
+            log.warning("--decode-concurrency %d: %s", settings.decode_concurrency,
+                        worker.alone_because)  # fmt: skip
         config = uvicorn.Config(
             create_app(settings, worker), log_level=settings.log_level.lower(), lifespan="off",
             log_config=None,  # uvicorn's records reach the root's printable handler

@@ -5,9 +5,11 @@ queue the worker fills through the event loop (`call_soon_threadsafe`).
 
 A job cancelled while it waits is skipped; one cancelled while it decodes stops before the
 next step (`Session.cancel`). With `concurrency` above 1 (`--decode-concurrency`), up to that
-many jobs decode together in a `BatchSession`: a job joins between rounds when a row is free
-and leaves when it ends, the others going on; a job for another model (by path) decodes alone
-while the batch waits.
+many jobs decode together in a `BatchSession` (drafting with the model's head, or plain
+batched steps without a drafter): a job joins between rounds when a row is free and leaves
+when it ends, the others going on; a job for another model (by path) decodes alone while the
+batch waits. An engine whose drafter does not batch yet decodes one job at a time
+(`alone_because` says why).
 """
 
 from __future__ import annotations
@@ -119,12 +121,15 @@ class Worker:
         self.load = load  # loads another model by path; None: refused before queuing
         self.jobs: queue.Queue[Job | None] = queue.Queue(maxsize=capacity)
         self.current: Job | None = None
-        # Batched decoding: only with the model's own head drafting (the batch drafts with it).
         self.batch: BatchSession | None = None
-        if concurrency > 1 and batchable(engine):
-            from mtpkit.speculative.batch.session import BatchSession
+        self.alone_because: str | None = None  # why `concurrency` above 1 does not batch
+        if concurrency > 1:
+            from mtpkit.speculative.batch import BatchSession, BatchUnsupported
 
-            self.batch = BatchSession(engine, adaptive=adaptive)
+            try:
+                self.batch = BatchSession(engine, adaptive=adaptive)
+            except BatchUnsupported as e:
+                self.alone_because = str(e)
         self.concurrency = concurrency
         self.active: dict[BatchEntry, Job] = {}  # the batch's jobs
         self.outbox = Outbox()
@@ -323,11 +328,6 @@ class Worker:
             return
         self.finished += 1
         job.put(outcome(engine, session, generated))
-
-
-def batchable(engine: Engine) -> bool:
-    """Whether `engine` can decode a batch: it drafts with the model's own MTP head."""
-    return engine.drafts and engine.m.head is not None and engine.drafter_name == "mtp"
 
 
 def outcome(engine: Engine, session: Session | BatchEntry, generated: int) -> Outcome:

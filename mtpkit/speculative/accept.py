@@ -149,7 +149,39 @@ def greedy_verdict(logits: mx.array, drafts: mx.array) -> tuple[mx.array, mx.arr
     fewer device operations than counting them on the device."""
     logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
     targets = mx.argmax(logprobs, axis=-1).astype(mx.int32)
-    return mx.concatenate([targets, drafts]), targets
+    return packed_greedy(targets, drafts), targets
+
+
+def packed_greedy(targets: mx.array, drafts: mx.array) -> mx.array:
+    """A greedy verdict's packing: the K+1 argmaxes [K+1], then the K drafts."""
+    return mx.concatenate([targets, drafts])
+
+
+def packed_plain(token: mx.array) -> mx.array:
+    """A sampled verdict over no drafts: none kept, then `token` (a 0-d draw)."""
+    return mx.concatenate([mx.zeros((1,), mx.int32), token.astype(mx.int32)[None]])
+
+
+def accepted_counts(packs: list[mx.array], depths: list[int], greedy: list[bool]) -> mx.array:
+    """Each packed verdict's accepted drafts [B] int32, on the device, as `verdict_of` reads
+    them on the host (greedy: the targets, then the drafts, matched up to the first miss;
+    sampled: the count first); `depths[r]`: the drafts pack r verified. Greedy packs of
+    one depth: one comparison."""
+    if all(greedy) and len(set(depths)) == 1:
+        d = depths[0]
+        if d == 0:
+            return mx.zeros((len(packs),), dtype=mx.int32)
+        packed = mx.stack(packs)
+        return leading_run(packed[:, d + 1 :] == packed[:, :d])
+    counts = []
+    for pack, d, g in zip(packs, depths, greedy, strict=True):
+        if not g:
+            counts.append(pack[0])
+        elif d == 0:
+            counts.append(mx.zeros((), dtype=mx.int32))
+        else:
+            counts.append(leading_run(pack[d + 1 :] == pack[:d]))
+    return mx.stack(counts)
 
 
 def sampled_verdict(

@@ -13,6 +13,7 @@ from mtpkit.cli.options import (
     MaxKvSizeOpt,
     MaxTokensOpt,
     MinPOpt,
+    MinTokensToKeepOpt,
     MtpOpt,
     PipelineOpt,
     PrefillStepSizeOpt,
@@ -42,6 +43,7 @@ def chat_command(
     top_p: TopPOpt = 1.0,
     min_p: MinPOpt = 0.0,
     top_k: TopKOpt = 0,
+    min_tokens_to_keep: MinTokensToKeepOpt = 1,
     seed: SampleSeedOpt = None,
     system_prompt: SystemPromptOpt = None,
     max_kv_size: MaxKvSizeOpt = None,
@@ -81,7 +83,8 @@ def chat_command(
         mtp="auto" if mtp is None else mtp, max_kv_size=max_kv_size, adapter_path=adapter_path,
     )  # fmt: skip
     sampling = SamplingSettings.checked(
-        temp=temp, top_p=top_p, top_k=top_k, min_p=min_p, vocab_size=engine.m.vocab_size
+        temp=temp, top_p=top_p, top_k=top_k, min_p=min_p, min_tokens_to_keep=min_tokens_to_keep,
+        vocab_size=engine.m.vocab_size,
     )
     conversation = Conversation(
         engine, system_prompt, max_tokens, sampling, seed, depth, prefill_step_size

@@ -84,5 +84,5 @@ def print_batch(result: Any) -> None:
         acc = f"{accepted / drafted:.1%}" if drafted else "n/a"
         line = f"MTP: batch of {width}, acceptance {acc} ({accepted}/{drafted})"
     else:
-        line = f"MTP: off (plain decoding, mlx-lm's batch_generate, batch of {width})"
+        line = f"MTP: off (plain batched decoding, batch of {width})"
     print(line, flush=True)

@@ -26,6 +26,10 @@ batch's caches (`extract`) into an entry of its prompt, its output and the EOS t
 (a round that ends a row keeps its caches up to there, `_taken`): a conversation's next
 turn, alone or in a batch, prefills only what it adds.
 
+Without a drafter (`drafts=False`: `--no-mtp`, a model without a head) every step is a plain
+batched step, the next queued before a step's tokens are read, as mlx-lm's `BatchGenerator`
+steps; rows join and leave, and keep prompt-cache entries, as they do with the head.
+
 Nothing of one row reaches another: rows share matrix products only, the mask hides every
 other row's padding and rejected entries, and each row's verdict reads its own logits.
 """
@@ -41,6 +45,7 @@ import mlx.core as mx
 from mtpkit.core.choices import MAX_DEPTH
 from mtpkit.runtime.model import GenerateError, MtpModel, NoMtpHead
 from mtpkit.speculative.accept import SamplingSettings, Verdict
+from mtpkit.speculative.adaptive import AUTO_MAX_DEPTH, AdaptiveDrafting
 from mtpkit.speculative.batch.adaptive import WidthDrafting
 from mtpkit.speculative.batch.draws import draw_rows, sample_first
 from mtpkit.speculative.batch.head import BatchHead, row_head, row_proposer
@@ -66,7 +71,9 @@ class BatchDecoder:
     (see the module's text). `draft_filter` replaces each row's drafts (tests, bench's
     oracle), `plan` holds each row's verdict to a count (bench's oracle); `policy` decides
     per width whether a step drafts (`adaptive`: `WidthDrafting`; default: every step
-    drafts); `ahead` False reads every round before the next is built."""
+    drafts); `ahead` False reads every round before the next is built. `drafts` False: no
+    drafter (`--no-mtp`, a model without a head), every step a plain batched step queued one
+    ahead, as mlx-lm's `BatchGenerator` steps."""
 
     def __init__(
         self,
@@ -79,11 +86,14 @@ class BatchDecoder:
         policy: WidthDrafting | None = None,
         prompt_cache: PromptCache | None = None,
         ahead: bool = True,
+        drafts: bool = True,
     ) -> None:
-        if m.head is None:
+        if drafts and m.head is None:
             raise NoMtpHead(f"{m.path} has no MTP head")
         if not 0 <= depth <= MAX_DEPTH:
             raise GenerateError(f"depth must be in [0, {MAX_DEPTH}], not {depth}")
+        self.drafts = drafts
+        depth = depth if drafts else 0
         self.m, self.depth, self.draft_filter, self.plan = m, depth, draft_filter, plan
         self.ahead = ahead
         self.prompt_cache = prompt_cache
@@ -92,6 +102,7 @@ class BatchDecoder:
         self.cache: list[Any] | None = None
         self.head: BatchHead | None = None
         self._uids = itertools.count()
+        adaptive = adaptive and drafts
         self.policy = policy if policy is not None else WidthDrafting() if adaptive else None
         self.plain_steps = 0
         self.rounds_ahead = 0  # rounds built before the round before them was read
@@ -114,12 +125,15 @@ class BatchDecoder:
         seed: int | None = None,
         depth: int | None = None,
         cached: CachedState | None = None,
+        choose_depth: bool = False,
     ) -> Row:
         """Prefill `prompt` alone (from `cached`, an entry of the prompt cache whose tokens
         it extends, when given), confirm its first token, and merge it into the batch
         (unless that token already ends it). Returns the row; its `tokens` grow as it
         decodes. `seed`: the row samples from its own PRNG key (else MLX's global state);
-        `depth`: its drafts a round (default: the decoder's)."""
+        `depth`: its drafts a round (default: the decoder's); `choose_depth`: chosen per
+        round from the row's own verdicts, up to `depth` or `AUTO_MAX_DEPTH` (one stream's
+        adaptive depth, `Row.choose_next`)."""
         from mtpkit.speculative.session import check_prompt
 
         check_prompt(self.m, prompt)
@@ -134,7 +148,11 @@ class BatchDecoder:
         if max_tokens < 1:
             raise GenerateError(f"max_tokens must be at least 1, not {max_tokens}")
         key = mx.random.key(seed) if seed is not None else None
-        row = Row(next(self._uids), list(prompt), max_tokens, sampling, depth, key)
+        chooser = None
+        if choose_depth and depth > 0:
+            chooser = AdaptiveDrafting(True, min(depth, AUTO_MAX_DEPTH), choose_depth=True)
+            depth = chooser.depth
+        row = Row(next(self._uids), list(prompt), max_tokens, sampling, depth, key, chooser)
         with mx.stream(_generation_stream()):
             cache, head = self._prefill(row, cached)
             logits, hidden = self.m.forward(mx.array(prompt[-1:])[None], cache)
@@ -142,52 +160,71 @@ class BatchDecoder:
             row.decoded.append(first)
             if not self._confirm(row, [first]):
                 return row
-            head.observe(hidden, [first])
-            head_cache, ready = row_head(self.m, head)
+            batched = None
+            if head is not None:
+                head.observe(hidden, [first])
+                head_cache, ready = row_head(self.m, head)
+                batched = BatchHead(self.m, batch_caches([head_cache]), ready)
             mx.eval([c.state for c in cache])
-        self._join(row, batch_caches([cache]), BatchHead(self.m, batch_caches([head_cache]), ready))
+        self._join(row, batch_caches([cache]), batched)
         return row
 
-    def _prefill(self, row: Row, cached: CachedState | None) -> tuple[list[Any], HeadProposer]:
+    @property
+    def proposer_name(self) -> str:
+        """The prompt cache's name of what drafts (one stream's `Engine.drafter_name`)."""
+        return "mtp" if self.drafts else "none"
+
+    def _prefill(
+        self, row: Row, cached: CachedState | None
+    ) -> tuple[list[Any], HeadProposer | None]:
         """The target's caches over all of `row`'s prompt but its last token, and the head's
         state over its pairs (from `cached` on, when given), as one stream's prefill leaves
-        them; kept in the prompt cache."""
+        them; kept in the prompt cache. Without drafts there is no head state (None)."""
         prompt = row.prompt
         if cached is not None and self._continues(cached, prompt):
             cache, head = cached.fork()
             start = row.stats.cached_tokens = len(cached.tokens) - 1
         else:
-            cache, head, start = self.m.make_cache(), HeadProposer(self.m), 0
-        head.begin(prompt, start)
+            head = HeadProposer(self.m) if self.drafts else None
+            cache, start = self.m.make_cache(), 0
+        if head is not None:
+            head.begin(prompt, start)
         for i in range(start, len(prompt) - 1, PREFILL_STEP):
             j = min(i + PREFILL_STEP, len(prompt) - 1)
             _, hidden = self.m.forward(mx.array(prompt[i:j])[None], cache)
             mx.eval(hidden, [c.state for c in cache])
-            head.observe(hidden, prompt[i + 1 : j + 1])
-        head.end_prefill()
+            if head is not None:
+                head.observe(hidden, prompt[i + 1 : j + 1])
+        if head is not None:
+            head.end_prefill()
         if self.prompt_cache is not None and start < len(prompt) - 1:
-            self.prompt_cache.store(prompt, cache, head, head.name)
+            self.prompt_cache.store(prompt, cache, head, self.proposer_name)
         return cache, head
 
     def _continues(self, cached: CachedState, prompt: list[int]) -> bool:
         """Whether a row of `prompt` can join from `cached`: its tokens start the prompt,
-        its head state is a `HeadProposer`'s and its caches are of the kinds a row's are (an
+        its head state is a `HeadProposer`'s (none without drafts) and its caches are of the kinds a row's are (an
         entry of a session with `max_kv_size` holds rotating caches)."""
         n = len(cached.tokens)
         kinds = [type(c) for c in self.m.make_cache()]
         return (
             n <= len(prompt) and tuple(prompt[:n]) == cached.tokens
-            and isinstance(cached.proposer, HeadProposer)
+            and (
+                isinstance(cached.proposer, HeadProposer)
+                if self.drafts
+                else cached.proposer is None
+            )
             and [type(c) for c in cached.cache] == kinds
         )  # fmt: skip
 
-    def _join(self, row: Row, cache: list[Any], head: BatchHead) -> None:
+    def _join(self, row: Row, cache: list[Any], head: BatchHead | None) -> None:
         if self.cache is None:
             self.cache, self.head = cache, head
         else:
             for layer, more in zip(self.cache, cache, strict=True):
                 layer.extend(more)
-            self.head.extend(head)
+            if self.head is not None:
+                self.head.extend(head)
         self.rows.append(row)
 
     # -- leaving --------------------------------------------------------------------------
@@ -215,7 +252,8 @@ class BatchDecoder:
         index = mx.array(keep, dtype=mx.int32)
         for layer in self.cache:
             layer.filter(index)
-        self.head.filter(keep)
+        if self.head is not None:
+            self.head.filter(keep)
         if self._inflight is not None:
             self._inflight.take(index)
         if self._ahead is not None:
@@ -234,17 +272,17 @@ class BatchDecoder:
             self.prompt_cache.store(tokens, cache, head, head.name)
             return
         cache = [layer.extract(r) for layer in self.cache]
-        head = row_proposer(self.head, r, tokens)
+        head = row_proposer(self.head, r, tokens) if self.head is not None else None
         if self._ahead is not None:
             ahead_tokens, ahead_hidden = self._ahead
             token = int(ahead_tokens[r].item())
             tokens = [*tokens, token]
-            head.pending_hidden.append(ahead_hidden[r : r + 1])
-            head.pending_tokens.append(token)
-            head.ready = None
+            if head is not None:  # the queued step's pair, not run by the head yet
+                head.observe(ahead_hidden[r : r + 1], [token])
         # Computed now: a lazy slice would hold the whole batch's buffers alive.
-        mx.async_eval([c.state for c in cache], [c.state for c in head.cache])
-        self.prompt_cache.store(tokens, cache, head, head.name)
+        head_states = [c.state for c in head.cache] if head is not None else []
+        mx.async_eval([c.state for c in cache], head_states)
+        self.prompt_cache.store(tokens, cache, head, self.proposer_name)
 
     # -- a step: a drafting round or a plain batched step -------------------------------
     def step(self, draft: bool = False) -> dict[int, list[int]]:
@@ -256,7 +294,7 @@ class BatchDecoder:
         if not self.rows:
             return stash
         width = len(self.rows)
-        if self._ahead is not None:  # a queued plain step is taken whatever else is asked
+        if self._ahead is not None or not self.drafts:  # a queued plain step is taken first
             drafting = False
         elif self._inflight is not None:  # and so is a round built ahead
             drafting = True
@@ -286,7 +324,8 @@ class BatchDecoder:
             else:
                 last = mx.array([[row.last] for row in rows], dtype=mx.int32)
                 tokens, hidden = self._plain_forward(last)
-            self.head.observe(hidden, tokens[:, None])
+            if self.head is not None:
+                self.head.observe(hidden, tokens[:, None])
             if queue and self._next_is_plain():
                 self._ahead = self._plain_forward(tokens[:, None])
                 mx.async_eval(self._ahead[0])
@@ -295,6 +334,7 @@ class BatchDecoder:
         new = {}
         for row, token in zip(rows, values, strict=True):
             before = len(row.tokens)
+            row.choose_next(0, 0)
             row.decoded.append(token)
             self._confirm(row, [token])
             new[row.uid] = row.tokens[before:]
@@ -312,11 +352,11 @@ class BatchDecoder:
         (nothing would read the next) or, with a prompt cache, any row does (its caches
         would hold a token past its end, which a next turn's prompt does not extend)."""
         ending = [len(r.tokens) + 1 >= r.max_tokens for r in self.rows]
-        if self.policy is None or all(ending):
+        if (self.drafts and self.policy is None) or all(ending):
             return False
         if self.prompt_cache is not None and any(ending):
             return False
-        return self._next_is(drafting=False)
+        return not self.drafts or self._next_is(drafting=False)
 
     def _next_is(self, *, drafting: bool) -> bool:
         """Whether the next step drafts (`drafting` True) or is plain (False), as the policy
@@ -337,10 +377,20 @@ class BatchDecoder:
                 last = mx.array([[row.last] for row in rows], dtype=mx.int32)
                 positions = mx.array([row.position for row in rows], dtype=mx.int32)
                 built = build_round(self, last, positions, ahead=self.ahead)
-            if built.last is not None and can_build_ahead(built) and self._next_is(drafting=True):
+            ahead = built.last is not None and can_build_ahead(built) and not self._read_first()
+            if ahead and self._next_is(drafting=True):
                 self._inflight = build_round(self, built.last, built.positions, ahead=True)
                 self.rounds_ahead += 1
             return self._read(built)
+
+    def _read_first(self) -> bool:
+        """Whether each round is read before the next is built: while a seeded sampled row
+        chooses its depth. Its depth (and with it how its key splits) then follows its
+        verdicts one round later, whatever joins (a join reads a round built ahead early)."""
+        return any(
+            r.chooser is not None and r.key is not None and not r.sampling.greedy
+            for r in self.rows
+        )
 
     def _drain(self) -> dict[int, list[int]]:
         """Read the round built ahead (a row joins: it was built for the rows before)."""
@@ -376,6 +426,7 @@ class BatchDecoder:
         else:  # the row's drafting is off: a plain step inside the round
             stats.draft_log.append((row.position, []))
             stats.rounds += 1
+        row.choose_next(len(v.drafts), v.accepted)
         before = len(row.tokens)
         row.decoded.extend(v.confirmed[:taken])
         self._confirm(row, v.confirmed)

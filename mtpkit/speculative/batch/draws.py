@@ -7,7 +7,12 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from mtpkit.speculative.accept import SamplingSettings, leading_run, sampled_verdict
+from mtpkit.speculative.accept import (
+    SamplingSettings,
+    packed_greedy,
+    packed_plain,
+    sampled_verdict,
+)
 from mtpkit.speculative.batch.row import Row
 
 
@@ -28,8 +33,8 @@ def row_verdicts(
     rows: list[Row],
     keys: list[mx.array | None],
 ) -> tuple[list[mx.array], mx.array]:
-    """Each row's packed verdict over its own first `row.depth` drafts (lazy; `verdict_of`
-    reads it) and the confirmed token after each verify input [B, K+1] (valid up to the
+    """Each row's packed verdict over its own first `row.depth` drafts (lazy; packed and read
+    by `accept`'s functions only) and the confirmed token after each verify input [B, K+1] (valid up to the
     count kept). Greedy rows share one argmax over the batch."""
     packs: list[mx.array] = []
     followers: list[mx.array] = []
@@ -40,12 +45,12 @@ def row_verdicts(
         if s.greedy:
             if targets is None:
                 targets = greedy_targets(logits)
-            packs.append(mx.concatenate([targets[r, : d + 1], drafts[r, :d]]))
+            packs.append(packed_greedy(targets[r, : d + 1], drafts[r, :d]))
             followers.append(targets[r])
             continue
         if d == 0:  # drafting off: the token drawn as a plain step draws it
             token = mx.random.categorical(mx.log(s.probs(logits[r, 0])), key=keys[r])
-            packed = mx.concatenate([mx.zeros((1,), mx.int32), token.astype(mx.int32)[None]])
+            packed = packed_plain(token)
             follow = packed[1:]
         else:
             packed, follow = sampled_verdict(
@@ -54,29 +59,6 @@ def row_verdicts(
         packs.append(packed)
         followers.append(mx.concatenate([follow, mx.repeat(follow[-1:], width - d - 1)]))
     return packs, mx.stack(followers)
-
-
-def accepted_on_device(packs: list[mx.array], rows: list[Row]) -> mx.array:
-    """Each row's accepted drafts [B] int32, on the device, from its packed verdict as
-    `accept.verdict_of` reads it on the host (greedy: the targets, then the drafts, matched up
-    to the first miss; sampled: the count first). Rows greedy at one depth: one comparison."""
-    depths = {row.depth for row in rows}
-    if all(row.sampling.greedy for row in rows) and len(depths) == 1:
-        d = depths.pop()
-        if d == 0:
-            return mx.zeros((len(rows),), dtype=mx.int32)
-        packed = mx.stack(packs)
-        return leading_run(packed[:, d + 1 :] == packed[:, :d])
-    counts = []
-    for pack, row in zip(packs, rows, strict=True):
-        d = row.depth
-        if not row.sampling.greedy:
-            counts.append(pack[0])
-        elif d == 0:
-            counts.append(mx.zeros((), dtype=mx.int32))
-        else:
-            counts.append(leading_run(pack[d + 1 :] == pack[:d]))
-    return mx.stack(counts)
 
 
 def greedy_targets(logits: mx.array) -> mx.array:

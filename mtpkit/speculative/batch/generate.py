@@ -1,10 +1,10 @@
 """`mtpkit generate -p A -p B ...`: several prompts decoded together in one batch.
 
-With the MTP head, the prompts are requests of one `BatchSession` (each row drafting,
-accepting and rolling back on its own, `speculative/batch/decode.py`); without it
-(`--no-mtp`, or `--mtp auto` on a model with no head) they go to stock mlx-lm's own
-`batch_generate`, unchanged. Each request's text and counts are its own
-(`GenerationResult`, as one stream reports them); the batch adds the aggregate rates.
+The prompts are requests of one `BatchSession`: with the MTP head each row drafts, accepts
+and rolls back on its own (`speculative/batch/decode.py`); without it (`--no-mtp`, or
+`--mtp auto` on a model with no head) the rows take plain batched steps, as mlx-lm's
+`batch_generate` does. Each request's text and counts are its own (`GenerationResult`, as
+one stream reports them); the batch adds the aggregate rates.
 """
 
 from __future__ import annotations
@@ -25,7 +25,6 @@ from mtpkit.speculative.batch.session import BatchEntry, BatchSession
 from mtpkit.speculative.generate import (
     GenerationResult,
     add_eos_tokens,
-    detokenize,
     generation_result,
     load_target,
     prompt_tokens,
@@ -78,7 +77,7 @@ def generate_batch(
     **template: Any,
 ) -> BatchGenerationResult:
     """Decode `prompts` together. `mtp` True drafts with the head (required), "auto" drafts
-    when there is one, False decodes with stock `batch_generate`. Request i samples with
+    when there is one, False decodes plainly (batched steps, no drafts). Request i samples with
     seed `seed + i` (its own key, so its text is the same in any batch); `depth`: the drafts
     each row verifies a round (None: 1); `adaptive`
     decides per batch width whether a round drafts. `template`: `generate`'s chat-template
@@ -105,18 +104,17 @@ def generate_batch(
             raise type(e)(f"prompt {i} of {len(encoded)}: {e}") from None
     sampling = sampling.fitted(m.vocab_size)
     mx.reset_peak_memory()
-    if not drafts:
-        return _stock_batch(m, encoded, max_tokens, sampling, seed)
-    return _mtp_batch(m, encoded, max_tokens, sampling, seed, depth, adaptive)
+    return _batch(m, encoded, max_tokens, sampling, seed, depth, adaptive, drafts)
 
 
-def _mtp_batch(
+def _batch(
     m: MtpModel, prompts: list[list[int]], max_tokens: int, sampling: SamplingSettings,
-    seed: int | None, depth: int | None, adaptive: bool,
+    seed: int | None, depth: int | None, adaptive: bool, drafts: bool,
 ) -> BatchGenerationResult:  # fmt: skip
-    """Every prompt joins one `BatchSession` before the first round; rounds run until the
-    last request ends."""
-    session = BatchSession(Engine(m, mtp=True, prompt_cache_size=0), adaptive=adaptive)
+    """Every prompt joins one `BatchSession` before the first round; rounds (or plain
+    batched steps, without `drafts`) run until the last request ends."""
+    engine = Engine(m, mtp=drafts, prompt_cache_size=0)
+    session = BatchSession(engine, adaptive=adaptive)
     start = time.perf_counter()
     entries = [
         session.add(
@@ -138,19 +136,21 @@ def _mtp_batch(
             if entry.done:
                 ended[id(entry)] = time.perf_counter()
     end = time.perf_counter()
-    results = [_entry_result(m, e, ended[id(e)] - decode_start, max_tokens) for e in entries]
+    results = [
+        _entry_result(m, e, ended[id(e)] - decode_start, max_tokens, drafts) for e in entries
+    ]
     after_first = sum(max(len(r.tokens) - 1, 0) for r in results)
     return BatchGenerationResult(
         results,
         prompt_tps=sum(map(len, prompts)) / max(decode_start - start, 1e-9),
         decode_tps=after_first / (end - decode_start) if after_first else None,
         peak_memory_gb=mx.get_peak_memory() / 1e9,
-        mtp=True,
+        mtp=drafts,
     )
 
 
 def _entry_result(
-    m: MtpModel, entry: BatchEntry, decode_time: float, max_tokens: int
+    m: MtpModel, entry: BatchEntry, decode_time: float, max_tokens: int, drafts: bool
 ) -> GenerationResult:
     """One request's result as one stream reports it (`generation_result`): its own text, tokens and
     drafting counts, its decode rate over the time it decoded in the batch; its prompt rate
@@ -158,59 +158,7 @@ def _entry_result(
     stats = entry.stats
     stats.decode_tokens, stats.decode_time = max(len(stats.generated) - 1, 0), decode_time
     finish = STOP if entry.finish_reason == STOP else "length"
-    return generation_result(m, entry.text, stats, True, max_tokens, finish)
-
-
-def _stock_batch(
-    m: MtpModel, prompts: list[list[int]], max_tokens: int, sampling: SamplingSettings,
-    seed: int | None,
-) -> BatchGenerationResult:  # fmt: skip
-    """Stock mlx-lm's `batch_generate` over the prompts, its own figures; each text is
-    detokenized as one stream's is (mlx-lm's streaming detokenizer)."""
-    import mlx_lm
-    from mlx_lm.sample_utils import make_sampler
-
-    if seed is not None:
-        mx.random.seed(seed)
-    sampler = make_sampler(
-        sampling.temp, top_p=sampling.top_p, min_p=sampling.min_p,
-        min_tokens_to_keep=sampling.min_tokens_to_keep, top_k=sampling.top_k,
-    )  # fmt: skip
-    response = mlx_lm.batch_generate(
-        m.model, m.tokenizer, prompts, max_tokens=max_tokens, sampler=sampler,
-        return_token_ids=True,
-    )  # fmt: skip
-    stats = response.stats
-    results = []
-    for prompt, tokens in zip(prompts, response.token_ids, strict=True):
-        text = detokenize(m.tokenizer, iter(tokens), None)  # as one stream's text reads
-        finish = STOP if len(tokens) < max_tokens else "length"
-        results.append(
-            GenerationResult(
-                text=text,
-                tokens=list(tokens),
-                prompt_tokens=len(prompt),
-                drafted=0,
-                accepted=0,
-                acceptance_by_depth=[],
-                decode_tps=None,
-                prompt_tps=0.0,
-                peak_memory_gb=stats.peak_memory,
-                mtp=False,
-                depth=0,
-                moe_dtype=m.moe_dtype,
-                drafter="none",
-                finish_reason=finish,
-                generation_tokens=len(tokens) + (finish == STOP),
-            )  # fmt: skip
-        )
-    return BatchGenerationResult(
-        results,
-        prompt_tps=float(stats.prompt_tps),
-        decode_tps=float(stats.generation_tps) or None,
-        peak_memory_gb=float(stats.peak_memory),
-        mtp=False,
-    )
+    return generation_result(m, entry.text, stats, drafts, max_tokens, finish)
 
 
 __all__ = ["BatchGenerationResult", "generate_batch"]

@@ -55,14 +55,12 @@ def row_proposer(head: BatchHead, r: int, tokens: list[int]) -> HeadProposer:
     """Row r's head state as one stream's proposer holds it (its cache, and its pending
     pairs or its output at the last pair), for a prompt cache's entry; `tokens`: the row's
     confirmed tokens, the last ones of which are the pending pairs' followers."""
-    proposer = HeadProposer(head.m)
-    proposer.cache = [c.extract(r) for c in head.cache]
+    cache = [c.extract(r) for c in head.cache]
     if head.pending:
-        proposer.pending_hidden = [h[r : r + 1] for h, _ in head.pending]
-        proposer.pending_tokens = tokens[len(tokens) - len(head.pending) :]
-    else:
-        proposer.ready = head.ready[r : r + 1]
-    return proposer
+        hidden = [h[r : r + 1] for h, _ in head.pending]
+        pending = (hidden, tokens[len(tokens) - len(head.pending) :])
+        return HeadProposer.holding(head.m, cache, pending=pending)
+    return HeadProposer.holding(head.m, cache, ready=head.ready[r : r + 1])
 
 
 class BatchHead:

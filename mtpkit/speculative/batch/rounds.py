@@ -5,7 +5,7 @@ device.
 A round read at once (`build_round(..., ahead=False)`, then the decoder reads its verdicts and
 rolls each row back by the counts it read) leaves the device idle while the host builds the
 next. A round built ahead (`ahead=True`) needs no host read to be rolled back: each row's
-accepted count is computed on the device from its packed verdict (`accepted_on_device`, or the
+accepted count is computed on the device from its packed verdict (`accept.accepted_counts`, or the
 count a `plan` holds it to), every cache rolls each row back by it (`BatchVerifyPass.
 rollback_on_device`, `BatchHead.settle_on_device`), and the next round's input token and
 positions are gathered on the device too. So the decoder builds and launches round n+1 on
@@ -31,8 +31,8 @@ import mlx.core as mx
 
 from mtpkit.runtime.model import MtpModel
 from mtpkit.runtime.rollback.gdn import is_recurrent_cache, state_after
-from mtpkit.speculative.accept import SamplingSettings, Verdict, verdict_of
-from mtpkit.speculative.batch.draws import accepted_on_device, round_keys, row_verdicts
+from mtpkit.speculative.accept import SamplingSettings, Verdict, accepted_counts, verdict_of
+from mtpkit.speculative.batch.draws import round_keys, row_verdicts
 from mtpkit.speculative.batch.head import BatchHead
 from mtpkit.speculative.batch.rollback import BatchVerifyPass, verify_rows
 from mtpkit.speculative.batch.row import Row
@@ -119,7 +119,8 @@ def build_round(batch: Batch, last: mx.array, positions: mx.array, *, ahead: boo
     if planned is not None:
         accepted = mx.array(planned, dtype=mx.int32)
     else:
-        accepted = accepted_on_device(packs, rows)
+        depths, greedy = [r.depth for r in rows], [r.sampling.greedy for r in rows]
+        accepted = accepted_counts(packs, depths, greedy)
     kept = accepted + 1
     verified.rollback_on_device(batch.cache, kept)
     head.settle_on_device(out, kept)
@@ -173,12 +174,11 @@ def ended_row_entry(
         elif extra:
             single.trim(extra)
         cache.append(single)
-    head = HeadProposer(batch.m)
-    head.cache = [c.extract(r) for c in batch.head.cache]
+    head_cache = [c.extract(r) for c in batch.head.cache]
     if extra:
-        head.cache[batch.head.head.layer_for_step(0)].trim(extra)
-    head.ready = built.out[i : i + 1, taken - 1 : taken]
-    return cache, head
+        head_cache[batch.head.head.layer_for_step(0)].trim(extra)
+    ready = built.out[i : i + 1, taken - 1 : taken]
+    return cache, HeadProposer.holding(batch.m, head_cache, ready=ready)
 
 
 def _states(caches: list[Any]) -> list[Any]:

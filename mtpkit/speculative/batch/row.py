@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 
 from mtpkit.speculative.accept import SamplingSettings
+from mtpkit.speculative.adaptive import AdaptiveDrafting
 from mtpkit.speculative.stats import Stats
 
 GREEDY = SamplingSettings()
@@ -25,6 +26,9 @@ class Row:
     depth: int = 1  # drafts it verifies a round (0: drafting off, a plain step each round)
     # The row's own PRNG key (from its seed): its draws, alone or in any batch, are the same.
     key: mx.array | None = None
+    # A request without a depth: its depth chosen from its own verdicts, as one stream's
+    # adaptive drafting chooses it (`choose_depth`, by counts only: no clock, no batchmate).
+    chooser: AdaptiveDrafting | None = None
     tokens: list[int] = field(default_factory=list)  # confirmed output, EOS excluded
     # Its output and the EOS that ended it (a queued plain step's token past an EOS too):
     # its caches hold the prompt and these but the last (what a prompt cache's entry keeps).
@@ -59,6 +63,18 @@ class Row:
     @property
     def done(self) -> bool:
         return self.finish is not None
+
+    def choose_next(self, drafts: int, accepted: int) -> None:
+        """After a step in which the row verified `drafts` drafts (0: a plain step) and kept
+        `accepted`, its depth for the next rounds as its chooser decides (0: a plain stretch)."""
+        chooser = self.chooser
+        if chooser is None:
+            return
+        if drafts:
+            chooser.record_round(1 + accepted, depth=drafts)
+        else:
+            chooser.record_plain(0.0)
+        self.depth = chooser.next_depth() if chooser.want_draft() else 0
 
     def next_keys(self, n: int) -> list[mx.array | None]:
         """Keys for the row's next `n` draws (None each without a seed)."""

@@ -8,10 +8,16 @@ Each request's text, usage and drafting counts are its own (`BatchEntry`). The e
 prompt cache is shared with one stream's sessions: a request joins from the longest cached
 sequence its prompt extends, and a finished one leaves its state there (`BatchDecoder`).
 What one stream has and a batch does not: `max_kv_size` (each row's KV cache grows with its
-prompt and output). A request's `depth`
-(None: 1) is the drafts its row verifies a round; `adaptive` decides per batch width whether
+prompt and output). A request's `depth` is the drafts its row verifies a round (None, with
+`adaptive`: chosen per round from the row's own verdicts, 1-3, as one stream chooses it;
+None without `adaptive`: 1); `adaptive` also decides per batch width whether
 a round drafts at all (`WidthDrafting`), except while a sampled request with a seed is in
 the batch: then every round drafts, so that its text is the same alone or in any batch.
+
+An engine that does not draft (`--no-mtp`, a model without a head) decodes its batch with
+plain batched steps. The drafters that do not batch yet (a draft model, prompt lookup,
+Gemma 4's assistant) and an engine with `max_kv_size` are refused by `BatchSession`
+(`BatchUnsupported`, one line): their requests decode one at a time.
 """
 
 from __future__ import annotations
@@ -21,7 +27,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from mtpkit.core.choices import MAX_DEPTH
+from mtpkit.speculative.adaptive import resolve_depth
 from mtpkit.speculative.batch.decode import BatchDecoder
+from mtpkit.speculative.batch.rollback import BatchUnsupported
 from mtpkit.speculative.batch.row import CANCELLED, LENGTH, STOP, Row
 from mtpkit.speculative.session import Engine, Request, TokenEvent, check_prompt
 from mtpkit.speculative.stats import Stats
@@ -35,6 +43,7 @@ class BatchEntry:
 
     request: Request
     text_stream: TextStream
+    proposer: str = "mtp"  # what drafts its row ("none": plain batched steps)
     row: Row | None = None
     tag: Any = None
     generated: int = 0  # tokens handed to the text stream (an EOS excluded)
@@ -55,26 +64,41 @@ class BatchEntry:
         row = self.row
         prompt = len(self.request.prompt)
         if row is None:
-            return Stats(prompt_tokens=prompt, proposer="mtp")
+            return Stats(prompt_tokens=prompt, proposer=self.proposer)
         stats = copy.deepcopy(row.stats)
-        stats.prompt_tokens, stats.proposer, stats.depth = prompt, "mtp", row.depth
+        stats.prompt_tokens, stats.proposer, stats.depth = prompt, self.proposer, row.depth
+        if row.chooser is not None:  # as one stream reports a chosen depth: the deepest
+            stats.depth, stats.depth_chosen = row.chooser.max_depth, True
         stats.generated = list(row.tokens)
         return stats
 
 
 class BatchSession:
-    """Requests on one engine decoding in one batch (see the module's text). The engine must
-    draft with its MTP head. Usage: `add` requests, then `step` while `entries` is not
-    empty; each call returns the entries that have new events (`take_events`)."""
+    """Requests on one engine decoding in one batch (see the module's text). The engine
+    drafts with its MTP head or not at all. Usage: `add` requests, then `step` while
+    `entries` is not empty; each call returns the entries that have new events
+    (`take_events`)."""
 
     def __init__(self, engine: Engine, *, adaptive: bool = True) -> None:
+        name = engine.drafter_name
+        if name not in ("mtp", "none"):
+            raise BatchUnsupported(
+                f"the {name} drafter does not decode in a batch yet: its requests decode "
+                "one at a time"
+            )
+        if engine.max_kv_size is not None:  # a batch's rows keep full caches
+            raise BatchUnsupported(
+                "--max-kv-size bounds one stream's caches, not a batch's: requests decode "
+                "one at a time (drop --max-kv-size to batch them)"
+            )
         self.engine = engine
         # Rows choose their depth up to the deepest the head drafts; a round drafts the
         # deepest row's count for all.
         cache = engine.prompt_cache if engine.prompt_cache.size > 0 else None
         self.decoder = BatchDecoder(
-            engine.m, depth=MAX_DEPTH, adaptive=adaptive, prompt_cache=cache
-        )
+            engine.m, depth=MAX_DEPTH, adaptive=adaptive, prompt_cache=cache,
+            drafts=engine.drafts,
+        )  # fmt: skip
         self.entries: list[BatchEntry] = []  # joined and not yet done
 
     def add(self, request: Request, tag: Any = None) -> BatchEntry:
@@ -82,15 +106,18 @@ class BatchSession:
         entry's `events`. An entry done at once (max_tokens 0, an EOS or a stop string
         first) never joins."""
         check_prompt(self.engine.m, request.prompt)
-        entry = BatchEntry(request, TextStream(self.engine.m.tokenizer, request.stop), tag=tag)
+        stream = TextStream(self.engine.m.tokenizer, request.stop)
+        entry = BatchEntry(request, stream, self.engine.drafter_name, tag=tag)
         if request.max_tokens <= 0:
             self._end(entry, LENGTH)
             return entry
-        depth = 1 if request.depth is None else request.depth
-        cached = self.engine.prompt_cache.longest_prefix(request.prompt, "mtp")
+        depth, choose = resolve_depth(request.depth, request.adaptive)
+        if not self.decoder.drafts:
+            depth = 0  # nothing drafts: a plain step each round, as one stream without a head
+        cached = self.engine.prompt_cache.longest_prefix(request.prompt, self.decoder.proposer_name)
         entry.row = self.decoder.add(
             request.prompt, max_tokens=request.max_tokens, sampling=request.sampling,
-            seed=request.seed, depth=depth, cached=cached,
+            seed=request.seed, depth=depth, cached=cached, choose_depth=choose,
         )  # fmt: skip
         self._feed(entry, list(entry.row.tokens))
         if not entry.done:
@@ -132,7 +159,7 @@ class BatchSession:
         decoder = self.decoder
         self.decoder = BatchDecoder(
             decoder.m, depth=decoder.depth, adaptive=decoder.policy is not None,
-            prompt_cache=decoder.prompt_cache, ahead=decoder.ahead,
+            prompt_cache=decoder.prompt_cache, ahead=decoder.ahead, drafts=decoder.drafts,
         )  # fmt: skip
         self.entries = []
 

@@ -35,6 +35,25 @@ class HeadProposer(ProposerBase):
         self.ready: mx.array | None = None
         self.prefilling = False
 
+    @classmethod
+    def holding(
+        cls,
+        m: MtpModel,
+        cache: list[Any],
+        *,
+        ready: mx.array | None = None,
+        pending: tuple[list[mx.array], list[int]] | None = None,
+    ) -> HeadProposer:
+        """A proposer in a given state (a batch row's, taken out for the prompt cache): its
+        head cache, and its output at the last confirmed pair (`ready`) or the pairs it has
+        not run yet (`pending`: their hidden states [1, T, H] and tokens)."""
+        proposer = cls(m)
+        proposer.cache = cache
+        proposer.ready = ready
+        if pending is not None:
+            proposer.pending_hidden, proposer.pending_tokens = list(pending[0]), list(pending[1])
+        return proposer
+
     def caches(self) -> list[Any]:
         return list(self.cache)
 
