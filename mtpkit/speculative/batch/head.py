@@ -18,6 +18,7 @@ from typing import Any
 
 import mlx.core as mx
 
+from mtpkit.runtime.draft_vocab import FullVocab
 from mtpkit.runtime.kernels.attention import few_query_attention
 from mtpkit.runtime.model import POST_NORM, MtpModel
 from mtpkit.speculative.accept import SamplingSettings
@@ -112,21 +113,25 @@ class BatchHead:
                 prev = normed if m.hidden == POST_NORM else x
                 x = head(prev, m.embed(drafts[-1][:, None]), self.cache, step=k)
             normed = head.final_norm(head.layer_for_step(k))(x)
-            logits = m.lm_head(normed)[:, -1]  # [B, V]
-            drafts.append(self._draw(logits, sampling, [row[k] for row in keys], dists))
+            logits = m.drafting.logits(normed)[:, -1]  # [B, V], or [B, N] over a subset
+            drafts.append(
+                self._draw(m.drafting, logits, sampling, [row[k] for row in keys], dists)
+            )
         rows = [mx.stack(d) if d else None for d in dists]
         return mx.stack(drafts, axis=1), rows
 
     @staticmethod
     def _draw(
+        vocab: FullVocab,
         logits: mx.array,
         sampling: list[SamplingSettings],
         keys: list[mx.array | None],
         dists: list[list[mx.array]],
     ) -> mx.array:
         """Each row's draft [B] int32: the argmax for a greedy row, else a draw from its
-        settings' distribution (kept in `dists` for rejection sampling)."""
-        tokens = mx.argmax(logits, axis=-1).astype(mx.int32)
+        settings' distribution (kept in `dists`, over the whole vocabulary, for rejection
+        sampling). `vocab` maps a subset's indices back to token ids."""
+        tokens = vocab.token(mx.argmax(logits, axis=-1)).astype(mx.int32)
         if all(s.greedy for s in sampling):
             return tokens
         picks = []
@@ -134,9 +139,10 @@ class BatchHead:
             if s.greedy:
                 picks.append(tokens[r])
                 continue
-            q = s.probs(logits[r])
-            dists[r].append(q)
-            picks.append(mx.random.categorical(mx.log(q), key=keys[r]).astype(mx.int32))
+            q = vocab.probs(s, logits[r])
+            dists[r].append(vocab.spread(q))
+            pick = vocab.token(mx.random.categorical(mx.log(q), key=keys[r]))
+            picks.append(pick.astype(mx.int32))
         return mx.stack(picks)
 
     def after_verify(self, depth: int, hidden: mx.array, followers: mx.array) -> mx.array:
