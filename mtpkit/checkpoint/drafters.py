@@ -67,7 +67,7 @@ def _target_config(spec: str) -> dict[str, Any]:
 
 
 def dflash_report(source: Source, config: dict[str, Any], target: str | None) -> dict[str, Any]:
-    """What `inspect --json` prints for a DFlash drafter (keys in notes/blocks.md)."""
+    """What `inspect --json` prints for a DFlash drafter (keys in docs/BLOCK_DRAFTERS.md)."""
     layout = DFlashLayout.of(config, source.describe())
     tensors, problems = _headers(source)
     own = {tensor_name(n): t for n, t in tensors.items() if tensor_name(n) is not None}
