@@ -6,7 +6,7 @@ from typing import Any
 
 from rich.table import Table
 
-from mtpkit.cli.output import human_bytes
+from mtpkit.cli.output import human_bytes, print_problems
 from mtpkit.core.console import stdout
 
 
@@ -37,12 +37,4 @@ def print_drafter(result: dict[str, Any]) -> None:
     for key, value in rows:
         summary.add_row(key, value)
     stdout.print(summary)
-    if result["problems"]:
-        table = Table(title="Problems", title_justify="left")
-        table.add_column("code", style="red")
-        table.add_column("message", overflow="fold")
-        for p in result["problems"]:
-            table.add_row(p["code"], p["message"])
-        stdout.print(table)
-    else:
-        stdout.print("no problems found")
+    print_problems(result["problems"])

@@ -73,15 +73,7 @@ def print_inspect(result: dict[str, Any], *, show_tensors: bool = True) -> None:
         stdout.print(table)
     if result.get("runtimes"):
         print_runtimes(result["runtimes"])
-    if result["problems"]:
-        table = Table(title="Problems", title_justify="left")
-        table.add_column("code", style="red")
-        table.add_column("message", overflow="fold")
-        for p in result["problems"]:
-            table.add_row(p["code"], p["message"])
-        stdout.print(table)
-    else:
-        stdout.print("no problems found")
+    print_problems(result["problems"])
 
 
 def pairing_rows(pairing: dict[str, Any] | None) -> list[tuple[str, str]]:
@@ -246,3 +238,16 @@ def print_train(result: dict[str, Any]) -> None:
         f"{human_bytes(result['peak_mlx_bytes'])}",
         flush=True,
     )
+
+
+def print_problems(problems: list[dict[str, str]]) -> None:
+    """`inspect`'s problems table (code, message), or a line saying there are none."""
+    if not problems:
+        stdout.print("no problems found")
+        return
+    table = Table(title="Problems", title_justify="left")
+    table.add_column("code", style="red")
+    table.add_column("message", overflow="fold")
+    for p in problems:
+        table.add_row(p["code"], p["message"])
+    stdout.print(table)

@@ -20,7 +20,7 @@ from mtpkit.families import family_for
 from mtpkit.families.gemma4 import kv_source_layers
 from mtpkit.families.gemma4_assistant import TOKEN_ORDERING, Gemma4Assistant, Gemma4AssistantModel
 from mtpkit.mlxlm import cache_keys_values, eval_private_arrays
-from mtpkit.runtime.headload import quantization_predicate
+from mtpkit.runtime.headload import load_drafter_weights
 
 
 def is_assistant(config: dict[str, Any]) -> bool:
@@ -94,18 +94,7 @@ def load_assistant(path: str | Path) -> Gemma4AssistantModel:
         raise MtpkitError(f"{path} is a {family.name} model, not a Gemma 4 assistant")
     weights = read_weights(path, family)
     model = family.build_model()
-    if any(k.endswith(".scales") for k in weights):
-        qconfig = config.get("quantization") or {}
-        nn.quantize(
-            model,
-            group_size=int(qconfig.get("group_size", 64)),
-            bits=int(qconfig.get("bits", 4)),
-            class_predicate=quantization_predicate(weights, qconfig, ""),
-        )
-    try:
-        model.load_weights(list(weights.items()), strict=True)
-    except ValueError as e:
-        raise MtpkitError(f"the assistant in {path} does not match its config.json ({e})") from None
+    load_drafter_weights(model, weights, config, f"the assistant in {path}")
     # Loaded now, on this thread's stream: a lazy load evaluated later on another thread
     # (the server's decoding thread) has no stream there (as `mlx_lm.load`, lazy=False).
     mx.eval(model.parameters())

@@ -13,11 +13,10 @@ from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
-import mlx.nn as nn
 
-from mtpkit.core.errors import MtpkitError, one_line
+from mtpkit.core.errors import MtpkitError
 from mtpkit.families.dflash import DFlashLayout, DFlashModel, tensor_name, tensor_problem
-from mtpkit.runtime.headload import quantization_predicate
+from mtpkit.runtime.headload import load_drafter_weights
 
 
 @dataclass
@@ -72,20 +71,7 @@ def load_dflash(path: str | Path) -> DFlashDrafter:
     if problem is not None:
         raise MtpkitError(f"the drafter in {path} does not match its config.json: {problem}")
     model = DFlashModel(layout)
-    if any(k.endswith(".scales") for k in weights):
-        qconfig = config.get("quantization") or {}
-        nn.quantize(
-            model,
-            group_size=int(qconfig.get("group_size", 64)),
-            bits=int(qconfig.get("bits", 4)),
-            class_predicate=quantization_predicate(weights, qconfig, ""),
-        )
-    try:
-        model.load_weights(list(weights.items()), strict=True)
-    except ValueError as e:
-        raise MtpkitError(
-            f"the drafter in {path} does not match its config.json ({one_line(e)})"
-        ) from None
+    load_drafter_weights(model, weights, config, f"the drafter in {path}")
     # Loaded now, on this thread's stream (a server decodes on another thread).
     mx.eval(model.parameters())
     model.eval()

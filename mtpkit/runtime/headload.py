@@ -232,3 +232,25 @@ def load_head(
                 module.weight = module.weight + norm_shift
     mx.eval(head.parameters())
     return head, hw
+
+
+def load_drafter_weights(
+    model: nn.Module, weights: dict[str, mx.array], config: dict[str, Any], what: str
+) -> None:
+    """Load `weights` into a standalone drafter's `model` strictly, quantizing the layers
+    whose weights carry scales first (`config`'s quantization block for the defaults);
+    `what` names the drafter in the one-line error ("the drafter in DIR")."""
+    from mtpkit.core.errors import MtpkitError, one_line
+
+    if any(k.endswith(".scales") for k in weights):
+        qconfig = config.get("quantization") or {}
+        nn.quantize(
+            model,
+            group_size=int(qconfig.get("group_size", 64)),
+            bits=int(qconfig.get("bits", 4)),
+            class_predicate=quantization_predicate(weights, qconfig, ""),
+        )
+    try:
+        model.load_weights(list(weights.items()), strict=True)
+    except ValueError as e:
+        raise MtpkitError(f"{what} does not match its config.json ({one_line(e)})") from None
