@@ -121,11 +121,13 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--long-prompt-tokens", type=int, default=1024)
     parser.add_argument("--no-adaptive", action="store_true")
+    parser.add_argument("--depth", type=int, default=None, help="a fixed depth (default: adaptive)")
+    parser.add_argument("--no-mtp", action="store_true", help="plain batched decoding")
     parser.add_argument("--top", type=int, default=25)
     args = parser.parse_args()
     settings = ServeSettings(
         model=args.model, port=0, decode_concurrency=args.clients, log_level="WARNING",
-        adaptive=not args.no_adaptive,
+        adaptive=not args.no_adaptive, depth=args.depth, mtp=False if args.no_mtp else "auto",
     )  # fmt: skip
     worker, server, thread, url = serve_in_thread(settings)
     late = long_prompt(args.long_prompt_tokens) if args.long_prompt_tokens else None
@@ -139,7 +141,8 @@ def main() -> None:
         wall += seconds
         tokens += sum(s.tokens for s in samples)
     worker.on = False
-    print(f"{Path(args.model).name}, {args.clients} clients (+1 late long prompt), "
+    mode = "--no-mtp" if args.no_mtp else f"depth {args.depth or 'adaptive'}"
+    print(f"{Path(args.model).name} ({mode}), {args.clients} clients (+1 late long prompt), "
           f"{args.rounds} rounds of {args.max_tokens} tokens")  # fmt: skip
     report(worker, wall, tokens, args.top)
     server.should_exit = True

@@ -33,6 +33,7 @@ from tests.cuda_source import wrap
 
 PRELUDE = r"""
 #include <algorithm>
+#include <array>
 #include <barrier>
 #include <cmath>
 #include <cstdint>
@@ -40,6 +41,8 @@ PRELUDE = r"""
 #include <thread>
 #include <vector>
 
+#define __grid_constant__
+using Shape = std::array<int32_t, 8>;  // MLX's MAX_NDIM
 struct Dim3 { unsigned x = 0, y = 0, z = 0; };
 thread_local Dim3 threadIdx, blockIdx;
 Dim3 blockDim;
@@ -226,8 +229,12 @@ class EmulatedKernel:
         ins = [(n, NAMES[a.dtype]) for n, a in zip(self.inputs, inputs, strict=True)]
         outs = [(n, NAMES[d]) for n, d in zip(self.outputs, output_dtypes, strict=True)]
         unit = wrap(self.name, self.source, self.header, ins, outs, template)
-        args = [f"({'const ' if i < len(ins) else ''}{CPP_TYPES[t]}*)bufs[{i}]"
-                for i, (_, t) in enumerate(ins + outs)]  # fmt: skip
+        args = []  # each input's buffer, then its shape where the body reads it; the outputs
+        for n, t in ins:
+            args.append(f"(const {CPP_TYPES[t]}*)bufs[{len(args)}]")
+            if f"{n}_shape" in self.source:
+                args.append(f"*(const Shape*)bufs[{len(args)}]")
+        args += [f"({CPP_TYPES[t]}*)bufs[{len(args) + i}]" for i, (_, t) in enumerate(outs)]
         call = f"mtpkit_test_{self.name}::{self.name}({', '.join(args)})"
         position = (
             "thread_position_in_grid = UInt3{bx * block.x + lane, by * block.y + y, "
@@ -255,7 +262,11 @@ class EmulatedKernel:
                  **_: Any) -> list[mx.array]:  # fmt: skip
         inputs = [mx.contiguous(a) for a in inputs]
         library = self._library(inputs, output_dtypes, template)
-        host_in = [_to_numpy(a) for a in inputs]
+        host_in = []
+        for name, a in zip(self.inputs, inputs, strict=True):
+            host_in.append(_to_numpy(a))
+            if f"{name}_shape" in self.source:  # MLX passes it by value: MAX_NDIM int32s
+                host_in.append(np.array(list(a.shape) + [0] * (8 - a.ndim), np.int32))
         host_out = [np.zeros(tuple(s), NUMPY[d]) for s, d in zip(output_shapes, output_dtypes,
                                                                  strict=True)]  # fmt: skip
         buffers = (ctypes.c_void_p * (len(host_in) + len(host_out)))(

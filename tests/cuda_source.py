@@ -17,9 +17,12 @@ CUDA_TYPES = {"float32": "float", "bfloat16": "__nv_bfloat16", "float16": "__hal
 
 PRELUDE = """
 #include <cstdint>
+#include <cuda/std/array>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cooperative_groups.h>
+#define MAX_NDIM 8
+using Shape = cuda::std::array<int32_t, MAX_NDIM>;
 """
 
 
@@ -36,8 +39,13 @@ def wrap(
     template: list[tuple[str, int | str]],
 ) -> str:
     """One kernel as MLX would generate it: inputs and outputs are (name, dtype name);
-    template values are ints or dtype names."""
-    params = [f"    const {CUDA_TYPES[t]}* {n}" for n, t in inputs]
+    template values are ints or dtype names. An input whose `NAME_shape` the body reads is
+    followed by that parameter, as MLX adds it (`Shape`: MAX_NDIM int32 values)."""
+    params = []
+    for n, t in inputs:
+        params.append(f"    const {CUDA_TYPES[t]}* {n}")
+        if f"{n}_shape" in body:
+            params.append(f"    const __grid_constant__ Shape {n}_shape")
     params += [f"    {CUDA_TYPES[t]}* {n}" for n, t in outputs]
     consts = [
         f"  using {n} = {CUDA_TYPES[v]};" if isinstance(v, str) else f"  constexpr int {n} = {v};"

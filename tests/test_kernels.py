@@ -53,19 +53,20 @@ def numpy_gated_delta(q, k, v, a, b, A_log, dt_bias, state, mask=None):  # noqa:
 
 
 def gdn_inputs(T: int, hk: int = 2, hv: int = 4, dk: int = 64, dv: int = 32, seed: int = 0,  # noqa: N803
-               per_channel: bool = False):  # fmt: skip
-    """Random inputs of a gated-delta-net update (decay per key channel if `per_channel`)."""
+               per_channel: bool = False, rows: int = 1):  # fmt: skip
+    """Random inputs of a gated-delta-net update (decay per key channel if `per_channel`)
+    for `rows` sequences."""
     key = mx.random.key(seed)
     ks = mx.random.split(key, 8)
     gate = (hv, dk) if per_channel else (hv,)
-    q = mx.random.normal((1, T, hk, dk), key=ks[0]) * dk**-0.5
-    k = mx.random.normal((1, T, hk, dk), key=ks[1]) * dk**-0.5
-    v = mx.random.normal((1, T, hv, dv), key=ks[2])
-    a = mx.random.normal((1, T, *gate), key=ks[3])
-    b = mx.random.normal((1, T, hv), key=ks[4])
+    q = mx.random.normal((rows, T, hk, dk), key=ks[0]) * dk**-0.5
+    k = mx.random.normal((rows, T, hk, dk), key=ks[1]) * dk**-0.5
+    v = mx.random.normal((rows, T, hv, dv), key=ks[2])
+    a = mx.random.normal((rows, T, *gate), key=ks[3])
+    b = mx.random.normal((rows, T, hv), key=ks[4])
     A_log = mx.random.normal(gate, key=ks[5]) * 0.5  # noqa: N806
     dt_bias = mx.random.normal(gate, key=ks[6]) * 0.5
-    state = mx.random.normal((1, hv, dv, dk), key=ks[7]) * 0.1
+    state = mx.random.normal((rows, hv, dv, dk), key=ks[7]) * 0.1
     return q, k, v, a, b, A_log, dt_bias, state
 
 
@@ -170,15 +171,29 @@ def test_the_kernel_is_installed_only_if_it_passes_its_self_check(
         y, states = gdn.stepwise_verify(original, *args, **kwargs)
         return y + 1e-3, states
 
-    assert kernels.self_check(off_by_a_bit) == pytest.approx(1e-3, rel=1e-2)
+    assert kernels.self_check(off_by_a_bit, mlx_lms_own) == pytest.approx(1e-3, rel=1e-2)
     monkeypatch.setattr(kernels, "gdn_verify_cuda", off_by_a_bit)
+    monkeypatch.setattr(kernels, "gdn_plain_cuda", mlx_lms_own)
     assert kernels.use_fast_verify(m.model) == []
     assert "differs from the reference by 1.0e-03" in capsys.readouterr().err
     monkeypatch.setattr(kernels, "gdn_verify_cuda", gdn.stepwise_verify)
+    monkeypatch.setattr(kernels, "gdn_plain_cuda", mlx_lms_own)
+    try:
+        assert kernels.use_fast_verify(m.model) == ["gdn_verify", "gdn_plain"]
+    finally:
+        gdn.set_gdn_verify_impl(gdn.stepwise_verify)
+        gdn.set_gdn_plain_impl(None)
+    monkeypatch.setenv("MTPKIT_GDN_PLAIN", "0")  # the verify kernel only
     try:
         assert kernels.use_fast_verify(m.model) == ["gdn_verify"]
     finally:
         gdn.set_gdn_verify_impl(gdn.stepwise_verify)
+    assert gdn.set_gdn_plain_impl(None) is None
+
+
+def mlx_lms_own(original, *args, **kwargs):
+    """A stand-in for a call outside a verify pass: mlx-lm's own update."""
+    return original(*args, **kwargs)
 
 
 def test_the_metal_twin_is_installed_behind_the_same_self_check(
@@ -196,10 +211,12 @@ def test_the_metal_twin_is_installed_behind_the_same_self_check(
     assert len(warnings) == 1 and "Metal gated-delta-net verify kernel" in warnings[0]
     assert gdn.set_gdn_verify_impl(gdn.stepwise_verify) is gdn.stepwise_verify
     monkeypatch.setattr(kernels, "gdn_verify_metal", gdn.stepwise_verify)
-    try:
+    monkeypatch.setattr(kernels, "gdn_plain_metal", mlx_lms_own)
+    try:  # mlx-lm runs its own Metal kernel outside verify passes: that stays
         assert kernels.use_fast_verify(m.model) == ["gdn_verify"]
     finally:
         gdn.set_gdn_verify_impl(gdn.stepwise_verify)
+    assert gdn.set_gdn_plain_impl(None) is None
 
 
 # ---------------------------------------------------------------------------------------
@@ -428,6 +445,8 @@ def test_sources_name_only_their_inputs() -> None:
         assert "mask" not in plain and "mask[b_idx * T + t]" in masked
         assert "hv_idx) * Dk +" in make(masked=False, vectorized=True)
         assert "states[t * state_size + row" in plain
+        assert "q_shape[1]" in plain and "constexpr int T" not in plain
+        assert "states[t * state_size" not in make(masked=False, vectorized=False, every=False)
 
 
 @pytest.mark.skipif(cuda_source.nvcc() is None, reason="no CUDA toolkit (nvcc)")
@@ -449,8 +468,8 @@ def test_cuda_sources_compile(tmp_path: Path) -> None:
                 f"gdn_{int(masked)}{int(vec)}", kernels.gdn_cuda_source(masked=masked,
                 vectorized=vec), kernels.WARP_SUM_HEADER, inputs,
                 [("y", "bfloat16"), ("states", "float32")],
-                [("InT", "bfloat16"), ("StT", "float32"), ("B", 1), ("T", 3), ("Hk", 16),
-                 ("Hv", 32), ("Dk", 128), ("Dv", 128)],
+                [("InT", "bfloat16"), ("StT", "float32"), ("Hk", 16), ("Hv", 32), ("Dk", 128),
+                 ("Dv", 128)],
             ))  # fmt: skip
     for rows, columns, dtype in ((2, 1, "bfloat16"), (5, 2, "bfloat16"), (3, 1, "float32")):
         units.append(cuda_source.wrap(
@@ -525,6 +544,47 @@ def test_the_cuda_verify_kernel_is_the_recurrence(emulated_cuda, T, hk, hv, dv, 
         np.testing.assert_allclose(np.array(states[t]), ref_states[t], atol=1e-5, rtol=1e-4)
 
 
+@pytest.mark.parametrize(("rows", "T", "masked"), [(3, 5, True), (2, 1, False), (1, 4, False)])
+def test_the_last_state_kernel_is_the_recurrence(emulated_cuda, rows, T, masked) -> None:  # noqa: N803
+    """Outside a verify pass (a prefill chunk, a plain step) the CUDA source (emulated)
+    writes only the last state: each row's output and last state are the float32
+    recurrence's, at widths and lengths one build serves (read from the shapes at run
+    time), left padding masked as a batch's prefill masks it."""
+    inputs = gdn_inputs(T, 2, 4, 64, 8, seed=rows, rows=rows)
+    mask = None
+    if masked:  # row r has r padded positions first
+        mask = mx.array([[t >= r for t in range(T)] for r in range(rows)])
+    y, last = kernels.gdn_plain_cuda(gated_delta_update, *inputs, mask)
+    assert y.shape == (rows, T, 4, 8) and last.shape == inputs[-1].shape
+    for r in range(rows):
+        row = [np.array(t[r : r + 1]) if t.ndim > 1 else np.array(t) for t in inputs]
+        ref_y, ref_states = numpy_gated_delta(
+            *row, None if mask is None else np.array(mask[r : r + 1])
+        )
+        kept = [t for t in range(T) if mask is None or bool(mask[r, t])]
+        np.testing.assert_allclose(np.array(y[r : r + 1])[:, kept], ref_y[:, kept], atol=1e-5)
+        np.testing.assert_allclose(np.array(last[r : r + 1]), ref_states[-1], atol=1e-5,
+                                   rtol=1e-4)  # fmt: skip
+
+
+def test_one_build_serves_every_width_and_length(emulated_cuda, monkeypatch) -> None:
+    """B and T are not template constants: verify passes and plain calls of other widths
+    and lengths build no other kernel (on CUDA each would be an NVRTC build on first use)."""
+    templates = []
+    call = cuda_emulator.EmulatedKernel.__call__
+
+    def recorded(self, **kwargs):
+        templates.append((self.name, tuple(kwargs["template"])))
+        return call(self, **kwargs)
+
+    monkeypatch.setattr(cuda_emulator.EmulatedKernel, "__call__", recorded)
+    for rows, T in ((1, 2), (3, 4)):  # noqa: N806
+        inputs = gdn_inputs(T, rows=rows)
+        kernels.gdn_verify_cuda(gated_delta_update, *inputs, None)
+        kernels.gdn_plain_cuda(gated_delta_update, *inputs, None)
+    assert len(templates) == 4 and len(set(templates)) == 2
+
+
 @pytest.mark.parametrize(
     ("dtype", "masked", "per_channel"), [(mx.bfloat16, True, False), (mx.float32, False, True)]
 )
@@ -562,14 +622,26 @@ def test_a_verify_pass_with_the_emulated_kernel_is_the_references(emulated_cuda,
             c.cache = kept
     monkeypatch.setattr(kernels, "cuda_available", lambda: True)
     try:
-        assert kernels.use_fast_verify(m.model) == ["gdn_verify"]
+        assert kernels.use_fast_verify(m.model) == ["gdn_verify", "gdn_plain"]
         fused = m.verify(mx.array([5, 6, 7]), cache)
+        fresh = m.make_cache()  # a prefill and a plain step through the last-state kernel
+        prefill, _ = m.forward(mx.array([[1, 2, 3, 4]]), fresh)
+        step, _ = m.forward(mx.array([[5]]), fresh)
     finally:
         gdn.set_gdn_verify_impl(gdn.stepwise_verify)
+        gdn.set_gdn_plain_impl(None)
     assert mx.allclose(fused.logits, reference.logits, atol=1e-4, rtol=1e-4)
     for ours, theirs in zip(fused.snapshots.states, reference.snapshots.states, strict=True):
         for s, r in zip(ours, theirs, strict=True):
             assert mx.allclose(s, r, atol=1e-5, rtol=1e-4)
+    stock = m.make_cache()  # mlx-lm's own ops, as on this CPU
+    expected, _ = m.forward(mx.array([[1, 2, 3, 4]]), stock)
+    assert mx.allclose(prefill, expected, atol=1e-4, rtol=1e-4)
+    expected, _ = m.forward(mx.array([[5]]), stock)
+    assert mx.allclose(step, expected, atol=1e-4, rtol=1e-4)
+    for ours, theirs in zip(fresh, stock, strict=True):
+        if gdn.is_recurrent_cache(ours):
+            assert mx.allclose(ours.cache[1], theirs.cache[1], atol=1e-5, rtol=1e-4)
 
 
 def test_a_batchs_verify_takes_the_kernel_for_its_rows(emulated_cuda, monkeypatch) -> None:

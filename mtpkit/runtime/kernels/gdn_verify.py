@@ -14,6 +14,13 @@ installed anywhere until it has been). `use_fast_verify` installs the CUDA one (
 on a CUDA GPU, and the multi-row quantized matmul (`mtpkit.runtime.kernels.qmv`) where asked; the CPU keeps
 `stepwise_verify`. `MTPKIT_KERNELS=0` turns both off.
 
+The same kernel, writing only the last state, runs every other gated-delta-net call on CUDA
+(`gdn_plain_cuda`: a prefill chunk, a plain step; `MTPKIT_GDN_PLAIN=0` keeps mlx-lm's ops):
+mlx-lm's per-token loop made a prompt's prefill cost host time in proportion to its length
+(~100 ms a prompt of a few hundred tokens on the bundled example, one H200). B and T are read
+from the inputs' shapes at run time, so one build serves every batch width and length (as
+template constants, each new (width, length) was an NVRTC build on first use).
+
 Layouts (mlx-lm's): q, k [B, T, Hk, Dk]; v [B, T, Hv, Dv]; g [B, T, Hv] (or [B, T, Hv, Dk]
 when the decay is per key channel); beta [B, T, Hv]; state [B, Hv, Dv, Dk] (float32).
 Outputs: y [B, T, Hv, Dv] in q's dtype and the states [T, B, Hv, Dv, Dk] in the state dtype.
@@ -30,7 +37,12 @@ import mlx.nn as nn
 
 from mtpkit.core.environment import switch
 from mtpkit.runtime.kernels import qmv, routing
-from mtpkit.runtime.rollback.gdn import set_gdn_verify_impl, stepwise_verify, tap_gated_delta_layers
+from mtpkit.runtime.rollback.gdn import (
+    set_gdn_plain_impl,
+    set_gdn_verify_impl,
+    stepwise_verify,
+    tap_gated_delta_layers,
+)
 
 # Keyword arguments of mlx-lm's `gated_delta_update` that the kernels understand.
 _KNOWN_KWARGS = {"use_kernel", "lower_bound", "allow_neg_eigval"}
@@ -53,14 +65,20 @@ def _gate_access(vectorized: bool, lane: str) -> str:
     return "static_cast<float>(g[(b_idx * T + t) * Hv + hv_idx])"
 
 
-def gdn_cuda_source(*, masked: bool, vectorized: bool) -> str:
+def gdn_cuda_source(*, masked: bool, vectorized: bool, every: bool = True) -> str:
     """The CUDA body: one warp per (batch * value head, value row); each lane keeps Dk / 32
     elements of that state row in registers (element i * 32 + lane, so loads and stores
     coalesce) and, token after token, decays the row, takes the delta rule step, writes y
-    and writes the row into the state output of that position."""
+    and (`every`) writes the row into the state output of that position, or (not `every`)
+    once, after the last. B and T are read from q's shape at run time: one build serves
+    every batch width and length."""
     on = "mask[b_idx * T + t]" if masked else "true"
     gate = _gate_access(vectorized, "i * 32 + lane")
+    store = "t * state_size + row + i * 32 + lane" if every else "row + i * 32 + lane"
+    per_position, last = (_cuda_store(store), "") if every else ("", _cuda_store(store))
     return f"""
+    const int B = q_shape[0];
+    const int T = q_shape[1];
     const int lane = threadIdx.x;
     const int dv_idx = blockIdx.y * blockDim.y + threadIdx.y;
     const int n = blockIdx.z;
@@ -71,7 +89,7 @@ def gdn_cuda_source(*, masked: bool, vectorized: bool) -> str:
     const int hv_idx = n % Hv;
     const int hk_idx = hv_idx / (Hv / Hk);
     constexpr int per_lane = Dk / 32;
-    constexpr long state_size = static_cast<long>(B) * Hv * Dv * Dk;
+    const long state_size = static_cast<long>(B) * Hv * Dv * Dk;
     const long row = (static_cast<long>(n) * Dv + dv_idx) * Dk;
 
     float s[per_lane];
@@ -104,21 +122,34 @@ def gdn_cuda_source(*, masked: bool, vectorized: bool) -> str:
         }}
       }} else if (lane == 0) {{
         y[vy] = static_cast<InT>(0.0f);
-      }}
-#pragma unroll
-      for (int i = 0; i < per_lane; ++i) {{
-        states[t * state_size + row + i * 32 + lane] = static_cast<StT>(s[i]);
-      }}
-    }}
+      }}{per_position}
+    }}{last}
 """
 
 
-def gdn_metal_source(*, masked: bool, vectorized: bool) -> str:
+def _cuda_store(index: str) -> str:
+    return f"""
+#pragma unroll
+      for (int i = 0; i < per_lane; ++i) {{
+        states[{index}] = static_cast<StT>(s[i]);
+      }}"""
+
+
+def gdn_metal_source(*, masked: bool, vectorized: bool, every: bool = True) -> str:
     """The Metal body: mlx-lm's kernel (one SIMD group per value row, Dk / 32 contiguous
-    elements per lane, `simd_sum`) plus the state of every position written to `states`."""
+    elements per lane, `simd_sum`) plus the state of every position (`every`) or of the
+    last written to `states`; B and T from q's shape at run time, as in the CUDA body."""
     on = "mask[b_idx * T + t]" if masked else "true"
     gate = _gate_access(vectorized, "s_idx")
+    store = "t * state_size + row + n_per_t * dk_idx + i" if every else "row + n_per_t * dk_idx + i"
+    write = f"""
+      for (int i = 0; i < n_per_t; ++i) {{
+        states[{store}] = static_cast<StT>(s[i]);
+      }}"""
+    per_position, last = (write, "") if every else ("", write)
     return f"""
+    const int B = q_shape[0];
+    const int T = q_shape[1];
     auto n = thread_position_in_grid.z;
     auto b_idx = n / Hv;
     auto hv_idx = n % Hv;
@@ -158,11 +189,8 @@ def gdn_metal_source(*, masked: bool, vectorized: bool) -> str:
         }}
       }} else if (thread_index_in_simdgroup == 0) {{
         y[vy] = static_cast<InT>(0);
-      }}
-      for (int i = 0; i < n_per_t; ++i) {{
-        states[t * state_size + row + n_per_t * dk_idx + i] = static_cast<StT>(s[i]);
-      }}
-    }}
+      }}{per_position}
+    }}{last}
 """
 
 
@@ -170,28 +198,32 @@ def _input_names(masked: bool) -> list[str]:
     return ["q", "k", "v", "g", "beta", "state_in"] + (["mask"] if masked else [])
 
 
-@functools.cache
-def cuda_verify_kernel(masked: bool, vectorized: bool) -> Any:
-    """The CUDA kernel object for one variant (built once; MLX compiles it on first use)."""
+def _kernel_name(masked: bool, vectorized: bool, every: bool) -> str:
     suffix = ("_vec" if vectorized else "") + ("_mask" if masked else "")
+    return ("mtpkit_gdn_verify" if every else "mtpkit_gdn_last") + suffix
+
+
+@functools.cache
+def cuda_verify_kernel(masked: bool, vectorized: bool, every: bool = True) -> Any:
+    """The CUDA kernel object for one variant (built once; MLX compiles it on first use,
+    once per dtype and head shape)."""
     return mx.fast.cuda_kernel(
-        name=f"mtpkit_gdn_verify{suffix}",
+        name=_kernel_name(masked, vectorized, every),
         input_names=_input_names(masked),
         output_names=["y", "states"],
-        source=gdn_cuda_source(masked=masked, vectorized=vectorized),
+        source=gdn_cuda_source(masked=masked, vectorized=vectorized, every=every),
         header=WARP_SUM_HEADER,
     )
 
 
 @functools.cache
-def metal_verify_kernel(masked: bool, vectorized: bool) -> Any:
+def metal_verify_kernel(masked: bool, vectorized: bool, every: bool = True) -> Any:
     """The Metal kernel object for one variant."""
-    suffix = ("_vec" if vectorized else "") + ("_mask" if masked else "")
     return mx.fast.metal_kernel(
-        name=f"mtpkit_gdn_verify{suffix}",
+        name=_kernel_name(masked, vectorized, every),
         input_names=_input_names(masked),
         output_names=["y", "states"],
-        source=gdn_metal_source(masked=masked, vectorized=vectorized),
+        source=gdn_metal_source(masked=masked, vectorized=vectorized, every=every),
     )
 
 
@@ -213,23 +245,24 @@ def kernel_supports(q: mx.array, v: mx.array, kwargs: dict[str, Any]) -> bool:
     return dk % 32 == 0 and hv % hk == 0 and set(kwargs) <= _KNOWN_KWARGS
 
 
-def _launch(kernel_of, threadgroup, q, k, v, a, b, A_log, dt_bias, state, mask, kwargs):  # noqa: N803
+def _launch(kernel_of, threadgroup, q, k, v, a, b, A_log, dt_bias, state, mask, kwargs, every=True):  # noqa: N803, E501
     g, beta = gates(a, b, A_log, dt_bias, **kwargs)
     B, T, Hk, Dk = k.shape  # noqa: N806
     Hv, Dv = v.shape[2:]  # noqa: N806
     if state is None:
         state = mx.zeros((B, Hv, Dv, Dk), dtype=mx.float32)
     inputs = [q, k, v, g, beta, state] + ([mask] if mask is not None else [])
-    y, states = kernel_of(mask is not None, g.ndim == 4)(
+    y, states = kernel_of(mask is not None, g.ndim == 4, every)(
         inputs=inputs,
-        template=[("InT", q.dtype), ("StT", state.dtype), ("B", B), ("T", T), ("Hk", Hk),
-                  ("Hv", Hv), ("Dk", Dk), ("Dv", Dv)],
+        template=[("InT", q.dtype), ("StT", state.dtype), ("Hk", Hk), ("Hv", Hv), ("Dk", Dk),
+                  ("Dv", Dv)],
         grid=(32, Dv, B * Hv),
         threadgroup=threadgroup,
-        output_shapes=[(B, T, Hv, Dv), (T, *state.shape)],
+        output_shapes=[(B, T, Hv, Dv), (T if every else 1, *state.shape)],
         output_dtypes=[q.dtype, state.dtype],
     )  # fmt: skip
-    return y, states  # [T, B, Hv, Dv, Dk]: `gdn.state_after` takes a row as a view
+    # [T, B, Hv, Dv, Dk] (`gdn.state_after` takes a row as a view), or [1, ...]: the last.
+    return y, states
 
 
 def gdn_verify_cuda(
@@ -255,32 +288,76 @@ def gdn_verify_metal(
     )
 
 
+def gdn_plain_cuda(
+    original: Callable[..., Any], q, k, v, a, b, A_log, dt_bias, state, mask, **kwargs
+):  # noqa: N803, E501
+    """mlx-lm's `gated_delta_update` outside a verify pass (a prefill chunk, a plain step)
+    from one CUDA launch over all T tokens, only the last state written: where mlx-lm's
+    CUDA path runs a loop of small ops per token (`gated_delta_ops`)."""
+    if not kernel_supports(q, v, kwargs):
+        return original(q, k, v, a, b, A_log, dt_bias, state, mask, **kwargs)
+    y, states = _launch(
+        cuda_verify_kernel, (32, 4, 1), q, k, v, a, b, A_log, dt_bias, state, mask, kwargs,
+        every=False,
+    )  # fmt: skip
+    return y, states.reshape(states.shape[1:])
+
+
+def gdn_plain_metal(
+    original: Callable[..., Any], q, k, v, a, b, A_log, dt_bias, state, mask, **kwargs
+):  # noqa: N803, E501
+    """The Metal twin of `gdn_plain_cuda` (not installed: mlx-lm runs its own Metal kernel
+    there already)."""
+    if not kernel_supports(q, v, kwargs):
+        return original(q, k, v, a, b, A_log, dt_bias, state, mask, **kwargs)
+    y, states = _launch(
+        metal_verify_kernel, (32, 4, 1), q, k, v, a, b, A_log, dt_bias, state, mask, kwargs,
+        every=False,
+    )  # fmt: skip
+    return y, states.reshape(states.shape[1:])
+
+
 def cuda_available() -> bool:
     """A CUDA GPU is the default device (MLX's CUDA build)."""
     cuda = getattr(mx, "cuda", None)
     return bool(cuda is not None and cuda.is_available() and mx.default_device() == mx.gpu)
 
 
-def self_check(impl: Callable[..., Any] | None = None) -> float:
-    """Largest difference between `impl` (default: the CUDA kernel) and the reference on a
-    small float32 case on the default device: outputs and every position's state."""
+def self_check(
+    impl: Callable[..., Any] | None = None, plain: Callable[..., Any] | None = None
+) -> float:  # noqa: E501
+    """Largest difference from the reference, on small float32 cases on the default device,
+    of `impl` (default: the CUDA verify kernel: outputs and every position's state, at two
+    batch widths and lengths, so the shapes read at run time are exercised) and of `plain`
+    (default: the CUDA last-state kernel: outputs and the last state, against mlx-lm's own
+    update over all the tokens at once)."""
     from mlx_lm.models.gated_delta import gated_delta_update
 
-    impl = impl or gdn_verify_cuda
-    ks = mx.random.split(mx.random.key(0), 8)
-    B, T, Hk, Hv, Dk, Dv = 1, 3, 2, 4, 64, 32  # noqa: N806
+    impl, plain = impl or gdn_verify_cuda, plain or gdn_plain_cuda
+    diffs = []
+    for seed, (B, T) in enumerate(((1, 3), (2, 2), (3, 5))):  # noqa: N806
+        args = _check_case(seed, B, T)
+        y, states = impl(gated_delta_update, *args)
+        ref_y, ref_states = stepwise_verify(gated_delta_update, *args)
+        diffs += [mx.abs(y - ref_y).max()] + [
+            mx.abs(s - r).max() for s, r in zip(states, ref_states, strict=True)
+        ]
+        y, last = plain(gated_delta_update, *args)
+        ref_y, ref_last = gated_delta_update(*args)
+        diffs += [mx.abs(y - ref_y).max(), mx.abs(last - ref_last).max()]
+    return max(d.item() for d in diffs)
+
+
+def _check_case(seed: int, B: int, T: int) -> tuple[Any, ...]:  # noqa: N803
+    """Random float32 inputs of `gated_delta_update` (2 key heads, 4 value heads)."""
+    ks = mx.random.split(mx.random.key(seed), 8)
+    Hk, Hv, Dk, Dv = 2, 4, 64, 32  # noqa: N806
     q, k = (mx.random.normal((B, T, Hk, Dk), key=ks[i]) * Dk**-0.5 for i in (0, 1))
     v = mx.random.normal((B, T, Hv, Dv), key=ks[2])
     a, b = (mx.random.normal((B, T, Hv), key=ks[i]) for i in (3, 4))
     A_log, dt_bias = (mx.random.normal((Hv,), key=ks[i]) * 0.5 for i in (5, 6))  # noqa: N806
     state = mx.random.normal((B, Hv, Dv, Dk), key=ks[7]) * 0.1
-    args = (q, k, v, a, b, A_log, dt_bias, state, None)
-    y, states = impl(gated_delta_update, *args)
-    ref_y, ref_states = stepwise_verify(gated_delta_update, *args)
-    diffs = [mx.abs(y - ref_y).max()] + [
-        mx.abs(s - r).max() for s, r in zip(states, ref_states, strict=True)
-    ]
-    return max(d.item() for d in diffs)
+    return q, k, v, a, b, A_log, dt_bias, state, None
 
 
 # The self-check's bound: float32 sums in another order over Dk = 64 terms.
@@ -303,10 +380,10 @@ def use_fast_verify(model: nn.Module) -> list[str]:
     if switch("MTPKIT_KERNELS") is False:
         return []
     cuda = cuda_available()
-    if cuda:
-        impl, backend = gdn_verify_cuda, "CUDA"
-    elif metal_available():
-        impl, backend = gdn_verify_metal, "Metal"
+    if cuda:  # the verify pass, and the prefill and plain steps (mlx-lm: ops per token)
+        impl, plain, backend = gdn_verify_cuda, gdn_plain_cuda, "CUDA"
+    elif metal_available():  # the verify pass only (mlx-lm has its own Metal kernel)
+        impl, plain, backend = gdn_verify_metal, gdn_plain_metal, "Metal"
     else:
         return []
     from mtpkit.core.console import warn
@@ -314,7 +391,7 @@ def use_fast_verify(model: nn.Module) -> list[str]:
     installed = []
     if tap_gated_delta_layers(model):
         try:
-            error = self_check(impl)
+            error = self_check(impl, plain)
         except Exception as e:  # a kernel that fails to build leaves the reference in place
             error, detail = float("inf"), f"{type(e).__name__}: {e}".splitlines()[0]
         else:
@@ -322,6 +399,9 @@ def use_fast_verify(model: nn.Module) -> list[str]:
         if error <= SELF_CHECK_TOLERANCE:
             set_gdn_verify_impl(impl)
             installed.append("gdn_verify")
+            if cuda and switch("MTPKIT_GDN_PLAIN") is not False:
+                set_gdn_plain_impl(plain)
+                installed.append("gdn_plain")
         else:
             warn(f"the {backend} gated-delta-net verify kernel {detail}; using the reference")
     qmv_choice = switch("MTPKIT_QMV")  # None: measured routes

@@ -99,6 +99,20 @@ def set_gdn_verify_impl(impl: Callable[..., Any]) -> Callable[..., Any]:
     return previous
 
 
+# The function every other call uses (a prefill chunk, a plain step): mlx-lm's own update
+# unless replaced with `set_gdn_plain_impl` (on CUDA, where mlx-lm runs a loop of small ops
+# per token, by a one-launch kernel); same signature as `stepwise_verify`, mlx-lm's results.
+_PLAIN_IMPL: list[Callable[..., Any] | None] = [None]
+
+
+def set_gdn_plain_impl(impl: Callable[..., Any] | None) -> Callable[..., Any] | None:
+    """Use `impl` outside verify passes from now on (None: mlx-lm's own); returns the one
+    it replaces."""
+    previous = _PLAIN_IMPL[0]
+    _PLAIN_IMPL[0] = impl
+    return previous
+
+
 def _capturing_gated_delta_update(original: Callable[..., Any]) -> Callable[..., Any]:
     """Wrap mlx-lm's `gated_delta_update` so that, inside a verify pass, it keeps the state
     after each token. Outside a verify pass it is the original function."""
@@ -106,7 +120,11 @@ def _capturing_gated_delta_update(original: Callable[..., Any]) -> Callable[...,
     def update(q, k, v, a, b, A_log, dt_bias, state=None, mask=None, **kwargs):  # noqa: N803
         snapshots = _ACTIVE_SNAPSHOTS.get()
         if snapshots is None or q.shape[1] == 1:
-            out = original(q, k, v, a, b, A_log, dt_bias, state, mask, **kwargs)
+            plain = _PLAIN_IMPL[0]
+            if plain is None:
+                out = original(q, k, v, a, b, A_log, dt_bias, state, mask, **kwargs)
+            else:
+                out = plain(original, q, k, v, a, b, A_log, dt_bias, state, mask, **kwargs)
             if snapshots is not None:
                 snapshots.states.append([out[1]])
             return out
