@@ -802,3 +802,64 @@ def test_few_query_attention_takes_only_a_few_queries_and_only_inside(
         attend(2)
     attend(3)
     assert calls[3:] == [2, 3] and mx.fast.scaled_dot_product_attention is mlxs
+
+
+# ---------------------------------------------------------------------------------------
+# A prompt's chunk without a build per length (`kernels.prompt`).
+
+
+def test_the_depthwise_conv_by_ops_is_mlxs_conv() -> None:
+    """The shifted products give mlx's depthwise conv1d (the gated-delta-net's: kernel 4,
+    one channel a group), in float32 and in bfloat16 to its rounding."""
+    from mtpkit.runtime.kernels import prompt
+
+    x = mx.random.normal((2, 37, 24), key=mx.random.key(1))
+    w = mx.random.normal((24, 4, 1), key=mx.random.key(2))
+    expected = mx.conv1d(x, w, groups=24)
+    assert mx.allclose(prompt.depthwise_conv1d_by_ops(x, w), expected, atol=1e-5)
+    xb, wb = x.astype(mx.bfloat16), w.astype(mx.bfloat16)
+    ours = prompt.depthwise_conv1d_by_ops(xb, wb)
+    assert ours.dtype == mx.bfloat16
+    assert mx.allclose(ours.astype(mx.float32), mx.conv1d(xb, wb, groups=24).astype(mx.float32),
+                       atol=5e-2, rtol=2e-2)  # fmt: skip
+
+
+def test_a_prompt_chunk_through_the_routes_is_the_models_forward(monkeypatch) -> None:
+    """Routed as on CUDA (forced here), a prefill chunk gives mlx-lm's logits and caches:
+    the conv1d and the long attention computed from ops, shorter calls left to MLX, and
+    nothing routed where the scores would pass the budget; outside the block MLX's again."""
+    from mtpkit.runtime.kernels import prompt
+
+    m = load_model(EXAMPLE, with_head=False)
+    m.model.set_dtype(mx.float32)
+    ids = mx.array([list(range(3, 43))])
+    stock_cache = m.make_cache()
+    expected = m.model(ids, cache=stock_cache)
+    calls: list[str] = []
+    conv, sdpa = prompt.depthwise_conv1d_by_ops, prompt.attention_by_ops
+    monkeypatch.setattr(prompt, "depthwise_conv1d_by_ops",
+                        lambda *a: calls.append("conv") or conv(*a))  # fmt: skip
+    monkeypatch.setattr(prompt, "attention_by_ops",
+                        lambda *a, **k: calls.append("attention") or sdpa(*a, **k))  # fmt: skip
+    cache = m.make_cache()
+    with prompt.prompt_chunk(force=True):
+        routed = m.model(ids, cache=cache)
+        short = m.model(mx.array([[5, 6]]), cache=m.make_cache())
+    assert "conv" in calls and "attention" in calls
+    assert calls.count("attention") == 1  # the 2-token call kept MLX's attention
+    assert mx.allclose(routed, expected, atol=1e-4, rtol=1e-4)
+    from mlx.utils import tree_flatten
+
+    for ours, theirs in zip(cache, stock_cache, strict=True):
+        pairs = zip(tree_flatten(ours.state), tree_flatten(theirs.state), strict=True)
+        arrays = [(a, b) for (_, a), (_, b) in pairs if isinstance(a, mx.array)]
+        assert arrays and all(mx.allclose(a, b, atol=1e-4, rtol=1e-4) for a, b in arrays)
+    assert short.shape[1] == 2
+    calls.clear()
+    monkeypatch.setattr(prompt, "SCORE_BUDGET", 10)
+    with prompt.prompt_chunk(force=True):
+        m.model(ids, cache=m.make_cache())
+    assert calls.count("attention") == 0 and "conv" in calls
+    calls.clear()
+    m.model(ids, cache=m.make_cache())  # outside: MLX's own
+    assert calls == []

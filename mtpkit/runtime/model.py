@@ -35,8 +35,9 @@ from mtpkit.families import BackboneParts, backbone_parts
 from mtpkit.mlxlm import eval_private_arrays, stock_model_classes
 from mtpkit.runtime.draft_vocab import FullVocab, SubsetVocab, load_draft_vocab
 from mtpkit.runtime.headload import HeadWeights, MtpHead, load_head
-from mtpkit.runtime.kernels.attention import few_query_attention
+from mtpkit.runtime.kernels.attention import MAX_QUERIES, few_query_attention
 from mtpkit.runtime.kernels.gdn_verify import use_fast_verify
+from mtpkit.runtime.kernels.prompt import prompt_chunk
 from mtpkit.runtime.kernels.routing import multi_row_matmuls
 from mtpkit.runtime.ranks import SINGLE, Lockstep
 from mtpkit.runtime.rollback.gdn import (
@@ -249,8 +250,13 @@ class MtpModel:
         return make_prompt_cache(self.model, max_kv_size=max_kv_size)
 
     def forward(self, tokens: mx.array, cache: list[Any]) -> tuple[mx.array, mx.array]:
-        """Logits [1, T, V] and hidden states [1, T, H] of `tokens` [1, T]."""
-        logits = self.model(tokens, cache=cache)
+        """Logits [1, T, V] and hidden states [1, T, H] of `tokens` [1, T] (a prompt's chunk
+        on CUDA without a build for its length: `kernels.prompt`)."""
+        if tokens.shape[1] <= MAX_QUERIES:
+            logits = self.model(tokens, cache=cache)
+        else:
+            with prompt_chunk():
+                logits = self.model(tokens, cache=cache)
         return logits, self.hidden_state()
 
     def verify(self, tokens: mx.array, cache: list[Any]) -> VerifyPass:

@@ -20,6 +20,7 @@ import mlx.core as mx
 
 from mtpkit.runtime.draft_vocab import FullVocab
 from mtpkit.runtime.kernels.attention import few_query_attention
+from mtpkit.runtime.kernels.prompt import prompt_chunk
 from mtpkit.runtime.model import POST_NORM, MtpModel
 from mtpkit.speculative.accept import SamplingSettings
 from mtpkit.speculative.batch.rollback import drop_per_row, roll_per_row
@@ -47,7 +48,8 @@ def row_head(m: MtpModel, proposer: HeadProposer) -> tuple[list[Any], mx.array]:
     cache, x = proposer.cache, None
     for i in range(0, len(tokens), HEAD_CHUNK):
         j = min(i + HEAD_CHUNK, len(tokens))
-        x = m.head(hidden[:, i:j], m.embed(mx.array(tokens[i:j])[None]), cache)
+        with prompt_chunk():  # CUDA: no attention build for this length
+            x = m.head(hidden[:, i:j], m.embed(mx.array(tokens[i:j])[None]), cache)
         mx.eval(x, [c.state for c in cache])
     return cache, x[:, -1:]
 

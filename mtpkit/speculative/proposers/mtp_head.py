@@ -8,6 +8,7 @@ from typing import Any
 import mlx.core as mx
 
 from mtpkit.runtime.kernels.attention import few_query_attention
+from mtpkit.runtime.kernels.prompt import prompt_chunk
 from mtpkit.runtime.model import POST_NORM, MtpModel
 from mtpkit.speculative.accept import SamplingSettings, Verdict
 from mtpkit.speculative.proposers.base import Proposal, ProposerBase
@@ -80,7 +81,8 @@ class HeadProposer(ProposerBase):
         n = len(tokens) - (1 if keep_last else 0)
         for i in range(0, n, HEAD_CHUNK):
             j = min(i + HEAD_CHUNK, n)
-            x = self.head(hidden[:, i:j], self.m.embed(mx.array(tokens[i:j])[None]), self.cache)
+            with prompt_chunk():  # CUDA: no attention build for this length
+                x = self.head(hidden[:, i:j], self.m.embed(mx.array(tokens[i:j])[None]), self.cache)
             mx.eval(x, [c.state for c in self.cache])
         self.pending_hidden = [hidden[:, n:]]
         self.pending_tokens = tokens[n:]
