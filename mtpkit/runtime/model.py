@@ -37,7 +37,7 @@ from mtpkit.runtime.draft_vocab import FullVocab, SubsetVocab, load_draft_vocab
 from mtpkit.runtime.headload import HeadWeights, MtpHead, load_head
 from mtpkit.runtime.kernels.attention import MAX_QUERIES, few_query_attention
 from mtpkit.runtime.kernels.gdn_verify import use_fast_verify
-from mtpkit.runtime.kernels.prompt import prompt_chunk
+from mtpkit.runtime.kernels.prompt import conv_by_ops, prompt_chunk
 from mtpkit.runtime.kernels.routing import multi_row_matmuls
 from mtpkit.runtime.ranks import SINGLE, Lockstep
 from mtpkit.runtime.rollback.gdn import (
@@ -272,6 +272,7 @@ class MtpModel:
             capture_gdn_states(snapshots),
             multi_row_matmuls(self.model, rows),
             few_query_attention(),
+            conv_by_ops(),
         ):
             logits, hidden = self.forward(tokens[None], cache)
         return VerifyPass(logits, hidden, snapshots, rows, replay)

@@ -8,6 +8,9 @@ than one query at head sizes up to 128 (a cuDNN graph: ~40 ms with a causal mask
 of many lengths paid ~0.3 s of builds a request on the bundled example, stalling every row
 of the batch at each join (docs/PERFORMANCE.md, 2026-12-02).
 
+A verify pass meets the same conv build at every new batch width and depth (its conv input
+is [rows, depth + 4, channels]); `conv_by_ops()` routes only the conv, for verify passes.
+
 Inside `prompt_chunk()` (on CUDA only, unless forced), the depthwise conv1d is computed as
 the sum of its K shifted products (float32, as a convolution accumulates) and attention of
 more than `MAX_QUERIES` queries at head sizes up to 128 from plain ops
@@ -54,19 +57,40 @@ def _is_depthwise(x: mx.array, weight: mx.array, stride, padding, dilation, grou
     )  # fmt: skip
 
 
+def _routed(force: bool) -> bool:
+    return force or (cuda_available() and switch("MTPKIT_KERNELS") is not False)
+
+
 @contextlib.contextmanager
-def prompt_chunk(force: bool = False) -> Iterator[None]:
-    """Within the block, a depthwise conv1d and long attention at small head sizes are
-    computed from plain ops (on CUDA, or anywhere with `force`): no build per length."""
-    if not (force or (cuda_available() and switch("MTPKIT_KERNELS") is not False)):
+def conv_by_ops(force: bool = False) -> Iterator[None]:
+    """Within the block, a depthwise conv1d is computed from plain ops (on CUDA, or anywhere
+    with `force`): a verify pass meets a new (rows, length) at every batch width and depth,
+    each a cuDNN build of ~140 ms on first use."""
+    if not _routed(force):
         yield
         return
-    conv1d, sdpa = mx.conv1d, mx.fast.scaled_dot_product_attention
+    conv1d = mx.conv1d
 
     def routed_conv1d(x, weight, stride=1, padding=0, dilation=1, groups=1, **kwargs):
         if kwargs or not _is_depthwise(x, weight, stride, padding, dilation, groups):
             return conv1d(x, weight, stride, padding, dilation, groups, **kwargs)
         return depthwise_conv1d_by_ops(x, weight)
+
+    mx.conv1d = routed_conv1d
+    try:
+        yield
+    finally:
+        mx.conv1d = conv1d
+
+
+@contextlib.contextmanager
+def prompt_chunk(force: bool = False) -> Iterator[None]:
+    """Within the block, a depthwise conv1d and long attention at small head sizes are
+    computed from plain ops (on CUDA, or anywhere with `force`): no build per length."""
+    if not _routed(force):
+        yield
+        return
+    sdpa = mx.fast.scaled_dot_product_attention
 
     def routed_sdpa(q: mx.array, k: mx.array, v: mx.array, *, scale: float, mask: Any = None,
                     **kwargs: Any) -> mx.array:  # fmt: skip
@@ -78,8 +102,9 @@ def prompt_chunk(force: bool = False) -> Iterator[None]:
             return sdpa(q, k, v, scale=scale, mask=mask, **kwargs)
         return attention_by_ops(q, k, v, scale=scale, mask=mask)
 
-    mx.conv1d, mx.fast.scaled_dot_product_attention = routed_conv1d, routed_sdpa
+    mx.fast.scaled_dot_product_attention = routed_sdpa
     try:
-        yield
+        with conv_by_ops(force):
+            yield
     finally:
-        mx.conv1d, mx.fast.scaled_dot_product_attention = conv1d, sdpa
+        mx.fast.scaled_dot_product_attention = sdpa

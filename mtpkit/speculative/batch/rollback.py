@@ -39,6 +39,7 @@ import mlx.core as mx
 from mtpkit.core.errors import MtpkitError
 from mtpkit.mlxlm import cut_window, window_in_temporal_order
 from mtpkit.runtime.kernels.attention import few_query_attention
+from mtpkit.runtime.kernels.prompt import conv_by_ops
 from mtpkit.runtime.kernels.routing import multi_row_matmuls
 from mtpkit.runtime.model import MtpModel
 from mtpkit.runtime.rollback.gdn import GdnSnapshots, capture_gdn_states, is_recurrent_cache
@@ -260,6 +261,7 @@ def verify_rows(m: MtpModel, tokens: mx.array, caches: list[Any]) -> BatchVerify
         capture_gdn_states(snapshots),
         multi_row_matmuls(m.model, rows),
         few_query_attention(),
+        conv_by_ops(),  # CUDA: no conv build at each new width and depth
     ):
         logits, hidden = m.forward(tokens, caches)
     return BatchVerifyPass(logits, hidden, snapshots, tokens.shape[1], replay, windows)
