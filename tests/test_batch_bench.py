@@ -138,3 +138,22 @@ def test_batch_rows_continue_from_each_prompt_prefilled_once(converted: Path, mo
         assert [r.tokens for r in added] == whole
         assert [r.stats.cached_tokens for r in added] == [len(p) - 2 for p in rows]
     assert stock_batch_tps(model, tokenizer, rows, 4, context.caches(3)) > 0
+
+
+def test_batch_rows_draft_by_prompt_lookup(mimo: Path) -> None:
+    """`--batch --prompt-lookup`: the rows draft by prompt lookup (each row over its own
+    prompt and output) against stock's batching; `--acceptance` (oracle drafts for the
+    head) and `--draft-model` are refused in one line."""
+    base = ["bench", "--model", str(mimo), "--batch", "2", "--trials", "1", "--max-tokens", "6"]
+    result = runner.invoke(app, [*base, "--prompt-lookup", "--json"])
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    assert report["drafter"] == "prompt-lookup" and [w["batch"] for w in report["widths"]] == [2]
+    assert report["widths"][0]["mtp"]["prompt-lookup"]["tps"]["median"] > 0
+    table = runner.invoke(app, [*base, "--prompt-lookup"])
+    assert "prompt-lookup, adaptive" in table.stdout and "MTP (head)" not in table.stdout
+    oracle = runner.invoke(app, [*base, "--prompt-lookup", "--acceptance", "0.5"])
+    assert oracle.exit_code == 2
+    assert "--acceptance replaces the head's drafts" in oracle.stderr
+    draft = runner.invoke(app, [*base, "--draft-model", str(mimo)])
+    assert draft.exit_code == 2 and "drop --draft-model" in draft.stderr

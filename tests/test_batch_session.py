@@ -73,9 +73,12 @@ def test_a_cancelled_request_leaves_and_the_others_finish(engine: Engine) -> Non
         assert entries[i].text == alone(engine, Request(ids[i], max_tokens=24))[0]
 
 
-def test_the_server_batches_with_the_head_or_without_a_drafter(engine: Engine) -> None:
-    """Issue 43: `--no-mtp` batches too (plain batched steps); a drafter that does not batch
-    yet decodes one request at a time, and the worker says why in one line."""
+def test_the_server_batches_with_the_head_or_without_a_drafter(
+    engine: Engine, converted: Path
+) -> None:
+    """Issue 43: `--no-mtp` and prompt lookup batch too (plain batched steps; each row's own
+    n-grams); a drafter that does not batch yet decodes one request at a time, and the
+    worker says why in one line. (Changed: prompt lookup was the drafter refused here.)"""
     from mtpkit.serve.worker import Worker
     from mtpkit.speculative.proposers.choose import DrafterChoice
 
@@ -84,10 +87,12 @@ def test_the_server_batches_with_the_head_or_without_a_drafter(engine: Engine) -
     plain = Engine(engine.m, mtp=False)
     lookup = Engine(engine.m, drafter=DrafterChoice(prompt_lookup=True))
     assert Worker(plain, capacity=1, concurrency=4).batch is not None
-    alone = Worker(lookup, capacity=1, concurrency=4)
+    assert Worker(lookup, capacity=1, concurrency=4).batch is not None
+    draft = Engine(engine.m, drafter=DrafterChoice(draft_model=converted))
+    alone = Worker(draft, capacity=1, concurrency=4)
     assert alone.batch is None
     assert alone.alone_because == (
-        "the prompt-lookup drafter does not decode in a batch yet: its requests decode one at "
+        "the draft-model drafter does not decode in a batch yet: its requests decode one at "
         "a time"
     )
 

@@ -147,9 +147,11 @@ def bench_command(
     scales = value(dtype) or "float32"
     acceptances = parse_acceptances(acceptance)
     widths = parse_widths(batch)
-    if widths is not None and (draft_model is not None or prompt_lookup):
-        flag = "--draft-model" if draft_model is not None else "--prompt-lookup"
-        ctx.fail(f"--batch measures the MTP head against stock batching: drop {flag}")
+    if widths is not None and draft_model is not None:
+        ctx.fail("--batch measures the MTP head or prompt lookup against stock batching: drop "
+                 "--draft-model")  # fmt: skip
+    if widths is not None and prompt_lookup and acceptances:
+        ctx.fail("--acceptance replaces the head's drafts: --batch --prompt-lookup takes none")
     if serve and (widths is not None or draft_model or prompt_lookup or acceptances):
         ctx.fail("--serve takes none of --batch, --draft-model, --prompt-lookup, --acceptance")
     levels = parse_widths(clients, "--clients") if serve else None
@@ -201,7 +203,7 @@ def bench_command(
         _bench_batch(
             str(built) if built else model, widths, [p or DEFAULT_PROMPT for p in prompts],
             prompt_tokens, max_tokens, trials, acceptances, json_output, progress,
-            f"random:{shape}" if shape else None,
+            f"random:{shape}" if shape else None, prompt_lookup,
         )  # fmt: skip
         if built is not None:
             shutil.rmtree(built.parent, ignore_errors=True)
@@ -252,15 +254,18 @@ def _bench_batch(
     json_output: bool,
     progress: Callable[[str], None],
     name: str | None,
+    prompt_lookup: bool = False,
 ) -> None:
     from mtpkit.bench.batch import bench_batch, print_batch_bench
     from mtpkit.cli.output import print_json
     from mtpkit.core.console import warn
+    from mtpkit.speculative.proposers.choose import DrafterChoice
 
     result = bench_batch(
         model, widths=widths, prompts=prompts, prompt_tokens=prompt_tokens,
         synthetic=name is not None, max_tokens=max_tokens, trials=trials,
         acceptances=acceptances, progress=progress,
+        drafter=DrafterChoice(prompt_lookup=prompt_lookup),
     )  # fmt: skip
     if name is not None:
         result.model = name
