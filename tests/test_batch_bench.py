@@ -140,10 +140,11 @@ def test_batch_rows_continue_from_each_prompt_prefilled_once(converted: Path, mo
     assert stock_batch_tps(model, tokenizer, rows, 4, context.caches(3)) > 0
 
 
-def test_batch_rows_draft_by_prompt_lookup(mimo: Path) -> None:
-    """`--batch --prompt-lookup`: the rows draft by prompt lookup (each row over its own
-    prompt and output) against stock's batching; `--acceptance` (oracle drafts for the
-    head) and `--draft-model` are refused in one line."""
+def test_batch_rows_draft_by_prompt_lookup_or_a_draft_model(mimo: Path) -> None:
+    """`--batch --prompt-lookup` / `--draft-model DIR`: the rows draft by prompt lookup (each
+    row over its own prompt and output) or by the draft model (here the target itself)
+    against stock's batching; `--acceptance` (oracle drafts for the head) is refused in one
+    line."""
     base = ["bench", "--model", str(mimo), "--batch", "2", "--trials", "1", "--max-tokens", "6"]
     result = runner.invoke(app, [*base, "--prompt-lookup", "--json"])
     assert result.exit_code == 0, result.output
@@ -155,5 +156,10 @@ def test_batch_rows_draft_by_prompt_lookup(mimo: Path) -> None:
     oracle = runner.invoke(app, [*base, "--prompt-lookup", "--acceptance", "0.5"])
     assert oracle.exit_code == 2
     assert "--acceptance replaces the head's drafts" in oracle.stderr
-    draft = runner.invoke(app, [*base, "--draft-model", str(mimo)])
-    assert draft.exit_code == 2 and "drop --draft-model" in draft.stderr
+    draft = runner.invoke(app, [*base, "--draft-model", str(mimo), "--json"])
+    assert draft.exit_code == 0, draft.output
+    report = json.loads(draft.stdout)
+    assert report["drafter"] == "draft-model"
+    assert report["widths"][0]["mtp"]["draft-model"]["acceptance"] == 1.0  # itself: all kept
+    both = runner.invoke(app, [*base, "--draft-model", str(mimo), "--acceptance", "0.5"])
+    assert both.exit_code == 2 and "--batch --draft-model takes none" in both.stderr

@@ -27,19 +27,21 @@ def prompt_ids(path: Path, text: str) -> list[int]:
     return tokenizer.encode(text)
 
 
-@pytest.mark.parametrize("mtp", ["--mtp", "--no-mtp", "--prompt-lookup"])
+@pytest.mark.parametrize("mtp", ["--mtp", "--no-mtp", "--prompt-lookup", "--draft-model"])
 def test_each_request_is_its_prompt_alone(converted: Path, mtp: str) -> None:
     """Greedy, with the head (rows accepting on their own), by prompt lookup (each row's own
-    n-grams) and without a drafter (stock's batch_generate): every request's tokens are
-    stock mlx-lm's for its prompt alone."""
+    n-grams), by a draft model (each row's own draft caches; here the model itself) and
+    without a drafter (stock's batch_generate): every request's tokens are stock mlx-lm's
+    for its prompt alone."""
     args = [a for p in PROMPTS for a in ("-p", p)]
-    lookup = ["--prompt-lookup-min", "1"] if mtp == "--prompt-lookup" else []
-    result = run("generate", "--model", str(converted), *args, "-m", "20", mtp, *lookup,
-                 "--no-chat-template", "--json")  # fmt: skip
+    extra = {"--prompt-lookup": ["--prompt-lookup-min", "1"], "--draft-model": [str(converted)]}
+    result = run("generate", "--model", str(converted), *args, "-m", "20", mtp,
+                 *extra.get(mtp, []), "--no-chat-template", "--json")  # fmt: skip
     assert result.exit_code == 0, result.output
     out = json.loads(result.stdout)
     assert out["batch"] == 3 and out["mtp"] is (mtp != "--no-mtp")
-    drafter = {"--mtp": "mtp", "--no-mtp": "none", "--prompt-lookup": "prompt-lookup"}[mtp]
+    drafter = {"--mtp": "mtp", "--no-mtp": "none", "--prompt-lookup": "prompt-lookup",
+               "--draft-model": "draft-model"}[mtp]  # fmt: skip
     assert out["drafter"] == drafter
     for prompt, request in zip(PROMPTS, out["requests"], strict=True):
         expected = stock_tokens(converted, prompt_ids(converted, prompt), 20)
@@ -81,7 +83,7 @@ def test_a_seeded_request_samples_the_same_in_any_batch(converted: Path) -> None
 
 def test_one_stream_options_are_usage_errors(converted: Path) -> None:
     cases = [
-        (["--draft-model", str(converted)], "--draft-model works on one prompt"),
+        (["--xtc-probability", "0.5"], "--xtc-probability works on one prompt"),
         (["--max-kv-size", "64"], "--max-kv-size works on one prompt"),
         (["--kv-bits", "4"], "--kv-bits works on one prompt"),
         (["-p", "-"], None),  # one stdin prompt among several is fine

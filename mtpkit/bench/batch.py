@@ -10,7 +10,8 @@ disturbance of the machine hits both alike. The figures are aggregate decode tok
 after each row's first over the decoding time, as stock's `generation_tps` counts them), per
 request (aggregate / B), and MTP's ratio to stock at the same width in the same trial.
 With `--prompt-lookup` the rows draft by prompt lookup (each row over its own prompt and
-output) instead of the head.
+output), with `--draft-model DIR` by that draft model (each row with its own caches),
+instead of the head.
 Both run with Python's collector off, as one stream's runs do (`speed.collector_off`).
 On a GPU one whole trial runs untimed first: a shape met for the first time builds its
 kernels there (seconds each; on a fresh CUDA machine a batched round's first use took 54 s),
@@ -257,15 +258,13 @@ def bench_batch(
     `warm_trial` (default: on a GPU) runs one whole trial untimed first: there a shape met
     for the first time builds its kernels, seconds each, which short warm-ups miss (a round
     whose rows keep new counts, a key length not seen). `drafter`: what drafts the rows
-    (default: the head; prompt lookup batches too)."""
+    (default: the head; prompt lookup and a draft model batch too)."""
     if trials < 1 or max_tokens < 2 or not widths or min(widths) < 1 or not prompts:
         raise MtpkitError("--batch takes widths of at least 1; trials >= 1, max-tokens >= 2")
     say = progress or (lambda s: None)
     drafter = drafter or DrafterChoice()
-    if drafter.draft_model is not None:
-        raise MtpkitError("--batch measures the head or prompt lookup: drop --draft-model")
     if not drafter.uses_head and acceptances:
-        raise MtpkitError("--acceptance replaces the head's drafts: drop --prompt-lookup")
+        raise MtpkitError(f"--acceptance replaces the head's drafts: drop --{drafter.name}")
     m = load_model(model, with_head=drafter.uses_head)
     if drafter.uses_head and m.head is None:
         raise NoMtpHead(f"{m.path} has no MTP head: run `mtpkit inspect` and `mtpkit convert`")

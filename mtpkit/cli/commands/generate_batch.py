@@ -13,10 +13,9 @@ from mtpkit.cli.output import FRAME
 from mtpkit.cli.ranks import rank_number, refuse_on_ranks
 
 # What one stream has and a batch does not (the option, the parameter's value that means
-# "not given"): a batch drafts with the head or prompt lookup, on one machine, from every
-# prompt's first token, with mlx-lm's default prefill and full-precision caches.
+# "not given"): a batch runs on one machine, from every prompt's first token, with mlx-lm's
+# default prefill and full-precision caches.
 ONE_STREAM_ONLY = {
-    "draft_model": ("--draft-model", None),
     "pipeline": ("--pipeline", False),
     "max_kv_size": ("--max-kv-size", None),
     "prompt_cache_file": ("--prompt-cache-file", None),
