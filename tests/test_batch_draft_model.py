@@ -89,3 +89,28 @@ def test_every_cache_kind_batches_with_a_draft_model_as_stock(
                 assert accepted == drafted, kinds
     assert {"ArraysCache", "KVCache", "CacheList", "MLA"} <= {k for key in seen for k in key}
     assert windows > 0
+
+
+def test_a_seeded_sampled_row_draws_alike_alone_and_in_a_batch(converted: Path) -> None:
+    """A sampled row with a seed draws its drafts and verdicts from its own key: the same
+    tokens alone and beside other rows (the bundled example drafting for itself, so drafts
+    are kept and rejected by rejection sampling)."""
+    from mtpkit.speculative.accept import SamplingSettings
+
+    m = load_model(converted, with_head=False)
+    factory = ProposerFactory(m, DrafterChoice(draft_model=converted))
+    prompt = m.tokenizer.encode("Create a new event loop. You")
+    sampled = SamplingSettings(temp=1.0)
+
+    def run(others: list[list[int]]) -> tuple[list[int], int]:
+        decoder = BatchDecoder(m, depth=2, proposers=factory)
+        rows = [decoder.add(p, max_tokens=16) for p in others]
+        row = decoder.add(prompt, max_tokens=16, sampling=sampled, seed=11)
+        while decoder.rows:
+            decoder.step()
+        assert all(r.tokens for r in rows)
+        return row.tokens, row.drafted
+
+    alone, drafted = run([])
+    assert len(alone) > 4 and drafted > 0
+    assert run([list(range(40, 24, -1)), [300, 301]])[0] == alone

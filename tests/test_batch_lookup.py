@@ -96,3 +96,26 @@ def test_a_lookup_session_batches_each_request_as_it_decodes_alone(converted: Pa
         for _ in session:
             pass
         assert (entry.text, entry.finish_reason) == (session.text, session.finish_reason)
+
+
+def test_a_seeded_sampled_row_draws_alike_alone_and_in_a_batch(converted: Path) -> None:
+    """A sampled row with a seed draws its verdicts from its own key and looks up its own
+    history: the same tokens alone and beside other rows."""
+    from mtpkit.speculative.accept import SamplingSettings
+
+    m = load_model(converted, with_head=False)
+    factory = ProposerFactory(m, DrafterChoice(prompt_lookup=True, prompt_lookup_min=1))
+    prompt = m.tokenizer.encode("def f(x):\n    return f(x) + f(x) + f(")
+
+    def run(others: list[list[int]]) -> tuple[list[int], int]:
+        decoder = BatchDecoder(m, depth=3, proposers=factory)
+        rows = [decoder.add(p, max_tokens=16) for p in others]
+        row = decoder.add(prompt, max_tokens=16, sampling=SamplingSettings(temp=0.7), seed=3)
+        while decoder.rows:
+            decoder.step()
+        assert all(r.tokens for r in rows)
+        return row.tokens, row.drafted
+
+    alone, drafted = run([])
+    assert len(alone) > 4 and drafted > 0
+    assert run([list(range(40, 24, -1)), [300, 301, 300]])[0] == alone
