@@ -184,3 +184,37 @@ def test_without_a_drafter_a_next_turn_joins_from_a_single_streams_cache(
     assert entry.stats.cached_tokens == len(first.prompt) + len(session.stats.generated) - 1
     fresh = Engine(engine.m, mtp=False, prompt_cache_size=0)
     assert (entry.text, entry.finish_reason, entry.generated) == alone(fresh, turn)
+
+
+@pytest.mark.parametrize("drafter", ["prompt-lookup", "draft-model"])
+def test_a_batched_turn_leaves_its_drafters_state_for_the_next(
+    engine: Engine, converted: Path, drafter: str
+) -> None:
+    """A conversation by prompt lookup or with a draft model: a turn decoded in a batch
+    leaves its row's state (the target's caches and its proposer, taken out of the batch's)
+    in the prompt cache; the next turn, alone, prefills only what it adds and gets the text
+    and the drafts a fresh engine gives it (every draft kept, for the model drafting for
+    itself): the taken proposer held the row's history or draft caches exactly."""
+    from mtpkit.speculative.proposers.choose import DrafterChoice
+
+    choice = (DrafterChoice(prompt_lookup=True) if drafter == "prompt-lookup"
+              else DrafterChoice(draft_model=converted))  # fmt: skip
+    chat = Engine(engine.m, drafter=choice)
+    first = Request(chat.m.tokenizer.encode(PROMPTS[0]), max_tokens=12)
+    batch = BatchSession(chat)
+    entry = batch.add(first)
+    batch.add(Request(chat.m.tokenizer.encode(PROMPTS[1]), max_tokens=20))
+    while batch.entries:
+        batch.step()
+    generated = entry.stats.generated
+    assert generated and entry.stats.proposer == drafter
+    turn = Request([*first.prompt, *generated, *first.prompt[:3]], max_tokens=12, depth=2,
+                   adaptive=False)  # fmt: skip
+    session = chat.session(turn)
+    text = "".join(e.text for e in session)
+    assert session.stats.cached_tokens >= len(first.prompt) + len(generated) - 1
+    fresh = Engine(engine.m, drafter=choice, prompt_cache_size=0).session(turn)
+    assert (text, session.finish_reason) == ("".join(e.text for e in fresh), fresh.finish_reason)
+    assert session.stats.draft_log == fresh.stats.draft_log and session.stats.drafted > 0
+    if drafter == "draft-model":
+        assert session.stats.accepted == session.stats.drafted
