@@ -71,7 +71,7 @@ def run(m, prompts: list[list[int]], oracles: list, n: int, trial: int, seen: se
         start = time.perf_counter()
         while decoder.rows:
             width = len(decoder.rows)
-            pending = len(decoder.head.pending)
+            pending = len(decoder.proposer.pending)
             queued = "plain queued" if decoder._ahead is not None else (
                 "round in flight" if decoder._inflight is not None else "nothing queued")
             plain_before = decoder.plain_steps

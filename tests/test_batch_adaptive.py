@@ -135,7 +135,7 @@ def test_a_rounds_cost_is_spread_over_its_mean_yield() -> None:
 def test_the_heads_catch_up_runs_in_chunks_of_powers_of_two() -> None:
     """A batch's head catches up on a plain stretch's pairs in chunks whose lengths are the
     powers of two that sum to the count, so a server meets few shapes (`head.power_chunks`)."""
-    from mtpkit.speculative.batch.head import power_chunks
+    from mtpkit.speculative.proposers.mtp_head import power_chunks
 
     assert power_chunks(1) == [(0, 1)]
     assert power_chunks(37) == [(0, 32), (32, 36), (36, 37)]

@@ -138,3 +138,28 @@ def test_batch_rows_continue_from_each_prompt_prefilled_once(converted: Path, mo
         assert [r.tokens for r in added] == whole
         assert [r.stats.cached_tokens for r in added] == [len(p) - 2 for p in rows]
     assert stock_batch_tps(model, tokenizer, rows, 4, context.caches(3)) > 0
+
+
+def test_batch_rows_draft_by_prompt_lookup_or_a_draft_model(mimo: Path) -> None:
+    """`--batch --prompt-lookup` / `--draft-model DIR`: the rows draft by prompt lookup (each
+    row over its own prompt and output) or by the draft model (here the target itself)
+    against stock's batching; `--acceptance` (oracle drafts for the head) is refused in one
+    line."""
+    base = ["bench", "--model", str(mimo), "--batch", "2", "--trials", "1", "--max-tokens", "6"]
+    result = runner.invoke(app, [*base, "--prompt-lookup", "--json"])
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    assert report["drafter"] == "prompt-lookup" and [w["batch"] for w in report["widths"]] == [2]
+    assert report["widths"][0]["mtp"]["prompt-lookup"]["tps"]["median"] > 0
+    table = runner.invoke(app, [*base, "--prompt-lookup"])
+    assert "prompt-lookup, adaptive" in table.stdout and "MTP (head)" not in table.stdout
+    oracle = runner.invoke(app, [*base, "--prompt-lookup", "--acceptance", "0.5"])
+    assert oracle.exit_code == 2
+    assert "--acceptance replaces the head's drafts" in oracle.stderr
+    draft = runner.invoke(app, [*base, "--draft-model", str(mimo), "--json"])
+    assert draft.exit_code == 0, draft.output
+    report = json.loads(draft.stdout)
+    assert report["drafter"] == "draft-model"
+    assert report["widths"][0]["mtp"]["draft-model"]["acceptance"] == 1.0  # itself: all kept
+    both = runner.invoke(app, [*base, "--draft-model", str(mimo), "--acceptance", "0.5"])
+    assert both.exit_code == 2 and "--batch --draft-model takes none" in both.stderr

@@ -49,9 +49,9 @@ def test_each_rows_drafts_are_the_heads_predictions(
 ) -> None:
     """Also with the head catching up inside a stretch of plain steps (every 2 pairs), and
     on 7 pending pairs at a draft (chunks of 4, 2 and 1: `power_chunks`)."""
-    from mtpkit.speculative.batch import head
+    from mtpkit.speculative.proposers import mtp_head as head
 
-    monkeypatch.setattr(head, "CATCH_UP_AFTER", catch_up_after)
+    monkeypatch.setattr(head, "ROWS_CATCH_UP_AFTER", catch_up_after)
     counts, chunks = [], head.power_chunks
     monkeypatch.setattr(head, "power_chunks", lambda n: counts.append(n) or chunks(n))
     pattern = [True, True] + [False] * plain_run + [True]

@@ -73,22 +73,33 @@ def test_a_cancelled_request_leaves_and_the_others_finish(engine: Engine) -> Non
         assert entries[i].text == alone(engine, Request(ids[i], max_tokens=24))[0]
 
 
-def test_the_server_batches_with_the_head_or_without_a_drafter(engine: Engine) -> None:
-    """Issue 43: `--no-mtp` batches too (plain batched steps); a drafter that does not batch
-    yet decodes one request at a time, and the worker says why in one line."""
+def test_the_server_batches_with_the_head_or_without_a_drafter(
+    engine: Engine, converted: Path, tmp_path: Path
+) -> None:
+    """Issue 43: `--no-mtp`, prompt lookup and a draft model batch too (plain batched steps;
+    each row's own n-grams; each row's own draft caches); a drafter that does not batch yet
+    (DFlash) decodes one request at a time, and the worker says why in one line. (Changed:
+    prompt lookup was the drafter refused here.)"""
     from mtpkit.serve.worker import Worker
     from mtpkit.speculative.proposers.choose import DrafterChoice
+    from tests.checkpoints import build_dense_model
+    from tests.dflash_checkpoints import build_dflash
 
     assert Worker(engine, capacity=1, concurrency=4).batch is not None
     assert Worker(engine, capacity=1, concurrency=1).batch is None  # the single stream
     plain = Engine(engine.m, mtp=False)
     lookup = Engine(engine.m, drafter=DrafterChoice(prompt_lookup=True))
     assert Worker(plain, capacity=1, concurrency=4).batch is not None
-    alone = Worker(lookup, capacity=1, concurrency=4)
+    assert Worker(lookup, capacity=1, concurrency=4).batch is not None
+    draft = Engine(engine.m, drafter=DrafterChoice(draft_model=converted))
+    assert Worker(draft, capacity=1, concurrency=4).batch is not None
+    dense = build_dense_model(tmp_path / "llama", "llama", layers=4)
+    dflash = build_dflash(tmp_path / "dflash", dense, target_layer_ids=[0, 2])
+    blocks = Engine.load(dense, drafter=DrafterChoice(draft_model=dflash), prompt_cache_size=0)
+    alone = Worker(blocks, capacity=1, concurrency=4)
     assert alone.batch is None
     assert alone.alone_because == (
-        "the prompt-lookup drafter does not decode in a batch yet: its requests decode one at "
-        "a time"
+        "the dflash drafter does not decode in a batch yet: its requests decode one at a time"
     )
 
 
@@ -173,3 +184,37 @@ def test_without_a_drafter_a_next_turn_joins_from_a_single_streams_cache(
     assert entry.stats.cached_tokens == len(first.prompt) + len(session.stats.generated) - 1
     fresh = Engine(engine.m, mtp=False, prompt_cache_size=0)
     assert (entry.text, entry.finish_reason, entry.generated) == alone(fresh, turn)
+
+
+@pytest.mark.parametrize("drafter", ["prompt-lookup", "draft-model"])
+def test_a_batched_turn_leaves_its_drafters_state_for_the_next(
+    engine: Engine, converted: Path, drafter: str
+) -> None:
+    """A conversation by prompt lookup or with a draft model: a turn decoded in a batch
+    leaves its row's state (the target's caches and its proposer, taken out of the batch's)
+    in the prompt cache; the next turn, alone, prefills only what it adds and gets the text
+    and the drafts a fresh engine gives it (every draft kept, for the model drafting for
+    itself): the taken proposer held the row's history or draft caches exactly."""
+    from mtpkit.speculative.proposers.choose import DrafterChoice
+
+    choice = (DrafterChoice(prompt_lookup=True) if drafter == "prompt-lookup"
+              else DrafterChoice(draft_model=converted))  # fmt: skip
+    chat = Engine(engine.m, drafter=choice)
+    first = Request(chat.m.tokenizer.encode(PROMPTS[0]), max_tokens=12)
+    batch = BatchSession(chat)
+    entry = batch.add(first)
+    batch.add(Request(chat.m.tokenizer.encode(PROMPTS[1]), max_tokens=20))
+    while batch.entries:
+        batch.step()
+    generated = entry.stats.generated
+    assert generated and entry.stats.proposer == drafter
+    turn = Request([*first.prompt, *generated, *first.prompt[:3]], max_tokens=12, depth=2,
+                   adaptive=False)  # fmt: skip
+    session = chat.session(turn)
+    text = "".join(e.text for e in session)
+    assert session.stats.cached_tokens >= len(first.prompt) + len(generated) - 1
+    fresh = Engine(engine.m, drafter=choice, prompt_cache_size=0).session(turn)
+    assert (text, session.finish_reason) == ("".join(e.text for e in fresh), fresh.finish_reason)
+    assert session.stats.draft_log == fresh.stats.draft_log and session.stats.drafted > 0
+    if drafter == "draft-model":
+        assert session.stats.accepted == session.stats.drafted

@@ -168,28 +168,28 @@ def test_refusals(subset: Path, tmp_path: Path) -> None:
 def test_batched_rows_draft_in_the_subset_and_are_each_stock(
     subset: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Rows of one batch draft over the subset too (`BatchHead`), greedy and sampled rows
+    """Rows of one batch draft over the subset too (`HeadRows`), greedy and sampled rows
     side by side; each greedy row is stock mlx-lm's tokens alone."""
     from mtpkit.speculative.batch import BatchDecoder
-    from mtpkit.speculative.batch.head import BatchHead
+    from mtpkit.speculative.proposers.mtp_head import HeadRows
 
     m = load_model(subset)
     allowed = set(subset_ids(subset))
     prompts = [m.tokenizer.encode("Create a new event loop. You"), list(range(40, 24, -1))]
     decoder = BatchDecoder(m, depth=2, adaptive=False)
-    head_propose = BatchHead.propose
+    head_propose = HeadRows.propose
     drafted: list[int] = []
 
-    def spy(head, depth, sampling, keys):
-        drafts, dists = head_propose(head, depth, sampling, keys)
-        drafted.extend(drafts.reshape(-1).tolist())
-        for q in dists:
+    def spy(head, depths, sampling, keys):
+        proposal = head_propose(head, depths, sampling, keys)
+        drafted.extend(proposal.drafts.reshape(-1).tolist())
+        for q in proposal.dists:
             if q is not None:  # a sampled row's proposal: over the whole vocabulary, in the subset
                 mass = np.array(q.astype(mx.float32)).sum(axis=0)
                 assert q.shape[-1] == 1024 and set(np.nonzero(mass)[0].tolist()) <= allowed
-        return drafts, dists
+        return proposal
 
-    monkeypatch.setattr(BatchHead, "propose", spy)
+    monkeypatch.setattr(HeadRows, "propose", spy)
     rows = [decoder.add(p, max_tokens=24) for p in prompts]
     sampled = decoder.add(prompts[0], max_tokens=8, sampling=SamplingSettings(temp=1.0), seed=3)
     while decoder.rows:

@@ -27,22 +27,28 @@ def prompt_ids(path: Path, text: str) -> list[int]:
     return tokenizer.encode(text)
 
 
-@pytest.mark.parametrize("mtp", ["--mtp", "--no-mtp"])
+@pytest.mark.parametrize("mtp", ["--mtp", "--no-mtp", "--prompt-lookup", "--draft-model"])
 def test_each_request_is_its_prompt_alone(converted: Path, mtp: str) -> None:
-    """Greedy, with the head (rows accepting on their own) and without (stock's
-    batch_generate): every request's tokens are stock mlx-lm's for its prompt alone."""
+    """Greedy, with the head (rows accepting on their own), by prompt lookup (each row's own
+    n-grams), by a draft model (each row's own draft caches; here the model itself) and
+    without a drafter (stock's batch_generate): every request's tokens are stock mlx-lm's
+    for its prompt alone."""
     args = [a for p in PROMPTS for a in ("-p", p)]
+    extra = {"--prompt-lookup": ["--prompt-lookup-min", "1"], "--draft-model": [str(converted)]}
     result = run("generate", "--model", str(converted), *args, "-m", "20", mtp,
-                 "--no-chat-template", "--json")  # fmt: skip
+                 *extra.get(mtp, []), "--no-chat-template", "--json")  # fmt: skip
     assert result.exit_code == 0, result.output
     out = json.loads(result.stdout)
-    assert out["batch"] == 3 and out["mtp"] is (mtp == "--mtp")
+    assert out["batch"] == 3 and out["mtp"] is (mtp != "--no-mtp")
+    drafter = {"--mtp": "mtp", "--no-mtp": "none", "--prompt-lookup": "prompt-lookup",
+               "--draft-model": "draft-model"}[mtp]  # fmt: skip
+    assert out["drafter"] == drafter
     for prompt, request in zip(PROMPTS, out["requests"], strict=True):
         expected = stock_tokens(converted, prompt_ids(converted, prompt), 20)
         assert request["tokens"] == expected, prompt
         assert request["prompt_tokens"] == len(prompt_ids(converted, prompt))
         assert request["finish_reason"] == ("length" if len(expected) == 20 else "stop")
-    if mtp == "--mtp":
+    if mtp != "--no-mtp":
         assert sum(r["drafted"] for r in out["requests"]) > 0
         assert out["decode_tps"] > 0
 
@@ -77,7 +83,7 @@ def test_a_seeded_request_samples_the_same_in_any_batch(converted: Path) -> None
 
 def test_one_stream_options_are_usage_errors(converted: Path) -> None:
     cases = [
-        (["--prompt-lookup"], "--prompt-lookup works on one prompt"),
+        (["--xtc-probability", "0.5"], "--xtc-probability works on one prompt"),
         (["--max-kv-size", "64"], "--max-kv-size works on one prompt"),
         (["--kv-bits", "4"], "--kv-bits works on one prompt"),
         (["-p", "-"], None),  # one stdin prompt among several is fine

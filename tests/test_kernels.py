@@ -648,7 +648,8 @@ def test_a_batchs_verify_takes_the_kernel_for_its_rows(emulated_cuda, monkeypatc
     """A batch's verify pass [B, K+1] sends its B x (K+1) rows through the routed layers'
     kernel (every layer routed, as MTPKIT_QMV=1) and gives the logits and hidden states of
     the same pass through MLX's quantized matmul (float32: summation order only)."""
-    from mtpkit.speculative.batch.rollback import batch_caches, verify_rows
+    from mtpkit.runtime.rollback.rows import batch_caches
+    from mtpkit.runtime.rollback.verify_rows import verify_rows
 
     m = load_model(EXAMPLE, with_head=False)
     m.model.set_dtype(mx.float32)  # float32 rows: the FMA variant, summation order only

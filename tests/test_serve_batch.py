@@ -241,12 +241,16 @@ def test_fields_the_batch_cannot_honour_decode_alone_beside_it(client, refs) -> 
     assert r.model_extra["mtp"]["drafted"] > 0
 
 
+@pytest.mark.parametrize("drafter", ["none", "prompt-lookup", "draft-model"])
 def test_without_a_drafter_clients_decode_in_one_batch(
-    converted: Path, refs, tmp_path: Path
+    converted: Path, refs, tmp_path: Path, drafter: str
 ) -> None:
-    """Issue 43: `--no-mtp --decode-concurrency 4` batches (plain batched steps), where it
-    used to decode one request at a time; each answer is stock mlx-lm's text alone."""
-    proc = ServerProcess(converted, tmp_path / "server.log", "--no-mtp",
+    """Issue 43: `--no-mtp --decode-concurrency 4` batches (plain batched steps), and so do
+    `--prompt-lookup` and `--draft-model DIR` (here the model itself), where each used to
+    decode one request at a time; each answer is stock mlx-lm's text alone."""
+    flags = {"none": ["--no-mtp"], "prompt-lookup": ["--prompt-lookup"],
+             "draft-model": ["--draft-model", str(converted)]}[drafter]  # fmt: skip
+    proc = ServerProcess(converted, tmp_path / "server.log", *flags,
                          "--decode-concurrency", "4")  # fmt: skip
     try:
         client = openai.OpenAI(base_url=proc.url + "/v1", api_key="unused", timeout=TIMEOUT)
@@ -256,11 +260,12 @@ def test_without_a_drafter_clients_decode_in_one_batch(
         for prompt, r in zip(LONG, answers, strict=True):
             text, count = refs.stock_text(refs.text_ids(prompt), MAX_TOKENS)
             assert r.choices[0].text == text and r.usage.completion_tokens == count
-            assert r.model_extra["mtp"]["drafter"] == "none"
+            assert r.model_extra["mtp"]["drafter"] == drafter
     finally:
         proc.stop()
     log = (tmp_path / "server.log").read_text()
-    assert "drafter: none, decode concurrency: 4" in log and "Traceback" not in log
+    assert f"drafter: {drafter}, decode concurrency: 4" in log and "Traceback" not in log
+    assert "decode one at a time" not in log
 
 
 def test_sigterm_ends_every_row_and_the_server(server) -> None:

@@ -9,6 +9,9 @@ adaptive.py`), each with the head's drafts or at each `--acceptance` (oracle dra
 disturbance of the machine hits both alike. The figures are aggregate decode tok/s (tokens
 after each row's first over the decoding time, as stock's `generation_tps` counts them), per
 request (aggregate / B), and MTP's ratio to stock at the same width in the same trial.
+With `--prompt-lookup` the rows draft by prompt lookup (each row over its own prompt and
+output), with `--draft-model DIR` by that draft model (each row with its own caches),
+instead of the head.
 Both run with Python's collector off, as one stream's runs do (`speed.collector_off`).
 On a GPU one whole trial runs untimed first: a shape met for the first time builds its
 kernels there (seconds each; on a fresh CUDA machine a batched round's first use took 54 s),
@@ -27,6 +30,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -44,7 +48,8 @@ from mtpkit.runtime.upcast import upcast_experts
 from mtpkit.speculative.batch import BatchDecoder, Row
 from mtpkit.speculative.batch.rounds import RowDraftFilter, RowPlan
 from mtpkit.speculative.prompt_cache import CachedState
-from mtpkit.speculative.proposers import default_proposer
+from mtpkit.speculative.proposers import Proposer, default_proposer
+from mtpkit.speculative.proposers.choose import DrafterChoice, ProposerFactory
 from mtpkit.speculative.session import check_prompt
 
 # (oracle acceptance or None for the head's drafts, adaptive drafting): one MTP run a trial.
@@ -72,6 +77,7 @@ class BatchBenchResult:
     depth: int
     acceptances: list[float | None]
     runs: list[WidthRun]
+    drafter: str = "mtp"  # what drafts the rows (`ProposerFactory.name`)
 
     @property
     def configs(self) -> list[Config]:
@@ -102,8 +108,8 @@ class BatchBenchResult:
         def fig(f: Figure) -> dict[str, Any]:
             return {"median": f.median, "range": f.range}
 
-        def key(a: float | None) -> str:
-            return "head" if a is None else f"{a:g}"
+        def key(a: float | None) -> str:  # the drafter's own drafts, or an oracle's
+            return ("head" if self.drafter == "mtp" else self.drafter) if a is None else f"{a:g}"
 
         return {
             "model": self.model,
@@ -114,6 +120,7 @@ class BatchBenchResult:
             "reliable": not self.reliability(),
             "unreliable_because": self.reliability(),
             "depth": self.depth,
+            "drafter": self.drafter,
             "matmul_routes": routes_summary(),
             "widths": [
                 {
@@ -191,12 +198,14 @@ def mtp_batch_run(
     ahead: bool = True,
     policy: Any = None,
     cached: list[CachedState | None] | None = None,
+    proposers: Callable[[], Proposer] | None = None,
 ) -> tuple[float, float | None, float]:
     """Aggregate decode tok/s of `BatchDecoder` over `prompts` (every row joined before the
     first round; each row's first token, from its prefill, not counted), its acceptance and
     the share of its steps that were plain. `policy`: the decoder's drafting policy (bench
     scripts' A/B), else `adaptive`'s; `cached`: per row, a prompt-cache entry its prompt
-    extends (`_Context.entries`), else each row prefills its whole prompt."""
+    extends (`_Context.entries`), else each row prefills its whole prompt; `proposers`: what
+    drafts (default: the head)."""
     draft_filter, plan = oracle_hooks(oracles) if oracles is not None else (None, None)
     decoder = BatchDecoder(
         m,
@@ -206,6 +215,7 @@ def mtp_batch_run(
         adaptive=adaptive,
         policy=policy,
         ahead=ahead,
+        proposers=proposers,
     )
     with collector_off():
         entries = cached or [None] * len(prompts)
@@ -240,19 +250,25 @@ def bench_batch(
     seed: int = 0,
     progress: Callable[[str], None] | None = None,
     warm_trial: bool | None = None,
+    drafter: DrafterChoice | None = None,
 ) -> BatchBenchResult:
     """Batched MTP against stock mlx-lm's batched decoding at each width (module's text).
     Row i decodes `prompts[i % len(prompts)]`; `prompt_tokens`: each prompt made that long
     (`prompt_of_length`; `synthetic`: random ids, a random-weight model's context).
     `warm_trial` (default: on a GPU) runs one whole trial untimed first: there a shape met
     for the first time builds its kernels, seconds each, which short warm-ups miss (a round
-    whose rows keep new counts, a key length not seen)."""
+    whose rows keep new counts, a key length not seen). `drafter`: what drafts the rows
+    (default: the head; prompt lookup and a draft model batch too)."""
     if trials < 1 or max_tokens < 2 or not widths or min(widths) < 1 or not prompts:
         raise MtpkitError("--batch takes widths of at least 1; trials >= 1, max-tokens >= 2")
     say = progress or (lambda s: None)
-    m = load_model(model)
-    if m.head is None:
+    drafter = drafter or DrafterChoice()
+    if not drafter.uses_head and acceptances:
+        raise MtpkitError(f"--acceptance replaces the head's drafts: drop --{drafter.name}")
+    m = load_model(model, with_head=drafter.uses_head)
+    if drafter.uses_head and m.head is None:
         raise NoMtpHead(f"{m.path} has no MTP head: run `mtpkit inspect` and `mtpkit convert`")
+    factory = ProposerFactory(m, drafter)
     import mlx_lm
 
     with library_io():
@@ -283,9 +299,10 @@ def bench_batch(
         kinds: list[float | None] = list(acceptances) if acceptances is not None else [None]
         runs = [WidthRun(w) for w in widths]
         lengths = sorted({len(t) for t in encoded})
-        result = BatchBenchResult(str(model), lengths, max_tokens, trials, depth, kinds, runs)
+        result = BatchBenchResult(str(model), lengths, max_tokens, trials, depth, kinds, runs,
+                                  factory.name)  # fmt: skip
         context = _Context(m, stock_model, stock_tokenizer, encoded, references, max_tokens, seed,
-                           [Prefilled(m, t) for t in encoded])  # fmt: skip
+                           [Prefilled(m, t) for t in encoded], factory)  # fmt: skip
         if warm_trial is None:
             warm_trial = device_name() == "gpu"
         if warm_trial:  # a whole trial untimed: every shape the trials meet is built first
@@ -294,7 +311,8 @@ def bench_batch(
             for run in runs:
                 rows = context.rows(run.width)
                 stock_batch_tps(stock_model, stock_tokenizer, rows, 8, context.caches(run.width))
-                mtp_batch_run(m, rows, depth, 8, cached=context.entries(run.width))
+                mtp_batch_run(m, rows, depth, 8, cached=context.entries(run.width),
+                              proposers=factory)  # fmt: skip
         for trial in range(trials):
             _trial(context, result, f"trial {trial + 1}/{trials}:", say)
         return result
@@ -315,6 +333,7 @@ class _Context:
     max_tokens: int
     seed: int
     prefilled: list[Prefilled]
+    proposers: ProposerFactory | None = None  # what drafts (None: the head)
 
     def rows(self, width: int) -> list[list[int]]:
         return [self.encoded[i % len(self.encoded)] for i in range(width)]
@@ -329,10 +348,9 @@ class _Context:
         (`Prefilled.cache_entry`), as `BatchDecoder.add(cached=)` continues from one: the
         row prefills one token (None: a cache that cannot be forked, the row prefills)."""
         n = len(self.encoded)
-        return [
-            self.prefilled[i % n].cache_entry("mtp", lambda: default_proposer(self.m))
-            for i in range(width)
-        ]
+        name = self.proposers.name if self.proposers is not None else "mtp"
+        make = self.proposers or partial(default_proposer, self.m)
+        return [self.prefilled[i % n].cache_entry(name, make) for i in range(width)]
 
 
 def _trial(
@@ -370,8 +388,9 @@ def _trial(
                 oracles,
                 adaptive,
                 cached=c.entries(run.width),
+                proposers=c.proposers,
             )
-            say(f"{at} batch {run.width} {_name(config)} {rate:.1f} tok/s")
+            say(f"{at} batch {run.width} {_name(config, result.drafter)} {rate:.1f} tok/s")
             if not record:
                 continue
             run.mtp_tps.setdefault(config, Figure()).values.append(rate)
@@ -382,9 +401,10 @@ def _trial(
             run.plain_share.setdefault(config, []).append(plain)
 
 
-def _name(config: Config) -> str:
+def _name(config: Config, drafter: str = "mtp") -> str:
     a, adaptive = config
-    name = "MTP (head)" if a is None else f"MTP at oracle {a:g}"
+    drafts = "MTP (head)" if drafter == "mtp" else drafter
+    name = drafts if a is None else f"MTP at oracle {a:g}"
     return f"{name}, adaptive" if adaptive else name
 
 
@@ -418,7 +438,7 @@ def print_batch_bench(result: BatchBenchResult) -> None:
             accepted = _mean(r.acceptance[config])
             table.add_row(
                 "",
-                _name(config),
+                _name(config, result.drafter),
                 str(r.mtp_tps[config]),
                 f"{r.mtp_tps[config].median / r.width:.3g}",
                 str(r.speedup[config]),

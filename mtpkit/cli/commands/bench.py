@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
@@ -34,6 +34,9 @@ from mtpkit.cli.options import (
 )
 from mtpkit.cli.ranks import DEFAULT_TIMEOUT, command_facts, on_ranks
 from mtpkit.cli.values import ranged
+
+if TYPE_CHECKING:
+    from mtpkit.speculative.proposers.choose import DrafterChoice
 
 DraftModelOpt = Annotated[
     str | None,
@@ -147,9 +150,11 @@ def bench_command(
     scales = value(dtype) or "float32"
     acceptances = parse_acceptances(acceptance)
     widths = parse_widths(batch)
-    if widths is not None and (draft_model is not None or prompt_lookup):
-        flag = "--draft-model" if draft_model is not None else "--prompt-lookup"
-        ctx.fail(f"--batch measures the MTP head against stock batching: drop {flag}")
+    if widths is not None and draft_model is not None and prompt_lookup:
+        ctx.fail("--draft-model and --prompt-lookup are two drafters: --batch takes one")
+    if widths is not None and (prompt_lookup or draft_model is not None) and acceptances:
+        flag = "--prompt-lookup" if prompt_lookup else "--draft-model"
+        ctx.fail(f"--acceptance replaces the head's drafts: --batch {flag} takes none")
     if serve and (widths is not None or draft_model or prompt_lookup or acceptances):
         ctx.fail("--serve takes none of --batch, --draft-model, --prompt-lookup, --acceptance")
     levels = parse_widths(clients, "--clients") if serve else None
@@ -202,6 +207,7 @@ def bench_command(
             str(built) if built else model, widths, [p or DEFAULT_PROMPT for p in prompts],
             prompt_tokens, max_tokens, trials, acceptances, json_output, progress,
             f"random:{shape}" if shape else None,
+            DrafterChoice(draft_model=draft_model, prompt_lookup=prompt_lookup),
         )  # fmt: skip
         if built is not None:
             shutil.rmtree(built.parent, ignore_errors=True)
@@ -252,6 +258,7 @@ def _bench_batch(
     json_output: bool,
     progress: Callable[[str], None],
     name: str | None,
+    drafter: DrafterChoice | None = None,
 ) -> None:
     from mtpkit.bench.batch import bench_batch, print_batch_bench
     from mtpkit.cli.output import print_json
@@ -261,6 +268,7 @@ def _bench_batch(
         model, widths=widths, prompts=prompts, prompt_tokens=prompt_tokens,
         synthetic=name is not None, max_tokens=max_tokens, trials=trials,
         acceptances=acceptances, progress=progress,
+        drafter=drafter,
     )  # fmt: skip
     if name is not None:
         result.model = name

@@ -161,7 +161,7 @@ def generate_command(
     # \\n and \\t as mlx_lm.generate reads them
     texts = [p.replace("\\n", "\n").replace("\\t", "\t") for p in prompt or [DEFAULT_PROMPT]]
     if len(texts) > 1:
-        _generate_several(ctx, texts, mode, template_args)
+        _generate_several(ctx, texts, mode, template_args, drafter)
         return
     text = texts[0]
     if text == "-" and rank_number() is not None:
@@ -229,8 +229,9 @@ def generate_command(
 
 
 def _generate_several(
-    ctx: typer.Context, prompts: list[str], mode: bool | str, template_args: dict | None
-) -> None:
+    ctx: typer.Context, prompts: list[str], mode: bool | str, template_args: dict | None,
+    drafter: DrafterChoice,
+) -> None:  # fmt: skip
     """Several --prompt: one batch (`generate_batch.py`), after refusing what only one
     stream does."""
     from mtpkit.cli.commands.generate_batch import generate_several, refuse_one_stream_options
@@ -248,7 +249,7 @@ def _generate_several(
         top_p=p["top_p"], top_k=p["top_k"], min_p=p["min_p"],
         min_tokens_to_keep=p["min_tokens_to_keep"], seed=p["seed"], hidden=value(p["hidden"]),
         adaptive=p["adaptive"], extra_eos_tokens=p["extra_eos_token"] or (),
-        adapter_path=p["adapter_path"],
+        adapter_path=p["adapter_path"], drafter=drafter,
         chat_template=p["chat_template"] and not p["ignore_chat_template"],
         system_prompt=p["system_prompt"], prefill_response=p["prefill_response"],
         template_args=template_args, default_template=p["use_default_chat_template"],

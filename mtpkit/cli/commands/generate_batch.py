@@ -13,11 +13,9 @@ from mtpkit.cli.output import FRAME
 from mtpkit.cli.ranks import rank_number, refuse_on_ranks
 
 # What one stream has and a batch does not (the option, the parameter's value that means
-# "not given"): a batch drafts with the head only, on one machine, from every prompt's
-# first token, with mlx-lm's default prefill and full-precision caches.
+# "not given"): a batch runs on one machine, from every prompt's first token, with mlx-lm's
+# default prefill and full-precision caches.
 ONE_STREAM_ONLY = {
-    "draft_model": ("--draft-model", None),
-    "prompt_lookup": ("--prompt-lookup", False),
     "pipeline": ("--pipeline", False),
     "max_kv_size": ("--max-kv-size", None),
     "prompt_cache_file": ("--prompt-cache-file", None),
@@ -82,7 +80,8 @@ def print_batch(result: Any) -> None:
         drafted = sum(r.drafted for r in results)
         accepted = sum(r.accepted for r in results)
         acc = f"{accepted / drafted:.1%}" if drafted else "n/a"
-        line = f"MTP: batch of {width}, acceptance {acc} ({accepted}/{drafted})"
+        by = "" if result.drafter == "mtp" else f"{result.drafter}, "
+        line = f"MTP: {by}batch of {width}, acceptance {acc} ({accepted}/{drafted})"
     else:
         line = f"MTP: off (plain batched decoding, batch of {width})"
     print(line, flush=True)

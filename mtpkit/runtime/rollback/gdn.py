@@ -42,6 +42,17 @@ class GdnSnapshots:
             cache[0] = mx.contiguous(conv_input[:, kept : kept + n_keep, :])
             cache[1] = state_after(states, kept)
 
+    def restore_rows(self, caches: list[Any], kept: mx.array) -> None:
+        """Set each layer's cache row r to its state after `kept[r]` verified tokens (kept
+        [B] int32, each at least 1): the rows of a batch, each keeping its own count."""
+        rows = mx.arange(kept.shape[0])
+        for cache, conv_input, states in zip(caches, self.conv_inputs, self.states, strict=True):
+            n_keep = cache[0].shape[1]
+            window = (kept[:, None] + mx.arange(n_keep)[None, :])[..., None]
+            cache[0] = mx.take_along_axis(conv_input, window, axis=1)
+            stacked = states if isinstance(states, mx.array) else mx.stack(states)
+            cache[1] = stacked[kept - 1, rows]
+
 
 def state_after(states: list[mx.array] | mx.array, n: int) -> mx.array:
     """The recurrent state after the first `n` tokens of a verify pass, from its per-token

@@ -1,25 +1,29 @@
-"""Batched MTP decoding: several requests in one round, each row accepting and rolling back
-on its own.
+"""Batched speculative decoding: several requests in one round, each row accepting and
+rolling back on its own, with any drafter that batches (`proposers.RowsProposer`: the MTP
+head, prompt lookup, a draft model).
 
 A row joins (`BatchDecoder.add`) by being prefilled alone, exactly as one stream is (its
 prompt, then its last token alone, whose logits give its first token, as mlx-lm's
-`generate_step` takes it), and by the head's pass over its prompt's pairs; its caches are then
-merged into the batch's (mlx-lm's `merge`/`extend`: KV caches left-padded to a common write
-index, each row with its own offset). A round (`BatchDecoder.step`): the head drafts K tokens
-for every row, the backbone verifies `[B, K+1]` in one pass, each row gets its own verdict
-(greedy, or exact rejection sampling with its own settings), and each row rolls back to its
-own accepted prefix (`mtpkit.speculative.batch.rollback`). Where every cache can be rolled back
-on the device (no sliding window, nothing replayed), the next round is built
-and launched before a round's verdicts are read, on its lazy results, so the host builds while
-the device computes (`mtpkit.speculative.batch.rounds`). Rows at different depths share a
-round: the head drafts the deepest row's count for all, and each row's verdict reads only its
-own first drafts (a row at depth 0, drafting off, takes a plain step in the round). With
+`generate_step` takes it), with its own proposer from the engine's factory seeing the prefill
+as one stream's does (the head's pass over its prompt's pairs, a draft model's prefill);
+its caches are then merged into the batch's (mlx-lm's `merge`/`extend`: KV caches
+left-padded to a common write index, each row with its own offset) and its proposer joins the
+batch's drafter (`Proposer.batched`, `RowsProposer.join`). A round (`BatchDecoder.step`): the
+drafter drafts for every row, the backbone verifies `[B, K+1]` in one pass, each row gets its
+own verdict (greedy, or exact rejection sampling with its own settings), and each row rolls
+back to its own accepted prefix (`mtpkit.runtime.rollback.verify_rows`). Where every cache and
+the drafter can be rolled back on the device (no sliding window, nothing replayed: the head),
+the next round is built and launched before a round's verdicts are read, on its lazy
+results, so the host builds while the device computes (`mtpkit.speculative.batch.rounds`).
+Rows at different depths share a round: the drafter drafts the deepest row's count for all,
+and each row's verdict reads only its own first drafts (a row at depth 0, drafting off or
+nothing found by prompt lookup, takes a plain step in the round). With
 `adaptive`, a width whose rounds cost more per token than plain batched steps takes plain
 steps (`speculative/batch/adaptive.py`). A row that is done (an EOS, its `max_tokens`, or
 `remove`) leaves the batch (`filter`) while the others go on.
 
 With a `prompt_cache` (one stream's, `mtpkit.speculative.prompt_cache`, whose entries hold
-the target's caches and the head's state as one stream's `HeadProposer` holds it) a row
+the target's caches and the proposer's state as one stream's proposer holds it) a row
 joins from the entry of the longest sequence its prompt extends, prefilling only the rest;
 its prompt's state is kept as it joins, and a row that leaves finished is taken out of the
 batch's caches (`extract`) into an entry of its prompt, its output and the EOS that ended it
@@ -38,18 +42,19 @@ from __future__ import annotations
 
 import itertools
 import time
+from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import mlx.core as mx
 
 from mtpkit.core.choices import MAX_DEPTH
 from mtpkit.runtime.model import GenerateError, MtpModel, NoMtpHead
+from mtpkit.runtime.rollback.rows import BatchUnsupported, batch_caches
 from mtpkit.speculative.accept import SamplingSettings, Verdict
 from mtpkit.speculative.adaptive import AUTO_MAX_DEPTH, AdaptiveDrafting
 from mtpkit.speculative.batch.adaptive import WidthDrafting
 from mtpkit.speculative.batch.draws import draw_rows, sample_first
-from mtpkit.speculative.batch.head import BatchHead, row_head, row_proposer
-from mtpkit.speculative.batch.rollback import batch_caches
 from mtpkit.speculative.batch.rounds import (
     BuiltRound,
     EndedRow,
@@ -61,14 +66,15 @@ from mtpkit.speculative.batch.rounds import (
 )
 from mtpkit.speculative.batch.row import CANCELLED, GREEDY, LENGTH, STOP, Row
 from mtpkit.speculative.prompt_cache import CachedState, PromptCache
-from mtpkit.speculative.proposers.mtp_head import HeadProposer
+from mtpkit.speculative.proposers import Proposer, RowsProposer, default_proposer
 
 PREFILL_STEP = 2048
 
 
 class BatchDecoder:
-    """Rows decoding together with the model's MTP head drafting `depth` tokens a round
-    (see the module's text). `draft_filter` replaces each row's drafts (tests, bench's
+    """Rows decoding together, drafting up to `depth` tokens a round (see the module's
+    text) with the proposers `proposers` makes, one per row (the engine's factory; default:
+    the model's MTP head). `draft_filter` replaces each row's drafts (tests, bench's
     oracle), `plan` holds each row's verdict to a count (bench's oracle); `policy` decides
     per width whether a step drafts (`adaptive`: `WidthDrafting`; default: every step
     drafts); `ahead` False reads every round before the next is built. `drafts` False: no
@@ -87,9 +93,15 @@ class BatchDecoder:
         prompt_cache: PromptCache | None = None,
         ahead: bool = True,
         drafts: bool = True,
+        proposers: Callable[[], Proposer] | None = None,
     ) -> None:
-        if drafts and m.head is None:
-            raise NoMtpHead(f"{m.path} has no MTP head")
+        if drafts and proposers is None:
+            if m.head is None:
+                raise NoMtpHead(f"{m.path} has no MTP head")
+            proposers = partial(default_proposer, m)
+        self.proposers = proposers if drafts else None
+        # The prompt cache's name of what drafts (one stream's `Engine.drafter_name`).
+        self.proposer_name = getattr(proposers, "name", "mtp") if drafts else "none"
         if not 0 <= depth <= MAX_DEPTH:
             raise GenerateError(f"depth must be in [0, {MAX_DEPTH}], not {depth}")
         self.drafts = drafts
@@ -100,7 +112,7 @@ class BatchDecoder:
         self.eos = set(getattr(m.tokenizer, "eos_token_ids", None) or [])
         self.rows: list[Row] = []  # in the batch's row order
         self.cache: list[Any] | None = None
-        self.head: BatchHead | None = None
+        self.proposer: RowsProposer | None = None  # the rows' drafter, once a row joined
         self._uids = itertools.count()
         adaptive = adaptive and drafts
         self.policy = policy if policy is not None else WidthDrafting() if adaptive else None
@@ -154,77 +166,72 @@ class BatchDecoder:
             depth = chooser.depth
         row = Row(next(self._uids), list(prompt), max_tokens, sampling, depth, key, chooser)
         with mx.stream(_generation_stream()):
-            cache, head = self._prefill(row, cached)
+            cache, proposer = self._prefill(row, cached)
             logits, hidden = self.m.forward(mx.array(prompt[-1:])[None], cache)
             first = sample_first(logits[:, -1, :], sampling, row.next_keys(1)[0])
             row.decoded.append(first)
             if not self._confirm(row, [first]):
                 return row
-            batched = None
-            if head is not None:
-                head.observe(hidden, [first])
-                head_cache, ready = row_head(self.m, head)
-                batched = BatchHead(self.m, batch_caches([head_cache]), ready)
+            if proposer is not None:
+                proposer.observe(hidden, [first])
             mx.eval([c.state for c in cache])
-        self._join(row, batch_caches([cache]), batched)
+            self._join(row, batch_caches([cache]), proposer)
         return row
-
-    @property
-    def proposer_name(self) -> str:
-        """The prompt cache's name of what drafts (one stream's `Engine.drafter_name`)."""
-        return "mtp" if self.drafts else "none"
 
     def _prefill(
         self, row: Row, cached: CachedState | None
-    ) -> tuple[list[Any], HeadProposer | None]:
-        """The target's caches over all of `row`'s prompt but its last token, and the head's
-        state over its pairs (from `cached` on, when given), as one stream's prefill leaves
-        them; kept in the prompt cache. Without drafts there is no head state (None)."""
+    ) -> tuple[list[Any], Proposer | None]:
+        """The target's caches over all of `row`'s prompt but its last token, and the row's
+        proposer having seen it (from `cached` on, when given), as one stream's prefill
+        leaves them; kept in the prompt cache. Without drafts there is no proposer (None)."""
         prompt = row.prompt
         if cached is not None and self._continues(cached, prompt):
-            cache, head = cached.fork()
+            cache, proposer = cached.fork()
             start = row.stats.cached_tokens = len(cached.tokens) - 1
         else:
-            head = HeadProposer(self.m) if self.drafts else None
+            proposer = self.proposers() if self.proposers is not None else None
             cache, start = self.m.make_cache(), 0
-        if head is not None:
-            head.begin(prompt, start)
+        if proposer is not None:
+            proposer.attach(cache)
+            proposer.begin(prompt, start)
         for i in range(start, len(prompt) - 1, PREFILL_STEP):
             j = min(i + PREFILL_STEP, len(prompt) - 1)
             _, hidden = self.m.forward(mx.array(prompt[i:j])[None], cache)
             mx.eval(hidden, [c.state for c in cache])
-            if head is not None:
-                head.observe(hidden, prompt[i + 1 : j + 1])
-        if head is not None:
-            head.end_prefill()
+            if proposer is not None:
+                proposer.observe(hidden, prompt[i + 1 : j + 1])
+        if proposer is not None:
+            proposer.end_prefill()
         if self.prompt_cache is not None and start < len(prompt) - 1:
-            self.prompt_cache.store(prompt, cache, head, self.proposer_name)
-        return cache, head
+            self.prompt_cache.store(prompt, cache, proposer, self.proposer_name)
+        return cache, proposer
 
     def _continues(self, cached: CachedState, prompt: list[int]) -> bool:
         """Whether a row of `prompt` can join from `cached`: its tokens start the prompt,
-        its head state is a `HeadProposer`'s (none without drafts) and its caches are of the kinds a row's are (an
-        entry of a session with `max_kv_size` holds rotating caches)."""
+        it was made by this decoder's kind of proposer (none without drafts) and its caches
+        are of the kinds a row's are (an entry of a session with `max_kv_size` holds
+        rotating caches)."""
         n = len(cached.tokens)
         kinds = [type(c) for c in self.m.make_cache()]
         return (
             n <= len(prompt) and tuple(prompt[:n]) == cached.tokens
-            and (
-                isinstance(cached.proposer, HeadProposer)
-                if self.drafts
-                else cached.proposer is None
-            )
+            and cached.proposer_name == self.proposer_name
+            and (cached.proposer is None) == (self.proposers is None)
             and [type(c) for c in cached.cache] == kinds
         )  # fmt: skip
 
-    def _join(self, row: Row, cache: list[Any], head: BatchHead | None) -> None:
+    def _join(self, row: Row, cache: list[Any], proposer: Proposer | None) -> None:
         if self.cache is None:
-            self.cache, self.head = cache, head
+            self.cache = cache
         else:
             for layer, more in zip(self.cache, cache, strict=True):
                 layer.extend(more)
-            if self.head is not None:
-                self.head.extend(head)
+        if proposer is not None and self.proposer is not None:
+            self.proposer.join(proposer)
+        elif proposer is not None:
+            self.proposer = proposer.batched()
+            if self.proposer is None:
+                raise BatchUnsupported(f"the {proposer.name} drafter does not decode in a batch")
         self.rows.append(row)
 
     # -- leaving --------------------------------------------------------------------------
@@ -247,42 +254,42 @@ class BatchDecoder:
         self.rows = [self.rows[i] for i in keep]
         self._ended.clear()
         if not keep:
-            self.cache = self.head = self._ahead = self._decided = self._inflight = None
+            self.cache = self.proposer = self._ahead = self._decided = self._inflight = None
             return
         index = mx.array(keep, dtype=mx.int32)
         for layer in self.cache:
             layer.filter(index)
-        if self.head is not None:
-            self.head.filter(keep)
+        if self.proposer is not None:
+            self.proposer.keep(keep)
         if self._inflight is not None:
             self._inflight.take(index)
         if self._ahead is not None:
             self._ahead = (self._ahead[0][index], self._ahead[1][index])
 
     def _keep_row(self, r: int, row: Row) -> None:
-        """Row r's caches and head state, taken out of the batch's, as the prompt cache's
+        """Row r's caches and proposer, taken out of the batch's, as the prompt cache's
         entry of its prompt and `decoded` (its output and EOS). A row that met an EOS while a
         plain step was queued (`_next_is_plain`) has its caches past the EOS: its entry
         takes that step's token too."""
         tokens = row.prompt + row.decoded
         ended = self._ended.pop(row.uid, None)
         if ended is not None:  # a round rolled back on the device ended it
-            cache, head = ended_row_entry(self, r, row, ended, self._inflight)
-            mx.async_eval([c.state for c in cache], [c.state for c in head.cache])
-            self.prompt_cache.store(tokens, cache, head, head.name)
+            cache, proposer = ended_row_entry(self, r, row, ended, self._inflight)
+            mx.async_eval([c.state for c in cache], [c.state for c in proposer.caches()])
+            self.prompt_cache.store(tokens, cache, proposer, self.proposer_name)
             return
         cache = [layer.extract(r) for layer in self.cache]
-        head = row_proposer(self.head, r, tokens) if self.head is not None else None
+        proposer = self.proposer.take(r, tokens) if self.proposer is not None else None
         if self._ahead is not None:
             ahead_tokens, ahead_hidden = self._ahead
             token = int(ahead_tokens[r].item())
             tokens = [*tokens, token]
-            if head is not None:  # the queued step's pair, not run by the head yet
-                head.observe(ahead_hidden[r : r + 1], [token])
+            if proposer is not None:  # the queued step's pair, not seen by the drafter yet
+                proposer.observe(ahead_hidden[r : r + 1], [token])
         # Computed now: a lazy slice would hold the whole batch's buffers alive.
-        head_states = [c.state for c in head.cache] if head is not None else []
-        mx.async_eval([c.state for c in cache], head_states)
-        self.prompt_cache.store(tokens, cache, head, self.proposer_name)
+        states = [c.state for c in proposer.caches()] if proposer is not None else []
+        mx.async_eval([c.state for c in cache], states)
+        self.prompt_cache.store(tokens, cache, proposer, self.proposer_name)
 
     # -- a step: a drafting round or a plain batched step -------------------------------
     def step(self, draft: bool = False) -> dict[int, list[int]]:
@@ -314,8 +321,8 @@ class BatchDecoder:
 
     def _plain_step(self, queue: bool = True) -> dict[int, list[int]]:
         """One backbone step over every row's last token, as mlx-lm's batched step (the
-        step queued by the previous one, if any); the head sees the pairs when it next
-        drafts. With `queue`, when the next step is plain too, it is built and launched
+        step queued by the previous one, if any); the drafter is told each row's pair. With
+        `queue`, when the next step is plain too, it is built and launched
         before this one's tokens are read, as mlx-lm queues its steps."""
         rows = self.rows
         with mx.stream(_generation_stream()):
@@ -324,12 +331,12 @@ class BatchDecoder:
             else:
                 last = mx.array([[row.last] for row in rows], dtype=mx.int32)
                 tokens, hidden = self._plain_forward(last)
-            if self.head is not None:
-                self.head.observe(hidden, tokens[:, None])
             if queue and self._next_is_plain():
                 self._ahead = self._plain_forward(tokens[:, None])
                 mx.async_eval(self._ahead[0])
             values = tokens.tolist()
+            if self.proposer is not None:
+                self.proposer.observe(hidden, tokens[:, None])
         self.plain_steps += 1
         new = {}
         for row, token in zip(rows, values, strict=True):
@@ -407,7 +414,8 @@ class BatchDecoder:
         taken = [self._taken(row, v.confirmed) for row, v in zip(rows, verdicts, strict=True)]
         if built.last is None:
             built.verified.rollback(self.cache, taken)
-            self.head.settle(built.out, taken)
+            confirmed = [v.confirmed[:t] for v, t in zip(verdicts, taken, strict=True)]
+            self.proposer.settle(built.state, taken, confirmed)
         new = {}
         for i, (row, v) in enumerate(zip(rows, verdicts, strict=True)):
             if row.done:

@@ -14,6 +14,7 @@ from mtpkit.speculative.accept import (
     sampled_verdict,
 )
 from mtpkit.speculative.batch.row import Row
+from mtpkit.speculative.proposers import RowsProposal
 
 
 def round_keys(row: Row, depth: int) -> list[mx.array | None]:
@@ -27,21 +28,18 @@ def round_keys(row: Row, depth: int) -> list[mx.array | None]:
 
 
 def row_verdicts(
-    logits: mx.array,
-    drafts: mx.array,
-    dists: list[mx.array | None],
-    rows: list[Row],
-    keys: list[mx.array | None],
+    logits: mx.array, proposal: RowsProposal, rows: list[Row], keys: list[mx.array | None]
 ) -> tuple[list[mx.array], mx.array]:
-    """Each row's packed verdict over its own first `row.depth` drafts (lazy; packed and read
-    by `accept`'s functions only) and the confirmed token after each verify input [B, K+1] (valid up to the
-    count kept). Greedy rows share one argmax over the batch."""
+    """Each row's packed verdict over its own first `proposal.depths[r]` drafts (lazy; packed
+    and read by `accept`'s functions only) and the confirmed token after each verify input
+    [B, K+1] (valid up to the count kept). Greedy rows share one argmax over the batch."""
+    drafts, dists = proposal.drafts, proposal.dists
     packs: list[mx.array] = []
     followers: list[mx.array] = []
     width = drafts.shape[1] + 1
     targets = None
     for r, row in enumerate(rows):
-        d, s = row.depth, row.sampling
+        d, s = proposal.depths[r], row.sampling
         if s.greedy:
             if targets is None:
                 targets = greedy_targets(logits)

@@ -1,7 +1,8 @@
 """`mtpkit generate -p A -p B ...`: several prompts decoded together in one batch.
 
-The prompts are requests of one `BatchSession`: with the MTP head each row drafts, accepts
-and rolls back on its own (`speculative/batch/decode.py`); without it (`--no-mtp`, or
+The prompts are requests of one `BatchSession`: with the MTP head (or prompt lookup, each row
+over its own prompt and output) each row drafts, accepts and rolls back on its own
+(`speculative/batch/decode.py`); without a drafter (`--no-mtp`, or
 `--mtp auto` on a model with no head) the rows take plain batched steps, as mlx-lm's
 `batch_generate` does. Each request's text and counts are its own (`GenerationResult`, as
 one stream reports them); the batch adds the aggregate rates.
@@ -30,6 +31,7 @@ from mtpkit.speculative.generate import (
     prompt_tokens,
     use_head,
 )
+from mtpkit.speculative.proposers.choose import DrafterChoice
 from mtpkit.speculative.session import HEAD, STOP, Engine, Request, check_prompt, check_seed
 
 
@@ -44,11 +46,13 @@ class BatchGenerationResult:
     decode_tps: float | None
     peak_memory_gb: float
     mtp: bool
+    drafter: str = "mtp"  # what drafted ("none": plain batched steps)
 
     def to_json(self) -> dict[str, Any]:
         return {
             "batch": len(self.results),
             "mtp": self.mtp,
+            "drafter": self.drafter,
             "prompt_tps": self.prompt_tps,
             "decode_tps": self.decode_tps,
             "peak_memory_gb": self.peak_memory_gb,
@@ -74,13 +78,15 @@ def generate_batch(
     extra_eos_tokens: Sequence[str] = (),
     warn: Callable[[str], None] | None = None,
     adapter_path: str | None = None,
+    drafter: DrafterChoice = HEAD,
     **template: Any,
 ) -> BatchGenerationResult:
     """Decode `prompts` together. `mtp` True drafts with the head (required), "auto" drafts
     when there is one, False decodes plainly (batched steps, no drafts). Request i samples with
     seed `seed + i` (its own key, so its text is the same in any batch); `depth`: the drafts
     each row verifies a round (None: 1); `adaptive`
-    decides per batch width whether a round drafts. `template`: `generate`'s chat-template
+    decides per batch width whether a round drafts; `drafter`: what drafts (the head, or
+    prompt lookup). `template`: `generate`'s chat-template
     arguments (chat_template, system_prompt, prefill_response, template_args,
     default_template)."""
     check_seed(seed)
@@ -92,9 +98,9 @@ def generate_batch(
         require_depth(depth)
     if not prompts:
         raise GenerateError("no prompt to decode")
-    m = load_target(model, mtp=mtp, hidden=hidden, pipeline=False, drafter=HEAD,
+    m = load_target(model, mtp=mtp, hidden=hidden, pipeline=False, drafter=drafter,
                     adapter_path=adapter_path)  # fmt: skip
-    drafts = use_head(m, mtp, warn)
+    drafts = use_head(m, mtp, warn) if drafter.uses_head else bool(mtp)
     add_eos_tokens(m, extra_eos_tokens)
     encoded = [prompt_tokens(m, p, **template) for p in prompts]
     for i, tokens in enumerate(encoded, 1):
@@ -104,16 +110,17 @@ def generate_batch(
             raise type(e)(f"prompt {i} of {len(encoded)}: {e}") from None
     sampling = sampling.fitted(m.vocab_size)
     mx.reset_peak_memory()
-    return _batch(m, encoded, max_tokens, sampling, seed, depth, adaptive, drafts)
+    engine = Engine(m, drafter=drafter, mtp=drafts, prompt_cache_size=0)
+    return _batch(engine, encoded, max_tokens, sampling, seed, depth, adaptive)
 
 
 def _batch(
-    m: MtpModel, prompts: list[list[int]], max_tokens: int, sampling: SamplingSettings,
-    seed: int | None, depth: int | None, adaptive: bool, drafts: bool,
+    engine: Engine, prompts: list[list[int]], max_tokens: int, sampling: SamplingSettings,
+    seed: int | None, depth: int | None, adaptive: bool,
 ) -> BatchGenerationResult:  # fmt: skip
     """Every prompt joins one `BatchSession` before the first round; rounds (or plain
-    batched steps, without `drafts`) run until the last request ends."""
-    engine = Engine(m, mtp=drafts, prompt_cache_size=0)
+    batched steps, without a drafter) run until the last request ends."""
+    m, drafts = engine.m, engine.drafts
     session = BatchSession(engine, adaptive=adaptive)
     start = time.perf_counter()
     entries = [
@@ -146,6 +153,7 @@ def _batch(
         decode_tps=after_first / (end - decode_start) if after_first else None,
         peak_memory_gb=mx.get_peak_memory() / 1e9,
         mtp=drafts,
+        drafter=engine.drafter_name,
     )
 
 

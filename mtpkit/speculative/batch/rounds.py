@@ -4,17 +4,19 @@ device.
 
 A round read at once (`build_round(..., ahead=False)`, then the decoder reads its verdicts and
 rolls each row back by the counts it read) leaves the device idle while the host builds the
-next. A round built ahead (`ahead=True`) needs no host read to be rolled back: each row's
+next. A round built ahead (`ahead=True`, for a drafter that `rolls_on_device`: the head)
+needs no host read to be rolled back: each row's
 accepted count is computed on the device from its packed verdict (`accept.accepted_counts`, or the
 count a `plan` holds it to), every cache rolls each row back by it (`BatchVerifyPass.
-rollback_on_device`, `BatchHead.settle_on_device`), and the next round's input token and
+rollback_on_device`, `RowsProposer.settle_on_device`), and the next round's input token and
 positions are gathered on the device too. So the decoder builds and launches round n+1 on
 round n's lazy results, then reads round n's verdicts while the device runs round n+1, as
 mlx-lm queues its plain batched steps one ahead. A row that round n ends (an EOS, its
 `max_tokens`, a cancel) was built into round n+1 anyway: its share of that round is discarded
 when the round is read, and it leaves the batch after. With a prompt cache, its entry is taken
 as a round read first leaves it (`ended_row_entry`): its KV entries past its end trimmed, its
-gated-delta-net states and the head's output taken from the round that ended it.
+gated-delta-net states and the drafter's state taken from the round that ended it
+(`RowsProposer.take_ended`).
 
 A KV cache rolled on the device is never trimmed: a round's rejected entries stay in the
 buffer as the row's left padding (masked, never attended), so a row's cache grows by K+1
@@ -31,16 +33,16 @@ import mlx.core as mx
 
 from mtpkit.runtime.model import MtpModel
 from mtpkit.runtime.rollback.gdn import is_recurrent_cache, state_after
+from mtpkit.runtime.rollback.verify_rows import BatchVerifyPass, verify_rows
 from mtpkit.speculative.accept import SamplingSettings, Verdict, accepted_counts, verdict_of
 from mtpkit.speculative.batch.draws import round_keys, row_verdicts
-from mtpkit.speculative.batch.head import BatchHead
-from mtpkit.speculative.batch.rollback import BatchVerifyPass, verify_rows
 from mtpkit.speculative.batch.row import Row
-from mtpkit.speculative.proposers.mtp_head import HeadProposer
+from mtpkit.speculative.proposers import Proposer, RowsProposal, RowsProposer
 
 # A draft filter: (the row, the position of its round's first draft in prompt + output, on
-# the device: a round built ahead is built before the round before it is read, the head's
-# drafts for it [K]) -> the drafts to verify [K] (tests' injected drafts, bench's oracle).
+# the device: a round built ahead is built before the round before it is read, the
+# drafter's drafts for it [K]) -> the drafts to verify [K] (tests' injected drafts, bench's
+# oracle).
 RowDraftFilter = Callable[[Row, mx.array, mx.array], mx.array]
 # A plan: (the row, its drafts this round) -> how many of them its verdict keeps, whatever
 # the verify pass says (bench's oracle holds a random-weight model to its plan, as
@@ -50,12 +52,12 @@ RowPlan = Callable[[Row, int], int]
 
 class Batch(Protocol):
     """What a round is built over (a `BatchDecoder`): the model, the rows in the batch's
-    order, the head's batched state, the backbone's batched caches and the test or bench
+    order, the drafter's batched state, the backbone's batched caches and the test or bench
     hooks."""
 
     m: MtpModel
     rows: list[Row]
-    head: BatchHead
+    proposer: RowsProposer
     cache: list[Any]
     draft_filter: RowDraftFilter | None
     plan: RowPlan | None
@@ -67,9 +69,10 @@ class BuiltRound:
 
     rows: list[Row]  # the batch's rows as it was built, in its row order
     samplings: list[SamplingSettings]
+    proposal: RowsProposal  # each row's drafts and the count of them it verifies
     packs: list[mx.array]  # each row's packed verdict (lazy)
     verified: BatchVerifyPass
-    out: mx.array  # the head's step over the verified pairs [B, K+1, H]
+    state: Any  # the drafter's work over the verified pairs (`RowsProposer.after_verify`)
     planned: list[int] | None  # each row's count as its plan holds it, if planned
     # Built ahead: each row's accepted drafts [B], next input token [B, 1] and position (lazy).
     accepted: mx.array | None = None
@@ -95,39 +98,44 @@ class BuiltRound:
 def build_round(batch: Batch, last: mx.array, positions: mx.array, *, ahead: bool) -> BuiltRound:
     """Draft, verify and judge one round over every row of `batch` from each row's input
     token `last` [B, 1] and `positions` [B] (the first draft's position in prompt + output),
-    and launch it; `ahead`: roll each row back on the device too where every cache can be
-    (see the module's text; else `last` is None: the decoder rolls back what it reads)."""
-    rows, head = batch.rows, batch.head
+    and launch it; `ahead`: roll each row back on the device too where every cache and the
+    drafter can be (see the module's text; else `last` is None: the decoder rolls back what
+    it reads)."""
+    rows, proposer = batch.rows, batch.proposer
     depth = max(row.depth for row in rows)
     samplings = [row.sampling for row in rows]
     keys = [round_keys(row, depth) for row in rows]
-    drafts, dists = head.propose(depth, samplings, [k[:depth] for k in keys])
+    proposal = proposer.propose([r.depth for r in rows], samplings, [k[:depth] for k in keys])
+    drafts = proposal.drafts
     if batch.draft_filter is not None:
         drafts = mx.stack(
             [batch.draft_filter(row, positions[r], drafts[r]) for r, row in enumerate(rows)]
         )
+        proposal = RowsProposal(drafts, proposal.depths, proposal.dists)
     planned = None
     if batch.plan is not None:
-        planned = [batch.plan(row, row.depth) for row in rows]
+        planned = [batch.plan(row, d) for row, d in zip(rows, proposal.depths, strict=True)]
     verified = verify_rows(batch.m, mx.concatenate([last, drafts], axis=1), batch.cache)
-    packs, followers = row_verdicts(verified.logits, drafts, dists, rows, [k[-1] for k in keys])
-    out = head.after_verify(depth, verified.hidden, followers)
-    built = BuiltRound(rows, samplings, packs, verified, out, planned)
-    if not ahead or not verified.rolls_on_device:
-        mx.async_eval(out)
+    packs, followers = row_verdicts(verified.logits, proposal, rows, [k[-1] for k in keys])
+    state = proposer.after_verify(proposal, verified.hidden, followers)
+    built = BuiltRound(rows, samplings, proposal, packs, verified, state, planned)
+    launch = [state] if isinstance(state, mx.array) else []
+    if not ahead or not verified.rolls_on_device or not proposer.rolls_on_device:
+        if launch:
+            mx.async_eval(launch)
         return built
     if planned is not None:
         accepted = mx.array(planned, dtype=mx.int32)
     else:
-        depths, greedy = [r.depth for r in rows], [r.sampling.greedy for r in rows]
-        accepted = accepted_counts(packs, depths, greedy)
+        greedy = [r.sampling.greedy for r in rows]
+        accepted = accepted_counts(packs, proposal.depths, greedy)
     kept = accepted + 1
     verified.rollback_on_device(batch.cache, kept)
-    head.settle_on_device(out, kept)
+    launch = proposer.settle_on_device(state, kept)
     built.accepted = accepted
     built.last = mx.take_along_axis(followers, accepted[:, None], axis=1)
     built.positions = positions + kept
-    mx.async_eval(packs, built.last, built.positions, head.ready, _states(batch.cache))
+    mx.async_eval(packs, built.last, built.positions, launch, _states(batch.cache))
     return built
 
 
@@ -151,13 +159,13 @@ class EndedRow:
 
 def ended_row_entry(
     batch: Batch, r: int, row: Row, ended: EndedRow, later: BuiltRound | None
-) -> tuple[list[Any], HeadProposer]:
-    """Row r's caches and head state as the prompt cache keeps a finished row's (what a round
-    read first leaves: its prompt and output but the last), though the round that ended it
-    was rolled back on the device to every confirmed token, and the round after it (`later`,
-    built before that round was read) may have been built with it."""
+) -> tuple[list[Any], Proposer]:
+    """Row r's caches and drafter state as the prompt cache keeps a finished row's (what a
+    round read first leaves: its prompt and output but the last), though the round that ended
+    it was rolled back on the device to every confirmed token, and the round after it
+    (`later`, built before that round was read) may have been built with it."""
     built, i, taken = ended.built, ended.index, ended.taken
-    extra = ended.kept - taken  # entries past the row's end, in KV caches and the head's
+    extra = ended.kept - taken  # entries past the row's end, in KV caches and the drafter's
     j = next((n for n, other in enumerate(later.rows) if other is row), None) if later else None
     if j is not None:  # the round after was built with it
         extra += int(later.accepted[j].item()) + 1
@@ -174,11 +182,7 @@ def ended_row_entry(
         elif extra:
             single.trim(extra)
         cache.append(single)
-    head_cache = [c.extract(r) for c in batch.head.cache]
-    if extra:
-        head_cache[batch.head.head.layer_for_step(0)].trim(extra)
-    ready = built.out[i : i + 1, taken - 1 : taken]
-    return cache, HeadProposer.holding(batch.m, head_cache, ready=ready)
+    return cache, batch.proposer.take_ended(r, built.state, i, taken, extra)
 
 
 def _states(caches: list[Any]) -> list[Any]:

@@ -15,8 +15,9 @@ a round drafts at all (`WidthDrafting`), except while a sampled request with a s
 the batch: then every round drafts, so that its text is the same alone or in any batch.
 
 An engine that does not draft (`--no-mtp`, a model without a head) decodes its batch with
-plain batched steps. The drafters that do not batch yet (a draft model, prompt lookup,
-Gemma 4's assistant) and an engine with `max_kv_size` are refused by `BatchSession`
+plain batched steps. Each row drafts with its own proposer from the engine's factory, as one
+stream does, joined into the batch's drafter (`Proposer.batched`). A drafter that does not
+batch (`batched` gives None) and an engine with `max_kv_size` are refused by `BatchSession`
 (`BatchUnsupported`, one line): their requests decode one at a time.
 """
 
@@ -27,9 +28,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from mtpkit.core.choices import MAX_DEPTH
+from mtpkit.runtime.rollback.rows import BatchUnsupported
 from mtpkit.speculative.adaptive import resolve_depth
 from mtpkit.speculative.batch.decode import BatchDecoder
-from mtpkit.speculative.batch.rollback import BatchUnsupported
 from mtpkit.speculative.batch.row import CANCELLED, LENGTH, STOP, Row
 from mtpkit.speculative.session import Engine, Request, TokenEvent, check_prompt
 from mtpkit.speculative.stats import Stats
@@ -74,17 +75,16 @@ class BatchEntry:
 
 
 class BatchSession:
-    """Requests on one engine decoding in one batch (see the module's text). The engine
-    drafts with its MTP head or not at all. Usage: `add` requests, then `step` while
+    """Requests on one engine decoding in one batch (see the module's text), drafting with
+    the engine's drafter if it batches, or not at all. Usage: `add` requests, then `step` while
     `entries` is not empty; each call returns the entries that have new events
     (`take_events`)."""
 
     def __init__(self, engine: Engine, *, adaptive: bool = True) -> None:
-        name = engine.drafter_name
-        if name not in ("mtp", "none"):
+        if engine.proposers is not None and not _batches(engine):
             raise BatchUnsupported(
-                f"the {name} drafter does not decode in a batch yet: its requests decode "
-                "one at a time"
+                f"the {engine.drafter_name} drafter does not decode in a batch yet: its "
+                "requests decode one at a time"
             )
         if engine.max_kv_size is not None:  # a batch's rows keep full caches
             raise BatchUnsupported(
@@ -97,7 +97,7 @@ class BatchSession:
         cache = engine.prompt_cache if engine.prompt_cache.size > 0 else None
         self.decoder = BatchDecoder(
             engine.m, depth=MAX_DEPTH, adaptive=adaptive, prompt_cache=cache,
-            drafts=engine.drafts,
+            drafts=engine.drafts, proposers=engine.proposers,
         )  # fmt: skip
         self.entries: list[BatchEntry] = []  # joined and not yet done
 
@@ -160,6 +160,7 @@ class BatchSession:
         self.decoder = BatchDecoder(
             decoder.m, depth=decoder.depth, adaptive=decoder.policy is not None,
             prompt_cache=decoder.prompt_cache, ahead=decoder.ahead, drafts=decoder.drafts,
+            proposers=decoder.proposers,
         )  # fmt: skip
         self.entries = []
 
@@ -193,3 +194,8 @@ class BatchSession:
             entry.events[-1].finish_reason = reason
         else:
             entry.events.append(TokenEvent(None, tail, finish_reason=reason))
+
+
+def _batches(engine: Engine) -> bool:
+    """Whether the engine's drafter decodes in a batch (asked of a fresh proposer)."""
+    return engine.proposers().batches

@@ -8,7 +8,13 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from mtpkit.speculative.proposers.base import Proposal, Proposer, ProposerBase
+from mtpkit.speculative.proposers.base import (
+    Proposal,
+    Proposer,
+    ProposerBase,
+    RowsProposal,
+    RowsProposer,
+)
 
 if TYPE_CHECKING:
     from mtpkit.runtime.model import MtpModel
@@ -25,4 +31,11 @@ def default_proposer(m: MtpModel) -> Proposer:
     return FollowerProposer()
 
 
-__all__ = ["Proposal", "Proposer", "ProposerBase", "default_proposer"]
+__all__ = [
+    "Proposal",
+    "Proposer",
+    "ProposerBase",
+    "RowsProposal",
+    "RowsProposer",
+    "default_proposer",
+]

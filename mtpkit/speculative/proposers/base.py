@@ -15,6 +15,16 @@ False, and the decoder then always reads the verdict first.
 Sampling stays exact only if `Proposal.dists` holds the distributions the drafts were drawn
 from (rejection sampling divides by them); a deterministic proposer gives one-hot rows.
 Like vLLM's proposers (`spec_decode/`: eagle, medusa, ngram), one file per drafter.
+
+The rows of a batch (`RowsProposer`): the same seam over B rows, one stream being a row. A
+request is prefilled alone by its own `Proposer`, exactly as one stream is, then joins the
+batch's drafter (`Proposer.batched` makes it from the first row, `RowsProposer.join` takes
+each next one), which owns every row's state from then on: a round's drafts per row (and
+their distributions when sampling, each row with its own settings and keys), the verify
+pass's pairs (`after_verify`), each row's kept count (`settle`, or `settle_on_device` for a
+round built before the one before it is read), the pairs of plain batched steps
+(`observe`), rows leaving (`keep`), and a row taken out as one stream's proposer again
+(`take`: a prompt cache's entry). A drafter that returns None from `batched` decodes alone.
 """
 
 from __future__ import annotations
@@ -25,6 +35,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import mlx.core as mx
 
 if TYPE_CHECKING:
+    from mtpkit.runtime.draft_vocab import FullVocab
     from mtpkit.speculative.accept import SamplingSettings, Verdict
 
 
@@ -47,6 +58,7 @@ class Proposer(Protocol):
     name: str  # how outputs and `--json` name it: "mtp", "draft-model", "prompt-lookup", ...
     looks_ahead: bool  # can propose from a round whose verdict is unread (lazy followers)
     drafts_locally: bool  # False: placeholders that rank 0's shared drafts replace
+    batches: bool  # `batched` gives a batch's drafter (False: its requests decode alone)
 
     def caches(self) -> list[Any]:
         """The caches it owns and changes while proposing: a look-ahead round built but not
@@ -119,6 +131,11 @@ class Proposer(Protocol):
         prompt cache keeps one per cached prefix)."""
         ...
 
+    def batched(self) -> RowsProposer | None:
+        """A batch's drafter whose only row is this proposer's sequence (prefilled, its
+        first token observed); None: this drafter decodes alone."""
+        ...
+
 
 class ProposerBase:
     """Defaults for the optional parts of `Proposer`."""
@@ -126,6 +143,7 @@ class ProposerBase:
     name = "proposer"
     looks_ahead = False
     drafts_locally = True
+    batches = False
 
     def caches(self) -> list[Any]:
         return []
@@ -173,6 +191,126 @@ class ProposerBase:
             if isinstance(value, list):
                 setattr(forked, name, [fork_cache(v) if is_cache(v) else v for v in value])
         return forked
+
+    def batched(self) -> RowsProposer | None:
+        return None
+
+
+@dataclass
+class RowsProposal:
+    """A batched round's drafts: `drafts` [B, K] int32 (lazy; K the deepest row's), row r
+    verifying its first `depths[r]` (0: a plain step inside the round), and for each sampled
+    row the distributions [K, V] its drafts were drawn from (None for a greedy row)."""
+
+    drafts: mx.array
+    depths: list[int]
+    dists: list[mx.array | None]
+
+    @property
+    def depth(self) -> int:
+        return self.drafts.shape[1]
+
+
+class RowsProposer(Protocol):
+    """A drafter for the rows of a batch (see the module's text); row r is the batch's r-th
+    row, in the order rows joined, less those that left."""
+
+    name: str
+    # Settles from kept counts on the device: a round may be built before the one before
+    # it is read (False: the decoder reads every round first, as `looks_ahead` for one).
+    rolls_on_device: bool
+
+    def join(self, proposer: Proposer) -> None:
+        """One more row, last: `proposer`'s sequence (prefilled, its first token observed)."""
+        ...
+
+    def keep(self, index: list[int]) -> None:
+        """Rows leave: keep rows `index`, in that order."""
+        ...
+
+    def observe(self, hidden: mx.array, tokens: mx.array) -> None:
+        """A plain batched step's pairs: each row's hidden state [B, 1, H] and the token
+        that followed it [B, 1] (computed)."""
+        ...
+
+    def propose(
+        self, depths: list[int], sampling: list[SamplingSettings],
+        keys: list[list[mx.array | None]],
+    ) -> RowsProposal:  # fmt: skip
+        """Up to `depths[r]` drafts for row r (keys[r][k]: the PRNG key of its k-th draw,
+        None: MLX's global state)."""
+        ...
+
+    def after_verify(self, proposal: RowsProposal, hidden: mx.array, followers: mx.array) -> Any:
+        """The target verified the round (hidden [B, K+1, H]; `followers` [B, K+1]: the
+        confirmed token after each verify input, lazy, valid up to each row's count kept).
+        Returns the round's state that `settle` gets back."""
+        ...
+
+    def settle(self, state: Any, kept: list[int], confirmed: list[list[int]]) -> None:
+        """Row r kept its first `kept[r]` verify inputs (its accepted drafts and the token
+        before them); `confirmed[r]`: the tokens the round confirmed for it (as many)."""
+        ...
+
+    def settle_on_device(self, state: Any, kept: mx.array) -> list[mx.array]:
+        """`settle` with the counts on the device ([B] int32, not read yet); returns the
+        lazy state it set, for the decoder to launch with the round."""
+        ...
+
+    def take(self, r: int, tokens: list[int]) -> Proposer:
+        """Row r as one stream's proposer (a prompt cache's entry); `tokens`: its prompt and
+        the tokens confirmed for it."""
+        ...
+
+    def take_ended(self, r: int, state: Any, index: int, taken: int, extra: int) -> Proposer:
+        """Row r as `take` gives it, from a round settled on the device (`state`, in which
+        it was row `index`) that confirmed `extra` tokens past the `taken` it keeps."""
+        ...
+
+
+class RowsBase:
+    """Defaults for the optional parts of `RowsProposer`."""
+
+    name = "proposer"
+    rolls_on_device = False
+
+    def observe(self, hidden: mx.array, tokens: mx.array) -> None:
+        return None
+
+    def after_verify(self, proposal: RowsProposal, hidden: mx.array, followers: mx.array) -> Any:
+        return proposal
+
+    def settle_on_device(self, state: Any, kept: mx.array) -> list[mx.array]:
+        raise NotImplementedError(f"{type(self).__name__} settles from counts it has read")
+
+    def take_ended(self, r: int, state: Any, index: int, taken: int, extra: int) -> Proposer:
+        raise NotImplementedError(f"{type(self).__name__} settles from counts it has read")
+
+
+def draw_rows(
+    vocab: FullVocab,
+    logits: mx.array,
+    sampling: list[SamplingSettings],
+    keys: list[mx.array | None],
+    dists: list[list[mx.array]],
+) -> mx.array:
+    """Each row's draft [B] int32 from its logits [B, V] (or [B, N] over a subset): the
+    argmax for a greedy row, else a draw from its settings' distribution (kept in `dists[r]`,
+    over the whole vocabulary, for rejection sampling) by its key. `vocab` maps a subset's
+    indices back to token ids."""
+    tokens = vocab.token(mx.argmax(logits, axis=-1)).astype(mx.int32)
+    if all(s.greedy for s in sampling):
+        return tokens
+    picks = []
+    for r, s in enumerate(sampling):
+        if s.greedy:
+            picks.append(tokens[r])
+            continue
+        q = vocab.probs(s, logits[r])
+        dists[r].append(vocab.spread(q))
+        pick = vocab.token(mx.random.categorical(mx.log(q), key=keys[r]))
+        picks.append(pick.astype(mx.int32))
+    return mx.stack(picks)
 
 
 def one_hot(drafts: list[int], vocab: int) -> mx.array:

@@ -186,3 +186,15 @@ class DraftModelProposer(ProposerBase):
         if self.step_cost is None:
             return None
         return prior_cost(depth) + depth * max(self.step_cost, MIN_STEP_COST)
+
+    # A batch's side lives in `draft_model_rows` (its own caches per row).
+    @property
+    def batches(self) -> bool:  # type: ignore[override]
+        from mtpkit.speculative.proposers.draft_model_rows import batches
+
+        return batches(self)
+
+    def batched(self) -> Any:
+        from mtpkit.speculative.proposers.draft_model_rows import DraftRows
+
+        return DraftRows(self) if self.batches else None
