@@ -167,3 +167,14 @@ def test_generate_and_bench_recognise_the_drafter(tmp_path: Path) -> None:
     assert out.exit_code == 0, out.output
     (run,) = json.loads(out.stdout)["adaptive"]  # mtpkit's row alone: stock cannot load it
     assert run["drafter"] == "eagle3" and run["rounds"] > 0
+
+
+def test_the_python_api_takes_the_drafter(tmp_path: Path) -> None:
+    """`mtpkit.load(..., draft_model=DIR)` drafts with it; the tokens are stock mlx-lm's."""
+    import mtpkit
+
+    target, draft = pair(tmp_path, "llama", text=4)
+    engine = mtpkit.load(target, draft_model=draft)
+    events = list(mtpkit.stream_generate(engine, PROMPT, max_tokens=10, depth=2))
+    assert [e.token for e in events if e.token is not None] == stock_tokens(target, PROMPT, 10)
+    assert engine.drafter_name == "eagle3"

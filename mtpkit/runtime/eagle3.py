@@ -104,11 +104,6 @@ def load_eagle3(path: str | Path) -> Eagle3Drafter:
     return Eagle3Drafter(path, layout, model, target_ids)
 
 
-def target_layers(target_config: dict[str, Any]) -> int:
-    text = target_config.get("text_config") or target_config
-    return int(text.get("num_hidden_layers") or 0)
-
-
 def check_target(drafter: Eagle3Drafter, target_config: dict[str, Any], rows: int,
                  names: tuple[str, str]) -> None:  # fmt: skip
     """Refuse a drafter that cannot draft for the target (one line naming why); `rows`: the

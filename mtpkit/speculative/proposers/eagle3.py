@@ -20,7 +20,7 @@ from typing import Any
 import mlx.core as mx
 
 from mtpkit.runtime.draft_vocab import FullVocab, SubsetVocab
-from mtpkit.runtime.eagle3 import Eagle3Drafter, tap_layer_inputs, target_layers
+from mtpkit.runtime.eagle3 import Eagle3Drafter, tap_layer_inputs
 from mtpkit.runtime.model import MtpModel
 from mtpkit.runtime.rollback.discard import PassUndo
 from mtpkit.speculative.accept import SamplingSettings, Verdict
@@ -37,7 +37,7 @@ class Eagle3Proposer(ProposerBase):
 
     def __init__(self, m: MtpModel, drafter: Eagle3Drafter, step_cost: float | None = None) -> None:
         self.m, self.drafter = m, drafter
-        tap_layer_inputs(m, drafter.layout.layer_ids(target_layers(m.config)))
+        tap_layer_inputs(m, drafter.layout.layer_ids(len(m.parts.layers)))
         model = drafter.model
         self.cache = model.make_cache()
         self.features: list[mx.array] = []  # pending pairs' target states [1, T, 3H_t]
