@@ -5,9 +5,11 @@
   ["LlamaForCausalLMEagle3"]`, Llama fields, `draft_vocab_size`, no layer ids: the default
   (2, N // 2, N - 3)), tensors `midlayer.*`, `fc`, `norm`, `lm_head`, `d2t` (int64), `t2d`
   (bool), no embedding.
-- "speculators": as vLLM's speculators exports of Qwen3 drafters (`layers.0.*` names, an
-  `embed_tokens.weight` copy of the target's, `eagle_aux_hidden_state_layer_ids`,
-  `norm_before_residual: true`).
+- "speculators": as vLLM's speculators exports (RedHatAI's `*-speculator.eagle3`):
+  `architectures: ["Eagle3Speculator"]`, `speculators_model_type: "eagle3"`, the layer's Llama
+  fields nested in `transformer_layer_config`, `eagle_aux_hidden_state_layer_ids`, no
+  `norm_before_residual` (true there by default), `layers.0.*` names and an
+  `embed_tokens.weight` copy of the target's.
 """
 
 from __future__ import annotations
@@ -57,11 +59,27 @@ def eagle3_config(target: dict[str, Any], *, draft_vocab: int, style: str,
         "vocab_size": int(target["vocab_size"]),
         "draft_vocab_size": draft_vocab,
     }
-    if style == "speculators":
-        config.update(rope_theta=1000000.0, norm_before_residual=True, head_dim=16)
     if layer_ids is not None:
         config["eagle_aux_hidden_state_layer_ids"] = layer_ids
-    return config
+    if style != "speculators":
+        return config
+    eagle = ("draft_vocab_size", "eagle_aux_hidden_state_layer_ids", "torch_dtype")
+    layer = {k: v for k, v in config.items() if k not in (*eagle, "architectures")}
+    layer.update(rope_theta=1000000.0, head_dim=16, architectures=["LlamaForCausalLM"])
+    return {
+        "architectures": ["Eagle3Speculator"],
+        "speculators_model_type": "eagle3",
+        "speculators_version": "0.1.0.dev",
+        "speculators_config": {
+            "algorithm": "eagle3",
+            "default_proposal_method": "greedy",
+            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": 3}],
+            "verifier": {"name_or_path": "Qwen/Qwen3-8B", "architectures": ["Qwen3ForCausalLM"]},
+        },
+        "target_hidden_size": int(target["hidden_size"]),
+        "transformer_layer_config": layer,
+        **{k: config[k] for k in eagle if k in config},
+    }
 
 
 def build_eagle3(path: Path, target: Path, *, vocab_ids: list[int], style: str = "eagle",
@@ -72,9 +90,10 @@ def build_eagle3(path: Path, target: Path, *, vocab_ids: list[int], style: str =
     target_config = json.loads((Path(target) / "config.json").read_text())
     ids = sorted(set(vocab_ids))
     config = eagle3_config(target_config, draft_vocab=len(ids), style=style, layer_ids=layer_ids)
-    h, heads, kv = config["hidden_size"], config["num_attention_heads"], config["num_key_value_heads"]
+    fields = config.get("transformer_layer_config") or config
+    h, heads, kv = fields["hidden_size"], fields["num_attention_heads"], fields["num_key_value_heads"]
     d = h // heads
-    units = {"H": h, "2H": 2 * h, "I": config["intermediate_size"], "Q": heads * d, "KV": kv * d}
+    units = {"H": h, "2H": 2 * h, "I": fields["intermediate_size"], "Q": heads * d, "KV": kv * d}
     mx.random.seed(seed)
 
     def tensor(*shape: str) -> mx.array:
@@ -88,7 +107,7 @@ def build_eagle3(path: Path, target: Path, *, vocab_ids: list[int], style: str =
     weights["fc.weight"] = (mx.random.normal((h, 3 * h)) * (3 * h) ** -0.5).astype(mx.bfloat16)
     weights["norm.weight"] = tensor("H")
     weights["lm_head.weight"] = (mx.random.normal((len(ids), h)) * h**-0.5).astype(mx.bfloat16)
-    t2d = np.zeros(config["vocab_size"], bool)
+    t2d = np.zeros(fields["vocab_size"], bool)
     t2d[ids] = True
     weights["d2t"] = mx.array(np.array(ids, np.int64) - np.arange(len(ids)))
     weights["t2d"] = mx.array(t2d)

@@ -41,7 +41,10 @@ class ReferenceEagle3:
     """The drafter of a directory, in numpy float32 (its published tensor names read here)."""
 
     def __init__(self, path: Path, target: StockInputs) -> None:
-        c = self.config = json.loads((Path(path) / "config.json").read_text())
+        c = json.loads((Path(path) / "config.json").read_text())
+        if "transformer_layer_config" in c:  # vLLM speculators: norm_before_residual true then
+            c = {**c["transformer_layer_config"], "norm_before_residual": True, **c}
+        self.config = c
         raw = {}
         for shard in sorted(Path(path).glob("*.safetensors")):
             raw.update(mx.load(str(shard)))

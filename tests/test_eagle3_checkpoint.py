@@ -38,7 +38,8 @@ def test_inspect_names_what_the_drafter_reads(tmp_path: Path) -> None:
     result = inspect_checkpoint(str(draft), target=str(target))
     d = result["drafter"]
     assert (d["kind"], d["architecture"], d["layers"]) == ("eagle3", "LlamaForCausalLMEagle3", 1)
-    assert d["target"] == {"num_hidden_layers": 8, "hidden_size": 64, "vocab_size": 512}
+    assert d["target"] == {"name": None, "num_hidden_layers": 8, "hidden_size": 64,
+                           "vocab_size": 512}  # fmt: skip
     assert d["target_layer_ids"] == [2, 4, 5] and d["target_layer_rule"].startswith("inputs of")
     assert [d[k] for k in VOCAB_FIELDS] == [
         len(ids), {"present": True, "target_ids": [min(ids), max(ids)], "distinct": True}, True
@@ -55,12 +56,14 @@ def test_inspect_names_what_the_drafter_reads(tmp_path: Path) -> None:
 
 
 def test_inspect_reads_the_speculators_format(tmp_path: Path) -> None:
-    """`layers.0.*` names, the layer ids its config names, norm_before_residual; the copy of
-    the target's embedding is named as left out."""
+    """Its nested fields and `layers.0.*` names, the layer ids and target its config names,
+    norm_before_residual true by default; the copy of the target's embedding left out."""
     target, draft = pair(tmp_path, "qwen3", text=4)
     d = inspect_checkpoint(str(draft))["drafter"]
     assert (d["target_layer_ids"], d["target_layer_rule"]) == ([1, 3, 5], "config")
-    assert d["target"]["num_hidden_layers"] is None  # known only with --target
+    assert (d["architecture"], d["layers"]) == ("Eagle3Speculator", 1)
+    assert d["target"] == {"name": "Qwen/Qwen3-8B", "num_hidden_layers": None,
+                           "hidden_size": 64, "vocab_size": 512}  # fmt: skip
     assert d["shared_tensors_left_out"] == ["embed_tokens.weight"] and d["norm_before_residual"]
     assert d["tensor_count"] == 14
     out = CliRunner().invoke(app, ["inspect", str(draft)])
@@ -80,7 +83,7 @@ def test_inspect_names_another_target_and_a_broken_drafter(tmp_path: Path) -> No
     assert problem["code"] == "another_target"
     assert problem["message"].endswith("it reads target layers [5], and this one has 4")
     config = json.loads((draft / "config.json").read_text())
-    config["num_hidden_layers"] = 2
+    config["transformer_layer_config"]["num_hidden_layers"] = 2
     (draft / "config.json").write_text(json.dumps(config))
     tensors = _tensors(draft)
     del tensors["layers.0.hidden_norm.weight"]

@@ -102,6 +102,7 @@ def eagle3_report(source: Source, config: dict[str, Any], target: str | None) ->
             "kind": "eagle3",
             "architecture": (config.get("architectures") or [None])[0],
             "target": {
+                "name": _verifier(config),
                 "num_hidden_layers": layers,
                 "hidden_size": layout.target_hidden_size,
                 "vocab_size": layout.vocab_size,
@@ -123,6 +124,13 @@ def eagle3_report(source: Source, config: dict[str, Any], target: str | None) ->
         "pairing": pairing,
         "problems": problems,
     }
+
+
+def _verifier(config: dict[str, Any]) -> str | None:
+    """The target a speculators export names (`speculators_config.verifier.name_or_path`)."""
+    verifier = (config.get("speculators_config") or {}).get("verifier") or {}
+    name = verifier.get("name_or_path") if isinstance(verifier, dict) else None
+    return name if isinstance(name, str) else None
 
 
 def _vocabulary_text(layout: Eagle3Layout) -> str:

@@ -21,7 +21,8 @@ def print_drafter(result: dict[str, Any]) -> None:
     rows = [
         ("source", where),
         ("drafter", f"{d['kind']} ({d['architecture']}), {d['layers']} layer(s)"),
-        ("target", f"{layers if layers is not None else 'N'} layers, hidden size "
+        ("target", (f"{target['name']}: " if target.get("name") else "")
+                   + f"{layers if layers is not None else 'N'} layers, hidden size "
                    f"{target['hidden_size']}, vocabulary {target['vocab_size']}"),  # fmt: skip
         *(_eagle3_rows(d) if d["kind"] == "eagle3" else _dflash_rows(d)),
         ("vocabulary mapping", d["vocabulary"]),

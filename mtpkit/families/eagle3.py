@@ -30,7 +30,9 @@ import mlx.nn as nn
 
 from mtpkit.core.errors import MtpkitError
 
-ARCHITECTURES = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM")
+ARCHITECTURES = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM", "Eagle3Speculator")
+# vLLM speculators' extra norms (`norm_before_fc`, ...): a layout mtpkit does not build.
+UNBUILT_NORMS = ("norm_before_fc", "fc_norm", "norm_output")
 LAYER_TENSORS = (
     "input_layernorm.weight",
     "hidden_norm.weight",
@@ -52,9 +54,22 @@ def is_eagle3(config: Any) -> bool:
     """Whether a config.json is an EAGLE-3 drafter's (its architecture or `draft_vocab_size`)."""
     if not isinstance(config, dict):
         return False
-    return bool(set(config.get("architectures") or []) & set(ARCHITECTURES)) or (
-        "draft_vocab_size" in config
+    return (
+        bool(set(config.get("architectures") or []) & set(ARCHITECTURES))
+        or "draft_vocab_size" in config
+        or config.get("speculators_model_type") == "eagle3"
     )
+
+
+def flat_config(config: dict[str, Any]) -> dict[str, Any]:
+    """One level of fields: vLLM's speculators export nests the layer's Llama fields in
+    `transformer_layer_config` beside EAGLE-3's own, and there `norm_before_residual`
+    defaults to true (vLLM's `update_eagle3`)."""
+    layer = config.get("transformer_layer_config")
+    if not isinstance(layer, dict):
+        return config
+    return {**layer, "norm_before_residual": True, **{k: v for k, v in config.items()
+                                                       if k != "transformer_layer_config"}}  # fmt: skip
 
 
 def default_target_layers(target_layers: int) -> tuple[int, int, int]:
@@ -92,9 +107,11 @@ class Eagle3Layout:
     attention_bias: bool = False
     hidden_act: str = "silu"
     rope_scaling: dict[str, Any] | None = None
+    unbuilt_norms: tuple[str, ...] = ()
 
     @classmethod
     def of(cls, config: dict[str, Any], where: str = "the drafter") -> Eagle3Layout:
+        config = flat_config(config)
         eagle = config.get("eagle_config") or {}
         try:
             heads = int(config["num_attention_heads"])
@@ -121,6 +138,7 @@ class Eagle3Layout:
                 attention_bias=bool(config.get("attention_bias", False)),
                 hidden_act=str(config.get("hidden_act", "silu")),
                 rope_scaling=config.get("rope_scaling"),
+                unbuilt_norms=tuple(k for k in UNBUILT_NORMS if config.get(k)),
             )
         except KeyError as e:
             raise MtpkitError(
@@ -176,6 +194,8 @@ class Eagle3Layout:
             problems.append(
                 "it reads the input of target layer 0 (the embeddings), which mtpkit does not tap"
             )
+        if self.unbuilt_norms:
+            problems.append(f"{self.unbuilt_norms[0]} is set: a norm mtpkit's EAGLE-3 layer has not")
         if self.hidden_act != "silu":
             problems.append(f"hidden_act {self.hidden_act!r} (EAGLE-3's layer is Llama's, silu)")
         return problems
