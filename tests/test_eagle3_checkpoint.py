@@ -82,6 +82,15 @@ def test_inspect_names_another_target_and_a_broken_drafter(tmp_path: Path) -> No
     (problem,) = json.loads(out.stdout)["problems"]
     assert problem["code"] == "another_target"
     assert problem["message"].endswith("it reads target layers [5], and this one has 4")
+    wider = tmp_path / "wider"  # another target's hidden size and vocabulary: its config says
+    wider.mkdir()
+    (wider / "config.json").write_text(json.dumps(
+        {"model_type": "qwen3", "hidden_size": 128, "vocab_size": 1024, "num_hidden_layers": 6}))  # fmt: skip
+    pairing = inspect_checkpoint(str(draft), target=str(wider))["pairing"]
+    assert pairing["problems"] == [
+        "it fuses hidden states of width 64, and this target's are 128 wide",
+        "a vocabulary of 512 against the target's 1024",
+    ]
     config = json.loads((draft / "config.json").read_text())
     config["transformer_layer_config"]["num_hidden_layers"] = 2
     (draft / "config.json").write_text(json.dumps(config))
