@@ -84,12 +84,14 @@ def eagle3_config(target: dict[str, Any], *, draft_vocab: int, style: str,
 
 def build_eagle3(path: Path, target: Path, *, vocab_ids: list[int], style: str = "eagle",
                  layer_ids: list[int] | None = None, seed: int = 11,
-                 extra: dict[str, mx.array] | None = None) -> Path:  # fmt: skip
+                 extra: dict[str, mx.array] | None = None,
+                 fields: dict[str, Any] | None = None) -> Path:  # fmt: skip
     """A drafter for the target directory `target` over the draft vocabulary `vocab_ids`
-    (target ids), random bf16 weights of `seed`."""
+    (target ids), random bf16 weights of `seed`; `fields`: more config.json fields."""
     target_config = json.loads((Path(target) / "config.json").read_text())
     ids = sorted(set(vocab_ids))
     config = eagle3_config(target_config, draft_vocab=len(ids), style=style, layer_ids=layer_ids)
+    config.update(fields or {})
     fields = config.get("transformer_layer_config") or config
     h, heads, kv = fields["hidden_size"], fields["num_attention_heads"], fields["num_key_value_heads"]
     d = h // heads

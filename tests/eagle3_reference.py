@@ -13,7 +13,33 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-from tests.dflash_reference import StockTarget, _np, rms_norm, rope
+from tests.dflash_reference import StockTarget, _np, rms_norm
+
+
+def inverse_frequencies(d: int, theta: float, scaling: dict | None) -> np.ndarray:
+    """transformers' RoPE inverse frequencies, Llama 3.1's `llama3` scaling included
+    (`_compute_llama3_parameters`)."""
+    inv = theta ** (-np.arange(0, d, 2, dtype=np.float64) / d)
+    if not scaling or scaling.get("rope_type", scaling.get("type")) != "llama3":
+        return inv
+    factor, old = scaling["factor"], scaling["original_max_position_embeddings"]
+    low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
+    wavelen = 2 * np.pi / inv
+    scaled = np.where(wavelen > old / low, inv / factor, inv)
+    smooth = (old / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= old / high) & (wavelen <= old / low)
+    return np.where(medium, smoothed, scaled)
+
+
+def rope(x: np.ndarray, positions: np.ndarray, inv: np.ndarray) -> np.ndarray:
+    """Rotate-half RoPE of x [heads, T, D] at `positions` [T] with inverse frequencies `inv`."""
+    d = x.shape[-1]
+    angles = positions[:, None].astype(np.float64) * inv[None]
+    cos = np.concatenate([np.cos(angles)] * 2, -1).astype(np.float32)
+    sin = np.concatenate([np.sin(angles)] * 2, -1).astype(np.float32)
+    half = np.concatenate([-x[..., d // 2 :], x[..., : d // 2]], -1)
+    return x * cos + half * sin
 
 
 class StockInputs(StockTarget):
@@ -52,9 +78,10 @@ class ReferenceEagle3:
         for k, v in raw.items():
             k = k.removeprefix("model.").replace("layers.0.", "midlayer.")
             self.w[k] = np.array(v) if k in ("d2t", "t2d") else _np(v)
-        self.eps, self.theta = c["rms_norm_eps"], c.get("rope_theta", 10000.0)
+        self.eps = c["rms_norm_eps"]
         self.heads, self.kv = c["num_attention_heads"], c["num_key_value_heads"]
         self.d = c.get("head_dim") or c["hidden_size"] // self.heads
+        self.inv = inverse_frequencies(self.d, c.get("rope_theta", 10000.0), c.get("rope_scaling"))
         n = target.layers
         self.ids = c.get("eagle_aux_hidden_state_layer_ids") or [2, n // 2, n - 3]
         self.before = c.get("norm_before_residual", False)
@@ -73,7 +100,7 @@ class ReferenceEagle3:
         q = (x @ w["self_attn.q_proj.weight"].T).reshape(T, self.heads, d).transpose(1, 0, 2)
         k = (x @ w["self_attn.k_proj.weight"].T).reshape(T, self.kv, d).transpose(1, 0, 2)
         v = (x @ w["self_attn.v_proj.weight"].T).reshape(T, self.kv, d).transpose(1, 0, 2)
-        q, k = rope(q, pos, self.theta), rope(k, pos, self.theta)
+        q, k = rope(q, pos, self.inv), rope(k, pos, self.inv)
         group = self.heads // self.kv
         k, v = np.repeat(k, group, 0), np.repeat(v, group, 0)
         scores = q @ k.transpose(0, 2, 1) * d**-0.5

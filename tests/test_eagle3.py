@@ -84,10 +84,20 @@ def test_the_tap_reads_layer_inputs_and_leaves_the_logits_unchanged(tmp_path: Pa
     np.testing.assert_allclose(np.array(features[0]), stock, atol=1e-5)
 
 
-def test_the_drafter_is_the_reference_through_its_cache(tmp_path: Path) -> None:
+# Llama 3.1's RoPE scaling, its context scaled down so that the 16-wide heads' frequencies
+# fall in all three of its bands (scaled, smoothed, kept).
+LLAMA3_ROPE = {"rope_theta": 500000.0, "rope_scaling": {
+    "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 64}}  # fmt: skip
+
+
+@pytest.mark.parametrize(("family", "fields"), [("qwen3", None), ("llama", LLAMA3_ROPE)])
+def test_the_drafter_is_the_reference_through_its_cache(
+    tmp_path: Path, family: str, fields: dict | None
+) -> None:
     """The drafter's logits of a chain after pairs fed in two passes (the first cached) are
-    the numpy reference's over all its inputs in one."""
-    target, draft = pair(tmp_path, "qwen3", text=4)
+    the numpy reference's over all its inputs in one (plain RoPE, and Llama 3.1's scaled)."""
+    target, draft = pair(tmp_path, family, text=4, fields=fields)
     stock = StockInputs(target)
     ref = ReferenceEagle3(draft, stock)
     features, _ = stock.layer_inputs(PROMPT[:-1], ref.ids)
