@@ -190,3 +190,27 @@ def test_the_python_api_takes_the_drafter(tmp_path: Path) -> None:
     events = list(mtpkit.stream_generate(engine, PROMPT, max_tokens=10, depth=2))
     assert [e.token for e in events if e.token is not None] == stock_tokens(target, PROMPT, 10)
     assert engine.drafter_name == "eagle3"
+
+
+def test_serve_drafts_with_it_one_request_at_a_time(tmp_path: Path) -> None:
+    """`serve --draft-model EAGLE3_DIR --decode-concurrency 2`: the batch refuses it (logged
+    once, as for DFlash), the answer is stock mlx-lm's text and names the drafter."""
+    import openai
+
+    from tests.serve_process import ServerProcess
+    from tests.test_serve import TIMEOUT, References
+
+    target, draft = pair(tmp_path, "llama", text=4)
+    refs = References(target)
+    proc = ServerProcess(target, tmp_path / "server.log", "--draft-model", str(draft),
+                         "--decode-concurrency", "2")  # fmt: skip
+    try:
+        client = openai.OpenAI(base_url=proc.url + "/v1", api_key="unused", timeout=TIMEOUT)
+        r = client.completions.create(model="default_model", prompt="x =", max_tokens=12)
+    finally:
+        proc.stop()
+    text, count = refs.stock_text(refs.text_ids("x ="), 12)
+    assert r.choices[0].text == text and r.usage.completion_tokens == count
+    assert r.model_extra["mtp"]["drafter"] == "eagle3" and r.model_extra["mtp"]["drafted"] > 0
+    log = (tmp_path / "server.log").read_text()
+    assert "the eagle3 drafter does not decode in a batch yet" in log and "Traceback" not in log
