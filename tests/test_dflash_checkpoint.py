@@ -70,7 +70,8 @@ def test_inspect_names_another_target_and_a_broken_drafter(tmp_path: Path) -> No
     assert out.output.count("\n") == 1 and "cannot draft" in out.output
 
 
-def test_an_eagle3_drafter_is_named_not_run(tmp_path: Path) -> None:
+def test_an_eagle3_config_without_its_fields_is_one_line(tmp_path: Path) -> None:
+    """Recognised as EAGLE-3 (read now: tests/test_eagle3_checkpoint.py), not as DFlash."""
     draft = tmp_path / "eagle3"
     draft.mkdir()
     (draft / "config.json").write_text(json.dumps(
@@ -79,7 +80,8 @@ def test_an_eagle3_drafter_is_named_not_run(tmp_path: Path) -> None:
     mx.save_safetensors(str(draft / "model.safetensors"), {"d2t": mx.zeros((4,), mx.int32)})
     out = CliRunner().invoke(app, ["inspect", str(draft)])
     assert out.exit_code == 1
-    assert "is an EAGLE-3 drafter" in out.output and out.output.count("\n") == 1
+    assert "lacks 'num_attention_heads', which an EAGLE-3 drafter's config has" in out.output
+    assert out.output.count("\n") == 1
 
 
 def test_convert_keeps_the_drafts_and_leaves_the_targets_tensors(tmp_path: Path) -> None:

@@ -223,7 +223,9 @@ class BenchResult:
 
 
 DRAFTERS = {
+    "dflash": "DFlash block drafter",
     "draft-model": "draft model",
+    "eagle3": "EAGLE-3 drafter",
     "gemma4-assistant": "Gemma 4 assistant",
     "prompt-lookup": "prompt lookup",
 }

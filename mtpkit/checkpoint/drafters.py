@@ -3,7 +3,8 @@
 mask token, its vocabulary mapping, and what is wrong), from config.json and the
 safetensors headers alone.
 
-Kinds: DFlash (`mtpkit.families.dflash`). EAGLE-3's layout is recognised and named, not run.
+Kinds: DFlash (`mtpkit.families.dflash`, reported here) and EAGLE-3
+(`mtpkit.families.eagle3`, reported by `mtpkit.checkpoint.eagle3`).
 """
 
 from __future__ import annotations
@@ -16,8 +17,8 @@ from mtpkit.checkpoint.headers import HeaderError, parse_header
 from mtpkit.checkpoint.source import HubSource, Source, open_source
 from mtpkit.core.errors import MtpkitError
 from mtpkit.families.dflash import DFlashLayout, is_dflash, tensor_name, tensor_problem
+from mtpkit.families.eagle3 import is_eagle3
 
-EAGLE3_ARCHITECTURES = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM")
 DRAFTER_FILES = ["*.json", "*.safetensors"]  # a drafter's own bytes: never a target's
 
 
@@ -25,10 +26,7 @@ def drafter_kind(config: Any) -> str | None:
     """"dflash", "eagle3" or None (not a block drafter) for a config.json."""
     if is_dflash(config):
         return "dflash"
-    if isinstance(config, dict) and (
-        set(config.get("architectures") or []) & set(EAGLE3_ARCHITECTURES)
-        or "draft_vocab_size" in config
-    ):
+    if is_eagle3(config):
         return "eagle3"
     return None
 
@@ -36,15 +34,23 @@ def drafter_kind(config: Any) -> str | None:
 def drafter_directory(spec: str | Path, kind: str, revision: str | None = None) -> Path | None:
     """The local directory of `spec` when it is a block drafter of `kind`, else None; on the
     Hub only config.json is read before deciding, then only the drafter's files fetched."""
+    found = block_drafter(spec, revision)
+    return found[1] if found is not None and found[0] == kind else None
+
+
+def block_drafter(spec: str | Path, revision: str | None = None) -> tuple[str, Path] | None:
+    """(kind, local directory) of `spec` when it is a block drafter of any kind, else None
+    (read and fetched as `drafter_directory` does)."""
     source = open_source(str(spec), revision=revision)
-    if drafter_kind(source.read_json("config.json")) != kind:
+    kind = drafter_kind(source.read_json("config.json"))
+    if kind is None:
         return None
     if isinstance(source, HubSource):
-        return source.download(DRAFTER_FILES)
-    return source.snapshot_dir()
+        return kind, source.download(DRAFTER_FILES)
+    return kind, source.snapshot_dir()
 
 
-def _headers(source: Source) -> tuple[dict[str, Any], list[dict[str, str]]]:
+def read_headers(source: Source) -> tuple[dict[str, Any], list[dict[str, str]]]:
     tensors: dict[str, Any] = {}
     problems = []
     for shard in sorted(n for n in source.files if "/" not in n and n.endswith(".safetensors")):
@@ -59,7 +65,7 @@ def _headers(source: Source) -> tuple[dict[str, Any], list[dict[str, str]]]:
     return tensors, problems
 
 
-def _target_config(spec: str) -> dict[str, Any]:
+def target_text_config(spec: str) -> dict[str, Any]:
     config = open_source(spec).read_json("config.json")
     if not isinstance(config, dict):
         raise MtpkitError(f"--target {spec} has no config.json: pass the target model's directory")
@@ -69,7 +75,7 @@ def _target_config(spec: str) -> dict[str, Any]:
 def dflash_report(source: Source, config: dict[str, Any], target: str | None) -> dict[str, Any]:
     """What `inspect --json` prints for a DFlash drafter (keys in docs/BLOCK_DRAFTERS.md)."""
     layout = DFlashLayout.of(config, source.describe())
-    tensors, problems = _headers(source)
+    tensors, problems = read_headers(source)
     own = {tensor_name(n): t for n, t in tensors.items() if tensor_name(n) is not None}
 
     def problem(code: str, message: str) -> None:
@@ -91,7 +97,7 @@ def dflash_report(source: Source, config: dict[str, Any], target: str | None) ->
         )
     pairing = None
     if target is not None:
-        target_config = _target_config(target)
+        target_config = target_text_config(target)
         pairing = {"target": target, "problems": layout.target_problems(target_config)}
         for message in pairing["problems"]:
             problem("another_target", f"not a drafter for {target}: {message}")
@@ -136,8 +142,7 @@ def inspect_drafter(spec: str, *, revision: str | None = None,
     if kind is None:
         return None
     if kind == "eagle3":
-        raise MtpkitError(
-            f"{spec} is an EAGLE-3 drafter; mtpkit reads DFlash block drafters only so far "
-            "(EAGLE-3: not yet)"
-        )
+        from mtpkit.checkpoint.eagle3 import eagle3_report
+
+        return eagle3_report(source, config, target)
     return dflash_report(source, config, target)

@@ -17,15 +17,14 @@ def print_drafter(result: dict[str, Any]) -> None:
     summary.add_column(overflow="fold")
     where = result["source"] + (f"@{result['revision']}" if result["revision"] else "")
     target = d["target"]
-    mask = d["mask_token_id"]
+    layers = target["num_hidden_layers"]
     rows = [
         ("source", where),
         ("drafter", f"{d['kind']} ({d['architecture']}), {d['layers']} layer(s)"),
-        ("target", f"{target['num_hidden_layers']} layers, hidden size {target['hidden_size']}, "
-                   f"vocabulary {target['vocab_size']}"),  # fmt: skip
-        ("target layers read", ", ".join(map(str, d["target_layer_ids"]))),
-        ("block size", f"{d['block_size']} (up to {d['max_drafts']} drafts a pass)"),
-        ("mask token", f"{mask}" + (f" ({d['mask_token']})" if d["mask_token"] else "")),
+        ("target", (f"{target['name']}: " if target.get("name") else "")
+                   + f"{layers if layers is not None else 'N'} layers, hidden size "
+                   f"{target['hidden_size']}, vocabulary {target['vocab_size']}"),  # fmt: skip
+        *(_eagle3_rows(d) if d["kind"] == "eagle3" else _dflash_rows(d)),
         ("vocabulary mapping", d["vocabulary"]),
         ("tensors", f"{d['tensor_count']} ({human_bytes(d['bytes'])})"),
         ("dtypes", ", ".join(f"{k} x{v}" for k, v in d["dtypes"].items())),
@@ -38,3 +37,29 @@ def print_drafter(result: dict[str, Any]) -> None:
         summary.add_row(key, value)
     stdout.print(summary)
     print_problems(result["problems"])
+
+
+def _dflash_rows(d: dict[str, Any]) -> list[tuple[str, str]]:
+    mask = d["mask_token_id"]
+    return [
+        ("target layers read", ", ".join(map(str, d["target_layer_ids"]))),
+        ("block size", f"{d['block_size']} (up to {d['max_drafts']} drafts a pass)"),
+        ("mask token", f"{mask}" + (f" ({d['mask_token']})" if d["mask_token"] else "")),
+    ]
+
+
+def _eagle3_rows(d: dict[str, Any]) -> list[tuple[str, str]]:
+    ids = d["target_layer_ids"]
+    read = d["target_layer_rule"] if ids is None else ", ".join(map(str, ids))
+    if ids is not None:
+        read = f"inputs of {read}" + ("" if d["target_layer_rule"] == "config" else " (default)")
+    d2t = d["d2t"]
+    mapping = "none (drafts over every target token)"
+    if d2t["target_ids"] is not None:
+        low, high = d2t["target_ids"]
+        mapping = f"draft id + offset -> target ids {low}..{high}"
+    return [
+        ("target layers read", read),
+        ("draft vocabulary", f"{d['draft_vocab_size']} tokens"),
+        ("d2t", mapping),
+    ]

@@ -380,7 +380,8 @@ DrafterModelOpt = Annotated[
         help="Draft with this separate model (a local MLX directory or a Hub repo of the same "
         "tokenizer) instead of the MTP head; hybrid targets and draft models included; for a "
         "Gemma 4 target, its MTP assistant; a DFlash block drafter's directory (recognised from "
-        "its config.json) drafts a block per pass from the target's hidden layers.",
+        "its config.json) drafts a block per pass from the target's hidden layers; an EAGLE-3 "
+        "drafter's (recognised too) chains its drafts over three of the target's layers.",
     ),
 ]
 PromptLookupOpt = Annotated[

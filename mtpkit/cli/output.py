@@ -179,6 +179,7 @@ DRAFTER_NAMES = {
     "prompt-lookup": "prompt lookup",
     "gemma4-assistant": "Gemma 4 assistant",
     "dflash": "DFlash block drafter",
+    "eagle3": "EAGLE-3 drafter",
 }
 
 

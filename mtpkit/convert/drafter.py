@@ -1,4 +1,4 @@
-"""`mtpkit convert` of a block drafter (DFlash): an MLX drafter directory, bf16 (or
+"""`mtpkit convert` of a block drafter (DFlash here; EAGLE-3 in `mtpkit.convert.eagle3`): an MLX drafter directory, bf16 (or
 `--dtype`), its linear layers quantized with `-q` as a head's are (`--mtp-bits`, else
 `--q-bits`; `--keep-mtp-bf16` keeps them whole).
 
@@ -28,12 +28,27 @@ def drafter_spec(settings: Settings) -> QuantSpec | None:
     if settings.quant_predicate is not None:
         raise MtpkitError(
             f"--quant-predicate {settings.quant_predicate} picks layers of a full model; a "
-            "DFlash drafter is quantized uniformly: pass -q (and --mtp-bits) instead"
+            "block drafter is quantized uniformly: pass -q (and --mtp-bits) instead"
         )
     wanted = settings.quantize or settings.mtp_bits is not None
     if not wanted or settings.keep_mtp_bf16:
         return None
     return QuantSpec.for_mode(settings.mode, settings.mtp_bits or settings.bits, settings.group_size)
+
+
+def convert_drafter(kind: str, source_dir: Path, out: Path, settings: Settings, *,
+                    force: bool) -> dict[str, Any]:  # fmt: skip
+    """Write the MLX drafter of kind `kind` ("dflash", "eagle3") of `source_dir` to `out`."""
+    if settings.draft_vocab is not None:
+        raise MtpkitError(
+            "--draft-vocab subsets an MTP head's lm_head; a block drafter drafts through its "
+            "target's (DFlash) or its own draft vocabulary (EAGLE-3): convert without it"
+        )
+    if kind == "eagle3":
+        from mtpkit.convert.eagle3 import convert_eagle3
+
+        return convert_eagle3(source_dir, out, settings, force=force)
+    return convert_dflash(source_dir, out, settings, force=force)
 
 
 def convert_dflash(source_dir: Path, out: Path, settings: Settings, *, force: bool) -> dict[str, Any]:

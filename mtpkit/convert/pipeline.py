@@ -24,7 +24,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from mtpkit.checkpoint.drafters import drafter_directory
+from mtpkit.checkpoint.drafters import block_drafter
 from mtpkit.checkpoint.inspect import Checkpoint, read_checkpoint
 from mtpkit.checkpoint.links import checked_side_file
 from mtpkit.checkpoint.validate import nonfinite_tensors
@@ -36,7 +36,7 @@ from mtpkit.convert.destination import (
     refuse_overlap,
 )
 from mtpkit.convert.draft_vocab import check_size, write_draft_vocab
-from mtpkit.convert.drafter import convert_dflash
+from mtpkit.convert.drafter import convert_drafter
 from mtpkit.convert.plan import Converter, Plan, Settings, check_conv1d, refuse_problems
 from mtpkit.convert.recipes import load_recipe, recipe_note
 from mtpkit.convert.records import build_manifest, drafter_record, output_config
@@ -149,16 +149,12 @@ def convert(
     # is refused at once, and the rename judges `out` again (`new_directory`).
     with exclusive_output(out):
         claim_output(out, force=force, sources=[local_source_dir(source)])
-        drafter = drafter_directory(source, "dflash", revision)
-        if drafter is not None:  # a block drafter: a model of its own, not mlx-lm's
-            if settings.draft_vocab is not None:
-                raise MtpkitError(
-                    "--draft-vocab subsets an MTP head's lm_head; a DFlash drafter drafts "
-                    "through its target's: convert without it"
-                )
+        found = block_drafter(source, revision)
+        if found is not None:  # a block drafter: a model of its own, not mlx-lm's
+            kind, drafter = found
             refuse_overlap(out, drafter)
-            record = convert_dflash(drafter, out, settings, force=force)
-            return ConvertResult(out, "dflash", record, 0, record["tensors"],
+            record = convert_drafter(kind, drafter, out, settings, force=force)
+            return ConvertResult(out, kind, record, 0, record["tensors"],
                                  time.perf_counter() - started, [n for n in notes if n],
                                  written_bytes=directory_bytes(out))  # fmt: skip
         ckpt = read_checkpoint(source, revision=revision)

@@ -176,8 +176,9 @@ def bench_command(
     drafters = [DrafterChoice(draft_model=draft_model)] if draft_model is not None else []
     drafters += [DrafterChoice(prompt_lookup=True)] if prompt_lookup else []
     draft = None
-    if draft_model is not None and not _is_assistant(draft_model):
-        # Stock mlx-lm's row: it cannot load a Gemma 4 assistant (mtpkit's row alone then).
+    if draft_model is not None and not _mtpkit_only(draft_model):
+        # Stock mlx-lm's row: it cannot load a Gemma 4 assistant or a block drafter (mtpkit's
+        # row alone then).
         from mtpkit.bench.draft import DraftModelBench
 
         progress(f"loading the draft model {draft_model}")
@@ -312,7 +313,9 @@ def parse_acceptances(text: str | None) -> list[float] | None:
     return values
 
 
-def _is_assistant(spec: str) -> bool:
+def _mtpkit_only(spec: str) -> bool:
+    """A drafter stock mlx-lm cannot load: a Gemma 4 assistant, a block drafter."""
+    from mtpkit.checkpoint.drafters import block_drafter
     from mtpkit.runtime.assistant import assistant_directory
 
-    return assistant_directory(spec) is not None
+    return assistant_directory(spec) is not None or block_drafter(spec) is not None

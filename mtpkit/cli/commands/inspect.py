@@ -39,7 +39,7 @@ def inspect_command(
         typer.Option(
             "--target",
             metavar="MODEL",
-            help="With a block drafter (DFlash): the target model to check it against.",
+            help="With a block drafter (DFlash, EAGLE-3): the target model to check it against.",
         ),
     ] = None,
 ) -> None:
@@ -49,7 +49,7 @@ def inspect_command(
 
     Also says how the head is stored (mtpkit's sidecar, inline, a raw checkpoint, vllm-mlx's or MTPLX's sidecars, an mlx-vlm drafter directory) and which runtimes run the directory, with its head or plainly (mlx-lm, mtpkit, mlx-vlm, MTPLX, Rapid-MLX, vllm-mlx, LM Studio).
 
-    A block drafter's directory (DFlash) is reported as a drafter: its target, the target layers it reads, its block size, mask token and vocabulary mapping, and its problems (with --target: whether it drafts for that model).
+    A block drafter's directory (DFlash, EAGLE-3) is reported as a drafter: its target, the target layers it reads, its block size and mask token (DFlash) or its draft vocabulary and d2t map (EAGLE-3), and its problems (with --target: whether it drafts for that model).
 
     Exit 0 when the checkpoint could be read (problems are listed, not fatal), 3 with --require-mtp when the head is not usable, 1 on an error.
     """

@@ -1,7 +1,7 @@
 """The drafters behind the decoder, one file each, all behind one protocol (`base.Proposer`):
 the checkpoint's MTP head (`mtp_head`), its placeholder on ranks without the head
 (`follower`), a separate draft model (`draft_model`), Gemma 4's assistant
-(`gemma4_assistant`), the DFlash block drafter (`dflash`), n-gram prompt lookup
+(`gemma4_assistant`), the DFlash block drafter (`dflash`), an EAGLE-3 drafter (`eagle3`), n-gram prompt lookup
 (`prompt_lookup`). `choose` picks one from what the user asked for."""
 
 from __future__ import annotations

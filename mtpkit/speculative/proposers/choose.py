@@ -1,6 +1,6 @@
 """Which proposer drafts, from what the user asked for: the model's own MTP head by default, a
-draft model (`--draft-model`; a Gemma 4 assistant or a DFlash block drafter is recognised
-from its config.json), or prompt lookup (`--prompt-lookup`)."""
+draft model (`--draft-model`; a Gemma 4 assistant, a DFlash block drafter or an EAGLE-3
+drafter is recognised from its config.json), or prompt lookup (`--prompt-lookup`)."""
 
 from __future__ import annotations
 
@@ -47,6 +47,7 @@ class ProposerFactory:
         self.draft = None
         self.assistant = None
         self.dflash = None
+        self.eagle3 = None
         if choice.draft_model is not None:
             self._load_draft_model(choice.draft_model)
         if choice.prompt_lookup:  # the option check, before any decoding
@@ -57,7 +58,11 @@ class ProposerFactory:
         (checked to read this target), else a draft model (checked to share its tokenizer)."""
         from mtpkit.runtime.assistant import assistant_directory, check_pairs, load_assistant
         from mtpkit.runtime.dflash import check_target, dflash_directory, load_dflash
+        from mtpkit.runtime.eagle3 import eagle3_directory
 
+        if (where := eagle3_directory(spec)) is not None:
+            self._load_eagle3(spec, where)
+            return
         where = dflash_directory(spec)
         if where is not None:
             self.dflash = load_dflash(where)
@@ -75,8 +80,17 @@ class ProposerFactory:
         self.draft = load_draft_model(spec)
         check_compatible(self.m, self.draft)
 
+    def _load_eagle3(self, spec: str | Path, where: Path) -> None:
+        from mtpkit.runtime.eagle3 import check_target, load_eagle3
+
+        self.eagle3 = load_eagle3(where)
+        names = (str(spec), self.m.path.name)
+        check_target(self.eagle3, self.m.config, self._embedding_rows(), names)
+
     @property
     def name(self) -> str:
+        if self.eagle3 is not None:
+            return "eagle3"
         if self.dflash is not None:
             return "dflash"
         return "gemma4-assistant" if self.assistant is not None else self.choice.name
@@ -100,6 +114,11 @@ class ProposerFactory:
         return PromptLookupProposer(self._target_vocab(), c.prompt_lookup_min, c.prompt_lookup_max)
 
     def __call__(self) -> Proposer:
+        if self.eagle3 is not None:
+            from mtpkit.speculative.proposers.eagle3 import Eagle3Proposer
+
+            share = self.eagle3.parameter_bytes / max(1, _parameter_bytes(self.m))
+            return Eagle3Proposer(self.m, self.eagle3, share)
         if self.dflash is not None:
             from mtpkit.speculative.proposers.dflash import DFlashProposer
 
