@@ -128,3 +128,19 @@ def test_a_rank_that_never_joins_ends_the_others_after_the_join_limit(
         "within 3 s: another rank failed, never started or runs another command, or the "
         "network between the machines is down (MTPKIT_RANKS_JOIN_TIMEOUT sets the limit)"
     ], err
+
+
+def test_the_join_limit_and_its_variable(monkeypatch: pytest.MonkeyPatch) -> None:
+    """By default the longer of 120 s and --timeout; the variable replaces it; a value that
+    is not a positive number is one line naming it."""
+    from mtpkit.cli.ranks import join_limit
+    from mtpkit.core.errors import MtpkitError
+
+    monkeypatch.delenv("MTPKIT_RANKS_JOIN_TIMEOUT", raising=False)
+    assert (join_limit(5.0), join_limit(300.0)) == (120.0, 300.0)
+    monkeypatch.setenv("MTPKIT_RANKS_JOIN_TIMEOUT", "7.5")
+    assert join_limit(300.0) == 7.5
+    for bad in ("abc", "0", "-1", "nan"):
+        monkeypatch.setenv("MTPKIT_RANKS_JOIN_TIMEOUT", bad)
+        with pytest.raises(MtpkitError, match=f"not '{bad}'"):
+            join_limit(5.0)
