@@ -113,6 +113,7 @@ and calls ``close_session()`` before and after each test.
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import os
 import re
@@ -301,6 +302,11 @@ class HubStandIn:
         # Operations never answered (`hub_upload.operation_of` names), until released.
         self.stall: set[str] = set()
         self.stalled: list[str] = []
+        # An operation applied but never answered, after which no request is answered (a Hub
+        # that took a commit and went silent); `stalled` then lists the silenced requests.
+        self.silent_after: str | None = None
+        self.stays_silent = True  # False: only that operation's answer is lost
+        self.silent = False
         self.release_stalls = threading.Event()
         self._lock = threading.RLock()
         self._server: _Server | None = None
@@ -559,6 +565,8 @@ class _Handler(BaseHTTPRequestHandler):
             body = self.rfile.read(length) if length > 0 else b""
             if self._stalled(method):
                 return
+            if self._silenced(method, body):
+                return
             self._route(method, body)
         except _HttpError as e:
             self._send_error(e)
@@ -571,14 +579,36 @@ class _Handler(BaseHTTPRequestHandler):
                 hub.errors.append(traceback.format_exc())
             self._send_error(_HttpError(500, f"stand-in crashed: {e!r}"))
 
-    def _stalled(self, method: str) -> bool:
-        """Hold a request a test stalls (`HubStandIn.stall`) unanswered until released."""
+    def _operation(self, method: str) -> str | None:
         from tests.hub_upload import operation_of
 
+        return operation_of(method, [unquote(s) for s in urlsplit(self.path).path.split("/")[1:]])
+
+    def _silenced(self, method: str, body: bytes) -> bool:
+        """Apply the `HubStandIn.silent_after` operation with its answer dropped, then hold
+        it and every later request unanswered until released."""
         hub = self.server.hub
-        segments = [unquote(s) for s in urlsplit(self.path).path.split("/")[1:]]
-        operation = operation_of(method, segments)
-        if operation is None or operation not in hub.stall:
+        operation = self._operation(method)
+        if operation is None or operation != hub.silent_after or operation in hub.stalled:
+            return False
+        answer, self.wfile = self.wfile, io.BytesIO()
+        try:
+            self._route(method, body)
+        finally:
+            self.wfile = answer
+        with hub._lock:
+            hub.silent = hub.stays_silent
+            hub.stalled.append(operation)
+        hub.release_stalls.wait()
+        self.close_connection = True
+        return True
+
+    def _stalled(self, method: str) -> bool:
+        """Hold a request a test stalls (`HubStandIn.stall`, or any once `silent`)
+        unanswered until released."""
+        hub = self.server.hub
+        operation = self._operation(method)
+        if not hub.silent and (operation is None or operation not in hub.stall):
             return False
         with hub._lock:
             hub.stalled.append(operation)

@@ -28,6 +28,9 @@ Stalls a test injects (`HubStandIn.stall`, a set of `operation_of` names: ``crea
 ``delete``): the
 request is read, then never answered until `HubStandIn.release_stalls` is set (`stop` sets
 it), when the connection is closed; `HubStandIn.stalled` lists the operations stalled so far.
+`HubStandIn.silent_after` (an operation's name) applies that operation, drops its answer, and
+from then on answers no request at all (a Hub that took a commit and went silent), or, with
+`HubStandIn.stays_silent` False, answers the later ones (an answer lost on the way).
 
 So an upload that fails half way (`HubStandIn.lfs_puts_before_failure`: later LFS PUTs answer
 507, which the client does not retry; `HubStandIn.fail_commits`: the commit answers 500)

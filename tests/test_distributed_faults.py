@@ -272,7 +272,8 @@ def test_a_rank_stopped_while_loading_ends_the_others(
 def test_a_taken_ring_port_is_named(converted: Path, tmp_path: Path) -> None:
     """Rank 1's port of the ring held by another program: rank 1 says which rank and which
     port (it used to be "unexpected RuntimeError: [ring] Couldn't bind socket"); rank 0,
-    left waiting for it, ends after --timeout."""
+    left waiting for it, ends after the join's limit (it used to be --timeout, which now
+    bounds only the waits after the ranks joined and compared their commands)."""
     base = free_port_base(2)
     hostfile = tmp_path / "ring.json"
     hostfile.write_text(json.dumps([[f"127.0.0.1:{base}"], [f"127.0.0.1:{base + 1}"]]))
@@ -280,9 +281,8 @@ def test_a_taken_ring_port_is_named(converted: Path, tmp_path: Path) -> None:
         taken.bind(("127.0.0.1", base + 1))
         taken.listen()
         args = ["generate", "--model", str(converted), "-p", PROMPT, "--timeout", "10"]
-        procs = start_ranks(
-            2, tmp_path, *args, per_rank={r: {"MLX_HOSTFILE": str(hostfile)} for r in (0, 1)}
-        )
+        env = {"MLX_HOSTFILE": str(hostfile), "MTPKIT_RANKS_JOIN_TIMEOUT": "10"}
+        procs = start_ranks(2, tmp_path, *args, per_rank={r: env for r in (0, 1)})
         (_, err0), (_, err1) = finish(procs)
     assert [p.returncode for p in procs] == [1, 1]
     assert errors(err1) == [
@@ -291,4 +291,4 @@ def test_a_taken_ring_port_is_named(converted: Path, tmp_path: Path) -> None:
         "the hostfile)"
     ], err1
     [line] = errors(err0)
-    assert line.startswith("Error: rank 0: no progress for "), err0
+    assert line.startswith("Error: rank 0: the ranks did not all join and compare "), err0

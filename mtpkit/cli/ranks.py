@@ -6,12 +6,16 @@ failure ends every rank with one line.
   writes a "[ring] ..." line per failed socket; those are dropped unless MLX_RING_VERBOSE=1).
   At times the ring waits on a dead peer's socket instead of raising: the watchdog below
   ends that wait too.
+- Ranks given different commands or models stop in their first exchange, rank 0 naming the
+  difference (`mtpkit.runtime.ranks.agree`), before any step bounded by `--timeout`: the
+  join and that comparison have a limit of their own (`join_limit`: ranks start at
+  different times), so a short `--timeout` cannot end them first. A port of the ring that
+  is taken is named.
 - A rank whose peer stops answering (a stopped process, a pulled cable, a rank that never
   started or runs another command) would wait inside a collective, or in the ring's set-up,
-  forever: the watchdog (`mtpkit.runtime.ranks.Watchdog`), armed from the rank's start, ends
-  it after `--timeout` seconds of waiting (a rank's own loading is not counted).
-- Ranks given different commands or models stop before decoding, rank 0 naming the
-  difference (`mtpkit.runtime.ranks.agree`); a port of the ring that is taken is named.
+  forever: the watchdog (`mtpkit.runtime.ranks.Watchdog`) ends it, after `join_limit` while
+  the ranks join, then after `--timeout` seconds of waiting (a rank's own loading is not
+  counted).
 
 - A rank that crashes in native code (MLX's ring backend has been seen to die of a
   segmentation fault when a peer is killed mid-round) is reported by `supervise_rank`: each
@@ -30,7 +34,7 @@ import signal
 import subprocess
 import sys
 import threading
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NoReturn
 
@@ -77,8 +81,14 @@ def _drop_ring_noise() -> None:
     threading.Thread(target=forward, daemon=True, name="mtpkit-stderr").start()
 
 
+_EXITING = threading.Lock()
+
+
 def _exit_with(line: str) -> NoReturn:
-    """One line on stderr, what stdout holds flushed, and exit 1 at once."""
+    """One line on stderr, what stdout holds flushed, and exit 1 at once; a second caller
+    (a watchdog and an alarm both expired) waits for the first's exit."""
+    if not _EXITING.acquire(blocking=False):
+        threading.Event().wait()
     with contextlib.suppress(Exception):
         sys.stdout.flush()
     sys.stderr.write(line + "\n")
@@ -156,13 +166,52 @@ def _join(rank: int) -> Any:
         raise
 
 
+JOIN_TIMEOUT = 120.0  # the least the ranks wait for each other to join and compare
+JOIN_TIMEOUT_VARIABLE = "MTPKIT_RANKS_JOIN_TIMEOUT"
+AFTER_ROOT_WAIT = 3.0  # how long another rank waits for rank 0 to exit first
+
+
+def join_limit(timeout: float) -> float:
+    """How long the ranks may take to join the ring and compare what they were given:
+    MTPKIT_RANKS_JOIN_TIMEOUT seconds, by default the longer of JOIN_TIMEOUT and `timeout`
+    (ranks start at different times: a loaded machine, a slow disk, an ssh login)."""
+    text = os.environ.get(JOIN_TIMEOUT_VARIABLE)
+    if text is None:
+        return max(timeout, JOIN_TIMEOUT)
+    try:
+        limit = float(text)
+    except ValueError:
+        limit = float("nan")
+    if not limit > 0:
+        raise MtpkitError(
+            f"{JOIN_TIMEOUT_VARIABLE} must be a positive number of seconds, not {text!r}"
+        )
+    return limit
+
+
+def _given(facts: Mapping[str, str] | None, model: str | os.PathLike | None) -> dict:
+    """What this rank compares with the others: the command's facts and the model's (its
+    files but the weights: this rank's own work, before it waits on any other)."""
+    given: dict[str, Mapping[str, str]] = {}
+    if facts is not None:
+        given["command"] = facts
+    if model is not None:
+        from mtpkit.runtime.sharded import given_model_facts
+
+        given["model"] = given_model_facts(model)
+    return given
+
+
 @contextlib.contextmanager
 def on_ranks(
-    timeout: float = DEFAULT_TIMEOUT, facts: Mapping[str, str] | None = None
+    timeout: float = DEFAULT_TIMEOUT,
+    facts: Mapping[str, str] | None = None,
+    model: str | os.PathLike | None = None,
 ) -> Iterator[Ranks]:
     """Within the block: this process's rank (rank 0 of 1 without `mlx.launch`); as one of
-    several, errors name the rank, the watchdog bounds every wait from the ring's set-up on,
-    the ranks agree on `facts` (`command_facts`) before the block, and meet after it."""
+    several, errors name the rank; the ranks join and compare `facts` (`command_facts`) and
+    the `model`'s config and manifest in their first exchange, under `join_limit`; from then
+    on the watchdog bounds every wait by `timeout`, and the ranks meet after the block."""
     rank = rank_number()
     if rank is None:
         yield Ranks()
@@ -172,6 +221,20 @@ def on_ranks(
     from mtpkit.runtime.ranks import WATCHDOG, Watchdog, agree, meet
 
     _drop_ring_noise()
+    group = None
+    try:
+        limit = join_limit(timeout)
+        given = _given(facts, model)
+    except Exception as e:
+        _fail(rank, e, group)
+
+    def on_join_timeout(idle: float) -> None:
+        _exit_with(
+            f"Error: rank {rank}: the ranks did not all join and compare their commands and "
+            f"models within {limit:.0f} s: another rank failed, never started or runs another "
+            f"command, or the network between the machines is down ({JOIN_TIMEOUT_VARIABLE} "
+            "sets the limit)"
+        )
 
     def on_timeout(idle: float) -> None:
         _exit_with(
@@ -180,35 +243,58 @@ def on_ranks(
             "broke (--timeout sets the limit)"
         )
 
-    watchdog = WATCHDOG[0] = Watchdog(timeout, on_timeout)
-    watchdog.arm()
-    try:
-        group = _join(rank)
-    except Exception as e:
-        _fail(rank, e)
+    with _within(limit, on_join_timeout):  # also while a disagreement ends the ranks
+        try:
+            group = _join(rank)
+            if group is not None:
+                agree(group, given)
+        except Exception as e:
+            _fail(rank, e, group)
     if group is None:  # one process after all
-        watchdog.stop()
-        WATCHDOG[0] = None
         yield Ranks()
         return
+    WATCHDOG[0] = Watchdog(timeout, on_timeout)
+    WATCHDOG[0].arm()
     try:
-        if facts is not None:
-            agree(group, "command", facts)
         yield Ranks(group.rank(), group.size())
         meet(group)
     except Exception as e:
-        _fail(rank, e)
+        _fail(rank, e, group)
 
 
-def _fail(rank: int, error: Exception) -> NoReturn:
+@contextlib.contextmanager
+def _within(limit: float, on_expiry: Callable[[float], None]) -> Iterator[None]:
+    """Within the block, `on_expiry` after `limit` seconds. Two clocks: MLX's ring set-up
+    waits in accept() holding the GIL, where no watchdog thread runs but SIGALRM interrupts
+    it (on the main thread); a collective waits with the GIL released, where the thread
+    does."""
+    from mtpkit.runtime.ranks import WATCHDOG, Watchdog
+
+    dog = WATCHDOG[0] = Watchdog(limit, on_expiry)
+    dog.arm()
+    on_main = threading.current_thread() is threading.main_thread()
+    if on_main:
+        previous = signal.signal(signal.SIGALRM, lambda *_: on_expiry(limit))
+        signal.setitimer(signal.ITIMER_REAL, limit)
+    try:
+        yield
+    finally:
+        if on_main:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            signal.signal(signal.SIGALRM, previous)
+        dog.stop()
+        WATCHDOG[0] = None
+
+
+def _fail(rank: int, error: Exception, group: Any = None) -> NoReturn:
     """End this rank for `error` with one `Error: rank N: ...` line (none where rank 0 says
     it for every rank), exit 1."""
     from mtpkit.runtime.ranks import RanksDisagree
 
     if os.environ.get("MTPKIT_DEBUG") == "1":
         raise error
-    if isinstance(error, RanksDisagree) and rank != 0:
-        os._exit(1)  # rank 0 names the difference; every rank found the same
+    if isinstance(error, RanksDisagree) and group is not None:
+        _disagree(rank, error, group)
     if _lost_peer(error):
         message = (
             "lost the connection to another rank (it failed, or the network between the "
@@ -219,6 +305,26 @@ def _fail(rank: int, error: Exception) -> NoReturn:
     # Ends here: an interpreter teardown races MLX's backend threads, whose sockets are
     # broken, and has crashed a rank after its error line.
     _exit_with(f"Error: rank {rank}: {message}")
+
+
+def _disagree(rank: int, error: Exception, group: Any) -> NoReturn:
+    """Every rank found the same difference: rank 0 says it, then the ranks meet (its line
+    is written), and rank 0 exits first: mlx.launch ends every rank once one exits, and
+    would end rank 0 before its line, or report it killed. The others wait for that end
+    (SIGTERM) or AFTER_ROOT_WAIT seconds, silently, and exit 1."""
+    import mlx.core as mx
+
+    if rank == 0:
+        sys.stderr.write(f"Error: rank 0: {one_line(error)}\n")
+        sys.stderr.flush()
+    with contextlib.suppress(Exception):  # a rank gone now has been told (or failed)
+        mx.distributed.all_sum(mx.array(1), group=group).item()
+    if rank == 0:
+        os._exit(1)
+    for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(signum, lambda *_: os._exit(1))
+    threading.Event().wait(AFTER_ROOT_WAIT)
+    os._exit(1)
 
 
 CHILD_MARK = "MTPKIT_RANK_CHILD"

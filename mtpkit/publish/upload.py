@@ -199,8 +199,12 @@ def upload(
             from huggingface_hub import HfApi
 
             with bounded_requests(CLEANUP_TIMEOUT):
-                _deleted(HfApi(), repo_id)
+                if not _deleted(HfApi(), repo_id):
+                    say(f"the repo {repo_id} this run created is left on the Hub (it did not "
+                        "answer its deletion): delete it there")  # fmt: skip
         raise
+    if isinstance(info, LandedCommit):
+        say(f"the Hub did not answer the commit, but {repo_id} holds it: published")
     return {"repo": repo_id, "commit": info.oid, "url": info.commit_url, "check": result}
 
 
@@ -268,9 +272,16 @@ def _publish(
         stale = [p for p in state.files if p not in files and p not in EMPTY_REPO_FILES]
         operations: list[Any] = [CommitOperationDelete(p) for p in stale] if replace else []
         operations += [CommitOperationAdd(p, str(output / p)) for p in files]
-        return api.create_commit(
-            repo_id, operations, commit_message=message, parent_commit=state.commit
-        )
+        try:
+            return api.create_commit(
+                repo_id, operations, commit_message=message, parent_commit=state.commit
+            )
+        except Exception as e:
+            if not _unanswered(e):
+                raise
+            return _landed_anyway(api, state, files, output, retry, e)
+    except UploadError:
+        raise
     except Exception as e:  # noqa: BLE001 - any failure of the client is the user's to see
         left = ""
         if created:
@@ -283,6 +294,46 @@ def _publish(
             f"uploading {output} to {repo_id} failed, nothing was published ({reason(e)})"
             f"{left}; the conversion stays in {output}: retry with `{retry}`"
         ) from None
+
+
+@dataclass(frozen=True)
+class LandedCommit:
+    """A commit the Hub applied though its answer never came (`CommitInfo`'s two fields
+    that `upload` reads)."""
+
+    oid: str
+    commit_url: str
+
+
+def _unanswered(error: BaseException) -> bool:
+    """Whether a request failed without an answer (a timeout, a dropped connection): the
+    Hub may have applied it. By the class's name: huggingface_hub 2.x raises httpx2's
+    errors, 1.x httpx's, of one hierarchy."""
+    names = {cls.__name__ for cls in type(error).__mro__}
+    return "TransportError" in names or isinstance(error, (TimeoutError, ConnectionError))
+
+
+def _landed_anyway(
+    api: Any, state: RepoState, files: list[str], output: Path, retry: str, error: Exception
+) -> LandedCommit:
+    """The commit whose answer never came, if the repo shows it applied: its head moved
+    past the commit the preflight saw and it holds every file uploaded. Otherwise the
+    `error` (nothing published, `_publish` says so); where the repo cannot be read, an
+    error that says the commit may have been published, leaving the repo as it is."""
+    repo_id = state.repo_id
+    try:
+        info = api.model_info(repo_id)
+    except Exception as e:  # noqa: BLE001 - the Hub is still silent: nothing is known
+        raise UploadError(
+            f"uploading {output} to {repo_id}: the Hub did not answer the commit "
+            f"({reason(error)}) nor then ({reason(e)}), and may have applied it: look at "
+            f"{api.endpoint}/{repo_id} before you retry with `{retry}` (the conversion stays "
+            f"in {output})"
+        ) from None
+    held = {s.rfilename for s in info.siblings or []}
+    if info.sha is None or info.sha == state.commit or not set(files) <= held:
+        raise error
+    return LandedCommit(info.sha, f"{api.endpoint}/{repo_id}/commit/{info.sha}")
 
 
 def _deleted(api: Any, repo_id: str) -> bool:

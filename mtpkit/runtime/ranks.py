@@ -12,10 +12,11 @@ Collectives must be issued in the same order on every rank: `share` queues its r
 the shared value comes from, so MLX never reorders a share past the backbone's own
 send/recv/all_gather.
 
-Before decoding, the ranks `agree` on what they were given (the command's settings, the
-model's config and manifest): a rank given something else would decode a hybrid, wait in a
-collective the others never enter, or crash; instead every rank stops and rank 0 names the
-difference. After decoding they `meet`, so that no rank exits while another still needs it.
+Before anything else, the ranks `agree` on what they were given (the command's settings, the
+model's config and manifest), in their first exchange: a rank given something else would
+decode a hybrid, wait in a collective the others never enter, or crash; instead every rank
+stops and rank 0 names the difference. After decoding they `meet`, so that no rank exits
+while another still needs it.
 """
 
 from __future__ import annotations
@@ -195,10 +196,10 @@ def facts_of(document: Mapping[str, Any], prefix: str = "") -> dict[str, str]:
     return facts
 
 
-def gather_facts(group: Any, facts: Mapping[str, str]) -> list[dict[str, str]]:
-    """Every rank's `facts`, on every rank: their JSON's lengths, then the bytes padded to the
-    longest, each in one `all_gather`."""
-    data = np.frombuffer(json.dumps(dict(facts)).encode(), dtype=np.uint8)
+def gather(group: Any, document: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """Every rank's `document` (JSON), on every rank: their lengths, then the bytes padded
+    to the longest, each in one `all_gather`."""
+    data = np.frombuffer(json.dumps(dict(document)).encode(), dtype=np.uint8)
     drain_streams()  # queued shares first: the ring pairs collectives in their order
     sizes = mx.distributed.all_gather(mx.array([data.size], dtype=mx.int32), group=group)
     lengths = [int(n) for n in np.array(sizes)]
@@ -211,24 +212,30 @@ def gather_facts(group: Any, facts: Mapping[str, str]) -> list[dict[str, str]]:
     ]
 
 
-def agree(group: Any, what: str, facts: Mapping[str, str]) -> None:
-    """Raise `RanksDisagree` on every rank, naming the first fact (in rank 0's order) on which
-    a rank's `facts` differ from rank 0's (`what`: "command", "model"), unless all ranks hold
-    the same."""
-    every = gather_facts(group, facts)
-    root = every[0]
-    for rank, theirs in enumerate(every[1:], start=1):
-        for key in [*root, *(k for k in theirs if k not in root)]:
-            mine, other = root.get(key, "unset"), theirs.get(key, "unset")
-            if mine == other:
-                continue
-            if mine.startswith("#") or other.startswith("#"):
-                detail = f"{key} differs"
-            else:
-                detail = f"{key} is {other} there, {mine} on rank 0"
-            raise RanksDisagree(
-                f"rank {rank} was given another {what}: {detail}; give every rank the same {what}"
-            )
+def agree(group: Any, given: Mapping[str, Mapping[str, str]]) -> None:
+    """Compare what each rank was `given` (what -> its facts: "command" -> `command_facts`,
+    "model" -> `model_facts`) in one exchange; raise `RanksDisagree` on every rank, naming
+    the first fact (in rank 0's order) on which a rank differs from rank 0, unless all
+    ranks hold the same."""
+    every = gather(group, given)
+    for what, root in every[0].items():
+        for rank, theirs in enumerate((g.get(what, {}) for g in every[1:]), start=1):
+            if (detail := _first_difference(root, theirs)) is not None:
+                raise RanksDisagree(
+                    f"rank {rank} was given another {what}: {detail}; give every rank the "
+                    f"same {what}"
+                )
+
+
+def _first_difference(root: Mapping[str, str], theirs: Mapping[str, str]) -> str | None:
+    for key in [*root, *(k for k in theirs if k not in root)]:
+        mine, other = root.get(key, "unset"), theirs.get(key, "unset")
+        if mine == other:
+            continue
+        if mine.startswith("#") or other.startswith("#"):
+            return f"{key} differs"
+        return f"{key} is {other} there, {mine} on rank 0"
+    return None
 
 
 def meet(group: Any) -> None:

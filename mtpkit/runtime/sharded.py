@@ -12,7 +12,8 @@ one request at a time, each bounded by the Hub timeouts (as one process download
 
 Before any weights are read, the ranks agree on the model: its config.json and mtpkit's
 manifest (`mtpkit.runtime.ranks.agree`), so that ranks given different models stop with one
-line instead of decoding a hybrid of the two.
+line instead of decoding a hybrid of the two. The CLI compares them earlier still, in the
+ranks' first exchange (`given_model_facts`, `mtpkit.cli.ranks.on_ranks`).
 """
 
 from __future__ import annotations
@@ -112,6 +113,12 @@ def model_facts(path: Path) -> dict[str, str]:
     return facts_of({"config.json": config, MANIFEST_PATH: manifest})
 
 
+def given_model_facts(spec: str | Path, revision: str | None = None) -> dict[str, str]:
+    """`model_facts` of the model `spec` names, its files but the weights fetched from the
+    Hub where it is a repo: what a rank compares with the others as soon as they join."""
+    return model_facts(_local_path(str(spec), revision)[0])
+
+
 def place(model: nn.Module, config: dict[str, Any], group: Any, mode: str) -> str:
     """Spread `model` (lazy) over `group` in `mode`; tensor parallelism that cannot split
     the model's sizes that many ways falls back to pipeline stages where the model has them.
@@ -184,7 +191,7 @@ def load_sharded(
 
     with local_work():
         model, config = lazy_model()
-    agree(group, "model", model_facts(path))
+    agree(group, {"model": model_facts(path)})  # as `mtpkit.cli.ranks` did at the join
     mode = choose_mode(model, config, pipeline)
     if mode == TENSOR and place(model, config, group, mode) == PIPELINE:
         mode = PIPELINE  # tensor parallelism cannot split it: pipeline stages instead

@@ -215,9 +215,10 @@ def bench_command(
         return
     try:
         facts = command_facts(ctx, per_rank=("model", "json_output", "timeout"))
-        with on_ranks(timeout, facts) as ranks:  # under mlx.launch: rank 0 prints
+        target = str(built) if built else model
+        with on_ranks(timeout, facts, model=target) as ranks:  # under mlx.launch: rank 0 prints
             result = bench(
-                str(built) if built else model,
+                target,
                 prompt=prompts[0] or DEFAULT_PROMPT,
                 prompt_tokens=prompt_tokens,
                 synthetic=shape is not None,

@@ -187,7 +187,7 @@ def generate_command(
 
     # Under mlx.launch: rank 0 prints, the others are silent; all must run the same command.
     facts = command_facts(ctx, per_rank=("model", "json_output", "verbose", "timeout"))
-    with on_ranks(timeout, facts) as ranks:
+    with on_ranks(timeout, facts, model=model) as ranks:
         result = generate(
             model,
             text,
