@@ -297,3 +297,35 @@ def test_a_draft_model_that_never_matches_is_switched_off(tmp_path: Path) -> Non
                              adaptive=True, proposer=factory())  # fmt: skip
         texts.append(list(sampled.tokens(32)))
     assert texts[0] == texts[1]
+
+
+def test_a_new_drafter_is_its_file_and_one_line(converted: Path, monkeypatch, tmp_path) -> None:
+    """`--draft-model DIR` finds its drafter through `choose.DIRECTORY_DRAFTERS`: a module
+    of the package with a `KIND` and its line there is all a new drafter needs (here one
+    that recognises its marker file and drafts by prompt lookup); the text stays stock's, the
+    factory's name is the kind's, and every other directory still reaches the kinds after it."""
+    import sys
+    import types
+
+    from mtpkit.speculative.proposers import choose
+    from mtpkit.speculative.proposers.base import DrafterKind
+
+    marker = tmp_path / "echo"
+    marker.mkdir()
+    (marker / "echo.json").write_text("{}")
+    module = types.ModuleType("mtpkit.speculative.proposers.echo")
+    module.KIND = DrafterKind(
+        "echo",
+        lambda spec: Path(spec) if (Path(spec) / "echo.json").exists() else None,
+        lambda m, spec, where: lambda: PromptLookupProposer(1024, 1, 3),
+    )
+    monkeypatch.setitem(sys.modules, module.__name__, module)
+    monkeypatch.setattr(choose, "DIRECTORY_DRAFTERS", ("echo", *choose.DIRECTORY_DRAFTERS))
+    m = load_model(converted, with_head=False)
+    prompt = m.tokenizer.encode("1, 2, 3, 1, 2, 3, 1, 2,")
+    reference = stock_tokens(converted, prompt, 32)
+    m.tokenizer.eos_token_ids = []
+    result = generate(m, prompt, max_tokens=32, drafter=DrafterChoice(draft_model=marker))
+    assert result.tokens == reference and result.accepted > 0
+    assert ProposerFactory(m, DrafterChoice(draft_model=marker)).name == "echo"
+    assert choose.directory_drafter(converted)[0].name == "draft-model"  # the catch-all, last

@@ -29,13 +29,16 @@ round built before the one before it is read), the pairs of plain batched steps
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 import mlx.core as mx
 
 if TYPE_CHECKING:
     from mtpkit.runtime.draft_vocab import FullVocab
+    from mtpkit.runtime.model import MtpModel
     from mtpkit.speculative.accept import SamplingSettings, Verdict
 
 
@@ -318,3 +321,16 @@ def one_hot(drafts: list[int], vocab: int) -> mx.array:
     drew its drafts from."""
     rows = mx.arange(vocab)[None, :] == mx.array(drafts, dtype=mx.int32)[:, None]
     return rows.astype(mx.float32)
+
+
+@dataclass(frozen=True)
+class DrafterKind:
+    """A drafter that `--draft-model DIR` loads, as its file declares it (`KIND`) and
+    `choose.DIRECTORY_DRAFTERS` lists it: `find(spec)` is its directory when `spec` (a
+    directory or a Hub repo) is one of this kind, else None; `load(m, spec, where)` loads it,
+    checks it against the target `m` (one line naming what does not fit), and returns the
+    maker of a fresh proposer for each sequence."""
+
+    name: str  # how outputs and `--json` name it
+    find: Callable[[str | Path], Any]
+    load: Callable[[MtpModel, str | Path, Any], Callable[[], Proposer]]

@@ -21,7 +21,7 @@ import mlx.core as mx
 from mtpkit.runtime.dflash import DFlashDrafter
 from mtpkit.runtime.model import MtpModel
 from mtpkit.speculative.accept import SamplingSettings, Verdict
-from mtpkit.speculative.proposers.base import Proposal, ProposerBase
+from mtpkit.speculative.proposers.base import DrafterKind, Proposal, ProposerBase
 
 CONTEXT_CHUNK = 64  # pending positions past which their context K/V are computed at once
 
@@ -144,3 +144,22 @@ class DFlashProposer(ProposerBase):
         forked = copy.copy(self)
         forked.stream = self.stream.fork()
         return forked
+
+
+def _load(m: MtpModel, spec: Any, where: Any) -> Any:
+    from mtpkit.runtime.dflash import check_target, load_dflash
+    from mtpkit.speculative.proposers.target import embedding_rows, share_of
+
+    drafter = load_dflash(where)
+    check_target(drafter, m.config, embedding_rows(m), (str(spec), m.path.name))
+    share = share_of(m, drafter.parameter_bytes)
+    return lambda: DFlashProposer(m, drafter, share)
+
+
+def _find(spec: Any) -> Any:
+    from mtpkit.runtime.dflash import dflash_directory
+
+    return dflash_directory(spec)
+
+
+KIND = DrafterKind("dflash", _find, _load)

@@ -27,7 +27,7 @@ from mtpkit.runtime.model import MtpModel, load_backbone, resolve_model_path
 from mtpkit.runtime.rollback.discard import PassUndo
 from mtpkit.speculative.accept import SamplingSettings, Verdict
 from mtpkit.speculative.adaptive import prior_cost
-from mtpkit.speculative.proposers.base import Proposal, ProposerBase
+from mtpkit.speculative.proposers.base import DrafterKind, Proposal, ProposerBase
 
 FEED_CHUNK = 2048  # tokens per draft-model forward when it catches up
 PROBE_TEXT = "def main():\n    print('Hello, world!')  # 12 ÷ 3 = 4; über café 東京\n"
@@ -93,6 +93,20 @@ def check_compatible(m: MtpModel, draft: DraftModel) -> None:
             f"--draft-model {draft.path.name} cannot draft for {m.path.name}: it has "
             f"{problem}; a draft model must share the model's tokenizer (take one of the same family)"
         )
+
+
+def _load(m: MtpModel, spec: str | Path, where: Any) -> Any:
+    """Any other model directory or Hub repo: a draft model of the target's tokenizer."""
+    from mtpkit.speculative.proposers.target import logits_width, share_of
+
+    draft = load_draft_model(spec)
+    check_compatible(m, draft)
+    vocab, step_cost = logits_width(m), share_of(m, draft.parameter_bytes)
+    return lambda: DraftModelProposer(draft, vocab, step_cost)
+
+
+# The last kind `choose.DIRECTORY_DRAFTERS` tries: it takes any model.
+KIND = DrafterKind("draft-model", lambda spec: spec, _load)
 
 
 class DraftModelProposer(ProposerBase):

@@ -24,7 +24,7 @@ from mtpkit.runtime.eagle3 import Eagle3Drafter, tap_layer_inputs
 from mtpkit.runtime.model import MtpModel
 from mtpkit.runtime.rollback.discard import PassUndo
 from mtpkit.speculative.accept import SamplingSettings, Verdict
-from mtpkit.speculative.proposers.base import Proposal, ProposerBase
+from mtpkit.speculative.proposers.base import DrafterKind, Proposal, ProposerBase
 
 CATCH_UP_CHUNK = 256  # pending pairs past which they go into the drafter's cache at once
 
@@ -138,3 +138,22 @@ class Eagle3Proposer(ProposerBase):
         from mtpkit.speculative.proposers.draft_model import MIN_STEP_COST
 
         return prior_cost(depth) + depth * max(self.step_cost, MIN_STEP_COST)
+
+
+def _load(m: MtpModel, spec: Any, where: Any) -> Any:
+    from mtpkit.runtime.eagle3 import check_target, load_eagle3
+    from mtpkit.speculative.proposers.target import embedding_rows, share_of
+
+    drafter = load_eagle3(where)
+    check_target(drafter, m.config, embedding_rows(m), (str(spec), m.path.name))
+    share = share_of(m, drafter.parameter_bytes)
+    return lambda: Eagle3Proposer(m, drafter, share)
+
+
+def _find(spec: Any) -> Any:
+    from mtpkit.runtime.eagle3 import eagle3_directory
+
+    return eagle3_directory(spec)
+
+
+KIND = DrafterKind("eagle3", _find, _load)

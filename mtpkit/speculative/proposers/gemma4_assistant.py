@@ -19,7 +19,7 @@ from mtpkit.families.gemma4_assistant import Gemma4AssistantModel
 from mtpkit.runtime.assistant import TargetReader
 from mtpkit.runtime.model import MtpModel
 from mtpkit.speculative.accept import SamplingSettings, Verdict
-from mtpkit.speculative.proposers.base import Proposal, ProposerBase
+from mtpkit.speculative.proposers.base import DrafterKind, Proposal, ProposerBase
 
 
 class AssistantProposer(ProposerBase):
@@ -100,3 +100,22 @@ class AssistantProposer(ProposerBase):
         from mtpkit.speculative.adaptive import prior_cost
 
         return prior_cost(depth) + depth * self.step_cost
+
+
+def _load(m: MtpModel, spec: Any, where: Any) -> Any:
+    from mtpkit.runtime.assistant import check_pairs, load_assistant
+    from mtpkit.speculative.proposers.target import parameter_bytes, share_of
+
+    assistant = load_assistant(where)
+    check_pairs(assistant.config, m.config, (str(spec), m.path.name))
+    share = share_of(m, parameter_bytes(assistant))
+    return lambda: AssistantProposer(m, assistant, share)
+
+
+def _find(spec: Any) -> Any:
+    from mtpkit.runtime.assistant import assistant_directory
+
+    return assistant_directory(spec)
+
+
+KIND = DrafterKind("gemma4-assistant", _find, _load)
