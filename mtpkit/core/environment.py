@@ -5,7 +5,7 @@ never an `unexpected` error from deep inside huggingface_hub or MLX.
 - Numbers: MTPKIT_THREADS (worker threads), HF_HUB_ETAG_TIMEOUT and HF_HUB_DOWNLOAD_TIMEOUT
   (seconds per Hub request; huggingface_hub reads them as whole numbers when imported),
   MTPKIT_HUB_TIMEOUT (seconds an upload's request may wait for each step).
-- Switches: MTPKIT_KERNELS, MTPKIT_QMV, HF_HUB_OFFLINE, HF_HUB_DISABLE_PROGRESS_BARS
+- Switches: MTPKIT_KERNELS, MTPKIT_QMV, MTPKIT_GDN_PLAIN, HF_HUB_OFFLINE, HF_HUB_DISABLE_PROGRESS_BARS
   (1/0, true/false, yes/no, on/off, as huggingface_hub spells them).
 - URLs: HF_ENDPOINT (the Hub's address) must be an http:// or https:// URL with a host.
 - Directories: MTPKIT_CACHE (check's converted copies) and TMPDIR (scratch space: MLX and
@@ -23,7 +23,13 @@ from mtpkit.core.errors import MtpkitError
 
 WHOLE_SECONDS = ("HF_HUB_ETAG_TIMEOUT", "HF_HUB_DOWNLOAD_TIMEOUT", "MTPKIT_HUB_TIMEOUT")
 COUNTS = ("MTPKIT_THREADS",)
-SWITCHES = ("MTPKIT_KERNELS", "MTPKIT_QMV", "HF_HUB_OFFLINE", "HF_HUB_DISABLE_PROGRESS_BARS")
+SWITCHES = (
+    "MTPKIT_KERNELS",
+    "MTPKIT_QMV",
+    "MTPKIT_GDN_PLAIN",
+    "HF_HUB_OFFLINE",
+    "HF_HUB_DISABLE_PROGRESS_BARS",
+)
 SWITCH_WORDS = {"", "0", "1", "true", "false", "yes", "no", "on", "off"}
 
 
