@@ -1,6 +1,6 @@
 """Why plain steps after adaptive drafting stops cost more than `--no-mtp`'s: per-token times.
 
-    python bench/plain_steps.py SHAPE [TRIALS] [MAX_TOKENS]     # on the GPU machine
+    python bench/plain_steps.py SHAPE|DIR [TRIALS] [MAX_TOKENS]     # on the GPU machine
     DTYPE=float32 LAYERS=4 MODES=stock,nomtp,head-plain,acc0 python bench/plain_steps.py SHAPE 5 48
 
 Interleaved per trial, on one random model of SHAPE (as `mtpkit bench --random`): stock
@@ -23,6 +23,7 @@ import pstats
 import statistics
 import sys
 import time
+from pathlib import Path
 
 import mlx.core as mx
 import mlx_lm
@@ -39,9 +40,12 @@ from mtpkit.speculative.proposers import default_proposer
 shape = sys.argv[1]
 TRIALS = int(sys.argv[2]) if len(sys.argv) > 2 else 3
 N = int(sys.argv[3]) if len(sys.argv) > 3 else 128
-path = random_model_dir(
-    shape, os.environ.get("DTYPE", "bfloat16"), layers=int(os.environ.get("LAYERS", 0)) or None
-)
+if Path(shape).is_dir():  # a model directory (the bundled example: what the host costs)
+    path = Path(shape)
+else:
+    path = random_model_dir(
+        shape, os.environ.get("DTYPE", "bfloat16"), layers=int(os.environ.get("LAYERS", 0)) or None
+    )
 m = load_model(path)
 m.tokenizer.eos_token_ids = []
 stock, stock_tok = stock_load(m)
