@@ -178,3 +178,46 @@ def test_a_decoder_without_memory_judges_afresh(useless, monkeypatch) -> None:
                              choose_depth=True, proposer=proposers())  # fmt: skip
         assert list(decoder.tokens(40)) == reference[:40]
         assert decoder.stats.rounds == FIRST_ROUNDS
+
+
+def test_a_parked_head_is_not_kept_warm(useless, converted: Path, monkeypatch) -> None:
+    """Parked (a session resumed parked, 300 plain steps left), the head runs over none of
+    the plain steps' pairs: it never catches up, keeps at most CATCH_UP_AFTER pending, and
+    its retry drafts from the last RESTING_PAIRS of them, so its cache misses the pairs in
+    between. The tokens stay stock's throughout, the retry's rounds included."""
+    from mtpkit.speculative.proposers.mtp_head import CATCH_UP_AFTER, RESTING_PAIRS, HeadProposer
+
+    m, prompt, _, proposers = useless
+    n = 300 + RETRY_ROUNDS + 4
+    stock_model, tokenizer = mlx_lm.load(str(converted))
+    tokenizer.eos_token_ids = []
+    stream = mlx_lm.stream_generate(stock_model, tokenizer, mx.array(prompt), max_tokens=n)
+    reference = [r.token for r in stream]
+    monkeypatch.setattr(m.tokenizer, "eos_token_ids", [])
+    parked = AdaptiveDrafting(enabled=True)
+    parked.parked, parked.losses, parked.plain_left = True, PARK_LOSSES, 300
+    memory = DraftingMemory()
+    parked.remember(memory)
+    proposer = proposers()
+    head = proposer.inner
+    catch_ups, most_pending = [], [0]
+    catch_up = HeadProposer.catch_up
+    monkeypatch.setattr(HeadProposer, "catch_up",
+                        lambda self, keep_last=True: catch_ups.append(1) or catch_up(self, keep_last))  # fmt: skip
+    observe = head.observe
+
+    def watched(hidden, tokens):
+        observe(hidden, tokens)
+        most_pending[0] = max(most_pending[0], len(head.pending_tokens))
+
+    head.observe = watched
+    decoder = MtpDecoder(m, prompt, depth=1, sampling=SamplingSettings(), adaptive=True,
+                         proposer=proposer, memory=memory)  # fmt: skip
+    assert list(decoder.tokens(n)) == reference
+    assert decoder.stats.plain_steps >= 300 and decoder.stats.rounds == RETRY_ROUNDS
+    assert catch_ups == [1]  # the prompt's, at the end of the prefill; none after
+    assert most_pending[0] == CATCH_UP_AFTER  # then the last RESTING_PAIRS
+    # The head's cache: the prompt's pairs, the RESTING_PAIRS kept at the drop and the 44
+    # after it, the retry rounds' pairs; a warm head's holds every one of the 300 steps'.
+    dropped = CATCH_UP_AFTER - RESTING_PAIRS
+    assert head.cache[0].offset <= len(prompt) + 300 - dropped + 2 * RETRY_ROUNDS + 2

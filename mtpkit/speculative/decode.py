@@ -143,6 +143,7 @@ class MtpDecoder:
         self.memory = memory if sampling.greedy else None
         if self.memory is not None:
             self.adaptive.resume(self.memory)
+        self.rested = False  # whether the proposer was told drafting is parked
         self.round_depth = depth  # of the last drafting round
         self.cache = cache if cache is not None else m.make_cache(max_kv_size)
         if not 0 <= cached < len(prompt):
@@ -398,12 +399,20 @@ class MtpDecoder:
         if self._queued is not None or drafting:
             new = self.draft_round(may_look_ahead, proposal, left)
             self.adaptive.record_round(len(new), time.perf_counter() - t0, self.round_depth)
+            self._tell_parked()
             return new
+        self._tell_parked()  # (a session may start parked: `memory`)
         ahead = not self.use_mtp or self.adaptive.plain_ahead() > 0
         ahead = ahead and not self.processors and self.logprobs_top is None
         new = self.plain_step(ahead=ahead and left > 1)
         self.adaptive.record_plain(time.perf_counter() - t0)
         return new
+
+    def _tell_parked(self) -> None:
+        """Tell the proposer when adaptive drafting parks it or takes it back."""
+        if self.proposer is not None and self.adaptive.parked != self.rested:
+            self.rested = self.adaptive.parked
+            self.proposer.rest(self.rested)
 
     def tokens(self, max_tokens: int) -> Iterator[int]:
         """The confirmed tokens, up to `max_tokens`, until an EOS (not yielded)."""

@@ -14,6 +14,11 @@ from mtpkit.speculative.proposers.base import Proposal, ProposerBase
 
 HEAD_CHUNK = 2048  # pairs per head forward when it catches up with confirmed tokens
 CATCH_UP_AFTER = 256  # pairs left pending (plain steps) before the head catches up
+# Parked (`rest`), the head runs over none of them: past CATCH_UP_AFTER it keeps only the last
+# RESTING_PAIRS, which the retry's first draft runs over. Its cache then misses the pairs in
+# between (its own positions run on from its cache's length; what it drafts stays verified);
+# the head reads the context from the target's hidden state, so a retry still drafts well.
+RESTING_PAIRS = 32
 
 
 class HeadProposer(ProposerBase):
@@ -21,7 +26,8 @@ class HeadProposer(ProposerBase):
     ways: after a drafting round, by `after_verify` (all of the round's pairs in one step,
     before its acceptance is read) and `settle` (the unconfirmed ones trimmed), leaving
     `ready`, the head's output at the last confirmed pair; after plain steps, they wait in
-    `pending` until the next draft or a catch-up runs the head over them."""
+    `pending` until the next draft or a catch-up runs the head over them (while parked,
+    only the last RESTING_PAIRS of them are kept: `rest`)."""
 
     name = "mtp"
     looks_ahead = True
@@ -34,6 +40,7 @@ class HeadProposer(ProposerBase):
         self.pending_tokens: list[int] = []
         self.ready: mx.array | None = None
         self.prefilling = False
+        self.parked = False
 
     @classmethod
     def holding(
@@ -63,8 +70,17 @@ class HeadProposer(ProposerBase):
     def observe(self, hidden: mx.array, tokens: list[int]) -> None:
         self.pending_hidden.append(hidden)
         self.pending_tokens.extend(tokens)
-        if not self.prefilling and len(self.pending_tokens) > CATCH_UP_AFTER:
+        if self.prefilling or len(self.pending_tokens) <= CATCH_UP_AFTER:
+            return
+        if self.parked:  # the head runs again only at a retry: keep what it starts from
+            hidden, tokens = self._pending()
+            self.pending_hidden = [hidden[:, -RESTING_PAIRS:]]
+            self.pending_tokens = tokens[-RESTING_PAIRS:]
+        else:
             self.catch_up()  # drafting is off: keep the head's cache near the confirmed
+
+    def rest(self, parked: bool) -> None:
+        self.parked = parked
 
     def end_prefill(self) -> None:
         self.prefilling = False
