@@ -8,7 +8,8 @@ round at depth 1 whose draft is rejected (oracle drafts at acceptance 0: verify,
 the head's step, the rollback), and the head's catch-up over CATCH_UP_AFTER pairs of plain
 steps (what keeping the head warm costs while drafting is paused). Medians in ms and over a
 plain step; then what a 128- and a 4096-token run at acceptance 0 pays for them under the
-schedule of `speculative/adaptive.py`, against `--no-mtp`.
+schedule of `speculative/adaptive.py`, against `--no-mtp`, with the head kept warm through
+the pauses (as before it rested) and resting (a head that never kept a draft, or parked).
 """
 
 from __future__ import annotations
@@ -93,7 +94,8 @@ for n in (128, 4096):
         else:
             a.record_plain(0.0)
             steps += 1
-    catch_ups = steps // CATCH_UP_AFTER
-    extra = rounds * (rounds_cost - 1) + catch_ups * catch
-    print(f"  {n} tokens: {rounds} rounds (first {FIRST_ROUNDS}), {catch_ups} catch-ups: "
-          f"{extra:.1f} plain steps over {n}, {n / (n + extra):.3f} of --no-mtp")  # fmt: skip
+    warm = steps // CATCH_UP_AFTER  # the head kept warm (before 384dd45); resting: none
+    for name, catch_ups in (("head kept warm", warm), ("head resting", 0)):
+        extra = rounds * (rounds_cost - 1) + catch_ups * catch
+        print(f"  {n} tokens, {name}: {rounds} rounds (first {FIRST_ROUNDS}), {catch_ups} "
+              f"catch-ups: {extra:.1f} plain steps, {n / (n + extra):.3f} of --no-mtp")  # fmt: skip

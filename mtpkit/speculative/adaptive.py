@@ -169,6 +169,12 @@ class AdaptiveDrafting:
     def want_draft(self) -> bool:
         return not self.enabled or self.plain_left <= 0
 
+    @property
+    def resting(self) -> bool:
+        """Whether the proposer may let go of what it keeps only to draft well at the next
+        retry: drafting is parked, or paused and no draft was ever kept."""
+        return self.enabled and (self.parked or (self.plain_left > 0 and not self.any_accepted))
+
     def next_depth(self) -> int:
         """The depth of the next drafting round: the chosen one, or a neighbour to probe
         (deeper or shallower in turn, each once its own interval of rounds has passed)."""

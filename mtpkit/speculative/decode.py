@@ -143,7 +143,7 @@ class MtpDecoder:
         self.memory = memory if sampling.greedy else None
         if self.memory is not None:
             self.adaptive.resume(self.memory)
-        self.rested = False  # whether the proposer was told drafting is parked
+        self.rested = False  # whether the proposer was told to rest (`_tell_parked`)
         self.round_depth = depth  # of the last drafting round
         self.cache = cache if cache is not None else m.make_cache(max_kv_size)
         if not 0 <= cached < len(prompt):
@@ -409,9 +409,10 @@ class MtpDecoder:
         return new
 
     def _tell_parked(self) -> None:
-        """Tell the proposer when adaptive drafting parks it or takes it back."""
-        if self.proposer is not None and self.adaptive.parked != self.rested:
-            self.rested = self.adaptive.parked
+        """Tell the proposer when adaptive drafting parks it (or pauses a drafter that never
+        kept a draft), and when it takes it back (`AdaptiveDrafting.resting`)."""
+        if self.proposer is not None and self.adaptive.resting != self.rested:
+            self.rested = self.adaptive.resting
             self.proposer.rest(self.rested)
 
     def tokens(self, max_tokens: int) -> Iterator[int]:

@@ -110,8 +110,9 @@ class Proposer(Protocol):
         ...
 
     def rest(self, parked: bool) -> None:
-        """Whether adaptive drafting has parked this proposer (`speculative/adaptive.py`):
-        while it is, what it keeps only to draft well at the next retry may go."""
+        """Whether adaptive drafting has parked this proposer, or paused one that never had
+        a draft kept (`AdaptiveDrafting.resting`): while it is, what it keeps only to draft
+        well at the next retry may go."""
         ...
 
     def cost_prior(self, depth: int) -> float | None:

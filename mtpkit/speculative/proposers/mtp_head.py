@@ -14,7 +14,7 @@ from mtpkit.speculative.proposers.base import Proposal, ProposerBase
 
 HEAD_CHUNK = 2048  # pairs per head forward when it catches up with confirmed tokens
 CATCH_UP_AFTER = 256  # pairs left pending (plain steps) before the head catches up
-# Parked (`rest`), the head runs over none of them: past CATCH_UP_AFTER it keeps only the last
+# Parked, or paused without a draft ever kept (`rest`), the head runs over none of them: past CATCH_UP_AFTER it keeps only the last
 # RESTING_PAIRS, which the retry's first draft runs over. Its cache then misses the pairs in
 # between (its own positions run on from its cache's length; what it drafts stays verified);
 # the head reads the context from the target's hidden state, so a retry still drafts well.
