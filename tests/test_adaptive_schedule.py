@@ -221,3 +221,16 @@ def test_a_parked_head_is_not_kept_warm(useless, converted: Path, monkeypatch) -
     # after it, the retry rounds' pairs; a warm head's holds every one of the 300 steps'.
     dropped = CATCH_UP_AFTER - RESTING_PAIRS
     assert head.cache[0].offset <= len(prompt) + 300 - dropped + 2 * RETRY_ROUNDS + 2
+
+
+def test_a_round_shallower_by_two_is_judged_as_a_probe() -> None:
+    """A proposer may draft fewer tokens than asked (prompt lookup): a round two shallower
+    than the chosen depth counts as a shallower probe."""
+    a = AdaptiveDrafting(enabled=True, depth=3, choose_depth=True)
+    a.priors = {1: 1.3, 2: 1.55, 3: 1.8}
+    for _ in range(FIRST_ROUNDS + 2):  # every draft kept: depth 3
+        depth = a.next_depth()
+        a.record_round(depth + 1, depth=depth)
+    assert a.depth == 3
+    a.record_round(2, depth=1)  # asked for 3, found 1
+    assert a.since_probe == 0 and a.probe_deeper and a.depth == 3

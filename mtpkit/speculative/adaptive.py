@@ -247,7 +247,9 @@ class AdaptiveDrafting:
         seen = self.observed[depth]
         for j in range(1, min(accepted + 1, depth) + 1):  # the drafts that were judged
             seen[j] = (seen[j] + [int(j <= accepted)])[-OBSERVED:]
-        probed = depth - self.depth  # a probe's direction (0: a round at the chosen depth)
+        # A probe's direction (0: a round at the chosen depth; a proposer may also have
+        # found fewer drafts than asked, as prompt lookup does).
+        probed = (depth > self.depth) - (depth < self.depth)
         if probed:  # the next probe goes the other way
             self.since_probe, self.probe_deeper = 0, probed < 0
         else:
