@@ -1,6 +1,6 @@
 """Adaptive drafting's schedule once drafting loses (issue 46): parking after repeated or
 clear losses, probes of a losing depth backed off, and a greedy engine's requests going on
-from the last losing verdict. The decisions are checked on their counts; the decoding
+from the last clear losing verdict. The decisions are checked on their counts; the decoding
 against stock mlx-lm's greedy tokens (a fresh load, no EOS)."""
 
 from __future__ import annotations
@@ -100,10 +100,11 @@ def test_a_probed_depth_that_loses_is_probed_less_often() -> None:
     assert a.probe_every == {1: PROBE_EVERY, -1: PROBE_EVERY}
 
 
-def test_a_losing_verdict_is_remembered_for_the_next_request() -> None:
-    """A greedy request that ends while its head loses leaves the schedule: the next one
-    goes on with the rest of the stretch, then a retry of RETRY_ROUNDS rounds; a request
-    that ends winning leaves nothing."""
+def test_a_clear_losing_verdict_is_remembered_for_the_next_request() -> None:
+    """A greedy request that ends while its head loses without a draft ever kept leaves the
+    schedule: the next one goes on with the rest of the stretch, then a retry of
+    RETRY_ROUNDS rounds; a request that ends winning leaves nothing, and so does one whose
+    head kept some drafts and still lost (judged afresh next time)."""
     memory = DraftingMemory()
     first = AdaptiveDrafting(enabled=True, cost=1.6)
     judged(first, [1] * FIRST_ROUNDS)
@@ -124,6 +125,12 @@ def test_a_losing_verdict_is_remembered_for_the_next_request() -> None:
     fresh = AdaptiveDrafting(enabled=True, cost=1.6)
     fresh.resume(memory)
     assert fresh.want_draft() and fresh.need == FIRST_ROUNDS
+    first.remember(memory)
+    assert memory.schedule is not None
+    weak = AdaptiveDrafting(enabled=True, cost=1.6)
+    assert judged(weak, [2, 1, 1, 1]) == [32]  # it lost, a draft kept
+    weak.remember(memory)
+    assert memory.schedule is None
 
 
 @pytest.fixture(scope="module")

@@ -20,9 +20,10 @@ steps for a stretch (32 tokens, doubling to 1024; a head with no draft accepted 
 stretch. The plain steps of a stretch are queued one ahead, as stock mlx-lm's loop does.
 After `PARK_LOSSES` losing decisions, or `PARK_CLEAR` clear ones (rounds that kept no draft
 at all), drafting is parked, as omlx parks MTP: `PARKED_STRETCH` plain steps between
-retries, doubling to `MAX_PARKED_STRETCH`, until a retry wins. A greedy session keeps the
-verdict for the next request (`DraftingMemory`, on the engine): a head that lost goes on
-where its stretch stood, instead of judging every request's first rounds afresh.
+retries, doubling to `MAX_PARKED_STRETCH`, until a retry wins. A greedy session keeps a
+clear verdict for the next request (`DraftingMemory`, on the engine): a head that is parked,
+or that lost without a draft ever kept, goes on where its stretch stood, instead of judging
+every request's first rounds afresh.
 
 Choosing the depth (`choose_depth`, the default of `generate` without `--depth`): a round at
 depth K yields E_K = 1 + a_1 + a_1 a_2 + ... (K terms) tokens for r_K plain steps, and the next
@@ -112,8 +113,8 @@ SCHEDULE = ("plain_left", "stretch", "barren_stretch", "parked_stretch", "losses
 @dataclass
 class DraftingMemory:
     """What one greedy request's adaptive drafting leaves the next of the same engine and
-    drafter: the schedule after a losing verdict (stretches, losses, parked, the plain
-    steps left), or None after a win (the next request judges its first rounds afresh)."""
+    drafter: the schedule after a clear losing verdict (stretches, losses, parked, the plain
+    steps left), or None (the next request judges its first rounds afresh)."""
 
     schedule: dict[str, int | bool] | None = None
 
@@ -314,7 +315,10 @@ class AdaptiveDrafting:
         self.need = RETRY_ROUNDS
 
     def remember(self, memory: DraftingMemory) -> None:
-        """Leave `memory` this request's verdict: the schedule if it is losing, else None."""
+        """Leave `memory` this request's verdict: the schedule if it is a clear loss (parked,
+        or losing without a draft ever kept), else None. A head that kept some drafts and
+        still lost is judged afresh on the next request: its text (or its logits
+        processors) may suit the head better."""
         if self.enabled:
-            losing = self.losses > 0
-            memory.schedule = {name: getattr(self, name) for name in SCHEDULE} if losing else None
+            clear = self.parked or (self.losses > 0 and not self.any_accepted)
+            memory.schedule = {name: getattr(self, name) for name in SCHEDULE} if clear else None

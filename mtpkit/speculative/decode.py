@@ -101,7 +101,7 @@ class MtpDecoder:
     ahead, BUILD_AHEAD always builds ahead, False never looks ahead (tests force each);
     `draft_filter` replaces the proposer's drafts (tests). `choose_depth`: adaptive drafting
     picks each round's depth up to `depth` (`speculative/adaptive.py`); `memory`: a greedy
-    run goes on from the losing verdict an earlier one left there, and leaves its own."""
+    run goes on from the clear losing verdict an earlier one left there, and leaves its own."""
 
     def __init__(
         self,

@@ -149,9 +149,10 @@ class Engine:
         self.proposers = ProposerFactory(m, drafter) if self.drafts else None
         self.prompt_cache = PromptCache(prompt_cache_size)
         self.prefill_step_size = 2048  # tokens per prefill forward (mlx-lm's default)
-        # Adaptive drafting's last losing verdict, which the next greedy request goes on
-        # from (`speculative/adaptive.py`), by the depths it chooses from.
-        self.drafting_memory: dict[tuple[int, bool], DraftingMemory] = {}
+        # Adaptive drafting's last clear losing verdict, which the next greedy request goes on
+        # from (`speculative/adaptive.py`), by the depths it chooses from and whether logits
+        # processors judge the drafts (a strong bias can make every draft lose).
+        self.drafting_memory: dict[tuple[int, bool, bool], DraftingMemory] = {}
 
     @classmethod
     def load(
@@ -228,7 +229,9 @@ class Session:
             use_mtp=engine.drafts and not plain, max_kv_size=engine.max_kv_size,
             pipeline=False if request.needs_history else engine.pipeline,
             choose_depth=choose, proposer=proposer, cache=cache, cached=cached,
-            memory=engine.drafting_memory.setdefault((depth, choose), DraftingMemory()),
+            memory=engine.drafting_memory.setdefault(
+                (depth, choose, request.logits.processes), DraftingMemory()
+            ),
         )  # fmt: skip
         self.decoder.prefill_step_size = engine.prefill_step_size
         self.decoder.processors = request.logits.processors()
