@@ -143,7 +143,9 @@ class MtpDecoder:
         self.memory = memory if sampling.greedy else None
         if self.memory is not None:
             self.adaptive.resume(self.memory)
-        self.rested = False  # whether the proposer was told to rest (`_tell_parked`)
+        # Whether the proposer was told to rest (`_tell_parked`; None: not told yet, and a
+        # proposer from the prompt cache may still rest from its last request).
+        self.rested: bool | None = None
         self.round_depth = depth  # of the last drafting round
         self.cache = cache if cache is not None else m.make_cache(max_kv_size)
         if not 0 <= cached < len(prompt):

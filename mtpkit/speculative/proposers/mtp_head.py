@@ -14,10 +14,11 @@ from mtpkit.speculative.proposers.base import Proposal, ProposerBase
 
 HEAD_CHUNK = 2048  # pairs per head forward when it catches up with confirmed tokens
 CATCH_UP_AFTER = 256  # pairs left pending (plain steps) before the head catches up
-# Parked, or paused without a draft ever kept (`rest`), the head runs over none of them: past CATCH_UP_AFTER it keeps only the last
-# RESTING_PAIRS, which the retry's first draft runs over. Its cache then misses the pairs in
-# between (its own positions run on from its cache's length; what it drafts stays verified);
-# the head reads the context from the target's hidden state, so a retry still drafts well.
+# Parked, or paused without a draft ever kept (`rest`), the head runs over none of them:
+# past CATCH_UP_AFTER it keeps only the last RESTING_PAIRS, which the retry's first draft runs
+# over. Its cache then misses the pairs in between (its own positions run on from its cache's
+# length; what it drafts stays verified); it reads the context from the target's hidden
+# state, so a retry still drafts.
 RESTING_PAIRS = 32
 
 
@@ -26,7 +27,7 @@ class HeadProposer(ProposerBase):
     ways: after a drafting round, by `after_verify` (all of the round's pairs in one step,
     before its acceptance is read) and `settle` (the unconfirmed ones trimmed), leaving
     `ready`, the head's output at the last confirmed pair; after plain steps, they wait in
-    `pending` until the next draft or a catch-up runs the head over them (while parked,
+    `pending` until the next draft or a catch-up runs the head over them (while resting,
     only the last RESTING_PAIRS of them are kept: `rest`)."""
 
     name = "mtp"
@@ -40,7 +41,7 @@ class HeadProposer(ProposerBase):
         self.pending_tokens: list[int] = []
         self.ready: mx.array | None = None
         self.prefilling = False
-        self.parked = False
+        self.resting = False
 
     @classmethod
     def holding(
@@ -72,7 +73,7 @@ class HeadProposer(ProposerBase):
         self.pending_tokens.extend(tokens)
         if self.prefilling or len(self.pending_tokens) <= CATCH_UP_AFTER:
             return
-        if self.parked:  # the head runs again only at a retry: keep what it starts from
+        if self.resting:  # the head runs again only at a retry: keep what it starts from
             hidden, tokens = self._pending()
             self.pending_hidden = [hidden[:, -RESTING_PAIRS:]]
             self.pending_tokens = tokens[-RESTING_PAIRS:]
@@ -80,7 +81,7 @@ class HeadProposer(ProposerBase):
             self.catch_up()  # drafting is off: keep the head's cache near the confirmed
 
     def rest(self, parked: bool) -> None:
-        self.parked = parked
+        self.resting = parked
 
     def end_prefill(self) -> None:
         self.prefilling = False
