@@ -1,6 +1,7 @@
 """Why plain steps after adaptive drafting stops cost more than `--no-mtp`'s: per-token times.
 
-    python bench/plain_steps.py SHAPE [TRIALS] [MAX_TOKENS]     # on the GPU machine
+    python bench/plain_steps.py SHAPE|DIR [TRIALS] [MAX_TOKENS]     # on the GPU machine
+    DTYPE=float32 LAYERS=4 MODES=stock,nomtp,head-plain,acc0 python bench/plain_steps.py SHAPE 5 48
 
 Interleaved per trial, on one random model of SHAPE (as `mtpkit bench --random`): stock
 mlx-lm (its own load), a second stock load (made last: does the order of the loads matter?),
@@ -17,10 +18,12 @@ import contextlib
 import cProfile
 import gc
 import io
+import os
 import pstats
 import statistics
 import sys
 import time
+from pathlib import Path
 
 import mlx.core as mx
 import mlx_lm
@@ -37,7 +40,12 @@ from mtpkit.speculative.proposers import default_proposer
 shape = sys.argv[1]
 TRIALS = int(sys.argv[2]) if len(sys.argv) > 2 else 3
 N = int(sys.argv[3]) if len(sys.argv) > 3 else 128
-path = random_model_dir(shape, "bfloat16")
+if Path(shape).is_dir():  # a model directory (the bundled example: what the host costs)
+    path = Path(shape)
+else:
+    path = random_model_dir(
+        shape, os.environ.get("DTYPE", "bfloat16"), layers=int(os.environ.get("LAYERS", 0)) or None
+    )
 m = load_model(path)
 m.tokenizer.eos_token_ids = []
 stock, stock_tok = stock_load(m)
@@ -82,6 +90,8 @@ def dec_times(mode):
 
 
 MODES = ["stock", "stock2", "nomtp", "nomtp-bare", "dec-nohead", "head-plain", "acc0", "acc0-nogc"]
+if os.environ.get("MODES"):  # a subset, e.g. MODES=stock,nomtp,head-plain,acc0
+    MODES = [mode for mode in MODES if mode in os.environ["MODES"].split(",")]
 
 
 def run(mode):
@@ -123,12 +133,12 @@ for trial in range(TRIALS):
         print(f"trial {trial} {mode:11s} {tps:7.1f} tok/s  median {tail:.2f} ms  top {tops}{extra}")
         results[mode].append(tps)
 print("medians (tok/s, over stock):")
-base = statistics.median(results["stock"])
+base = statistics.median(results[MODES[0]])
 for mode, values in results.items():
     med = statistics.median(values)
     print(f"  {mode:11s} {med:7.1f}  {med / base:.3f}  range {min(values):.1f}-{max(values):.1f}")
 
-for mode in ["nomtp", "dec-nohead", "acc0"]:
+for mode in [mode for mode in ["nomtp", "dec-nohead", "acc0"] if mode in MODES]:
     prof = cProfile.Profile()
     prof.enable()
     run(mode)

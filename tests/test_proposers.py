@@ -184,6 +184,46 @@ def test_same_tokens_and_kept_drafts_as_stock_speculative_decoding(
     assert decoder.stats.accepted == sum(r.from_draft for r in responses)
 
 
+@pytest.mark.parametrize("draft_seed", [None, 5], ids=["itself", "other-weights"])
+def test_an_attention_draft_model_is_trimmed_to_the_confirmed_text(
+    tmp_path: Path, draft_seed: int | None
+) -> None:
+    """An attention-only draft model keeps the drafts it fed that the target kept and trims
+    the rest, as mlx-lm trims (each round feeds it one or two tokens, never the kept drafts
+    again). With drafts injected right-then-wrong (with a draft model of other weights, the
+    right ones are not the ones it fed: those are fed again), its cache holds exactly the
+    confirmed text: keys and values those of a fresh stock forward over the same tokens; the text
+    is stock's and exactly the planned drafts are kept."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    target = build_dense_model(tmp_path / "target", "llama", seed=3)
+    draft = target if draft_seed is None else build_dense_model(tmp_path / "d", "llama",
+                                                                 seed=draft_seed)  # fmt: skip
+    reference = stock_tokens(target, PROMPT, 40)
+    decoder = draft_decoder(target, draft, depth=3)
+    proposer = decoder.proposer
+    assert proposer.trims
+    fed_counts: list[int] = []
+    feed = proposer._feed
+    proposer._feed = lambda tokens: fed_counts.append(len(tokens)) or feed(tokens)
+    rights = inject_drafts(decoder, reference, [0, 3, 1, 2, 3, 0, 2, 1] * 10, 512)
+    assert list(decoder.tokens(40)) == reference
+    accepted = accepted_per_round(decoder)
+    assert accepted == planned_per_round(decoder, rights) and set(accepted) == {0, 1, 2, 3}
+    assert fed_counts[0] == len(PROMPT) - 1  # the prefill
+    if draft_seed is None:  # every injected right draft is one it fed
+        assert max(fed_counts[1:]) <= 2
+    model, _ = mlx_lm.load(str(draft))
+    fresh = make_prompt_cache(model)
+    text = proposer.history[: proposer.fed]
+    mx.eval(model(mx.array(text)[None], cache=fresh))
+    for mine, theirs in zip(proposer.cache, fresh, strict=True):
+        assert mine.offset == theirs.offset == len(text)
+        for a, b in zip(mine.state[:2], theirs.state[:2], strict=True):  # keys, values
+            n = len(text)
+            np.testing.assert_allclose(np.array(a[..., :n, :]), np.array(b[..., :n, :]), atol=1e-4)
+
+
 def test_an_incompatible_draft_model_is_one_line(tmp_path: Path) -> None:
     target = build_dense_model(tmp_path / "target", "llama")
     other = tmp_path / "other"

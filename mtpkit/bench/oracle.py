@@ -169,5 +169,8 @@ class OracleProposer:
     def judged(self, verdict: Verdict) -> Verdict:
         return self.plan.judge(self.inner.judged(verdict))
 
+    def rest(self, parked: bool) -> None:
+        self.inner.rest(parked)
+
     def cost_prior(self, depth: int) -> float | None:
         return self.inner.cost_prior(depth)

@@ -18,6 +18,12 @@ No decision draws a random number. The schedule: draft from the start and judge 
 steps for a stretch (32 tokens, doubling to 1024; a head with no draft accepted at all:
 256, doubling to 4096), then `RETRY_ROUNDS` rounds judged on their own; a win resets the
 stretch. The plain steps of a stretch are queued one ahead, as stock mlx-lm's loop does.
+After `PARK_LOSSES` losing decisions, or `PARK_CLEAR` clear ones (rounds that kept no draft
+at all), drafting is parked, as omlx parks MTP: `PARKED_STRETCH` plain steps between
+retries, doubling to `MAX_PARKED_STRETCH`, until a retry wins. A greedy session keeps a
+clear verdict for the next request (`DraftingMemory`, on the engine): a head that is parked,
+or that lost without a draft ever kept, goes on where its stretch stood, instead of judging
+every request's first rounds afresh.
 
 Choosing the depth (`choose_depth`, the default of `generate` without `--depth`): a round at
 depth K yields E_K = 1 + a_1 + a_1 a_2 + ... (K terms) tokens for r_K plain steps, and the next
@@ -28,12 +34,15 @@ once they have judged it `MIN_OBSERVED` times (a text's period can make it depen
 round's depth: the bundled example keeps its second draft 98% of the time in depth-2 rounds,
 62% in depth-3 ones), before that in rounds no deeper than K, and unseen it borrows the one
 before it, so a depth that might pay is tried. Every `PROBE_EVERY` rounds one round goes one
-deeper or one shallower, in turn, so that a depth's counts are renewed.
+deeper or one shallower, in turn, so that a depth's counts are renewed; a probe that does
+not win its depth doubles the rounds before the next one that way (up to `MAX_PROBE_EVERY`);
+a deeper probe that kept every draft, or a change of depth, resets them.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 import mlx.core as mx
 
@@ -46,6 +55,11 @@ AUTO_MAX_DEPTH = 3  # the deepest depth adaptive drafting chooses when no depth 
 OBSERVED = 32  # verdicts kept per round depth and draft
 MIN_OBSERVED = 4
 PROBE_EVERY = 32
+MAX_PROBE_EVERY = 512  # rounds between probes of a neighbour depth that keeps losing
+PARK_LOSSES = 16  # losing decisions since the last win that park drafting (omlx's count)
+PARK_CLEAR = 4  # or clear losses: decisions on rounds that kept no draft at all
+PARKED_STRETCH = 4096  # plain steps between the retries of parked drafting, doubling to
+MAX_PARKED_STRETCH = 32768
 
 # Round cost over a plain step at depth 1, and what each further depth adds. GPU (CUDA,
 # Metal): on an H100 (2026-11-25, `mtpkit bench --random`, qwen3_5 0.8b-9b and the 35B MoE
@@ -91,6 +105,20 @@ def expected_tokens(acceptance: list[float | None]) -> float:
     return total
 
 
+# The schedule's state a losing verdict leaves (`DraftingMemory`).
+SCHEDULE = ("plain_left", "stretch", "barren_stretch", "parked_stretch", "losses",
+            "clear_losses", "parked", "any_accepted")  # fmt: skip
+
+
+@dataclass
+class DraftingMemory:
+    """What one greedy request's adaptive drafting leaves the next of the same engine and
+    drafter: the schedule after a clear losing verdict (stretches, losses, parked, the plain
+    steps left), or None (the next request judges its first rounds afresh)."""
+
+    schedule: dict[str, int | bool] | None = None
+
+
 class AdaptiveDrafting:
     """Whether the next step drafts, and at which depth (see the module's text). `depth`: the
     depth of every round, or with `choose_depth` the deepest; `timed`: refine the round cost
@@ -130,6 +158,11 @@ class AdaptiveDrafting:
         self.observed: dict[int, dict[int, list[int]]] = self._fresh()
         self.since_probe = 0
         self.probe_deeper = True
+        self.probe_every = {1: PROBE_EVERY, -1: PROBE_EVERY}  # rounds, by the probe's direction
+        self.losses = 0  # losing decisions since the last win
+        self.clear_losses = 0  # of them, those on rounds that kept no draft at all
+        self.parked = False
+        self.parked_stretch = PARKED_STRETCH
 
     def _fresh(self) -> dict[int, dict[int, list[int]]]:
         return {k: {j: [] for j in range(1, k + 1)} for k in self.priors}
@@ -137,15 +170,22 @@ class AdaptiveDrafting:
     def want_draft(self) -> bool:
         return not self.enabled or self.plain_left <= 0
 
+    @property
+    def resting(self) -> bool:
+        """Whether the proposer may let go of what it keeps only to draft well at the next
+        retry: drafting is parked, or paused and no draft was ever kept."""
+        return self.enabled and (self.parked or (self.plain_left > 0 and not self.any_accepted))
+
     def next_depth(self) -> int:
-        """The depth of the next drafting round: the chosen one, or a neighbour to probe."""
-        if not self.choose or self.since_probe < PROBE_EVERY:
+        """The depth of the next drafting round: the chosen one, or a neighbour to probe
+        (deeper or shallower in turn, each once its own interval of rounds has passed)."""
+        if not self.choose:
             return self.depth
-        turn = (1, -1) if self.probe_deeper else (-1, 1)
-        neighbours = [
-            self.depth + step for step in turn if 1 <= self.depth + step <= self.max_depth
-        ]
-        return neighbours[0] if neighbours else self.depth
+        for step in (1, -1) if self.probe_deeper else (-1, 1):
+            due = self.since_probe >= self.probe_every[step]
+            if due and 1 <= self.depth + step <= self.max_depth:
+                return self.depth + step
+        return self.depth
 
     def plain_ahead(self) -> int:
         """Plain steps certain to follow the current one (read before recording it)."""
@@ -208,8 +248,11 @@ class AdaptiveDrafting:
         seen = self.observed[depth]
         for j in range(1, min(accepted + 1, depth) + 1):  # the drafts that were judged
             seen[j] = (seen[j] + [int(j <= accepted)])[-OBSERVED:]
-        if depth != self.depth:  # a probe: the next one goes the other way
-            self.since_probe, self.probe_deeper = 0, depth < self.depth
+        # A probe's direction (0: a round at the chosen depth; a proposer may also have
+        # found fewer drafts than asked, as prompt lookup does).
+        probed = (depth > self.depth) - (depth < self.depth)
+        if probed:  # the next probe goes the other way
+            self.since_probe, self.probe_deeper = 0, probed < 0
         else:
             self.since_probe += 1
         self.after_rounds = True
@@ -217,20 +260,42 @@ class AdaptiveDrafting:
         if self.timed:
             self.round_times[depth] = (self.round_times.get(depth, []) + [seconds])[-TIMED:]
         self.yields = (self.yields + [emitted])[-WINDOW:]
-        if len(self.yields) < self.need:
-            return
+        if len(self.yields) >= self.need:
+            self._judge(probed, accepted == depth)
+
+    def _judge(self, probed: int, kept_all: bool) -> None:
+        """Whether drafting pays on the window's rounds (and at which depth); else a stretch
+        of plain steps (`_lose`). `probed`: the last round probed a depth that way;
+        `kept_all`: it kept every draft."""
         if self.choose:
             chosen, value = self.best_depth()
             if chosen != self.depth:  # probes count from a change of depth
                 self.depth, self.since_probe = chosen, 0
+                self.probe_every = {1: PROBE_EVERY, -1: PROBE_EVERY}
+            elif probed > 0 and kept_all:  # its deepest draft kept: the depth may yet pay
+                self.probe_every[probed] = PROBE_EVERY
+            elif probed:  # the probed depth lost: probe that way less often
+                self.probe_every[probed] = min(2 * self.probe_every[probed], MAX_PROBE_EVERY)
             pays = value >= 1.0
         else:
             pays = sum(self.yields) / len(self.yields) >= self.cost()
-        if pays:
-            self.stretch = 32
-            self.need = 1  # judged from now on at every round, on the last WINDOW
+        if not pays:
+            self._lose()
             return
-        if self.any_accepted:
+        self.stretch = 32
+        self.need = 1  # judged from now on at every round, on the last WINDOW
+        self.losses = self.clear_losses = 0
+        self.parked, self.parked_stretch = False, PARKED_STRETCH
+
+    def _lose(self) -> None:
+        """A losing decision: plain steps for a stretch, then a retry judged on its own."""
+        self.losses += 1
+        self.clear_losses += all(emitted == 1 for emitted in self.yields)
+        if self.parked or self.losses >= PARK_LOSSES or self.clear_losses >= PARK_CLEAR:
+            self.parked = True
+            self.plain_left = self.parked_stretch
+            self.parked_stretch = min(self.parked_stretch * 2, MAX_PARKED_STRETCH)
+        elif self.any_accepted:
             self.plain_left = self.stretch
             self.stretch = min(self.stretch * 2, 1024)
         else:
@@ -239,3 +304,21 @@ class AdaptiveDrafting:
         self.yields = []
         self.observed = self._fresh()  # the retry is judged on its own
         self.need = RETRY_ROUNDS
+
+    def resume(self, memory: DraftingMemory) -> None:
+        """Go on from the losing verdict an earlier request left (`DraftingMemory`): the
+        rest of its stretch in plain steps, then a retry judged on RETRY_ROUNDS rounds."""
+        if not self.enabled or memory.schedule is None:
+            return
+        for name, value in memory.schedule.items():
+            setattr(self, name, value)
+        self.need = RETRY_ROUNDS
+
+    def remember(self, memory: DraftingMemory) -> None:
+        """Leave `memory` this request's verdict: the schedule if it is a clear loss (parked,
+        or losing without a draft ever kept), else None. A head that kept some drafts and
+        still lost is judged afresh on the next request: its text (or its logits
+        processors) may suit the head better."""
+        if self.enabled:
+            clear = self.parked or (self.losses > 0 and not self.any_accepted)
+            memory.schedule = {name: getattr(self, name) for name in SCHEDULE} if clear else None

@@ -52,7 +52,7 @@ from mtpkit.speculative.accept import (
     rejection_sample,
     verdict,
 )
-from mtpkit.speculative.adaptive import AdaptiveDrafting
+from mtpkit.speculative.adaptive import AdaptiveDrafting, DraftingMemory
 from mtpkit.speculative.logits import Processor, TokenLogprob, process_rows, token_logprobs
 from mtpkit.speculative.look_ahead import LAUNCH_AHEAD, LookAhead
 from mtpkit.speculative.proposers import Proposal, Proposer, default_proposer
@@ -100,7 +100,8 @@ class MtpDecoder:
     the timings of serial rounds (`look_ahead.LookAhead`), True always launches
     ahead, BUILD_AHEAD always builds ahead, False never looks ahead (tests force each);
     `draft_filter` replaces the proposer's drafts (tests). `choose_depth`: adaptive drafting
-    picks each round's depth up to `depth` (`speculative/adaptive.py`)."""
+    picks each round's depth up to `depth` (`speculative/adaptive.py`); `memory`: a greedy
+    run goes on from the clear losing verdict an earlier one left there, and leaves its own."""
 
     def __init__(
         self,
@@ -118,6 +119,7 @@ class MtpDecoder:
         proposer: Proposer | None = None,
         cache: list[Any] | None = None,
         cached: int = 0,
+        memory: DraftingMemory | None = None,
     ) -> None:
         if proposer is None and use_mtp:
             if not m.has_head:
@@ -136,6 +138,14 @@ class MtpDecoder:
         self.adaptive = AdaptiveDrafting(
             adaptive, depth, timed=sampling.greedy, choose_depth=choose_depth, priors=priors
         )
+        # Only a greedy run's text never depends on these decisions: a sampled run's, with
+        # a seed, is the same whatever ran before it.
+        self.memory = memory if sampling.greedy else None
+        if self.memory is not None:
+            self.adaptive.resume(self.memory)
+        # Whether the proposer was told to rest (`_tell_parked`; None: not told yet, and a
+        # proposer from the prompt cache may still rest from its last request).
+        self.rested: bool | None = None
         self.round_depth = depth  # of the last drafting round
         self.cache = cache if cache is not None else m.make_cache(max_kv_size)
         if not 0 <= cached < len(prompt):
@@ -391,12 +401,21 @@ class MtpDecoder:
         if self._queued is not None or drafting:
             new = self.draft_round(may_look_ahead, proposal, left)
             self.adaptive.record_round(len(new), time.perf_counter() - t0, self.round_depth)
+            self._tell_parked()
             return new
+        self._tell_parked()  # (a session may start parked: `memory`)
         ahead = not self.use_mtp or self.adaptive.plain_ahead() > 0
         ahead = ahead and not self.processors and self.logprobs_top is None
         new = self.plain_step(ahead=ahead and left > 1)
         self.adaptive.record_plain(time.perf_counter() - t0)
         return new
+
+    def _tell_parked(self) -> None:
+        """Tell the proposer when adaptive drafting parks it (or pauses a drafter that never
+        kept a draft), and when it takes it back (`AdaptiveDrafting.resting`)."""
+        if self.proposer is not None and self.adaptive.resting != self.rested:
+            self.rested = self.adaptive.resting
+            self.proposer.rest(self.rested)
 
     def tokens(self, max_tokens: int) -> Iterator[int]:
         """The confirmed tokens, up to `max_tokens`, until an EOS (not yielded)."""
@@ -440,6 +459,8 @@ class MtpDecoder:
                             if produced >= max_tokens:
                                 break
             finally:
+                if self.memory is not None:
+                    self.adaptive.remember(self.memory)
                 if first_done is not None:
                     self.stats.decode_time = time.perf_counter() - first_done
                     self.stats.decode_tokens = max(0, len(self.stats.generated) - first_count)

@@ -27,7 +27,7 @@ from mtpkit.core.errors import MtpkitError
 from mtpkit.core.prompts import encode_messages, encode_prompt
 from mtpkit.runtime.model import GenerateError, MtpModel, NoMtpHead, load_model
 from mtpkit.speculative.accept import SamplingSettings
-from mtpkit.speculative.adaptive import resolve_depth
+from mtpkit.speculative.adaptive import DraftingMemory, resolve_depth
 from mtpkit.speculative.decode import MtpDecoder, Stats
 from mtpkit.speculative.logits import NO_PROCESSING, LogitsSettings, TokenLogprob
 from mtpkit.speculative.prompt_cache import DEFAULT_SIZE, PromptCache
@@ -149,6 +149,10 @@ class Engine:
         self.proposers = ProposerFactory(m, drafter) if self.drafts else None
         self.prompt_cache = PromptCache(prompt_cache_size)
         self.prefill_step_size = 2048  # tokens per prefill forward (mlx-lm's default)
+        # Adaptive drafting's last clear losing verdict, which the next greedy request goes on
+        # from (`speculative/adaptive.py`), by the depths it chooses from and whether logits
+        # processors judge the drafts (a strong bias can make every draft lose).
+        self.drafting_memory: dict[tuple[int, bool, bool], DraftingMemory] = {}
 
     @classmethod
     def load(
@@ -225,6 +229,9 @@ class Session:
             use_mtp=engine.drafts and not plain, max_kv_size=engine.max_kv_size,
             pipeline=False if request.needs_history else engine.pipeline,
             choose_depth=choose, proposer=proposer, cache=cache, cached=cached,
+            memory=engine.drafting_memory.setdefault(
+                (depth, choose, request.logits.processes), DraftingMemory()
+            ),
         )  # fmt: skip
         self.decoder.prefill_step_size = engine.prefill_step_size
         self.decoder.processors = request.logits.processors()

@@ -124,6 +124,12 @@ class Proposer(Protocol):
         (bench's oracle holds a random-weight model to its plan)."""
         ...
 
+    def rest(self, parked: bool) -> None:
+        """Whether adaptive drafting has parked this proposer, or paused one that never had
+        a draft kept (`AdaptiveDrafting.resting`): while it is, what it keeps only to draft
+        well at the next retry may go."""
+        ...
+
     def cost_prior(self, depth: int) -> float | None:
         """A round's cost at `depth` in plain target steps, for adaptive drafting (None:
         the backend's prior for the MTP head)."""
@@ -178,6 +184,9 @@ class ProposerBase:
 
     def judged(self, verdict: Verdict) -> Verdict:
         return verdict
+
+    def rest(self, parked: bool) -> None:
+        return None
 
     def cost_prior(self, depth: int) -> float | None:
         return None

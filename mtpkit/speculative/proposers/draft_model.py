@@ -1,12 +1,18 @@
 """A separate, smaller model of the same tokenizer as the proposer (`--draft-model`).
 
 Each round it runs over the confirmed tokens it has not seen (one forward), then chains K-1
-single-token steps over its own drafts. Its caches are taken back to the state after the
-confirmed tokens (`PassUndo`: trimmed KV caches, put-back sliding-window and recurrent
-states), and the drafts the target kept are fed with the next round's confirmed tokens: the
-same count of forwards as trimming, and exact for every cache kind, so a hybrid draft model
-(Qwen3.5-0.8B for Qwen3.5-27B) works as an attention-only one does. mlx-lm's own
-`speculative_generate_step` trims and so refuses such caches (mlx-lm #1446).
+single-token steps over its own drafts, each launched as it is built (as mlx-lm's
+`speculative_generate_step` does: the draft model computes while the host builds the next
+step and the target's verify pass). After the verdict its caches keep what was confirmed:
+
+- KV caches only (an attention-only draft model): the drafts it fed that the target kept
+  stay, the others are trimmed, as mlx-lm trims; the next round feeds only the target's
+  token (and the last draft, when every draft was kept);
+- any other cache (a hybrid draft model, Qwen3.5-0.8B for Qwen3.5-27B: recurrent or sliding-
+  window states that a trim cannot take back): the caches go back to the state after the
+  confirmed tokens (`PassUndo`), and the kept drafts are fed with the next round's token,
+  exact for every cache kind. mlx-lm's own `speculative_generate_step` refuses such caches
+  (mlx-lm #1446).
 
 A pair is compatible when the tokenizers agree (vocabulary size, the ids of a probe text,
 the special tokens), as LM Studio's mlx-engine checks; logits past the target's vocabulary
@@ -24,7 +30,7 @@ import mlx.nn as nn
 
 from mtpkit.core.errors import MtpkitError
 from mtpkit.runtime.model import MtpModel, load_backbone, resolve_model_path
-from mtpkit.runtime.rollback.discard import PassUndo
+from mtpkit.runtime.rollback.discard import PassUndo, trim_undoes
 from mtpkit.speculative.accept import SamplingSettings, Verdict
 from mtpkit.speculative.adaptive import prior_cost
 from mtpkit.speculative.proposers.base import DrafterKind, Proposal, ProposerBase
@@ -124,7 +130,10 @@ class DraftModelProposer(ProposerBase):
         self.fed = 0  # of them, those in the draft model's cache
         self.step_cost = step_cost
         self.prefilling = False
+        # Whether a trim takes back any of its caches' steps (else `PassUndo` does).
+        self.trims = all(trim_undoes(c) for c in self.cache)
         self._undo: PassUndo | None = None  # takes the last chain of drafts back
+        self._fed_drafts: mx.array | None = None  # the drafts the last chain fed [K-1]
 
     def caches(self) -> list[Any]:
         return list(self.cache)
@@ -173,25 +182,42 @@ class DraftModelProposer(ProposerBase):
     def propose(self, depth: int, sampling: SamplingSettings) -> Proposal:
         logits = self._feed(self.history[self.fed :])
         drafts, dists = [], []
-        self._undo = PassUndo.before(self.caches(), depth - 1)
+        self._undo = None if self.trims else PassUndo.before(self.caches(), depth - 1)
         for k in range(depth):
             if k > 0:
                 logits = self.draft.model(drafts[-1][None], cache=self.cache)[:, -1]
             token, q = self._draw(logits, sampling)
+            mx.async_eval(token)  # computed while the next step is built
             drafts.append(token)
             if q is not None:
                 dists.append(q)
+        self._fed_drafts = mx.concatenate(drafts[:-1]) if depth > 1 else None
         return Proposal(mx.concatenate(drafts), mx.stack(dists) if dists else None)
 
     def after_verify(
         self, proposal: Proposal, hidden: mx.array, followers: mx.array, launch: bool
-    ) -> PassUndo | None:
-        return self._undo
+    ) -> tuple[mx.array | None, PassUndo | None]:
+        return self._fed_drafts, self._undo
 
-    def settle(self, state: PassUndo, verdict: Verdict, premise_held: bool) -> None:
-        """Back to the state after the confirmed tokens; the kept drafts and the target's
-        token are fed with the next round's first forward."""
-        state.undo(self.caches())
+    def settle(self, state: tuple[mx.array | None, PassUndo | None], verdict: Verdict,
+               premise_held: bool) -> None:  # fmt: skip
+        """Keep the fed drafts the target kept (a trim drops the others), or go back to the
+        state after the confirmed tokens (`PassUndo`); the rest of the confirmed tokens are
+        fed with the next round's first forward. A fed draft counts as kept only if it is
+        the token confirmed there (a draft filter may have verified others: bench's oracle,
+        tests), so the cache always holds the confirmed text."""
+        fed_drafts, undo = state
+        if undo is not None:
+            undo.undo(self.caches())
+        elif fed_drafts is not None:
+            fed = fed_drafts.tolist()  # computed before the verdict: no wait
+            kept = 0
+            while kept < min(verdict.accepted, len(fed)) and fed[kept] == verdict.drafts[kept]:
+                kept += 1
+            if len(fed) > kept:
+                for cache in self.cache:
+                    cache.trim(len(fed) - kept)
+            self.fed += kept
         self.history.extend(verdict.confirmed)
 
     def cost_prior(self, depth: int) -> float | None:

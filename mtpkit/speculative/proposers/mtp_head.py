@@ -36,6 +36,12 @@ from mtpkit.speculative.proposers.base import (
 HEAD_CHUNK = 2048  # pairs per head forward when it catches up with confirmed tokens
 CATCH_UP_AFTER = 256  # pairs left pending (plain steps) before the head catches up
 ROWS_CATCH_UP_AFTER = 256  # a batch's plain steps' pairs left pending before it catches up
+# Parked, or paused without a draft ever kept (`rest`), the head runs over none of them:
+# past CATCH_UP_AFTER it keeps only the last RESTING_PAIRS, which the retry's first draft runs
+# over. Its cache then misses the pairs in between (its own positions run on from its cache's
+# length; what it drafts stays verified); it reads the context from the target's hidden
+# state, so a retry still drafts.
+RESTING_PAIRS = 32
 
 
 class HeadProposer(ProposerBase):
@@ -43,7 +49,8 @@ class HeadProposer(ProposerBase):
     ways: after a drafting round, by `after_verify` (all of the round's pairs in one step,
     before its acceptance is read) and `settle` (the unconfirmed ones trimmed), leaving
     `ready`, the head's output at the last confirmed pair; after plain steps, they wait in
-    `pending` until the next draft or a catch-up runs the head over them."""
+    `pending` until the next draft or a catch-up runs the head over them (while resting,
+    only the last RESTING_PAIRS of them are kept: `rest`)."""
 
     name = "mtp"
     looks_ahead = True
@@ -57,6 +64,7 @@ class HeadProposer(ProposerBase):
         self.pending_tokens: list[int] = []
         self.ready: mx.array | None = None
         self.prefilling = False
+        self.resting = False
 
     @classmethod
     def holding(
@@ -89,8 +97,17 @@ class HeadProposer(ProposerBase):
     def observe(self, hidden: mx.array, tokens: list[int]) -> None:
         self.pending_hidden.append(hidden)
         self.pending_tokens.extend(tokens)
-        if not self.prefilling and len(self.pending_tokens) > CATCH_UP_AFTER:
+        if self.prefilling or len(self.pending_tokens) <= CATCH_UP_AFTER:
+            return
+        if self.resting:  # the head runs again only at a retry: keep what it starts from
+            hidden, tokens = self._pending()
+            self.pending_hidden = [hidden[:, -RESTING_PAIRS:]]
+            self.pending_tokens = tokens[-RESTING_PAIRS:]
+        else:
             self.catch_up()  # drafting is off: keep the head's cache near the confirmed
+
+    def rest(self, parked: bool) -> None:
+        self.resting = parked
 
     def end_prefill(self) -> None:
         self.prefilling = False
