@@ -141,9 +141,10 @@ def serve_command(
         typer.Option(
             min=1,
             metavar="N",
-            help="Requests decoded together in one batch, each row drafting with the MTP "
-            "head (mlx_lm.server's flag; its default 32 applies only where it does not "
-            "speculate). 1: one at a time. The prompt cache serves both.",
+            help="Requests decoded together in one batch, each row drafting with the "
+            "drafter (the head, prompt lookup, a draft model) or none (mlx_lm.server's "
+            "flag; its default 32 applies only where it does not speculate). 1: one at a "
+            "time. The prompt cache serves both.",
         ),
     ] = 1,
     allowed_origins: Annotated[
