@@ -1,11 +1,12 @@
 """Time to first token at a long prompt: `mtpkit serve` with the head (one stream, and a batch
 join with `--decode-concurrency 4`), `mtpkit serve --no-mtp` and `mlx_lm.server`, on the same
-model directory, one server at a time (the others stopped: nothing shares the cores), one
-request at a time.
+model directory, all started at once and each prompt sent to every server in turn (the order
+rotating), one request at a time: an idle server takes no time from the one answering, and a
+machine whose load drifts slows every server alike.
 
-Each request is a streamed greedy completion of a prompt of exactly `--prompt-tokens` tokens
-(the probe prompts repeated, cut to that count and decoded; the servers' usage confirms the
-count), each prompt opening on its own line so that no prompt cache holds any of it. TTFT is
+Each request is a streamed greedy completion of a prompt of about `--prompt-tokens` tokens
+(the servers' usage gives the count): a line of its own, so that no prompt cache holds any of
+it, the probe prompts repeated, and a probe prompt that the bundled example continues. TTFT is
 request sent -> first text chunk (`mtpkit.bench.serve_load.one_request`). Every server gets
 the same prompts; their greedy texts must be equal (the script says where they are not).
 
@@ -26,7 +27,13 @@ from pathlib import Path
 
 import httpx
 
-from mtpkit.bench.serve_load import REQUEST_TIMEOUT, Sample, long_prompt, one_request
+from mtpkit.bench.serve_load import (
+    REQUEST_TIMEOUT,
+    Sample,
+    long_prompt,
+    one_request,
+    probe_prompts,
+)
 from mtpkit.bench.serve_servers import (
     ServerProcess,
     free_port,
@@ -45,30 +52,45 @@ SERVERS = {  # name -> (command builder, its extra arguments)
 
 
 def prompts(model: str, tokens: int, count: int) -> list[str]:
-    """`count` prompts of `tokens` tokens each (as the model's tokenizer counts them), each
-    opening on a line of its own."""
+    """`count` prompts of about `tokens` tokens each (as the model's tokenizer counts them):
+    a line of its own, the probe prompts repeated, then one probe prompt whole (one the
+    bundled example continues at length)."""
     from mlx_lm.tokenizer_utils import load as load_tokenizer
 
     tokenizer = load_tokenizer(Path(model))
-    out = []
+    ends, out = probe_prompts(), []
     for i in range(count):
-        ids = tokenizer.encode(f"Request {i}.\n\n" + long_prompt(tokens))[:tokens]
-        out.append(tokenizer.decode(ids))
+        end = tokenizer.encode(ends[i % len(ends)], add_special_tokens=False)
+        filler = tokenizer.encode(f"Request {i}.\n\n" + long_prompt(tokens))
+        out.append(tokenizer.decode(filler[: tokens - len(end)] + end))
     return out
 
 
-def measure(name: str, model: str, texts: list[str], max_tokens: int, work: Path) -> list[Sample]:
-    command, extra = SERVERS[name]
-    port = free_port()
-    server = ServerProcess(name, command(model, port, extra), port, work / f"{name}.log")
+def measure(
+    names: list[str], model: str, texts: list[str], max_tokens: int, work: Path
+) -> dict[str, list[Sample]]:
+    """Each prompt sent to every server in turn (the order rotating), one request at a time:
+    a machine whose load drifts slows every server alike."""
+    servers = []
     try:
-        server.wait_ready()
-        samples = []
+        for name in names:
+            command, extra = SERVERS[name]
+            port = free_port()
+            servers.append(
+                ServerProcess(name, command(model, port, extra), port, work / f"{name}.log")
+            )
+        for server in servers:
+            server.wait_ready()
+        samples: dict[str, list[Sample]] = {name: [] for name in names}
         for i, text in enumerate(texts):
-            samples.append(asyncio.run(_one(server.url, model, text, max_tokens, i)))
+            for k in range(len(servers)):
+                server = servers[(i + k) % len(servers)]
+                sample = asyncio.run(_one(server.url, model, text, max_tokens, i))
+                samples[server.name].append(sample)
         return samples
     finally:
-        server.stop()
+        for server in servers:
+            server.stop()
 
 
 async def _one(url: str, model: str, text: str, max_tokens: int, index: int) -> Sample:
@@ -97,19 +119,21 @@ def main() -> None:
         model = str(work / "tiny-mlx")
         convert(str(EXAMPLE), output=model)
     texts = prompts(model, args.prompt_tokens, args.requests)
-    results = {n: measure(n, model, texts, args.max_tokens, work) for n in names}
+    results = measure(names, model, texts, args.max_tokens, work)
     report(results, names, args.json)
 
 
 def report(results: dict[str, list[Sample]], names: list[str], as_json: bool) -> None:
+    """TTFT and end-to-end latency (request sent -> last byte) per server, medians."""
     ttft = {n: statistics.median(s.ttft for s in results[n]) for n in names}
+    latency = {n: statistics.median(s.latency for s in results[n]) for n in names}
     reference = ttft.get("mlx_lm")
-    texts = {n: [s.text for s in results[n]] for n in names}
-    equal = {n: texts[n] == texts[names[0]] for n in names}
+    equal = {n: [s.text for s in results[n]] == [s.text for s in results[names[0]]] for n in names}
     if as_json:
         out = {
             n: {
                 "ttft_s": [s.ttft for s in results[n]], "ttft_p50_s": ttft[n],
+                "latency_p50_s": latency[n],
                 "prompt_tokens": [s.prompt_tokens for s in results[n]],
                 "texts_equal_to_first": equal[n],
             }
@@ -117,14 +141,16 @@ def report(results: dict[str, list[Sample]], names: list[str], as_json: bool) ->
         }  # fmt: skip
         print(json.dumps(out, indent=2))
         return
-    print("| server | prompt tokens | TTFT p50 s | each | vs mlx_lm | texts equal |")
-    print("|---|---|---|---|---|---|")
+    print("| server | prompt tokens | TTFT p50 s | each | vs mlx_lm | latency p50 s | texts equal |")
+    print("|---|---|---|---|---|---|---|")
     for n in names:
         samples = results[n]
         each = " / ".join(f"{s.ttft:.2f}" for s in samples)
         ratio = f"{ttft[n] / reference:.2f}x" if reference else "-"
         tokens = ",".join(sorted({str(s.prompt_tokens) for s in samples}))
-        print(f"| {n} | {tokens} | {ttft[n]:.2f} | {each} | {ratio} | {equal[n]} |")
+        print(
+            f"| {n} | {tokens} | {ttft[n]:.2f} | {each} | {ratio} | {latency[n]:.2f} | {equal[n]} |"
+        )
 
 
 if __name__ == "__main__":
