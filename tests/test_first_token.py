@@ -11,6 +11,8 @@ is the head's argmax over the whole sequence run in one pass without caches
 
 from __future__ import annotations
 
+import asyncio
+import threading
 from pathlib import Path
 
 import pytest
@@ -169,3 +171,45 @@ def test_a_joining_row_cancelled_or_stopped_at_its_first_token(
         batch.step()
     assert again.stats.cached_tokens == len(prompt) - 1 and again.row.tokens == reference
     assert_drafts_are_the_heads(engine, prompt, again.row.tokens, again.row.draft_log)
+
+
+@pytest.mark.parametrize("concurrency", [1, 4], ids=["one-stream", "batch"])
+def test_the_servers_worker_hands_the_first_token_out_before_the_catch_up(
+    converted: Path, monkeypatch: pytest.MonkeyPatch, concurrency: int
+) -> None:
+    """The decoding thread `mtpkit serve` streams from: with the long prompt's catch-up held
+    until the first token has reached the event loop, the request still gets it, then the
+    rest of stock mlx-lm's tokens."""
+    from mtpkit.serve.schemas import Outcome
+    from mtpkit.serve.worker import Job, Worker
+    from mtpkit.speculative.session import TokenEvent
+
+    engine = engine_without_eos(converted, monkeypatch, prompt_cache_size=0)
+    prompt = long_ids(engine)
+    reference = stock_tokens(converted, prompt, MAX_TOKENS, eos=False)
+    released, original = threading.Event(), HeadProposer.end_prefill
+
+    def held(self: HeadProposer) -> None:
+        if len(self.pending_tokens) > CATCH_UP_AFTER:
+            assert released.wait(60), "the first token never reached the client"
+        original(self)
+
+    monkeypatch.setattr(HeadProposer, "end_prefill", held)
+    worker = Worker(engine, capacity=2, concurrency=concurrency)
+    worker.start()
+    loop = asyncio.new_event_loop()
+    try:
+        job = Job(lambda _e: Request(prompt, MAX_TOKENS, depth=1), None, loop)
+        worker.submit(job)
+        first = loop.run_until_complete(asyncio.wait_for(job.events.get(), 60))
+        assert isinstance(first, TokenEvent) and first.token == reference[0]
+        released.set()
+        items = [first]
+        while not isinstance(items[-1], Outcome):
+            items.append(loop.run_until_complete(asyncio.wait_for(job.events.get(), 60)))
+        assert items[-1].text == engine.tokenizer.decode(reference)
+        assert items[-1].mtp.drafted > 0
+    finally:
+        released.set()
+        worker.stop()
+        loop.close()
