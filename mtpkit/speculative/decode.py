@@ -8,6 +8,8 @@ draft iff it equals the backbone's argmax, so the output is the backbone's greed
 at a temperature, exact rejection sampling keeps the output distribution the backbone's.
 After a partial acceptance the caches roll back to the kept prefix (`VerifyPass`).
 When drafting loses to plain decoding, `AdaptiveDrafting` pauses it (`speculative/adaptive.py`).
+After a long prompt the first token is the target's alone, out before the proposer catches
+up with the prompt (`PromptEnd`): the time to first token is the target's prefill.
 
 Pipelined rounds. A round is built and queued (`build_round`: draft, verify, verdict, the
 head's step over the verified pairs, all lazy and `mx.async_eval`ed) and its verdict is read
