@@ -139,6 +139,9 @@ class OracleProposer:
         self.prefilling = False
         self.inner.end_prefill()
 
+    def defers_catch_up(self) -> bool:
+        return self.inner.defers_catch_up()
+
     def can_propose(self) -> bool:
         return self.inner.can_propose()
 

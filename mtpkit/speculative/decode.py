@@ -8,6 +8,8 @@ draft iff it equals the backbone's argmax, so the output is the backbone's greed
 at a temperature, exact rejection sampling keeps the output distribution the backbone's.
 After a partial acceptance the caches roll back to the kept prefix (`VerifyPass`).
 When drafting loses to plain decoding, `AdaptiveDrafting` pauses it (`speculative/adaptive.py`).
+After a long prompt the first token is the target's alone, out before the proposer catches
+up with the prompt (`PromptEnd`): the time to first token is the target's prefill.
 
 Pipelined rounds. A round is built and queued (`build_round`: draft, verify, verdict, the
 head's step over the verified pairs, all lazy and `mx.async_eval`ed) and its verdict is read
@@ -42,6 +44,7 @@ import mlx.core as mx
 
 from mtpkit.runtime.model import MtpModel, NoMtpHead
 from mtpkit.runtime.rollback.discard import PassUndo, can_discard
+from mtpkit.runtime.rollback.state import can_fork, fork_cache
 from mtpkit.runtime.rollback.verify_pass import VerifyPass
 from mtpkit.speculative.accept import (
     SamplingSettings,
@@ -89,6 +92,22 @@ class Round:
         """Start the round's kernels (its verdict and the proposer's step) on the device."""
         mx.async_eval(self.packed, *([self.state] if isinstance(self.state, mx.array) else []))
         self.launched = True
+
+
+@dataclass
+class PromptEnd:
+    """What the proposer has still to see of the prompt while the first token goes out, where
+    it defers its catch-up (`Proposer.defers_catch_up`: the head after a long prompt). The
+    first token is then the target's alone (its logits at the last prompt token, as mlx-lm's
+    prefill ends), and the catch-up (the head's pass over the prompt's pairs, and the
+    target's last layer over it that only the head reads) runs after it: the time to first
+    token is the target's prefill, as without drafting. `prefilled`: the
+    target's caches as the prefill left them, for `after_prefill` (None: not kept); `pair`:
+    the first token's hidden state and the token, which the proposer observes once it has
+    caught up."""
+
+    prefilled: list[Any] | None
+    pair: tuple[mx.array, int] | None = None
 
 
 class MtpDecoder:
@@ -179,6 +198,7 @@ class MtpDecoder:
         self.look = LookAhead(pipeline, timed=self.lockstep.size == 1)
         self.draft_filter = draft_filter
         self.after_prefill: Callable[[], None] | None = None  # a session keeps the state
+        self._prompt_end: PromptEnd | None = None  # set from the prefill to the catch-up
         self.prefill_step_size = 2048  # tokens per prefill forward (mlx-lm's default)
         # A request's logits processors (`speculative/logits.py`), and the log-probabilities
         # of its tokens (None: not wanted; n: with the top n), one per confirmed token. Both
@@ -195,7 +215,14 @@ class MtpDecoder:
 
     def prefill(self, step_size: int | None = None) -> None:
         """All but the last prompt token (after the `cached` ones), in chunks, as mlx-lm's
-        `generate_step` does; the last one is the first input of the decoding loop."""
+        `generate_step` does; the last one is the first input of the decoding loop. Then the
+        proposer catches up with them, or, inside `events` where it defers that
+        (`Proposer.defers_catch_up`), after the first token (`PromptEnd`). As in mlx-lm's
+        prefill only the caches are computed: the hidden states the proposer observes stay
+        lazy until it catches up, so the target's last layer over the prompt, which only the
+        proposer reads, waits for it too. Across ranks they are computed with the caches:
+        every rank then takes the collectives in them in the same order, whether its
+        proposer reads them or not."""
         from mlx_lm.generate import generation_stream
 
         start = time.perf_counter()
@@ -205,14 +232,27 @@ class MtpDecoder:
             for i in range(self.cached, len(prompt) - 1, step_size):
                 chunk = prompt[i : min(i + step_size, len(prompt) - 1)]
                 _, hidden = self.m.forward(mx.array(chunk)[None], self.cache)
-                mx.eval([c.state for c in self.cache], hidden)
+                mx.eval([c.state for c in self.cache], [hidden] if self.lockstep.size > 1 else [])
                 if self.proposer is not None:
                     self.proposer.observe(hidden, prompt[i + 1 : i + 1 + len(chunk)])
                 mx.clear_cache()
                 self.lockstep.tick()
-            if self.proposer is not None:
-                self.proposer.end_prefill()
         self.stats.prompt_time = time.perf_counter() - start
+        if self.proposer is None:
+            return
+        end = self._prompt_end
+        if end is not None and self.proposer.defers_catch_up():
+            if self.after_prefill is not None and can_fork(self.cache):
+                end.prefilled = [fork_cache(c) for c in self.cache]
+            return
+        self._prompt_end = None
+        self._end_prefill()
+
+    def _end_prefill(self) -> None:
+        from mlx_lm.generate import generation_stream
+
+        with mx.stream(generation_stream):
+            self.proposer.end_prefill()
 
     # -- the round: build and queue, read the verdict once, roll back --------------------
     def build_round(
@@ -375,7 +415,9 @@ class MtpDecoder:
         self.last_token = token
         self.n_confirmed += 1
         self.confirmed.append(token)
-        if self.proposer is not None:
+        if self._prompt_end is not None:  # the first token: observed after the catch-up
+            self._prompt_end.pair = (hidden, token)
+        elif self.proposer is not None:
             self.proposer.observe(hidden, [token])
         self.stats.plain_steps += 1
         return [token]
@@ -387,6 +429,10 @@ class MtpDecoder:
         tokens past this round's are wanted, a queued plain step if any past this one's)."""
         may_look_ahead = left > self.depth + 1
         self.lockstep.tick()
+        if self._prompt_end is not None:
+            if self._prompt_end.pair is None:  # the first token, the target's alone
+                return self.plain_step()
+            self.finish_prefill()
         t0 = time.perf_counter()
         drafting = self.use_mtp and self.adaptive.want_draft() and self._ahead is None
         proposal = None
@@ -424,8 +470,28 @@ class MtpDecoder:
     @property
     def clean(self) -> bool:
         """Whether the caches hold exactly the confirmed tokens but the last (nothing queued
-        ahead): the state a prompt cache may keep."""
-        return self._queued is None and self._ahead is None
+        ahead, the proposer caught up with the prompt): the state a prompt cache may keep."""
+        return self._queued is None and self._ahead is None and self._prompt_end is None
+
+    @property
+    def prefilled_cache(self) -> list[Any]:
+        """The target's caches as the prefill left them, over the prompt but its last token
+        (what `after_prefill` keeps; `PromptEnd`)."""
+        end = self._prompt_end
+        return end.prefilled if end is not None and end.prefilled is not None else self.cache
+
+    def finish_prefill(self) -> None:
+        """The proposer's catch-up with the prompt once the first token is out (`PromptEnd`),
+        `after_prefill`, then the first token's pair. Nothing when it has run already."""
+        end = self._prompt_end
+        if end is None:
+            return
+        self._end_prefill()
+        if self.after_prefill is not None and end.prefilled is not None:
+            self.after_prefill()
+        self._prompt_end = None
+        if end.pair is not None:
+            self.proposer.observe(end.pair[0], [end.pair[1]])
 
     def events(self, max_tokens: int) -> Iterator[tuple[int, bool]]:
         """(token, whether it was a kept draft) as tokens are confirmed, up to `max_tokens`,
@@ -436,8 +502,10 @@ class MtpDecoder:
         start = time.perf_counter()
         produced, first_done, first_count = 0, None, 0
         with wired_limit(self.m.model, [generation_stream]):
+            if self.proposer is not None:  # it may catch up after the first token
+                self._prompt_end = PromptEnd(None)
             self.prefill()
-            if self.after_prefill is not None:
+            if self._prompt_end is None and self.after_prefill is not None:
                 self.after_prefill()
             try:
                 with mx.stream(generation_stream):

@@ -256,7 +256,7 @@ class Session:
 
     def __iter__(self) -> Iterator[TokenEvent]:
         decoder, request = self.decoder, self.request
-        decoder.after_prefill = lambda: self._remember(request.prompt)
+        decoder.after_prefill = lambda: self._remember(request.prompt, decoder.prefilled_cache)
         events = decoder.events(request.max_tokens)
         produced, last, reason = 0, None, STOP
         try:
@@ -273,22 +273,27 @@ class Session:
                 if self.cancelled:
                     reason = CANCELLED
                     break
+                if produced == 1 < request.max_tokens:  # the first token goes out at once
+                    yield last
+                    last = None
             else:
                 reason = LENGTH if produced >= request.max_tokens else STOP
         finally:
             events.close()
         self.finish_reason = reason
         tail = self.text_stream.finish() if reason != CANCELLED else ""
+        if reason != CANCELLED:  # a generation its first token ended: its prompt's state
+            decoder.finish_prefill()
         if decoder.clean and decoder.confirmed:
-            self._remember(request.prompt + decoder.confirmed)
+            self._remember(request.prompt + decoder.confirmed, decoder.cache)
         last = last or TokenEvent(None, "")
         last.text += tail
         last.finish_reason = reason
         yield last
 
-    def _remember(self, tokens: list[int]) -> None:
+    def _remember(self, tokens: list[int], cache: list[Any]) -> None:
         engine, decoder = self.engine, self.decoder
-        engine.prompt_cache.store(tokens, decoder.cache, decoder.proposer, engine.drafter_name)
+        engine.prompt_cache.store(tokens, cache, decoder.proposer, engine.drafter_name)
 
 
 # -- the Python API, as mlx-lm's `load`, `generate`, `stream_generate` --------------------

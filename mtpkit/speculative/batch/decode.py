@@ -5,8 +5,9 @@ head, prompt lookup, a draft model).
 A row joins (`BatchDecoder.add`) by being prefilled alone, exactly as one stream is (its
 prompt, then its last token alone, whose logits give its first token, as mlx-lm's
 `generate_step` takes it), with its own proposer from the engine's factory seeing the prefill
-as one stream's does (the head's pass over its prompt's pairs, a draft model's prefill);
-its caches are then merged into the batch's (mlx-lm's `merge`/`extend`: KV caches
+as one stream's does (the head's pass over its prompt's pairs, a draft model's prefill;
+after a long prompt the head's pass waits for the next step, so the row's first token goes
+out first: `row.Joining`); its caches are then merged into the batch's (mlx-lm's `merge`/`extend`: KV caches
 left-padded to a common write index, each row with its own offset) and its proposer joins the
 batch's drafter (`Proposer.batched`, `RowsProposer.join`). A round (`BatchDecoder.step`): the
 drafter drafts for every row, the backbone verifies `[B, K+1]` in one pass, each row gets its
@@ -51,6 +52,7 @@ import mlx.core as mx
 from mtpkit.core.choices import MAX_DEPTH
 from mtpkit.runtime.model import GenerateError, MtpModel, NoMtpHead
 from mtpkit.runtime.rollback.rows import BatchUnsupported, batch_caches
+from mtpkit.runtime.rollback.state import fork_cache
 from mtpkit.speculative.accept import SamplingSettings, Verdict
 from mtpkit.speculative.adaptive import AUTO_MAX_DEPTH, AdaptiveDrafting
 from mtpkit.speculative.batch.adaptive import WidthDrafting
@@ -64,7 +66,7 @@ from mtpkit.speculative.batch.rounds import (
     can_build_ahead,
     ended_row_entry,
 )
-from mtpkit.speculative.batch.row import CANCELLED, GREEDY, LENGTH, STOP, Row
+from mtpkit.speculative.batch.row import CANCELLED, GREEDY, LENGTH, STOP, Joining, Row
 from mtpkit.speculative.prompt_cache import CachedState, PromptCache
 from mtpkit.speculative.proposers import Proposer, RowsProposer, default_proposer
 
@@ -110,7 +112,7 @@ class BatchDecoder:
         self.ahead = ahead
         self.prompt_cache = prompt_cache
         self.eos = set(getattr(m.tokenizer, "eos_token_ids", None) or [])
-        self.rows: list[Row] = []  # in the batch's row order
+        self.rows: list[Row] = []  # in the batch's row order (merged ones)
         self.cache: list[Any] | None = None
         self.proposer: RowsProposer | None = None  # the rows' drafter, once a row joined
         self._uids = itertools.count()
@@ -126,6 +128,7 @@ class BatchDecoder:
         self._inflight: BuiltRound | None = None
         self._ended: dict[int, EndedRow] = {}  # rows a round rolled on the device ended
         self._stash: dict[int, list[int]] = {}  # tokens confirmed by a join, not yet returned
+        self._joining: list[Joining] = []  # rows whose first token is out, not merged yet
 
     # -- joining --------------------------------------------------------------------------
     def add(
@@ -166,24 +169,29 @@ class BatchDecoder:
             depth = chooser.depth
         row = Row(next(self._uids), list(prompt), max_tokens, sampling, depth, key, chooser)
         with mx.stream(_generation_stream()):
-            cache, proposer = self._prefill(row, cached)
+            cache, proposer, prefilled = self._prefill(row, cached)
             logits, hidden = self.m.forward(mx.array(prompt[-1:])[None], cache)
             first = sample_first(logits[:, -1, :], sampling, row.next_keys(1)[0])
             row.decoded.append(first)
+            joining = Joining(row, cache, proposer, (hidden, first), prefilled)
             if not self._confirm(row, [first]):
-                return row
-            if proposer is not None:
-                proposer.observe(hidden, [first])
-            mx.eval([c.state for c in cache])
-            self._join(row, batch_caches([cache]), proposer)
+                joining.catch_up(self.prompt_cache, self.proposer_name)  # its prompt's entry
+            elif prefilled is None:
+                self._merge(joining)
+            else:  # merged at the next step, once its first token is out (`Joining`)
+                self._joining.append(joining)
         return row
 
     def _prefill(
         self, row: Row, cached: CachedState | None
-    ) -> tuple[list[Any], Proposer | None]:
+    ) -> tuple[list[Any], Proposer | None, list[Any] | None]:
         """The target's caches over all of `row`'s prompt but its last token, and the row's
         proposer having seen it (from `cached` on, when given), as one stream's prefill
-        leaves them; kept in the prompt cache. Without drafts there is no proposer (None)."""
+        leaves them; kept in the prompt cache. Without drafts there is no proposer (None).
+        As one stream's, only the caches are computed; where the proposer defers its
+        catch-up (`Proposer.defers_catch_up`: the head after a long prompt) it waits for the
+        row's first token (`Joining`), and the third item is the target's caches to keep
+        then (else None)."""
         prompt = row.prompt
         if cached is not None and self._continues(cached, prompt):
             cache, proposer = cached.fork()
@@ -197,14 +205,34 @@ class BatchDecoder:
         for i in range(start, len(prompt) - 1, PREFILL_STEP):
             j = min(i + PREFILL_STEP, len(prompt) - 1)
             _, hidden = self.m.forward(mx.array(prompt[i:j])[None], cache)
-            mx.eval(hidden, [c.state for c in cache])
+            mx.eval([c.state for c in cache])
             if proposer is not None:
                 proposer.observe(hidden, prompt[i + 1 : j + 1])
+        if proposer is not None and proposer.defers_catch_up():
+            return cache, proposer, [fork_cache(c) for c in cache]
         if proposer is not None:
             proposer.end_prefill()
         if self.prompt_cache is not None and start < len(prompt) - 1:
             self.prompt_cache.store(prompt, cache, proposer, self.proposer_name)
-        return cache, proposer
+        return cache, proposer, None
+
+    def _merge(self, joining: Joining) -> None:
+        """A prefilled row into the batch: its proposer caught up and over its first
+        token's pair."""
+        joining.catch_up(self.prompt_cache, self.proposer_name)
+        cache, proposer = joining.cache, joining.proposer
+        if proposer is not None:
+            proposer.observe(joining.pair[0], [joining.pair[1]])
+        mx.eval([c.state for c in cache])
+        self._join(joining.row, batch_caches([cache]), proposer)
+
+    def _merge_joining(self) -> None:
+        """Merge the rows whose first token went out since the last step."""
+        joining, self._joining = self._joining, []
+        with mx.stream(_generation_stream()):
+            for j in joining:
+                if j.row.finish != CANCELLED:  # a stop string's row leaves its state
+                    self._merge(j)
 
     def _continues(self, cached: CachedState, prompt: list[int]) -> bool:
         """Whether a row of `prompt` can join from `cached`: its tokens start the prompt,
@@ -239,6 +267,8 @@ class BatchDecoder:
         """Take `row` out of the batch (cancelled, unless it has finished already)."""
         if row.finish is None:
             row.finish = CANCELLED
+        elif any(j.row is row for j in self._joining):  # finished: it leaves its state
+            self._merge_joining()
         self._leave()
 
     def _leave(self) -> None:
@@ -297,6 +327,7 @@ class BatchDecoder:
         step; `draft`: a round whatever it decides, once a plain step already queued is
         taken); returns each row's new tokens by uid (an EOS and tokens past `max_tokens`
         left out; tokens a join confirmed first). Finished rows leave the batch."""
+        self._merge_joining()
         stash, self._stash = self._stash, {}
         if not self.rows:
             return stash

@@ -1,9 +1,11 @@
 """One request in a batch (`Row`): its prompt, its sampling settings and PRNG key, the tokens
-confirmed for it, its counts, and why it ended."""
+confirmed for it, its counts, and why it ended; and a row between its first token and its
+merge into the batch (`Joining`)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import mlx.core as mx
 
@@ -83,3 +85,29 @@ class Row:
         keys = mx.random.split(self.key, n + 1)
         self.key = keys[0]
         return [keys[i] for i in range(1, n + 1)]
+
+
+@dataclass
+class Joining:
+    """A row prefilled, its first token confirmed, not merged into the batch yet: its caches,
+    its proposer (its state), the first token's pair (hidden state [1, 1, H], token) and, while the
+    head has not caught up with the prompt, the target's caches as the prefill left them
+    (for the prompt cache's entry of the prompt). Where the head defers its catch-up (a
+    long prompt: `HeadProposer.defers_catch_up`), the row waits here until the next step,
+    so that its first token goes out before the catch-up, as one stream's does."""
+
+    row: Row
+    cache: list[Any]
+    proposer: Any  # Proposer | None
+    pair: tuple[mx.array, int]
+    prefilled: list[Any] | None = None
+
+    def catch_up(self, prompt_cache: Any, name: str) -> None:
+        """The proposer's deferred catch-up with the prompt, then the prompt's entry in
+        `prompt_cache` (a `PromptCache`, or None) for drafter `name`."""
+        if self.prefilled is None:
+            return
+        self.proposer.end_prefill()
+        if prompt_cache is not None:
+            prompt_cache.store(self.row.prompt, self.prefilled, self.proposer, name)
+        self.prefilled = None

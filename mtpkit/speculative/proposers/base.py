@@ -88,6 +88,12 @@ class Proposer(Protocol):
         the head's pass over the prompt's pairs)."""
         ...
 
+    def defers_catch_up(self) -> bool:
+        """Whether `end_prefill` (called next) is worth running after the first token, which
+        the target then takes alone (its logits at the last prompt token) and which goes
+        out before the catch-up: the time to first token is then the target's prefill."""
+        ...
+
     def can_propose(self) -> bool:
         """Whether a round could start now (a proposer may still find nothing to propose)."""
         ...
@@ -168,6 +174,9 @@ class ProposerBase:
 
     def end_prefill(self) -> None:
         return None
+
+    def defers_catch_up(self) -> bool:
+        return False
 
     def can_propose(self) -> bool:
         return True

@@ -111,21 +111,34 @@ class HeadProposer(ProposerBase):
 
     def end_prefill(self) -> None:
         self.prefilling = False
+        # The prefill left the prompt's hidden states lazy: computed here a chunk at a time,
+        # as the prefill computes its caches.
+        for hidden in self.pending_hidden:
+            mx.eval(hidden)
         if len(self.pending_tokens) > 1:
             self.catch_up()  # the head's KV cache over the prompt
+
+    def defers_catch_up(self) -> bool:
+        """A prompt of more than `CATCH_UP_AFTER` pairs: its catch-up (the target's last
+        layer over the prompt, which only the head reads, and the head's KV) waits for the
+        first token. A shorter one's costs less than the tokens a first round drafts."""
+        return len(self.pending_tokens) > CATCH_UP_AFTER
 
     def _pending(self) -> tuple[mx.array, list[int]]:
         return mx.concatenate(self.pending_hidden, axis=1), self.pending_tokens
 
     def catch_up(self, keep_last: bool = True) -> None:
-        """Run the head over the pending pairs (keeping the last one to draft from)."""
+        """Run the head over the pending pairs (keeping the last one to draft from). Only
+        its cache is computed: its outputs at these pairs are read by nothing, and its KV
+        needs only the projections of each pair, not the attention over the prompt or the
+        MLP (at 3,500 prompt tokens of the bundled example, 0.06 s against 2.0 s)."""
         hidden, tokens = self._pending()
         n = len(tokens) - (1 if keep_last else 0)
         for i in range(0, n, HEAD_CHUNK):
             j = min(i + HEAD_CHUNK, n)
             with prompt_chunk():  # CUDA: no attention build for this length
-                x = self.head(hidden[:, i:j], self.m.embed(mx.array(tokens[i:j])[None]), self.cache)
-            mx.eval(x, [c.state for c in self.cache])
+                self.head(hidden[:, i:j], self.m.embed(mx.array(tokens[i:j])[None]), self.cache)
+            mx.eval([c.state for c in self.cache])
         self.pending_hidden = [hidden[:, n:]]
         self.pending_tokens = tokens[n:]
 
