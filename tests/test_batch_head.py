@@ -142,3 +142,28 @@ def test_a_row_ending_at_an_eos_counts_its_drafts_as_one_stream_does(m, at: int)
             kept += 1
     assert batched.drafted == sum(len(d) for _, d in batched.draft_log)
     assert batched.accepted == kept
+
+
+@pytest.mark.parametrize("at", [1, 2], ids=["after-first-draft", "after-second-draft"])
+def test_a_row_ending_at_max_tokens_counts_no_draft_past_its_end(m, at: int) -> None:
+    """A row whose `max_tokens` falls inside a round that kept both drafts counts only the
+    drafts inside its output, as one stream does (which drafts no further than its room):
+    its accepted drafts never outnumber its tokens after the first (the server's
+    `speculative_decoding` fields and metrics read these counts)."""
+    prompt = m.tokenizer.encode(TEXTS[0])
+    probe, start = round_of_fresh_tokens(m, prompt)
+    limit = start + at
+    batch = BatchDecoder(m, depth=2)
+    batch.eos = set()
+    row = batch.add(prompt, max_tokens=limit)
+    while batch.rows:
+        batch.step()
+    assert row.tokens == probe.tokens[:limit] and row.finish == "length"
+    position, drafts = row.draft_log[-1]
+    assert position + len(drafts) <= len(prompt) + limit  # no draft past the last token
+    sequence = prompt + row.tokens
+    kept = sum(
+        1 for p, d in row.draft_log for j, t in enumerate(d)
+        if p + j < len(sequence) and sequence[p + j] == t
+    )  # fmt: skip
+    assert row.accepted == kept <= len(row.tokens) - 1

@@ -469,8 +469,8 @@ class BatchDecoder:
         before = len(row.tokens)
         row.decoded.extend(v.confirmed[:taken])
         self._confirm(row, v.confirmed)
-        if row.finish == STOP and v.drafts:  # an EOS: drafts past it count for nothing
-            stats.end_round_at(len(row.tokens) - before)
+        if row.finish in (STOP, LENGTH) and v.drafts:  # drafts past an EOS or past
+            stats.end_round_at(len(row.tokens) - before)  # max_tokens count for nothing
         return row.tokens[before:]
 
     def _taken(self, row: Row, confirmed: list[int]) -> int:
