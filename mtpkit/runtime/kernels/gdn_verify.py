@@ -8,8 +8,9 @@ reference verify (`gdn.stepwise_verify`) runs it one token at a time to keep eac
 `gdn_verify_cuda` does the same math in one `mx.fast.cuda_kernel` launch that also writes the
 state after every position: its cost barely grows with T, and the rollback states come out of
 that same pass. `gdn_verify_metal` is the Metal twin, mirroring mlx-lm's Metal kernel with
-the extra per-position state output (it has not been run: no Apple GPU here; it is not
-installed anywhere until it has been). `use_fast_verify` installs the CUDA one (through
+the extra per-position state output (it has not run on an Apple GPU: there is none here;
+its logic is tested through the CPU emulator, and on a Mac it is installed only behind the
+same self-check). `use_fast_verify` installs the CUDA one (through
 `gdn.set_gdn_verify_impl`, after a self-check against the reference) when a model is loaded
 on a CUDA GPU, and the multi-row quantized matmul (`mtpkit.runtime.kernels.qmv`) where asked; the CPU keeps
 `stepwise_verify`. `MTPKIT_KERNELS=0` turns both off.
