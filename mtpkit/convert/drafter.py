@@ -36,6 +36,47 @@ def drafter_spec(settings: Settings) -> QuantSpec | None:
     return QuantSpec.for_mode(settings.mode, settings.mtp_bits or settings.bits, settings.group_size)
 
 
+def drafter_tensors(
+    weights: dict[str, mx.array], settings: Settings, config: dict[str, Any],
+    linear: tuple[str, ...], keep: frozenset[str] | tuple[str, ...] = (),
+) -> dict[str, mx.array]:  # fmt: skip
+    """A drafter's tensors as written: floating ones cast to `--dtype` (default bfloat16), its
+    linear layers (names ending in `linear`, 2-D) quantized where `-q` asks and their rows
+    divide the group size, tensors named in `keep` (integer vocabulary maps), integer ones
+    and a quantized checkpoint's scales and biases as they are. `config` records the
+    quantization and dtype."""
+    dtype = DTYPES[settings.dtype or "bfloat16"]
+    spec = drafter_spec(settings)
+    quantized = any(n.endswith(".scales") for n in weights)
+    out: dict[str, mx.array] = {}
+    for name, array in weights.items():
+        if name in keep or not is_floating(array.dtype) or name.endswith((".scales", ".biases")):
+            out[name] = array
+            continue
+        array = array.astype(dtype)
+        fits = spec is not None and array.ndim == 2 and array.shape[-1] % spec.group_size == 0
+        if fits and not quantized and name.endswith(linear):
+            prefix = name.removesuffix(".weight")
+            out.update({f"{prefix}.{k}": v for k, v in quantize(array, spec).items()})
+        else:
+            out[name] = array
+    if spec is not None and not quantized:
+        config["quantization"] = spec.as_config()
+    config["torch_dtype"] = dtype_name(dtype)
+    return out
+
+
+def save_drafter(out: Path, config: dict[str, Any], weights: dict[str, mx.array], *,
+                 force: bool) -> None:  # fmt: skip
+    """`weights` and `config` as an MLX drafter directory at `out`, written into a temporary
+    sibling and renamed at the end."""
+    from mtpkit.convert.destination import new_directory
+
+    with new_directory(out, force=force) as tmp:
+        mx.save_safetensors(str(tmp / "model.safetensors"), weights, metadata={"format": "mlx"})
+        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+
+
 def convert_drafter(kind: str, source_dir: Path, out: Path, settings: Settings, *,
                     force: bool) -> dict[str, Any]:  # fmt: skip
     """Write the MLX drafter of kind `kind` ("dflash", "eagle3") of `source_dir` to `out`."""
@@ -54,8 +95,6 @@ def convert_drafter(kind: str, source_dir: Path, out: Path, settings: Settings, 
 def convert_dflash(source_dir: Path, out: Path, settings: Settings, *, force: bool) -> dict[str, Any]:
     """Write the MLX drafter of `source_dir` to `out`; returns what was done (the record
     `ConvertResult.manifest` carries)."""
-    from mtpkit.convert.destination import new_directory
-
     config = json.loads((source_dir / "config.json").read_text())
     layout = DFlashLayout.of(config, str(source_dir))
     problems = layout.intrinsic_problems()
@@ -69,22 +108,7 @@ def convert_dflash(source_dir: Path, out: Path, settings: Settings, *, force: bo
     problem = tensor_problem(layout, weights) if weights else "it has no safetensors weights"
     if problem is not None:
         raise MtpkitError(f"the drafter in {source_dir} does not match its config.json: {problem}")
-    dtype = DTYPES[settings.dtype or "bfloat16"]
-    spec = drafter_spec(settings)
-    quantized = any(n.endswith(".scales") for n in weights)
-    out_weights: dict[str, mx.array] = {}
-    for name, array in weights.items():
-        if is_floating(array.dtype) and not name.endswith((".scales", ".biases")):
-            array = array.astype(dtype)
-        linear = name.endswith(("_proj.weight", "fc.weight")) and array.ndim == 2
-        if spec is not None and not quantized and linear and array.shape[-1] % spec.group_size == 0:
-            prefix = name.removesuffix(".weight")
-            out_weights.update({f"{prefix}.{k}": v for k, v in quantize(array, spec).items()})
-        else:
-            out_weights[name] = array
-    if spec is not None and not quantized:
-        config["quantization"] = spec.as_config()
-    config["torch_dtype"] = dtype_name(dtype)
+    out_weights = drafter_tensors(weights, settings, config, ("_proj.weight", "fc.weight"))
     record = {
         "drafter": "dflash",
         "source": str(source_dir),
@@ -93,7 +117,5 @@ def convert_dflash(source_dir: Path, out: Path, settings: Settings, *, force: bo
         "tensors": len(out_weights),
         "target_layer_ids": list(layout.target_layer_ids),
     }
-    with new_directory(out, force=force) as tmp:
-        mx.save_safetensors(str(tmp / "model.safetensors"), out_weights, metadata={"format": "mlx"})
-        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    save_drafter(out, config, out_weights, force=force)
     return record
