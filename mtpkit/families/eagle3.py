@@ -259,13 +259,17 @@ class Eagle3Attention(nn.Module):
         )
 
     def __call__(self, x: mx.array, cache: Any) -> mx.array:
+        from mlx_lm.models.base import create_attention_mask
+
         b, n, _ = x.shape
         q = self.q_proj(x).reshape(b, n, self.heads, -1).transpose(0, 2, 1, 3)
         k = self.k_proj(x).reshape(b, n, self.kv_heads, -1).transpose(0, 2, 1, 3)
         v = self.v_proj(x).reshape(b, n, self.kv_heads, -1).transpose(0, 2, 1, 3)
         q, k = self.rope(q, offset=cache.offset), self.rope(k, offset=cache.offset)
+        # Causal, aligned to the cache's end (the pairs' order); a batch's rows' left
+        # padding masked too (read before the update moves the write index).
+        mask = create_attention_mask(x, cache)
         k, v = cache.update_and_fetch(k, v)
-        mask = "causal" if n > 1 else None  # aligned to the cache's end: the pairs' order
         out = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=mask)
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(b, n, -1))
 
@@ -316,8 +320,8 @@ class Eagle3Model(nn.Module):
         return self.fc(features)
 
     def __call__(self, embeds: mx.array, hidden: mx.array, cache: list[Any]) -> mx.array:
-        """The layer's output [1, T, H] (before the final norm: the next step's hidden) at
-        pairs of `embeds` [1, T, H] and `hidden` [1, T, H] (fused target states, or its own
+        """The layer's output [B, T, H] (before the final norm: the next step's hidden) at
+        pairs of `embeds` [B, T, H] and `hidden` [B, T, H] (fused target states, or its own
         output of the position before), appended to `cache`."""
         return self.midlayer(embeds, hidden, cache[0])
 

@@ -34,6 +34,7 @@ class Eagle3Proposer(ProposerBase):
     draft step's share of a target step, for adaptive drafting."""
 
     name = "eagle3"
+    batches = True
 
     def __init__(self, m: MtpModel, drafter: Eagle3Drafter, step_cost: float | None = None) -> None:
         self.m, self.drafter = m, drafter
@@ -128,6 +129,11 @@ class Eagle3Proposer(ProposerBase):
         kept = verdict.accepted + 1
         self.features.append(state[:, :kept])
         self.tokens.extend(verdict.confirmed)
+
+    def batched(self) -> Any:
+        from mtpkit.speculative.proposers.eagle3_rows import Eagle3Rows
+
+        return Eagle3Rows(self)
 
     def cost_prior(self, depth: int) -> float | None:
         """The head's prior at `depth` plus `depth` drafter steps, each the share of a
