@@ -280,12 +280,21 @@ def test_a_long_prompt_goes_into_the_drafters_cache_as_it_is_prefilled(tmp_path:
         assert drafts == ref.drafts((prompt + reference)[:position], len(drafts)), position
 
 
-def test_a_batch_decodes_its_requests_one_at_a_time(tmp_path: Path) -> None:
-    """As DFlash: a batch refuses the drafter in one line (the server then decodes alone)."""
-    from mtpkit.speculative.batch import BatchSession, BatchUnsupported
-    from mtpkit.speculative.session import Engine
+def test_a_batch_session_takes_the_drafter(tmp_path: Path) -> None:
+    """A batch session drafts with it (`Eagle3Rows`; tests/test_batch_eagle3.py proves the
+    rows): two requests' tokens are stock mlx-lm's, and drafts were verified."""
+    from mtpkit.speculative.batch import BatchSession
+    from mtpkit.speculative.session import Engine, Request
 
     target, draft = pair(tmp_path, "llama", text=4)
-    engine = Engine(load_model(target, with_head=False), drafter=DrafterChoice(draft_model=draft))
-    with pytest.raises(BatchUnsupported, match="the eagle3 drafter does not decode in a batch"):
-        BatchSession(engine)
+    m = load_model(target, with_head=False)
+    m.tokenizer.eos_token_ids = []
+    session = BatchSession(Engine(m, drafter=DrafterChoice(draft_model=draft)), adaptive=False)
+    prompts = [PROMPT, [300, 301, 302]]
+    entries = [session.add(Request(p, max_tokens=8, depth=2)) for p in prompts]
+    while session.entries:
+        session.step()
+    for entry, prompt in zip(entries, prompts, strict=True):
+        assert entry.stats.generated == stock_tokens(target, prompt, 8, eos=False)
+        assert entry.proposer == "eagle3"
+    assert sum(e.stats.drafted for e in entries) > 0
