@@ -157,3 +157,31 @@ def test_partial_acceptances_roll_each_row_back_on_its_own(fixture) -> None:
     for r, position, drafts in own:
         text = PROMPTS[r] + references[r]
         assert drafts == ref.drafts(text[:position], len(drafts)), (r, position)
+
+
+def test_a_batched_turn_leaves_its_drafters_state_for_the_next(fixture) -> None:
+    """A turn decoded in a batch leaves its row's drafter (`take`: its cache and pending
+    pairs, out of the batch's) in the prompt cache; the next turn, alone, prefills only what
+    it adds and gets the tokens and every round's drafts a fresh engine gives it."""
+    from mtpkit.speculative.batch import BatchSession
+    from mtpkit.speculative.session import Engine, Request
+
+    target, draft, _ = fixture
+    m = load_model(target, with_head=False)
+    m.tokenizer.eos_token_ids = []
+    choice = DrafterChoice(draft_model=draft)
+    chat = Engine(m, drafter=choice)
+    batch = BatchSession(chat, adaptive=False)
+    entry = batch.add(Request(PROMPTS[2], max_tokens=9, depth=2))
+    batch.add(Request(PROMPTS[1], max_tokens=13, depth=1))
+    while batch.entries:
+        batch.step()
+    generated = entry.stats.generated
+    assert len(generated) == 9 and entry.stats.proposer == "eagle3"
+    turn = Request([*PROMPTS[2], *generated, 300, 301], max_tokens=10, depth=3, adaptive=False)
+    session = chat.session(turn)
+    tokens = [e.token for e in session if e.token is not None]
+    assert session.stats.cached_tokens >= len(PROMPTS[2]) + len(generated) - 1
+    fresh = Engine(m, drafter=choice, prompt_cache_size=0).session(turn)
+    assert tokens == [e.token for e in fresh if e.token is not None]
+    assert session.stats.draft_log == fresh.stats.draft_log and session.stats.drafted > 0
