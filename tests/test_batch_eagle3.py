@@ -185,3 +185,27 @@ def test_a_batched_turn_leaves_its_drafters_state_for_the_next(fixture) -> None:
     fresh = Engine(m, drafter=choice, prompt_cache_size=0).session(turn)
     assert tokens == [e.token for e in fresh if e.token is not None]
     assert session.stats.draft_log == fresh.stats.draft_log and session.stats.drafted > 0
+
+
+def test_a_seeded_sampled_row_draws_alike_alone_and_in_a_batch(fixture) -> None:
+    """A sampled row with a seed draws its drafts (over the draft vocabulary, mapped through
+    d2t) and its verdicts from its own key: the same tokens alone and beside other rows."""
+    from mtpkit.speculative.accept import SamplingSettings
+
+    target, draft, _ = fixture
+    m = load_model(target, with_head=False)
+    factory = ProposerFactory(m, DrafterChoice(draft_model=draft))
+
+    def run(others: list[list[int]]) -> tuple[list[int], int]:
+        decoder = BatchDecoder(m, depth=2, proposers=factory)
+        decoder.eos = set()
+        rows = [decoder.add(p, max_tokens=12) for p in others]
+        row = decoder.add(PROMPT, max_tokens=12, sampling=SamplingSettings(temp=1.0), seed=11)
+        while decoder.rows:
+            decoder.step()
+        assert all(r.tokens for r in rows)
+        return row.tokens, row.drafted
+
+    alone, drafted = run([])
+    assert len(alone) == 12 and drafted > 0
+    assert run([PROMPTS[2], PROMPTS[1]])[0] == alone
