@@ -1,0 +1,140 @@
+"""A DFlash drafter in a batch (`DFlashRows`), proved row by row against single streams.
+
+On a tiny Qwen3-dense target and a drafter in z-lab's format fitted to one prompt's text
+(so that some of its drafts are kept and others rolled back), greedy rows of different
+prompt lengths (one past the drafter's context chunk), at different depths, with plain
+batched steps between rounds, one joining late and one leaving early, must be stock mlx-lm's
+single-stream greedy tokens on the target; and every draft a row proposed in the batch
+must be the draft the one-stream proposer proposes alone over the same confirmed tokens
+(and the numpy drafter's, `tests.dflash_reference`): each row's context K/V, features
+and last token are its own, through every kept count.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import mlx.core as mx
+import pytest
+
+from mtpkit.runtime.model import load_model
+from mtpkit.speculative.accept import SamplingSettings
+from mtpkit.speculative.batch import BatchDecoder
+from mtpkit.speculative.proposers.choose import DrafterChoice, ProposerFactory
+from mtpkit.speculative.proposers.dflash import DFlashProposer
+from mtpkit.speculative.proposers.dflash_rows import DFlashRows
+from tests.checkpoints import build_dense_model
+from tests.dflash_checkpoints import build_dflash, fit_dflash
+from tests.dflash_reference import ReferenceDFlash, StockTarget
+from tests.stock import stock_tokens
+from tests.test_batch import Schedule
+
+FITTED = list(range(5, 21))
+PROMPTS = [FITTED, list(range(100, 170)), [300, 301, 302], list(range(40, 49))]
+DEPTHS = [4, 2, 3, 4]
+N = 14
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    tmp = tmp_path_factory.mktemp("dflash-rows")
+    target = build_dense_model(tmp / "target", "qwen3", layers=4)
+    draft = build_dflash(tmp / "dflash", target, target_layer_ids=[0, 2])
+    text = stock_tokens(target, FITTED, 28, eos=False)
+    fit_dflash(draft, target, FITTED + text, len(FITTED) - 1, steps=25)
+    return target, draft
+
+
+def alone(m, factory: ProposerFactory, tokens: list[int]) -> DFlashProposer:
+    """The one-stream proposer after confirmed `tokens` (the last not yet computed by the
+    target), prefilled over them as one stream's is."""
+    proposer = factory()
+    proposer.begin(tokens, 0)
+    _, hidden = m.forward(mx.array(tokens[:-1])[None], m.make_cache())
+    proposer.observe(hidden, tokens[1:])
+    proposer.end_prefill()
+    return proposer
+
+
+def alone_drafts(m, factory: ProposerFactory, tokens: list[int], depth: int) -> list[int]:
+    return alone(m, factory, tokens).propose(depth, SamplingSettings()).drafts.tolist()
+
+
+def test_rows_are_stock_and_draft_as_they_do_alone(
+    pair: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every row stock's; every block's logits the one-stream proposer's over the row's
+    confirmed tokens (and its context exactly those tokens but the last), its drafts the
+    one-stream proposer's and the numpy drafter's."""
+    target, draft = pair
+    blocks: list[tuple[int, mx.array]] = []  # each block drafted: (context length, logits)
+    block_logits = DFlashProposer.block_logits
+
+    def record(self: DFlashProposer, depth: int) -> mx.array:
+        covered = self.stream.covered
+        logits = block_logits(self, depth)
+        blocks.append((covered, logits))
+        return logits
+
+    monkeypatch.setattr(DFlashProposer, "block_logits", record)
+    m = load_model(target, with_head=False)
+    factory = ProposerFactory(m, DrafterChoice(draft_model=draft))
+    assert factory().batches
+    seen: list[tuple[int, int, list[int]]] = []  # (row, first draft's position, its drafts)
+    rows: list = []
+
+    def spy(row, position: mx.array, drafts: mx.array) -> mx.array:
+        seen.append((next(i for i, x in enumerate(rows) if x is row), int(position.item()), drafts[: row.depth].tolist()))
+        return drafts
+
+    schedule = Schedule([True, True, False])
+    decoder = BatchDecoder(m, depth=4, proposers=factory, policy=schedule, draft_filter=spy)
+    decoder.eos = set()
+    rows.append(decoder.add(PROMPTS[0], max_tokens=N, depth=DEPTHS[0]))
+    rows.append(decoder.add(PROMPTS[1], max_tokens=N, depth=DEPTHS[1]))
+    rows.append(decoder.add(PROMPTS[2], max_tokens=5, depth=DEPTHS[2]))  # leaves early
+    for _ in range(3):
+        decoder.step()
+    assert isinstance(decoder.proposer, DFlashRows)
+    rows.append(decoder.add(PROMPTS[3], max_tokens=N, depth=DEPTHS[3]))  # joins late
+    while decoder.rows:
+        decoder.step()
+    assert rows[2].finish == "length" and decoder.plain_steps > 0
+    monkeypatch.setattr(DFlashProposer, "block_logits", block_logits)
+
+    references = [stock_tokens(target, p, N, eos=False) for p in PROMPTS]
+    for r, row in enumerate(rows):
+        assert row.tokens == references[r][: row.max_tokens], r
+    assert sum(row.accepted for row in rows) > 0  # some drafts kept, some rolled back
+    assert sum(row.drafted for row in rows) > sum(row.accepted for row in rows)
+    assert {r for r, _, _ in seen} == {0, 1, 2, 3}
+
+    stock, ref = StockTarget(target), ReferenceDFlash(draft)
+    assert len(blocks) == len(seen)  # every row drafts in every round (in row order)
+    for (r, position, drafts), (covered, logits) in zip(seen, blocks, strict=True):
+        text = PROMPTS[r] + references[r]
+        assert covered == position - 1, (r, position)
+        expected = alone(m, factory, text[:position]).block_logits(DEPTHS[r])
+        assert mx.allclose(logits, expected, atol=1e-4).item(), (r, position)
+        assert drafts == alone_drafts(m, factory, text[:position], DEPTHS[r]), (r, position)
+        assert drafts == ref.drafts(text[:position], DEPTHS[r], stock), (r, position)
+
+
+def test_a_row_taken_out_drafts_as_one_stream(pair: tuple[Path, Path]) -> None:
+    """`take`: a row leaving the batch is one stream's proposer over its tokens, drafting
+    as a proposer prefilled over them alone."""
+    target, draft = pair
+    m = load_model(target, with_head=False)
+    factory = ProposerFactory(m, DrafterChoice(draft_model=draft))
+    decoder = BatchDecoder(m, depth=3, proposers=factory)
+    decoder.eos = set()
+    first = decoder.add(PROMPTS[0], max_tokens=N, depth=3)
+    decoder.add(PROMPTS[3], max_tokens=N, depth=2)
+    for _ in range(3):
+        decoder.step()
+    tokens = first.prompt + first.tokens
+    taken = decoder.proposer.take(0, tokens)
+    assert taken.stream.covered == len(tokens) - 1
+    assert taken.propose(3, SamplingSettings()).drafts.tolist() == alone_drafts(
+        m, factory, tokens, 3
+    )
