@@ -138,3 +138,41 @@ def test_a_row_taken_out_drafts_as_one_stream(pair: tuple[Path, Path]) -> None:
     assert taken.propose(3, SamplingSettings()).drafts.tolist() == alone_drafts(
         m, factory, tokens, 3
     )
+
+
+def test_a_next_turn_joins_from_its_prompt_cache_entry(pair: tuple[Path, Path]) -> None:
+    """A row that leaves the batch finished keeps its prompt cache entry (`take`); the next
+    turn, extending it, joins from that entry, prefilling only what it adds, and is stock's,
+    drafting as the one-stream proposer does over the same tokens."""
+    from mtpkit.speculative.prompt_cache import PromptCache
+
+    target, draft = pair
+    m = load_model(target, with_head=False)
+    factory = ProposerFactory(m, DrafterChoice(draft_model=draft))
+    seen: list[tuple[int, list[int]]] = []
+    turn: list[int] = []  # the next turn's prompt, once known
+
+    def spy(row, position: mx.array, drafts: mx.array) -> mx.array:
+        if turn and row.prompt == turn:
+            seen.append((int(position.item()), drafts[: row.depth].tolist()))
+        return drafts
+
+    cache = PromptCache(4)
+    decoder = BatchDecoder(m, depth=3, proposers=factory, prompt_cache=cache, draft_filter=spy)
+    decoder.eos = set()
+    first = decoder.add(PROMPTS[0], max_tokens=6)
+    decoder.add(PROMPTS[3], max_tokens=N)  # still decoding as the first leaves
+    while first in decoder.rows:
+        decoder.step()
+    turn.extend(PROMPTS[0] + first.tokens + [7, 8, 9])
+    entry = cache.longest_prefix(turn, decoder.proposer_name)
+    assert entry is not None and len(entry.tokens) == len(PROMPTS[0]) + 6
+    row = decoder.add(turn, max_tokens=N, cached=entry)
+    while decoder.rows:
+        decoder.step()
+    assert row.stats.cached_tokens == len(entry.tokens) - 1
+    reference = stock_tokens(target, turn, N, eos=False)
+    assert row.tokens == reference and seen
+    for position, drafts in seen:
+        text = turn + reference
+        assert drafts == alone_drafts(m, factory, text[:position], 3), position
