@@ -176,3 +176,29 @@ def test_a_next_turn_joins_from_its_prompt_cache_entry(pair: tuple[Path, Path]) 
     for position, drafts in seen:
         text = turn + reference
         assert drafts == alone_drafts(m, factory, text[:position], 3), position
+
+
+def test_a_seeded_sampled_row_draws_alike_alone_and_in_a_batch(pair: tuple[Path, Path]) -> None:
+    """A sampled row with a seed draws each block position's draft and its verdicts from its
+    own keys: the same tokens as the only row and beside greedy and sampled rows."""
+    target, draft = pair
+    m = load_model(target, with_head=False)
+    factory = ProposerFactory(m, DrafterChoice(draft_model=draft))
+    sampled = SamplingSettings(temp=1.0, top_k=3)
+
+    def run(others: list[list[int]]) -> tuple[list[int], int]:
+        decoder = BatchDecoder(m, depth=3, proposers=factory)
+        decoder.eos = set()
+        rows = [
+            decoder.add(p, max_tokens=N, sampling=sampled if i else SamplingSettings())
+            for i, p in enumerate(others)
+        ]
+        row = decoder.add(FITTED, max_tokens=N, sampling=sampled, seed=11)
+        while decoder.rows:
+            decoder.step()
+        assert all(r.tokens for r in rows)
+        return row.tokens, row.drafted
+
+    alone, drafted = run([])
+    assert len(alone) == N and drafted > 0
+    assert run([PROMPTS[1], PROMPTS[3]])[0] == alone
