@@ -202,3 +202,37 @@ def test_a_seeded_sampled_row_draws_alike_alone_and_in_a_batch(pair: tuple[Path,
     alone, drafted = run([])
     assert len(alone) == N and drafted > 0
     assert run([PROMPTS[1], PROMPTS[3]])[0] == alone
+
+
+def test_the_servers_batch_takes_dflash_requests_as_they_are_alone(
+    pair: tuple[Path, Path],
+) -> None:
+    """`serve --decode-concurrency`'s `BatchSession` over a DFlash engine: requests joining
+    between steps each get the text, finish and token count the same request gets alone
+    (`Engine.session`), and report the dflash drafter's drafts."""
+    from mtpkit.speculative.batch.session import BatchSession
+    from mtpkit.speculative.session import Engine, Request
+
+    target, draft = pair
+    engine = Engine.load(target, drafter=DrafterChoice(draft_model=draft), prompt_cache_size=0)
+    requests = [Request(PROMPTS[0], max_tokens=12), Request(PROMPTS[1], max_tokens=7),
+                Request(PROMPTS[3], max_tokens=12)]  # fmt: skip
+
+    def alone(request: Request) -> tuple[str, str | None, int]:
+        session = engine.session(request)
+        tokens = sum(e.token is not None for e in session)
+        return session.text, session.finish_reason, tokens
+
+    expected = [alone(r) for r in requests]
+    batch = BatchSession(engine)
+    entries = [batch.add(r) for r in requests[:2]]
+    for _ in range(2):
+        batch.step()
+    assert isinstance(batch.decoder.proposer, DFlashRows)
+    entries.append(batch.add(requests[2]))
+    while batch.entries:
+        batch.step()
+    for entry, want in zip(entries, expected, strict=True):
+        assert (entry.text, entry.finish_reason, entry.generated) == want
+        assert entry.stats.proposer == "dflash"
+    assert sum(e.stats.drafted for e in entries) > 0
