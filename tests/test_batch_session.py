@@ -76,10 +76,11 @@ def test_a_cancelled_request_leaves_and_the_others_finish(engine: Engine) -> Non
 def test_the_server_batches_with_the_head_or_without_a_drafter(
     engine: Engine, converted: Path, tmp_path: Path
 ) -> None:
-    """Issue 43: `--no-mtp`, prompt lookup and a draft model batch too (plain batched steps;
-    each row's own n-grams; each row's own draft caches); a drafter that does not batch yet
-    (DFlash) decodes one request at a time, and the worker says why in one line. (Changed:
-    prompt lookup was the drafter refused here.)"""
+    """Issue 43: `--no-mtp`, prompt lookup, a draft model and DFlash batch too (plain batched
+    steps; each row's own n-grams; each row's own draft caches; each row's own context);
+    an engine whose requests cannot batch (`--max-kv-size`) decodes one request at a time,
+    and the worker says why in one line. (Changed: prompt lookup, then DFlash, was the
+    drafter refused here.)"""
     from mtpkit.serve.worker import Worker
     from mtpkit.speculative.proposers.choose import DrafterChoice
     from tests.checkpoints import build_dense_model
@@ -96,10 +97,12 @@ def test_the_server_batches_with_the_head_or_without_a_drafter(
     dense = build_dense_model(tmp_path / "llama", "llama", layers=4)
     dflash = build_dflash(tmp_path / "dflash", dense, target_layer_ids=[0, 2])
     blocks = Engine.load(dense, drafter=DrafterChoice(draft_model=dflash), prompt_cache_size=0)
-    alone = Worker(blocks, capacity=1, concurrency=4)
+    assert Worker(blocks, capacity=1, concurrency=4).batch is not None
+    alone = Worker(Engine(engine.m, max_kv_size=64), capacity=1, concurrency=4)
     assert alone.batch is None
     assert alone.alone_because == (
-        "the dflash drafter does not decode in a batch yet: its requests decode one at a time"
+        "--max-kv-size bounds one stream's caches, not a batch's: requests decode one at a "
+        "time (drop --max-kv-size to batch them)"
     )
 
 

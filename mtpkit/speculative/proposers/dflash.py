@@ -14,7 +14,7 @@ A sequence's state is one `DFlashStream` (cache, features not yet cached, last t
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
 
@@ -22,6 +22,9 @@ from mtpkit.runtime.dflash import DFlashDrafter
 from mtpkit.runtime.model import MtpModel
 from mtpkit.speculative.accept import SamplingSettings, Verdict
 from mtpkit.speculative.proposers.base import DrafterKind, Proposal, ProposerBase
+
+if TYPE_CHECKING:
+    from mtpkit.speculative.proposers.dflash_rows import DFlashRows
 
 CONTEXT_CHUNK = 64  # pending positions past which their context K/V are computed at once
 
@@ -72,6 +75,7 @@ class DFlashProposer(ProposerBase):
     `step_cost`: a drafter pass's share of a target step, for adaptive drafting."""
 
     name = "dflash"
+    batches = True  # `batched`: `dflash_rows.DFlashRows`
 
     def __init__(self, m: MtpModel, drafter: DFlashDrafter, step_cost: float | None = None) -> None:
         self.m, self.drafter = m, drafter
@@ -107,13 +111,18 @@ class DFlashProposer(ProposerBase):
         # Until the target has computed one position there is no context (a one-token prompt).
         return not self.stream.blind and self.stream.covered > 0
 
-    def propose(self, depth: int, sampling: SamplingSettings) -> Proposal:
+    def block_logits(self, depth: int) -> mx.array:
+        """The drafter's pass over the block of `depth` (up to the block size) mask tokens:
+        the logits [K, V] of the block's positions after the first."""
         s = self.stream
         depth = max(1, min(depth, self.drafter.layout.max_drafts))
         block = mx.array([[s.last_token] + [self.mask] * depth], dtype=mx.int32)
         h = self.drafter.model(self.m.embed(block), s.pending, s.cache)
         s.pending = None  # now in the drafter's cache
-        logits = self.m.lm_head(h[:, 1:])[0]  # [K, V]: the block's positions after the first
+        return self.m.lm_head(h[:, 1:])[0]
+
+    def propose(self, depth: int, sampling: SamplingSettings) -> Proposal:
+        logits = self.block_logits(depth)
         if sampling.greedy:
             return Proposal(mx.argmax(logits, axis=-1).astype(mx.int32))
         # The block's drafts are drawn independently, each from its own position's output.
@@ -144,6 +153,11 @@ class DFlashProposer(ProposerBase):
         forked = copy.copy(self)
         forked.stream = self.stream.fork()
         return forked
+
+    def batched(self) -> DFlashRows:
+        from mtpkit.speculative.proposers.dflash_rows import DFlashRows
+
+        return DFlashRows(self)
 
 
 def _load(m: MtpModel, spec: Any, where: Any) -> Any:
