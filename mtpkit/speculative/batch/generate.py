@@ -1,7 +1,7 @@
 """`mtpkit generate -p A -p B ...`: several prompts decoded together in one batch.
 
-The prompts are requests of one `BatchSession`: with the MTP head (or prompt lookup, each row
-over its own prompt and output) each row drafts, accepts and rolls back on its own
+The prompts are requests of one `BatchSession`: with the MTP head (or any drafter that batches:
+prompt lookup, a draft model, DFlash, EAGLE-3) each row drafts, accepts and rolls back on its own
 (`speculative/batch/decode.py`); without a drafter (`--no-mtp`, or
 `--mtp auto` on a model with no head) the rows take plain batched steps, as mlx-lm's
 `batch_generate` does. Each request's text and counts are its own (`GenerationResult`, as
