@@ -47,6 +47,18 @@ class FullVocab:
     def probs(self, sampling: SamplingSettings, logits: mx.array) -> mx.array:
         return sampling.probs(logits)
 
+    def draw(
+        self, sampling: SamplingSettings, logits: mx.array, key: mx.array | None = None
+    ) -> tuple[mx.array, mx.array | None]:
+        """One draft (int32 token id) from one position's `logits`: the argmax when greedy,
+        else a draw (by `key`) from the settings' distribution, which comes back too, spread
+        over the whole vocabulary (rejection sampling divides by it); None when greedy."""
+        if sampling.greedy:
+            return self.token(mx.argmax(logits, axis=-1)).astype(mx.int32), None
+        q = self.probs(sampling, logits)
+        token = self.token(mx.random.categorical(mx.log(q), key=key)).astype(mx.int32)
+        return token, self.spread(q)
+
 
 class SubsetVocab(FullVocab):
     """Drafting over `ids` [N] (sorted token ids) of a `vocab`-wide lm_head."""

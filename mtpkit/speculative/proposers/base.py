@@ -327,10 +327,9 @@ def draw_rows(
         if s.greedy:
             picks.append(tokens[r])
             continue
-        q = vocab.probs(s, logits[r])
-        dists[r].append(vocab.spread(q))
-        pick = vocab.token(mx.random.categorical(mx.log(q), key=keys[r]))
-        picks.append(pick.astype(mx.int32))
+        pick, dist = vocab.draw(s, logits[r], keys[r])
+        dists[r].append(dist)
+        picks.append(pick)
     return mx.stack(picks)
 
 

@@ -167,13 +167,10 @@ class HeadProposer(ProposerBase):
                 x = head(prev, m.embed(drafts[-1].reshape(1, 1)), self.cache, step=k)
             normed = head.final_norm(head.layer_for_step(k))(x)
             logits = vocab.logits(normed)[0, -1]
-            if sampling.greedy:
-                token = vocab.token(mx.argmax(logits, axis=-1))
-            else:
-                q = vocab.probs(sampling, logits)
-                token = vocab.token(mx.random.categorical(mx.log(q)))
-                dists.append(vocab.spread(q))
-            drafts.append(token.astype(mx.int32).reshape(1))
+            token, dist = vocab.draw(sampling, logits)
+            if dist is not None:
+                dists.append(dist)
+            drafts.append(token.reshape(1))
         return Proposal(mx.concatenate(drafts), mx.stack(dists) if dists else None)
 
     def drop_drafts(self, depth: int) -> None:
