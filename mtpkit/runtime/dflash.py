@@ -29,9 +29,9 @@ class DFlashDrafter:
 
     @property
     def parameter_bytes(self) -> int:
-        from mlx.utils import tree_flatten
+        from mtpkit.runtime.headload import parameter_bytes
 
-        return sum(v.nbytes for _, v in tree_flatten(self.model.parameters()))
+        return parameter_bytes(self.model)
 
 
 def dflash_directory(spec: str | Path, revision: str | None = None) -> Path | None:

@@ -254,3 +254,11 @@ def load_drafter_weights(
         model.load_weights(list(weights.items()), strict=True)
     except ValueError as e:
         raise MtpkitError(f"{what} does not match its config.json ({one_line(e)})") from None
+
+
+def parameter_bytes(module: nn.Module) -> int:
+    """The bytes of `module`'s parameters (a drafter's cost is quoted as a share of its
+    target's)."""
+    from mlx.utils import tree_flatten
+
+    return sum(v.nbytes for _, v in tree_flatten(module.parameters()))

@@ -55,9 +55,9 @@ class DraftModel:
 
     @property
     def parameter_bytes(self) -> int:
-        from mlx.utils import tree_flatten
+        from mtpkit.runtime.headload import parameter_bytes
 
-        return sum(v.nbytes for _, v in tree_flatten(self.model.parameters()))
+        return parameter_bytes(self.model)
 
 
 def load_draft_model(spec: str | Path, revision: str | None = None) -> DraftModel:

@@ -104,7 +104,8 @@ class AssistantProposer(ProposerBase):
 
 def _load(m: MtpModel, spec: Any, where: Any) -> Any:
     from mtpkit.runtime.assistant import check_pairs, load_assistant
-    from mtpkit.speculative.proposers.target import parameter_bytes, share_of
+    from mtpkit.runtime.headload import parameter_bytes
+    from mtpkit.speculative.proposers.target import share_of
 
     assistant = load_assistant(where)
     check_pairs(assistant.config, m.config, (str(spec), m.path.name))

@@ -4,10 +4,9 @@ cost is quoted as a share of them)."""
 
 from __future__ import annotations
 
-from typing import Any
-
 import mlx.core as mx
 
+from mtpkit.runtime.headload import parameter_bytes
 from mtpkit.runtime.model import MtpModel
 
 
@@ -21,12 +20,6 @@ def logits_width(m: MtpModel) -> int:
     """The width of the target's logits (a probe of one token through its output head)."""
     width = m.lm_head(mx.zeros((1, 1, m.embed(mx.array([[0]])).shape[-1]))).shape[-1]
     return int(width)
-
-
-def parameter_bytes(module: Any) -> int:
-    from mlx.utils import tree_flatten
-
-    return sum(v.nbytes for _, v in tree_flatten(module.parameters()))
 
 
 def share_of(m: MtpModel, drafter_bytes: int) -> float:
