@@ -5,7 +5,7 @@ never an `unexpected` error from deep inside huggingface_hub or MLX.
 - Numbers: MTPKIT_THREADS (worker threads), HF_HUB_ETAG_TIMEOUT and HF_HUB_DOWNLOAD_TIMEOUT
   (seconds per Hub request; huggingface_hub reads them as whole numbers when imported),
   MTPKIT_HUB_TIMEOUT (seconds an upload's request may wait for each step).
-- Switches: MTPKIT_KERNELS, MTPKIT_QMV, MTPKIT_GDN_PLAIN, HF_HUB_OFFLINE, HF_HUB_DISABLE_PROGRESS_BARS
+- Switches: MTPKIT_KERNELS, MTPKIT_QMV, MTPKIT_GDN_PLAIN, MTPKIT_CONV_OPS, HF_HUB_OFFLINE, HF_HUB_DISABLE_PROGRESS_BARS
   (1/0, true/false, yes/no, on/off, as huggingface_hub spells them).
 - URLs: HF_ENDPOINT (the Hub's address) must be an http:// or https:// URL with a host.
 - Directories: MTPKIT_CACHE (check's converted copies) and TMPDIR (scratch space: MLX and
@@ -27,6 +27,7 @@ SWITCHES = (
     "MTPKIT_KERNELS",
     "MTPKIT_QMV",
     "MTPKIT_GDN_PLAIN",
+    "MTPKIT_CONV_OPS",
     "HF_HUB_OFFLINE",
     "HF_HUB_DISABLE_PROGRESS_BARS",
 )

@@ -16,7 +16,9 @@ the sum of its K shifted products (float32, as a convolution accumulates) and at
 more than `MAX_QUERIES` queries at head sizes up to 128 from plain ops
 (`attention.attention_by_ops`, MLX's own fallback), while its score matrix stays within
 `SCORE_BUDGET` elements (longer chunks keep MLX's, and its build). `MTPKIT_KERNELS=0`
-leaves MLX's everywhere.
+leaves MLX's everywhere; `MTPKIT_CONV_OPS=0` leaves MLX's conv in verify passes only (the
+shifted products are ~11 ops a layer where the conv is one: host time on a backend bound by
+graph building, against a build at each new shape).
 """
 
 from __future__ import annotations
@@ -65,7 +67,16 @@ def _routed(force: bool) -> bool:
 def conv_by_ops(force: bool = False) -> Iterator[None]:
     """Within the block, a depthwise conv1d is computed from plain ops (on CUDA, or anywhere
     with `force`): a verify pass meets a new (rows, length) at every batch width and depth,
-    each a cuDNN build of ~140 ms on first use."""
+    each a cuDNN build of ~140 ms on first use (`MTPKIT_CONV_OPS=0`: MLX's conv)."""
+    if not force and switch("MTPKIT_CONV_OPS") is False:
+        yield
+        return
+    with _conv_routed(force):
+        yield
+
+
+@contextlib.contextmanager
+def _conv_routed(force: bool) -> Iterator[None]:
     if not _routed(force):
         yield
         return
@@ -104,7 +115,7 @@ def prompt_chunk(force: bool = False) -> Iterator[None]:
 
     mx.fast.scaled_dot_product_attention = routed_sdpa
     try:
-        with conv_by_ops(force):
+        with _conv_routed(force):
             yield
     finally:
         mx.fast.scaled_dot_product_attention = sdpa
