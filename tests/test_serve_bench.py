@@ -31,8 +31,10 @@ def test_percentiles_match_numpy() -> None:
         (["--serve", "--batch", "2"], "--serve takes none of"),
         (["--serve", "--prompt-lookup"], "--serve takes none of"),
         (["--serve", "--acceptance", "0.5,0.8"], "--serve takes one value"),
-        (["--serve", "--acceptance", "0.8", "--serve-args", "--oracle-acceptance 0.5"],
-         "leave it out of --serve-args"),
+        (
+            ["--serve", "--acceptance", "0.8", "--serve-args", "--oracle-acceptance 0.5"],
+            "leave it out of --serve-args",
+        ),
         (["--serve", "--clients", "0,2"], "takes positive integers"),
     ],
 )

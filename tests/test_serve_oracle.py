@@ -21,7 +21,7 @@ from typer.testing import CliRunner
 
 from mtpkit.cli.app import app
 from tests.serve_process import ServerProcess
-from tests.test_serve import TIMEOUT, References
+from tests.test_serve import TIMEOUT, References, heldout
 from tests.test_serve_batch import LONG
 
 MAX_TOKENS = 64
@@ -100,6 +100,30 @@ def test_oracle_drafts_realize_their_acceptance_with_greedy_texts(oracle_server,
     assert server.health()["status"] == "ok"
 
 
+def test_rows_of_either_kind_share_a_batch_and_a_longer_answer_is_kept(
+    oracle_server, expected, refs
+) -> None:
+    """Two oracle rows beside two rows the head drafts (prompts not answered before) in one
+    batch, each with its own text; a request longer than the kept answer decodes with the
+    head, and the longer answer it leaves is the one the next request's oracle drafts over."""
+    server, acceptance = oracle_server
+    fresh = heldout(2, skip=6)
+    texts = {**expected, **{p: refs.agreed(refs.text_ids(p), MAX_TOKENS).text for p in fresh}}
+    answers(server.url, LONG[:2], clients=2)  # answered before (if not by the test above)
+    prompts = [LONG[0], fresh[0], LONG[1], fresh[1]]
+    bodies = answers(server.url, prompts, clients=4)
+    assert [b["choices"][0]["text"] for b in bodies] == [texts[p] for p in prompts]
+    marks = [b["mtp"]["synthetic_acceptance"] for b in bodies]
+    assert marks == [acceptance, None, acceptance, None]
+    assert abs(first_draft_share([bodies[0], bodies[2]]) - acceptance) <= TOLERANCE
+    longer = refs.agreed(refs.text_ids(LONG[2]), 2 * MAX_TOKENS).text
+    answers(server.url, [LONG[2]], clients=1)
+    for mark in (None, acceptance):
+        (body,) = answers(server.url, [LONG[2]], clients=1, max_tokens=2 * MAX_TOKENS)
+        assert body["choices"][0]["text"] == longer
+        assert body["mtp"]["synthetic_acceptance"] == mark
+
+
 def test_sampling_and_processors_are_refused(oracle_server, expected) -> None:
     server, _ = oracle_server
     for fields, param in (
@@ -130,3 +154,40 @@ def test_bad_oracle_options_are_usage_errors(args, message, converted: Path) -> 
     assert result.exit_code == 2, result.output
     assert message in result.output
     assert "Traceback" not in result.output
+
+
+def test_verdicts_held_to_the_plan_beside_a_row_that_is_not(converted: Path, refs) -> None:
+    """The hold itself, which the server needs on a GPU (where a random model's verify pass
+    and plain steps part ways), shown on a CPU with a reference that is not the greedy one:
+    at A = 1 a row keeps every draft of it whatever the verify pass says, one stream and in a
+    batch beside a row without an oracle, whose text stays stock mlx-lm's. The batch's caches
+    rolled back on the device by the planned counts are checked too: each token the backbone
+    chose after the kept drafts is stock mlx-lm's argmax over the prompt and the output so far
+    (one forward pass over the whole sequence)."""
+    import mlx.core as mx
+
+    from mtpkit.speculative.batch import BatchSession
+    from mtpkit.speculative.oracle import Oracle
+    from mtpkit.speculative.session import Engine, Request
+
+    engine = Engine.load(converted, mtp=True)
+    prompt, other = refs.text_ids(LONG[0]), refs.text_ids(LONG[1])
+    vocab = int(engine.m.embedding.weight.shape[0])
+    wrong = Oracle(tuple((7 * i + 3) % vocab for i in range(MAX_TOKENS + 8)), 1.0, seed=1)
+    held = dict(max_tokens=MAX_TOKENS, depth=2, adaptive=False, oracle=wrong)
+    session = engine.session(Request(prompt, **held))
+    list(session)
+    assert session.stats.accepted == session.stats.drafted > 0
+    batch = BatchSession(engine, adaptive=False)
+    row = batch.add(Request(prompt, **held))
+    plain = batch.add(Request(other, max_tokens=MAX_TOKENS, depth=2, adaptive=False))
+    while batch.entries:
+        batch.step()
+    assert row.stats.accepted == row.stats.drafted > 0
+    assert plain.text == refs.agreed(other, MAX_TOKENS).text
+    output = list(row.row.tokens)
+    logits = refs.stock(mx.array([prompt + output]))
+    argmax = mx.argmax(logits[0, len(prompt) - 1 : -1], axis=-1).tolist()
+    positions = [i for i in range(1, len(output)) if i % 3 == 0]  # 2 drafts, then its token
+    assert positions and all(output[i] == argmax[i] for i in positions)
+    assert output[1:3] == list(wrong.reference[1:3])

@@ -56,9 +56,15 @@ class ServeBenchSettings:
     long_prompt_tokens: int = 1024  # 0: no late long-prompt client
     mtpkit_args: list[str] = field(default_factory=list)
     mlx_lm_args: list[str] = field(default_factory=list)
-    # SYNTHETIC: mtpkit serve's oracle drafts right at this share (`serve_oracle.py`); the
-    # caller passes --oracle-acceptance in `mtpkit_args`.
+    # SYNTHETIC: mtpkit serve's oracle drafts right at this share (`serve_oracle.py`): it
+    # runs with --oracle-acceptance (added to `mtpkit_args`).
     oracle_acceptance: float | None = None
+
+    def mtpkit_command_args(self) -> list[str]:
+        """What mtpkit serve is started with: `mtpkit_args`, and the oracle's flag."""
+        if self.oracle_acceptance is None:
+            return list(self.mtpkit_args)
+        return [*self.mtpkit_args, "--oracle-acceptance", f"{self.oracle_acceptance:g}"]
 
 
 @dataclass
@@ -141,7 +147,8 @@ def bench_serve(
     say = progress or (lambda _line: None)
     work = Path(tempfile.mkdtemp(prefix="mtpkit-serve-bench-"))
     say(f"starting mtpkit serve and mlx_lm.server on {settings.model} (logs in {work})")
-    servers = start_servers(settings.model, work, settings.mtpkit_args, settings.mlx_lm_args)
+    mtpkit_args = settings.mtpkit_command_args()
+    servers = start_servers(settings.model, work, mtpkit_args, settings.mlx_lm_args)
     levels, timed = [], []
     try:
         for server in servers:  # warm-up: first graphs, caches
@@ -173,7 +180,7 @@ def bench_serve(
         "max_tokens": settings.max_tokens,
         "rounds": settings.rounds,
         "long_prompt_tokens": settings.long_prompt_tokens,
-        "mtpkit_args": settings.mtpkit_args,
+        "mtpkit_args": mtpkit_args,
         "mlx_lm_args": settings.mlx_lm_args,
         "synthetic": synthetic,  # None: the head's own drafts
         "levels": levels,

@@ -66,6 +66,7 @@ class OracleDrafts:
         self.vocab = vocab
         self.seed = seed
         self.rounds = 0  # verdicts read so far
+        self.offsets: dict[int, float] = {}  # each depth's sequence's start, by its seed
 
     def planned(self, round_index: int, depth: int) -> int:
         """Drafts planned right, in a row, for the `round_index`-th round read."""
@@ -81,7 +82,9 @@ class OracleDrafts:
         return held
 
     def right(self, round_index: int, depth: int) -> bool:
-        offset = random.Random(f"{self.seed}:{depth}").random()
+        offset = self.offsets.get(depth)
+        if offset is None:  # seeded once: a served batch asks every row's, every round
+            offset = self.offsets[depth] = random.Random(f"{self.seed}:{depth}").random()
         return (offset + round_index * GOLDEN) % 1.0 < self.acceptance
 
     def __call__(self, position: int, head_drafts: mx.array) -> mx.array:

@@ -98,12 +98,9 @@ def run_serve_bench(
     from mtpkit.bench.serve_report import print_serve_bench
     from mtpkit.cli.output import print_json
 
-    mtpkit_args = server_args(serve_args, levels)
-    if acceptance is not None:  # SYNTHETIC: `serve_oracle.py`
-        mtpkit_args += ["--oracle-acceptance", f"{acceptance:g}"]
     settings = ServeBenchSettings(
         model=model, levels=tuple(levels), rounds=rounds, max_tokens=max_tokens,
-        long_prompt_tokens=long_prompt_tokens, mtpkit_args=mtpkit_args,
+        long_prompt_tokens=long_prompt_tokens, mtpkit_args=server_args(serve_args, levels),
         mlx_lm_args=server_args(mlx_lm_args, levels), oracle_acceptance=acceptance,
     )  # fmt: skip
     result = bench_serve(settings, progress)
