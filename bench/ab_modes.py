@@ -13,12 +13,12 @@ import shutil
 import statistics
 import sys
 
-from mtpkit.bench.oracle import OracleDrafts
 from mtpkit.bench.shapes import random_model_dir
 from mtpkit.bench.speed import DEFAULT_PROMPT, mtp_run, stock_run, stock_tokens
 from mtpkit.core.prompts import encode_prompt
 from mtpkit.runtime.kernels import routing
 from mtpkit.runtime.model import load_model, untapped
+from mtpkit.speculative.oracle import OracleDrafts
 
 shape = sys.argv[1]
 layers = int(sys.argv[2]) if len(sys.argv) > 2 else None

@@ -22,13 +22,13 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from mtpkit.bench.oracle import OracleDrafts
 from mtpkit.bench.shapes import random_model_dir
 from mtpkit.bench.speed import DEFAULT_PROMPT
 from mtpkit.core.prompts import encode_prompt
 from mtpkit.runtime.model import load_model
 from mtpkit.speculative.adaptive import FIRST_ROUNDS, AdaptiveDrafting
 from mtpkit.speculative.decode import MtpDecoder, SamplingSettings
+from mtpkit.speculative.oracle import OracleDrafts
 from mtpkit.speculative.proposers import default_proposer
 from mtpkit.speculative.proposers.mtp_head import CATCH_UP_AFTER
 

@@ -27,11 +27,11 @@ import mlx.core as mx  # noqa: E402
 import mlx_lm  # noqa: E402
 
 from mtpkit.bench.batch import oracle_hooks  # noqa: E402
-from mtpkit.bench.oracle import OracleDrafts  # noqa: E402
 from mtpkit.bench.shapes import random_model_dir  # noqa: E402
 from mtpkit.bench.speed import collector_off, prompt_of_length  # noqa: E402
 from mtpkit.runtime.model import load_model  # noqa: E402
 from mtpkit.speculative.batch import BatchDecoder  # noqa: E402
+from mtpkit.speculative.oracle import OracleDrafts  # noqa: E402
 
 STALL = float(os.environ.get("STALL_MS") or 100) / 1000
 

@@ -34,11 +34,11 @@ import mlx_lm  # noqa: E402
 from plain_batch_steps import Plain  # noqa: E402
 
 from mtpkit.bench.batch import mtp_batch_run, stock_batch_tps  # noqa: E402
-from mtpkit.bench.oracle import OracleDrafts  # noqa: E402
 from mtpkit.bench.shapes import random_model_dir  # noqa: E402
 from mtpkit.bench.speed import prompt_of_length  # noqa: E402
 from mtpkit.runtime.model import load_model  # noqa: E402
 from mtpkit.speculative.batch.adaptive import WidthDrafting, WidthTimes  # noqa: E402
+from mtpkit.speculative.oracle import OracleDrafts  # noqa: E402
 
 
 class MedianTimes(WidthTimes):

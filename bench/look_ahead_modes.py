@@ -17,11 +17,11 @@ import statistics
 import sys
 from pathlib import Path
 
-from mtpkit.bench.oracle import OracleDrafts
 from mtpkit.bench.shapes import random_model_dir
 from mtpkit.bench.speed import DEFAULT_PROMPT, mtp_run, stock_run, stock_tokens
 from mtpkit.core.prompts import encode_prompt
 from mtpkit.runtime.model import load_model, untapped
+from mtpkit.speculative.oracle import OracleDrafts
 
 random_shape = not Path(sys.argv[1]).is_dir()
 path = random_model_dir(sys.argv[1], "bfloat16") if random_shape else Path(sys.argv[1])

@@ -28,13 +28,13 @@ from pathlib import Path
 import mlx.core as mx
 import mlx_lm
 
-from mtpkit.bench.oracle import OracleDrafts
 from mtpkit.bench.shapes import random_model_dir
 from mtpkit.bench.speed import DEFAULT_PROMPT, stock_load, stock_tokens
 from mtpkit.core.prompts import encode_prompt
 from mtpkit.runtime.model import load_model, untapped
 from mtpkit.runtime.rollback.gdn import gated_delta_net
 from mtpkit.speculative.decode import MtpDecoder, SamplingSettings
+from mtpkit.speculative.oracle import OracleDrafts
 from mtpkit.speculative.proposers import default_proposer
 
 shape = sys.argv[1]

@@ -11,7 +11,6 @@ import mlx.core as mx
 import mlx_lm
 import pytest
 
-from mtpkit.bench.oracle import OracleDrafts
 from mtpkit.bench.speed import DEFAULT_PROMPT
 from mtpkit.core.prompts import encode_prompt
 from mtpkit.runtime.model import load_model
@@ -28,6 +27,7 @@ from mtpkit.speculative.adaptive import (
     DraftingMemory,
 )
 from mtpkit.speculative.decode import MtpDecoder
+from mtpkit.speculative.oracle import OracleDrafts
 from mtpkit.speculative.proposers import default_proposer
 from mtpkit.speculative.session import Engine, Request
 

@@ -65,9 +65,9 @@ def test_adaptive_depth_goes_deeper_with_a_good_head_and_stops_a_useless_one(
     keeps ~95% of its first two drafts, is drafted mostly deeper than 1; a head whose drafts
     are always wrong (oracle drafts at acceptance 0) drafts FIRST_ROUNDS rounds at depth 1
     and then plain steps. Both stay token for token stock mlx-lm's (fresh load, no EOS)."""
-    from mtpkit.bench.oracle import OracleDrafts
     from mtpkit.bench.speed import DEFAULT_PROMPT
     from mtpkit.speculative.adaptive import FIRST_ROUNDS
+    from mtpkit.speculative.oracle import OracleDrafts
 
     prompt = encode_prompt(model.tokenizer, DEFAULT_PROMPT)
     stock_model, tokenizer = mlx_lm.load(str(converted))
@@ -95,10 +95,10 @@ def test_plain_steps_after_drafting_stops_are_queued_ahead(
     steps run as `--no-mtp`'s (mlx-lm's loop): the first is launched before the next is
     built, every later one finds its forward queued, up to the last token; no round is
     built ahead on the premise of a head that never kept a draft. Tokens stay stock's."""
-    from mtpkit.bench.oracle import OracleDrafts
     from mtpkit.bench.speed import DEFAULT_PROMPT
     from mtpkit.speculative.adaptive import FIRST_ROUNDS
     from mtpkit.speculative.look_ahead import LookAhead
+    from mtpkit.speculative.oracle import OracleDrafts
 
     prompt = encode_prompt(model.tokenizer, DEFAULT_PROMPT)
     n = 40

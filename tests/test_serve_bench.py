@@ -29,7 +29,12 @@ def test_percentiles_match_numpy() -> None:
     "args, message",
     [
         (["--serve", "--batch", "2"], "--serve takes none of"),
-        (["--serve", "--acceptance", "0.8"], "--serve takes none of"),
+        (["--serve", "--prompt-lookup"], "--serve takes none of"),
+        (["--serve", "--acceptance", "0.5,0.8"], "--serve takes one value"),
+        (
+            ["--serve", "--acceptance", "0.8", "--serve-args", "--oracle-acceptance 0.5"],
+            "leave it out of --serve-args",
+        ),
         (["--serve", "--clients", "0,2"], "takes positive integers"),
     ],
 )
@@ -49,6 +54,7 @@ def test_serve_bench_against_mlx_lm_server(converted: Path) -> None:
     assert result.exit_code == 0, result.output
     out = json.loads(result.stdout)
     assert out["mtpkit_args"] == ["--decode-concurrency", "2"]
+    assert out["synthetic"] is None  # the head's own drafts
     assert [level["clients"] for level in out["levels"]] == [1, 2]
     for level in out["levels"]:
         a, b = level["mtpkit"], level["mlx_lm"]
@@ -71,3 +77,30 @@ def test_serve_bench_against_mlx_lm_server(converted: Path) -> None:
     # The late client's prompt is longer than any of the others' (usage, per server).
     two = out["levels"][1]["mtpkit"]
     assert two["prompt_tokens"] > 64
+
+
+def test_serve_bench_synthetic_acceptance(converted: Path) -> None:
+    """`--acceptance A`: mtpkit serve with oracle drafts (`--oracle-acceptance A`) on every
+    timed request, after an untimed round of each prompt; texts still mlx_lm.server's, and
+    at A = 1 every first draft is kept (the plan keeps each, whatever the head drafted)."""
+    args = [
+        "bench", "--serve", "--model", str(converted), "--clients", "1,2", "--rounds", "1",
+        "--max-tokens", "16", "--long-prompt-tokens", "64", "--acceptance", "1",
+        "--serve-args", "--no-adaptive --depth 2", "--json",
+    ]  # fmt: skip
+    result = runner.invoke(app, args)
+    assert result.exit_code == 0, result.output
+    out = json.loads(result.stdout)
+    assert out["mtpkit_args"] == [
+        "--no-adaptive", "--depth", "2", "--decode-concurrency", "2", "--oracle-acceptance", "1",
+    ]  # fmt: skip
+    synthetic = out["synthetic"]
+    assert synthetic["oracle_acceptance"] == 1.0 and "SYNTHETIC" in synthetic["note"]
+    assert synthetic["realized_acceptance"] == 1.0
+    assert synthetic["oracle_requests"] == synthetic["requests"] == 1 + 3
+    for level in out["levels"]:
+        a, b = level["mtpkit"], level["mlx_lm"]
+        assert a["oracle_requests"] == a["requests"] and b["oracle_requests"] == 0
+        assert a["first_draft_acceptance"] == 1.0 and b["first_draft_acceptance"] is None
+        assert level["equal_texts"] == a["requests"]  # greedy: mlx_lm.server's texts
+        assert a["output_tokens"] == b["output_tokens"] > 0

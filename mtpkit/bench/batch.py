@@ -5,7 +5,7 @@ Each trial runs, at every width B, stock's `batch_generate` over B copies of the
 untouched load of the directory, then mtpkit's `BatchDecoder` over the same B rows at depth 1,
 drafting every round and with adaptive drafting (decided per width, `speculative/batch/
 adaptive.py`), each with the head's drafts or at each `--acceptance` (oracle drafts per row,
-`mtpkit.bench.oracle`), so a
+`mtpkit.speculative.oracle`), so a
 disturbance of the machine hits both alike. The figures are aggregate decode tok/s (tokens
 after each row's first over the decoding time, as stock's `generation_tps` counts them), per
 request (aggregate / B), and MTP's ratio to stock at the same width in the same trial.
@@ -36,7 +36,6 @@ from typing import Any
 
 import mlx.core as mx
 
-from mtpkit.bench.oracle import OracleDrafts
 from mtpkit.bench.prefilled import Prefilled
 from mtpkit.bench.report import MAX_SPREAD, MIN_TRIALS, Figure, device_name
 from mtpkit.bench.speed import collector_off, prompt_of_length
@@ -47,6 +46,7 @@ from mtpkit.runtime.model import MtpModel, NoMtpHead, library_io, load_model
 from mtpkit.runtime.upcast import upcast_experts
 from mtpkit.speculative.batch import BatchDecoder, Row
 from mtpkit.speculative.batch.rounds import RowDraftFilter, RowPlan
+from mtpkit.speculative.oracle import OracleDrafts
 from mtpkit.speculative.prompt_cache import CachedState
 from mtpkit.speculative.proposers import Proposer, default_proposer
 from mtpkit.speculative.proposers.choose import DrafterChoice, ProposerFactory

@@ -9,7 +9,9 @@ others' inter-chunk gaps its stall). The two servers' rounds alternate (which go
 alternates too), so that a busy machine slows both alike. Per server and level: TTFT,
 inter-token latency per token (TPOT) and per chunk, per-request decode tok/s, end-to-end
 latency, at p50/p90/p99 over every request of the level's rounds; output tok/s in all (the
-rounds' usage tokens over their wall time) and requests/s; the ratios mtpkit/mlx_lm.
+rounds' usage tokens over their wall time) and requests/s; the ratios mtpkit/mlx_lm. With
+`oracle_acceptance` the figures are SYNTHETIC: mtpkit serve drafts with oracle drafts at that
+acceptance (`serve_oracle.py`).
 """
 
 from __future__ import annotations
@@ -24,10 +26,12 @@ from typing import Any
 from mtpkit.bench.serve_load import (
     Sample,
     ServeBenchError,
+    level_prompts,
     long_prompt,
     mixed_prompts,
     run_round,
 )
+from mtpkit.bench.serve_oracle import first_draft_acceptance, synthetic_summary, warm_up
 from mtpkit.bench.serve_servers import ServerProcess, start_servers
 
 DEFAULT_LEVELS = (1, 2, 4, 8, 16, 32)
@@ -52,6 +56,15 @@ class ServeBenchSettings:
     long_prompt_tokens: int = 1024  # 0: no late long-prompt client
     mtpkit_args: list[str] = field(default_factory=list)
     mlx_lm_args: list[str] = field(default_factory=list)
+    # SYNTHETIC: mtpkit serve's oracle drafts right at this share (`serve_oracle.py`): it
+    # runs with --oracle-acceptance (added to `mtpkit_args`).
+    oracle_acceptance: float | None = None
+
+    def mtpkit_command_args(self) -> list[str]:
+        """What mtpkit serve is started with: `mtpkit_args`, and the oracle's flag."""
+        if self.oracle_acceptance is None:
+            return list(self.mtpkit_args)
+        return [*self.mtpkit_args, "--oracle-acceptance", f"{self.oracle_acceptance:g}"]
 
 
 @dataclass
@@ -102,6 +115,8 @@ def summarize_server(
     drafted = sum(x["num_draft_tokens"] for x in specs)
     accepted = sum(x["num_accepted_draft_tokens"] for x in specs)
     out["draft_acceptance_rate"] = accepted / drafted if drafted else None
+    out["first_draft_acceptance"] = first_draft_acceptance(samples)
+    out["oracle_requests"] = sum(s.synthetic is not None for s in samples)
     return out
 
 
@@ -125,10 +140,6 @@ def _ratio(a: float | None, b: float | None) -> float | None:
     return a / b if a is not None and b else None
 
 
-def level_prompts(clients: int, round_index: int) -> list[str]:
-    return mixed_prompts(clients, offset=round_index * clients)
-
-
 def bench_serve(
     settings: ServeBenchSettings, progress: Callable[[str], None] | None = None
 ) -> dict[str, Any]:
@@ -136,13 +147,17 @@ def bench_serve(
     say = progress or (lambda _line: None)
     work = Path(tempfile.mkdtemp(prefix="mtpkit-serve-bench-"))
     say(f"starting mtpkit serve and mlx_lm.server on {settings.model} (logs in {work})")
-    servers = start_servers(settings.model, work, settings.mtpkit_args, settings.mlx_lm_args)
-    levels = []
+    mtpkit_args = settings.mtpkit_command_args()
+    servers = start_servers(settings.model, work, mtpkit_args, settings.mlx_lm_args)
+    levels, timed = [], []
     try:
         for server in servers:  # warm-up: first graphs, caches
             _, _, errors = run_round(server.url, settings.model, mixed_prompts(2), 16)
             if errors:
                 raise ServeBenchError(f"{server.name} failed its warm-up: {errors[0]}")
+        if settings.oracle_acceptance is not None:
+            say("SYNTHETIC: every timed prompt answered once first (the oracle drafts over it)")
+            warm_up(servers, settings)
         for clients in settings.levels:
             say(f"{clients} client(s): {settings.rounds} round(s) per server")
             runs = _drive_level(servers, settings, clients)
@@ -150,16 +165,24 @@ def bench_serve(
                 if errors:
                     say(f"{name}: {len(errors)} request(s) failed, the first: {errors[0]}")
             levels.append(summarize(runs))
+            timed += runs.samples["mtpkit"]
     finally:
         for server in servers:
             server.stop()
+    synthetic = None
+    if settings.oracle_acceptance is not None:
+        synthetic = synthetic_summary(settings.oracle_acceptance, timed)
+        if synthetic["oracle_requests"] < synthetic["requests"]:
+            say(f"{synthetic['requests'] - synthetic['oracle_requests']} timed request(s) "
+                "decoded without oracle drafts (no answer of their prompt was kept)")  # fmt: skip
     return {
         "model": settings.model,
         "max_tokens": settings.max_tokens,
         "rounds": settings.rounds,
         "long_prompt_tokens": settings.long_prompt_tokens,
-        "mtpkit_args": settings.mtpkit_args,
+        "mtpkit_args": mtpkit_args,
         "mlx_lm_args": settings.mlx_lm_args,
+        "synthetic": synthetic,  # None: the head's own drafts
         "levels": levels,
     }
 

@@ -47,6 +47,8 @@ class Sample:
     long_prompt: bool = False
     round: int = 0  # the level's round it was sent in
     spec: dict | None = None  # the response's metrics.speculative_decoding, where sent
+    # SYNTHETIC: the oracle's share its drafts were right at (mtp.synthetic_acceptance).
+    synthetic: float | None = None
 
     @property
     def tpot(self) -> float | None:
@@ -80,6 +82,11 @@ def mixed_prompts(n: int, offset: int = 0) -> list[str]:
     return out
 
 
+def level_prompts(clients: int, round_index: int) -> list[str]:
+    """The prompts of a level's round: each round's clients their own."""
+    return mixed_prompts(clients, offset=round_index * clients)
+
+
 def long_prompt(tokens: int) -> str:
     """A prompt of about `tokens` tokens: the probe prompts repeated, ending on one."""
     from mtpkit.core.prompts import BUILTIN_PROMPTS
@@ -103,7 +110,7 @@ async def one_request(
     start = time.perf_counter()
     first = last = None
     gaps: list[float] = []
-    text, usage, spec = "", None, None
+    text, usage, spec, synthetic = "", None, None, None
     async with client.stream("POST", url + "/v1/completions", json=body) as r:
         if r.status_code != 200:
             await r.aread()
@@ -116,6 +123,7 @@ async def one_request(
                 raise ServeBenchError(f"{url} failed a request: {chunk['error']}")
             usage = chunk.get("usage") or usage
             spec = (chunk.get("metrics") or {}).get("speculative_decoding", spec)
+            synthetic = (chunk.get("mtp") or {}).get("synthetic_acceptance", synthetic)
             for choice in chunk.get("choices", []):
                 if choice.get("text"):
                     now = time.perf_counter()
@@ -132,6 +140,7 @@ async def one_request(
     return Sample(
         client=index, prompt_tokens=usage["prompt_tokens"], tokens=usage["completion_tokens"],
         ttft=(first or end) - start, latency=end - start, chunk_gaps=gaps, text=text, spec=spec,
+        synthetic=synthetic,
     )  # fmt: skip
 
 

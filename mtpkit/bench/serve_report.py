@@ -37,6 +37,16 @@ def print_serve_bench(result: dict[str, Any]) -> None:
             + "; times in ms: p50 p90 p99 over every request",
         )
     )
+    synthetic = result.get("synthetic")
+    if synthetic is not None:
+        realized = synthetic["realized_acceptance"]
+        stdout.print(
+            f"SYNTHETIC: mtpkit serve with oracle drafts at acceptance "
+            f"{synthetic['oracle_acceptance']:g} (realized "
+            f"{'-' if realized is None else f'{realized:.2f}'}: the first draft's share kept; "
+            f"{synthetic['oracle_requests']}/{synthetic['requests']} timed requests drafted "
+            "by the oracle): what a head of that acceptance would serve"
+        )
     table = Table(title_justify="left")
     columns = (
         "clients", "server", "out tok/s", "req/s", "TTFT ms", "TPOT ms", "ITL/chunk ms",

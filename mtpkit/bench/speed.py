@@ -42,7 +42,6 @@ import mlx.nn as nn
 
 from mtpkit.bench.anchors import Anchored
 from mtpkit.bench.costs import measure_costs
-from mtpkit.bench.oracle import OracleDrafts
 from mtpkit.bench.prefilled import MtpState, Prefilled
 from mtpkit.bench.report import (
     BenchResult,
@@ -68,6 +67,7 @@ from mtpkit.runtime.upcast import upcast_experts
 from mtpkit.speculative.adaptive import AUTO_MAX_DEPTH
 from mtpkit.speculative.decode import DraftFilter, MtpDecoder, SamplingSettings
 from mtpkit.speculative.generate import check_prompt
+from mtpkit.speculative.oracle import OracleDrafts
 from mtpkit.speculative.proposers import Proposer, default_proposer
 from mtpkit.speculative.proposers.choose import DrafterChoice, ProposerFactory
 from mtpkit.speculative.stats import Stats
@@ -210,7 +210,7 @@ def bench(
 ) -> BenchResult:
     """Measure plain decoding against MTP decoding at depths 1..max_depth; `progress` gets a
     line per stage and per measured run. `acceptances`: instead of the head's own drafts,
-    oracle drafts right with each of these probabilities (`mtpkit.bench.oracle`; synthetic).
+    oracle drafts right with each of these probabilities (`mtpkit.speculative.oracle`; synthetic).
     `draft`: also stock mlx-lm with a separate draft model (`mtpkit.bench.draft`);
     `drafters`: also mtpkit with these proposers (a draft model, prompt lookup): one more
     row each, in the same trials (without a head, only these rows; a draft model at

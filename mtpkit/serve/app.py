@@ -31,6 +31,7 @@ from mtpkit.core.errors import MtpkitError
 from mtpkit.serve.guard import Guard
 from mtpkit.serve.metrics import CONTENT_TYPE, ServeMetrics
 from mtpkit.serve.openapi import served_schema
+from mtpkit.serve.oracle import OracleRefused
 from mtpkit.serve.prompts import build_request
 from mtpkit.serve.refusals import Refused
 from mtpkit.serve.schemas import (
@@ -173,6 +174,10 @@ class Served:
             try:
                 encode = partial(build_request, engine, body, self.settings)
                 built = await loop.run_in_executor(self.encoder, encode)
+                if self.worker.oracle is not None:  # SYNTHETIC: greedy requests only
+                    self.worker.oracle.check(built)
+            except OracleRefused as e:
+                raise ApiError(400, str(e), "unsupported_value", e.param) from None
             except MtpkitError as e:
                 raise ApiError(400, str(e), _code(e)) from None
             job = Job(lambda _engine: built, None, loop, alone=built.one_stream)

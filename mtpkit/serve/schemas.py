@@ -248,6 +248,9 @@ class Mtp(BaseModel):
     drafted: int
     accepted: int
     acceptance: float | None  # accepted / drafted (None: nothing drafted)
+    # SYNTHETIC (`--oracle-acceptance`): the oracle's share its drafts were right at, where
+    # they were the oracle's (None: the drafter's own).
+    synthetic_acceptance: float | None = None
 
 
 class PromptTokensDetails(BaseModel):

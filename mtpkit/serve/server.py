@@ -18,6 +18,7 @@ import uvicorn
 from mtpkit.core.console import printable
 from mtpkit.core.errors import MtpkitError
 from mtpkit.serve.guard import checked_api_key
+from mtpkit.serve.oracle import OracleAnswers
 from mtpkit.serve.settings import ServeSettings
 from mtpkit.serve.worker import Worker
 from mtpkit.speculative.proposers.choose import DrafterChoice
@@ -77,6 +78,23 @@ def _check_at_start(settings: ServeSettings) -> None:
                           "the model directories requests may load)")  # fmt: skip
 
 
+def oracle_answers(settings: ServeSettings, engine: Engine) -> OracleAnswers | None:
+    """--oracle-acceptance's kept answers (SYNTHETIC), where the engine drafts with the head."""
+    if settings.oracle_acceptance is None:
+        return None
+    if engine.drafter_name != "mtp":
+        raise MtpkitError(
+            f"--oracle-acceptance replaces the MTP head's drafts, and {settings.model} "
+            "decodes without one: serve a model with an MTP head (or --random's)"
+        )
+    log.warning(
+        "SYNTHETIC: oracle drafts at acceptance %g for every greedy prompt answered before "
+        "(for benchmarks only)", settings.oracle_acceptance,
+    )  # fmt: skip
+    eos = set(getattr(engine.m.tokenizer, "eos_token_ids", None) or [])
+    return OracleAnswers(settings.oracle_acceptance, eos)
+
+
 def load_other(settings: ServeSettings, path: str) -> Engine:
     """Another model a request names by path (--allow-model-paths): its own head if it has
     one, plain decoding otherwise."""
@@ -121,6 +139,7 @@ def serve(settings: ServeSettings) -> None:
         worker = Worker(
             engine, capacity=settings.queue_size, load=load,
             concurrency=settings.decode_concurrency, adaptive=settings.adaptive,
+            oracle=oracle_answers(settings, engine),
         )  # fmt: skip
         if worker.alone_because is not None:
             log.warning("--decode-concurrency %d: %s", settings.decode_concurrency,

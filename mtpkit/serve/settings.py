@@ -53,3 +53,5 @@ class ServeSettings:
     # time (the prompt cache serves both).
     decode_concurrency: int = 1
     allowed_origins: tuple[str, ...] = ("*",)
+    # SYNTHETIC, for benchmarks: oracle drafts right at this share (`serve/oracle.py`).
+    oracle_acceptance: float | None = None

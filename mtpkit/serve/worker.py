@@ -9,7 +9,9 @@ many jobs decode together in a `BatchSession` (drafting with the model's head, o
 batched steps without a drafter): a job joins between rounds when a row is free and leaves
 when it ends, the others going on; a job for another model (by path) decodes alone while the
 batch waits. An engine whose drafter does not batch yet decodes one job at a time
-(`alone_because` says why).
+(`alone_because` says why). With `oracle` (`--oracle-acceptance`, SYNTHETIC), a job of the
+served model decodes with oracle drafts where a kept answer covers it, and each answer its
+own drafter decoded is kept (`serve/oracle.py`).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from mtpkit.core.errors import MtpkitError, one_line
+from mtpkit.serve.oracle import OracleAnswers
 from mtpkit.serve.schemas import Mtp, Outcome, PromptTokensDetails, Usage
 from mtpkit.serve.spec_fields import SpeculativeDecoding
 from mtpkit.speculative.session import CANCELLED, STOP, Engine, Request, Session
@@ -114,9 +117,10 @@ class Worker:
 
     def __init__(
         self, engine: Engine, *, capacity: int, load: Callable[[str], Engine] | None = None,
-        concurrency: int = 1, adaptive: bool = True,
+        concurrency: int = 1, adaptive: bool = True, oracle: OracleAnswers | None = None,
     ) -> None:  # fmt: skip
         self.engine = engine
+        self.oracle = oracle
         self.served_engine = engine
         self.load = load  # loads another model by path; None: refused before queuing
         self.jobs: queue.Queue[Job | None] = queue.Queue(maxsize=capacity)
@@ -242,7 +246,7 @@ class Worker:
 
     def _add(self, batch: BatchSession, job: Job) -> None:
         try:
-            entry = batch.add(job.build(self.served_engine), tag=job)
+            entry = batch.add(self._request(job, self.served_engine), tag=job)
         except MtpkitError as e:
             job.put(Failed(400, str(e)))
             return
@@ -304,7 +308,7 @@ class Worker:
 
     def _decode(self, job: Job) -> None:
         engine = self._engine_for(job)
-        session = engine.session(job.build(engine))
+        session = engine.session(self._request(job, engine))
         tokens = 0
         for event in session:
             tokens += event.token is not None
@@ -313,6 +317,13 @@ class Worker:
             if event.text or event.logprob is not None:
                 job.put(event)
         self._answer(job, engine, session, tokens)
+
+    def _request(self, job: Job, engine: Engine) -> Request:
+        """The job's request, with oracle drafts where the server's oracle has them."""
+        request = job.build(engine)
+        if self.oracle is not None and job.model is None:
+            return self.oracle.planned(request)
+        return request
 
     def _answer(
         self, job: Job, engine: Engine, session: Session | BatchEntry, generated: int
@@ -327,6 +338,8 @@ class Worker:
                 job.put(Failed(503, "the request was cancelled", "cancelled"))
             return
         self.finished += 1
+        if self.oracle is not None and job.model is None:
+            self.oracle.record(session)
         job.put(outcome(engine, session, generated))
 
 
@@ -350,6 +363,7 @@ def outcome(engine: Engine, session: Session | BatchEntry, generated: int) -> Ou
         drafted=stats.drafted,
         accepted=stats.accepted,
         acceptance=stats.acceptance,
+        synthetic_acceptance=request.oracle.acceptance if request.oracle is not None else None,
     )
     spec = SpeculativeDecoding.from_stats(stats) if drafts else None
     reason = "length" if session.finish_reason == "length" else "stop"

@@ -30,6 +30,7 @@ from mtpkit.speculative.accept import SamplingSettings
 from mtpkit.speculative.adaptive import DraftingMemory, resolve_depth
 from mtpkit.speculative.decode import MtpDecoder, Stats
 from mtpkit.speculative.logits import NO_PROCESSING, LogitsSettings, TokenLogprob
+from mtpkit.speculative.oracle import Oracle
 from mtpkit.speculative.prompt_cache import DEFAULT_SIZE, PromptCache
 from mtpkit.speculative.proposers.choose import DrafterChoice, ProposerFactory
 from mtpkit.speculative.text import TextStream
@@ -79,12 +80,25 @@ def check_prompt(m: MtpModel, prompt: list[int]) -> None:
         )
 
 
+def check_oracle(request: Request, *, drafts: bool) -> None:
+    """Oracle drafts hold each verdict to the greedy reference: a greedy request whose
+    engine drafts (one stream or a batch's row)."""
+    if not request.sampling.greedy:
+        raise GenerateError("oracle drafts follow the greedy continuation: sample at temp 0")
+    if request.logits.processes:
+        raise GenerateError("oracle drafts follow the plain greedy continuation: no processors")
+    if not drafts:
+        raise GenerateError("oracle drafts replace a drafter's: this engine does not draft")
+
+
 @dataclass(frozen=True)
 class Request:
     """One decode: the prompt's token ids and how to continue it. `depth` None: adaptive
     drafting chooses each round's (1-3; without `adaptive`, 1). `stop`: strings that end
     the text (not included in it). `logits`: processors and XTC (`speculative/logits.py`);
-    `logprobs`: None, or each token's log-probability with the top `logprobs` others."""
+    `logprobs`: None, or each token's log-probability with the top `logprobs` others.
+    `oracle`: SYNTHETIC drafts for benchmarks (`speculative/oracle.py`: the drafter runs,
+    its drafts and verdicts are held to the oracle's plan over a greedy reference)."""
 
     prompt: list[int]
     max_tokens: int = 256
@@ -95,6 +109,7 @@ class Request:
     adaptive: bool = True
     logits: LogitsSettings = NO_PROCESSING
     logprobs: int | None = None
+    oracle: Oracle | None = None
 
     @property
     def needs_history(self) -> bool:
@@ -224,6 +239,10 @@ class Session:
         elif engine.proposers is not None:
             proposer = engine.proposers()
         plain = request.logits.plain_only(request.sampling.temp)
+        if request.oracle is not None:
+            check_oracle(request, drafts=proposer is not None and not plain)
+            plan = request.oracle.plan(len(request.prompt), int(m.embedding.weight.shape[0]))
+            proposer = plan.proposer(proposer)
         self.decoder = MtpDecoder(
             m, request.prompt, depth=depth, sampling=request.sampling, adaptive=request.adaptive,
             use_mtp=engine.drafts and not plain, max_kv_size=engine.max_kv_size,

@@ -15,6 +15,7 @@ from mtpkit.cli.commands.bench_serve import (
     ServeArgsOpt,
     ServeOpt,
     run_serve_bench,
+    serve_acceptance,
 )
 from mtpkit.cli.options import (
     BenchDepthOpt,
@@ -73,7 +74,8 @@ AcceptanceOpt = Annotated[
         metavar="A[,B...]",
         help="SYNTHETIC figures: A[,B...] in [0, 1]. The head runs, but its draft at each "
         "depth is replaced, with probability A (seeded), by the backbone's own next token "
-        "(from a greedy pass), else by a wrong one: what a head of that acceptance gains.",
+        "(from a greedy pass), else by a wrong one: what a head of that acceptance gains. "
+        "With --serve: one value, mtpkit serve --oracle-acceptance A.",
     ),
 ]
 BatchOpt = Annotated[
@@ -131,7 +133,7 @@ def bench_command(
 
     Reports decode tok/s and acceptance per depth and with adaptive drafting, stock's ms per token in its own loop, each run's ms per step and the ceiling E*stock/step with the share realized; beta (a 2-token verify over a 1-token forward) and delta (a head step over it) as diagnostics: medians of interleaved trials with their range, and stock against itself (each stock run inside a trial over the ones around it: the noise every speedup carries). A line on stderr (and "reliable": false) says when the trials are too few or their ranges, stock's against itself included, too wide.
 
-    With --serve, mtpkit serve against mlx_lm.server on the same directory, many clients at once (see --clients); with --random, on the random model with its random head.
+    With --serve, mtpkit serve against mlx_lm.server on the same directory, many clients at once (see --clients); with --random, on the random model with its random head; with --acceptance A, SYNTHETIC: mtpkit serve drafts with oracle drafts at acceptance A (mtpkit serve --oracle-acceptance).
 
     With --draft-model DIR, two more rows: mtpkit drafting with that separate draft model, and stock mlx-lm's speculative decoding with it (what LM Studio's mlx-engine offers), so the table shows whether the built-in head or a draft model is faster; where stock cannot roll the caches back (Qwen3.5's gated delta nets) its row gets the reason instead. With --prompt-lookup, one more row: mtpkit drafting by prompt lookup. A model without a head gets only these rows.
     """
@@ -155,9 +157,10 @@ def bench_command(
     if widths is not None and (prompt_lookup or draft_model is not None) and acceptances:
         flag = "--prompt-lookup" if prompt_lookup else "--draft-model"
         ctx.fail(f"--acceptance replaces the head's drafts: --batch {flag} takes none")
-    if serve and (widths is not None or draft_model or prompt_lookup or acceptances):
-        ctx.fail("--serve takes none of --batch, --draft-model, --prompt-lookup, --acceptance")
+    if serve and (widths is not None or draft_model or prompt_lookup):
+        ctx.fail("--serve takes none of --batch, --draft-model, --prompt-lookup")
     levels = parse_widths(clients, "--clients") if serve else None
+    oracle = serve_acceptance(acceptances, serve_args) if serve else None
     prompts = prompt or [None]
     if widths is None and len(prompts) > 1:
         ctx.fail("several --prompt are the rows of --batch: a single stream takes one")
@@ -197,7 +200,7 @@ def bench_command(
                 str(built) if built else model, levels, rounds=rounds, max_tokens=max_tokens,
                 long_prompt_tokens=long_prompt_tokens, serve_args=serve_args,
                 mlx_lm_args=mlx_lm_args, json_output=json_output, progress=progress,
-                name=f"random:{shape}" if shape else None,
+                name=f"random:{shape}" if shape else None, acceptance=oracle,
             )  # fmt: skip
         finally:
             if built is not None:

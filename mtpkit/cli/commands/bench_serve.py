@@ -17,7 +17,9 @@ ServeOpt = Annotated[
         help="Measure serving instead: mtpkit serve against mlx_lm.server on the same model "
         "directory, both started here (127.0.0.1, free ports), at each --clients level: "
         "TTFT, inter-token latency per token and per chunk, tok/s per request and in all, "
-        "requests/s (p50/p90/p99), tokens from the servers' usage.",
+        "requests/s (p50/p90/p99), tokens from the servers' usage. With --acceptance A (one "
+        "value): SYNTHETIC, mtpkit serve --oracle-acceptance A, every timed prompt answered "
+        "once untimed first, the acceptance realized reported.",
     ),
 ]
 ClientsOpt = Annotated[
@@ -72,10 +74,25 @@ def server_args(extra: str, levels: list[int]) -> list[str]:
     return args
 
 
+def serve_acceptance(acceptances: list[float] | None, serve_args: str) -> float | None:
+    """--acceptance A with --serve: one value, which mtpkit serve gets as --oracle-acceptance
+    (so --serve-args must not set it); None without it."""
+    if acceptances is None:
+        return None
+    if len(acceptances) > 1:
+        raise typer.BadParameter("--serve takes one value", param_hint="--acceptance")
+    if any(a.split("=")[0] == "--oracle-acceptance" for a in shlex.split(serve_args)):
+        raise typer.BadParameter(
+            "--acceptance sets mtpkit serve's --oracle-acceptance: leave it out of --serve-args",
+            param_hint="--acceptance",
+        )
+    return acceptances[0]
+
+
 def run_serve_bench(
     model: str, levels: list[int], *, rounds: int, max_tokens: int, long_prompt_tokens: int,
     serve_args: str, mlx_lm_args: str, json_output: bool, progress: Callable[[str], None],
-    name: str | None,
+    name: str | None, acceptance: float | None = None,
 ) -> None:  # fmt: skip
     from mtpkit.bench.serve import ServeBenchSettings, bench_serve
     from mtpkit.bench.serve_report import print_serve_bench
@@ -84,7 +101,7 @@ def run_serve_bench(
     settings = ServeBenchSettings(
         model=model, levels=tuple(levels), rounds=rounds, max_tokens=max_tokens,
         long_prompt_tokens=long_prompt_tokens, mtpkit_args=server_args(serve_args, levels),
-        mlx_lm_args=server_args(mlx_lm_args, levels),
+        mlx_lm_args=server_args(mlx_lm_args, levels), oracle_acceptance=acceptance,
     )  # fmt: skip
     result = bench_serve(settings, progress)
     if name is not None:

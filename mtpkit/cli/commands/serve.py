@@ -28,6 +28,7 @@ from mtpkit.cli.options import (
     TrustRemoteCodeOpt,
     friendly_errors,
 )
+from mtpkit.cli.values import ranged
 
 
 class LogLevel(str, Enum):
@@ -57,6 +58,23 @@ Unserved = Annotated[
 ]
 UnservedFlag = Annotated[
     bool, typer.Option("--pipeline", help="mlx_lm.server's; refused here (says why).")
+]
+
+
+OracleAcceptanceOpt = Annotated[
+    float | None,
+    typer.Option(
+        "--oracle-acceptance",
+        **ranged(float, min=0.0, max=1.0),
+        metavar="A",
+        help="SYNTHETIC, for benchmarks (`mtpkit bench --serve --acceptance A`): a greedy "
+        "request whose prompt the server has answered before decodes with oracle drafts "
+        "over that answer: the head runs, its draft at each depth is the answer's token with "
+        "probability A (seeded), else a wrong one, and each verdict is held to that plan. "
+        "Texts stay greedy only where the verify pass and plain steps agree (CPU float32); "
+        "on a GPU in bf16 they may differ. Sampled requests and logits processors are "
+        "refused (400).",
+    ),
 ]
 
 
@@ -170,6 +188,7 @@ def serve_command(
     kv_group_size: Unserved = None,
     quantized_kv_start: Unserved = None,
     pipeline: UnservedFlag = False,
+    oracle_acceptance: OracleAcceptanceOpt = None,
 ) -> None:
     """Serve a model over the OpenAI API (/v1/chat/completions, /v1/completions, /v1/models, /health; also without /v1), drafting with its MTP head.
 
@@ -185,6 +204,8 @@ def serve_command(
         raise typer.BadParameter("--draft-model and --prompt-lookup are two drafters: pass one")
     if mtp is False and (draft_model is not None or prompt_lookup or depth is not None):
         raise typer.BadParameter("--no-mtp decodes plainly: it contradicts drafting options")
+    if oracle_acceptance is not None:
+        _check_oracle_options(mtp, draft_model, prompt_lookup, temp, allow_model_paths)
     _refuse_unserved({
         "--prompt-concurrency": prompt_concurrency, "--prompt-cache-bytes": prompt_cache_bytes,
         "--kv-bits": kv_bits, "--kv-group-size": kv_group_size,
@@ -205,9 +226,28 @@ def serve_command(
             prefill_step_size=prefill_step_size,
             use_default_chat_template=use_default_chat_template,
             allowed_origins=tuple(o.strip() for o in allowed_origins.split(",") if o.strip()),
+            oracle_acceptance=oracle_acceptance,
         )
     )  # fmt: skip
     _exit_now_in_a_console()
+
+
+def _check_oracle_options(
+    mtp: bool | None, draft_model: str | None, prompt_lookup: bool, temp: float,
+    allow_model_paths: str | None,
+) -> None:  # fmt: skip
+    """--oracle-acceptance replaces the head's drafts of the served model's greedy answers."""
+    if mtp is False or draft_model is not None or prompt_lookup:
+        raise typer.BadParameter(
+            "--oracle-acceptance replaces the MTP head's drafts: it takes no --no-mtp, "
+            "--draft-model or --prompt-lookup"
+        )
+    if temp > 0:
+        raise typer.BadParameter("--oracle-acceptance follows greedy answers: --temp must be 0")
+    if allow_model_paths is not None:
+        raise typer.BadParameter(
+            "--oracle-acceptance keeps the served model's answers: drop --allow-model-paths"
+        )
 
 
 def _exit_now_in_a_console() -> None:

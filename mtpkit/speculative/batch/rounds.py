@@ -45,9 +45,10 @@ from mtpkit.speculative.proposers import Proposer, RowsProposal, RowsProposer
 # oracle).
 RowDraftFilter = Callable[[Row, mx.array, mx.array], mx.array]
 # A plan: (the row, its drafts this round) -> how many of them its verdict keeps, whatever
-# the verify pass says (bench's oracle holds a random-weight model to its plan, as
-# `OracleProposer.judged` does for one stream); asked once per round built, in order.
-RowPlan = Callable[[Row, int], int]
+# the verify pass says (the oracle holds a random-weight model to its plan, as
+# `OracleProposer.judged` does for one stream), or None: what the verify pass says (a row
+# without a plan); asked once per round built, in order.
+RowPlan = Callable[[Row, int], int | None]
 
 
 class Batch(Protocol):
@@ -73,7 +74,7 @@ class BuiltRound:
     packs: list[mx.array]  # each row's packed verdict (lazy)
     verified: BatchVerifyPass
     state: Any  # the drafter's work over the verified pairs (`RowsProposer.after_verify`)
-    planned: list[int] | None  # each row's count as its plan holds it, if planned
+    planned: list[int | None] | None  # each row's count as its plan holds it, if planned
     # Built ahead: each row's accepted drafts [B], next input token [B, 1] and position (lazy).
     accepted: mx.array | None = None
     last: mx.array | None = None
@@ -86,7 +87,10 @@ class BuiltRound:
             verdict_of(p.tolist(), s.greedy) for p, s in zip(self.packs, self.samplings, strict=True)
         ]
         if self.planned is not None:
-            verdicts = [v.holding(n) for v, n in zip(verdicts, self.planned, strict=True)]
+            verdicts = [
+                v if n is None else v.holding(n)
+                for v, n in zip(verdicts, self.planned, strict=True)
+            ]
         return verdicts
 
     def take(self, index: mx.array) -> None:
@@ -124,11 +128,7 @@ def build_round(batch: Batch, last: mx.array, positions: mx.array, *, ahead: boo
         if launch:
             mx.async_eval(launch)
         return built
-    if planned is not None:
-        accepted = mx.array(planned, dtype=mx.int32)
-    else:
-        greedy = [r.sampling.greedy for r in rows]
-        accepted = accepted_counts(packs, proposal.depths, greedy)
+    accepted = _accepted(packs, proposal.depths, rows, planned)
     kept = accepted + 1
     verified.rollback_on_device(batch.cache, kept)
     launch = proposer.settle_on_device(state, kept)
@@ -137,6 +137,20 @@ def build_round(batch: Batch, last: mx.array, positions: mx.array, *, ahead: boo
     built.positions = positions + kept
     mx.async_eval(packs, built.last, built.positions, launch, _states(batch.cache))
     return built
+
+
+def _accepted(
+    packs: list[mx.array], depths: list[int], rows: list[Row], planned: list[int | None] | None
+) -> mx.array:
+    """Each row's accepted drafts [B] on the device: its packed verdict's, or the count its
+    plan holds it to."""
+    if planned is not None and all(n is not None for n in planned):
+        return mx.array(planned, dtype=mx.int32)
+    accepted = accepted_counts(packs, depths, [r.sampling.greedy for r in rows])
+    if planned is None:
+        return accepted
+    held = mx.array([n is not None for n in planned])
+    return mx.where(held, mx.array([n or 0 for n in planned], dtype=mx.int32), accepted)
 
 
 def can_build_ahead(built: BuiltRound) -> bool:

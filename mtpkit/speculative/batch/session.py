@@ -14,6 +14,10 @@ None without `adaptive`: 1); `adaptive` also decides per batch width whether
 a round drafts at all (`WidthDrafting`), except while a sampled request with a seed is in
 the batch: then every round drafts, so that its text is the same alone or in any batch.
 
+A request with oracle drafts (`Request.oracle`, SYNTHETIC: benchmarks) has its row's drafts
+and verdicts held to its plan (`oracle.RowOracle`, through the decoder's `draft_filter` and
+`plan`), the other rows' as their verify pass says.
+
 An engine that does not draft (`--no-mtp`, a model without a head) decodes its batch with
 plain batched steps. Each row drafts with its own proposer from the engine's factory, as one
 stream does, joined into the batch's drafter (`Proposer.batched`). A drafter that does not
@@ -27,12 +31,15 @@ import copy
 from dataclasses import dataclass, field
 from typing import Any
 
+import mlx.core as mx
+
 from mtpkit.core.choices import MAX_DEPTH
 from mtpkit.runtime.rollback.rows import BatchUnsupported
 from mtpkit.speculative.adaptive import resolve_depth
 from mtpkit.speculative.batch.decode import BatchDecoder
 from mtpkit.speculative.batch.row import CANCELLED, LENGTH, STOP, Row
-from mtpkit.speculative.session import Engine, Request, TokenEvent, check_prompt
+from mtpkit.speculative.oracle import RowOracle
+from mtpkit.speculative.session import Engine, Request, TokenEvent, check_oracle, check_prompt
 from mtpkit.speculative.stats import Stats
 from mtpkit.speculative.text import TextStream
 
@@ -100,6 +107,7 @@ class BatchSession:
             drafts=engine.drafts, proposers=engine.proposers,
         )  # fmt: skip
         self.entries: list[BatchEntry] = []  # joined and not yet done
+        self.oracles: dict[int, RowOracle] = {}  # rows with oracle drafts, by uid
 
     def add(self, request: Request, tag: Any = None) -> BatchEntry:
         """Prefill `request` and merge it into the batch; its first token's event is in the
@@ -111,6 +119,8 @@ class BatchSession:
         if request.max_tokens <= 0:
             self._end(entry, LENGTH)
             return entry
+        if request.oracle is not None:
+            check_oracle(request, drafts=self.decoder.drafts)
         depth, choose = resolve_depth(request.depth, request.adaptive)
         if not self.decoder.drafts:
             depth = 0  # nothing drafts: a plain step each round, as one stream without a head
@@ -119,10 +129,28 @@ class BatchSession:
             request.prompt, max_tokens=request.max_tokens, sampling=request.sampling,
             seed=request.seed, depth=depth, cached=cached, choose_depth=choose,
         )  # fmt: skip
+        if request.oracle is not None:
+            self._hold(entry.row, request)
         self._feed(entry, list(entry.row.tokens))
         if not entry.done:
             self.entries.append(entry)
         return entry
+
+    def _hold(self, row: Row, request: Request) -> None:
+        """Row `row`'s drafts and verdicts held to its request's oracle (before its first
+        round: a row joins between rounds)."""
+        m = self.decoder.m
+        plan = request.oracle.plan(len(request.prompt), int(m.embedding.weight.shape[0]))
+        self.oracles[row.uid] = plan.for_rows()
+        self.decoder.draft_filter, self.decoder.plan = self._oracle_drafts, self._oracle_plan
+
+    def _oracle_drafts(self, row: Row, position: mx.array, drafts: mx.array) -> mx.array:
+        oracle = self.oracles.get(row.uid)
+        return drafts if oracle is None else oracle.drafts(position, drafts)
+
+    def _oracle_plan(self, row: Row, depth: int) -> int | None:
+        oracle = self.oracles.get(row.uid)
+        return None if oracle is None else oracle.planned(depth)
 
     def step(self) -> list[BatchEntry]:
         """One round over every request in the batch; the entries with new events (those
@@ -163,6 +191,7 @@ class BatchSession:
             proposers=decoder.proposers,
         )  # fmt: skip
         self.entries = []
+        self.oracles = {}
 
     @staticmethod
     def take_events(entry: BatchEntry) -> list[TokenEvent]:
@@ -188,6 +217,8 @@ class BatchSession:
 
     def _end(self, entry: BatchEntry, reason: str) -> None:
         entry.finish_reason = reason
+        if entry.row is not None:  # rounds built before it ended asked its plan already
+            self.oracles.pop(entry.row.uid, None)
         tail = entry.text_stream.finish() if reason != CANCELLED else ""
         if entry.events:
             entry.events[-1].text += tail

@@ -1,4 +1,5 @@
-"""Oracle drafts for `mtpkit bench --acceptance A`: a controlled acceptance at a real shape.
+"""Oracle drafts for `mtpkit bench --acceptance A` and `mtpkit serve --oracle-acceptance A`:
+a controlled acceptance at a real shape.
 
 The head still runs and costs what it costs, but the token it drafts at each depth is
 replaced: by the backbone's own next token, taken from a plain greedy pass over the same
@@ -15,11 +16,16 @@ few tokens on a GPU (bf16), after which no reference token would be accepted aga
 round keeps exactly the planned drafts and the backbone's token after them, so the verify
 pass, the rollback and the head's steps cost what a head of acceptance A costs. Figures
 measured so are synthetic: what a head of that acceptance would gain, not what any head does.
+
+A request may carry its plan (`Request.oracle`, an `Oracle`: the reference, A, a seed): one
+stream's session then drafts through `OracleProposer`, a batch's row through `RowOracle`
+(`BatchSession`), so the server's own paths are measured (`mtpkit serve --oracle-acceptance`).
 """
 
 from __future__ import annotations
 
 import random
+from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
@@ -28,6 +34,20 @@ from mtpkit.speculative.accept import SamplingSettings, Verdict
 from mtpkit.speculative.proposers.base import Proposal, Proposer
 
 GOLDEN = (5**0.5 - 1) / 2  # the Weyl sequence's step: the most evenly spread
+
+
+@dataclass(frozen=True)
+class Oracle:
+    """A request's oracle drafts (see the module's text): right at a share `acceptance` at
+    each depth over `reference`, the prompt's greedy continuation (its EOS included where one
+    ended it), by the plan `seed` picks. Each decode makes its own plan of it (`plan`)."""
+
+    reference: tuple[int, ...]
+    acceptance: float
+    seed: int = 0
+
+    def plan(self, prompt_length: int, vocab: int) -> OracleDrafts:
+        return OracleDrafts(list(self.reference), prompt_length, self.acceptance, vocab, self.seed)
 
 
 class OracleDrafts:
@@ -46,6 +66,7 @@ class OracleDrafts:
         self.vocab = vocab
         self.seed = seed
         self.rounds = 0  # verdicts read so far
+        self.offsets: dict[int, float] = {}  # each depth's sequence's start, by its seed
 
     def planned(self, round_index: int, depth: int) -> int:
         """Drafts planned right, in a row, for the `round_index`-th round read."""
@@ -61,7 +82,9 @@ class OracleDrafts:
         return held
 
     def right(self, round_index: int, depth: int) -> bool:
-        offset = random.Random(f"{self.seed}:{depth}").random()
+        offset = self.offsets.get(depth)
+        if offset is None:  # seeded once: a served batch asks every row's, every round
+            offset = self.offsets[depth] = random.Random(f"{self.seed}:{depth}").random()
         return (offset + round_index * GOLDEN) % 1.0 < self.acceptance
 
     def __call__(self, position: int, head_drafts: mx.array) -> mx.array:
@@ -177,3 +200,8 @@ class OracleProposer:
 
     def cost_prior(self, depth: int) -> float | None:
         return self.inner.cost_prior(depth)
+
+    def fork(self) -> Proposer:
+        """The drafter's own state (a prompt cache's entry): a later request of the same
+        prefix drafts by its own plan, or by the head."""
+        return self.inner.fork()
