@@ -165,6 +165,7 @@ def test_a_depth_past_the_block_is_one_line(monkeypatch: pytest.MonkeyPatch) -> 
         (["--random", "qwen3_5-0.8b", "--random-layers", "2"], "multiple of 4"),
         (["--random", "qwen3_5-0.8b", "--num-draft-tokens", "4,8"], "applies to a drafter"),
         (["--random", "qwen3-4b", "--num-draft-tokens", "4,x"], "positive integers"),
+        (["--random", "qwen3-4b", "--draft-vocab", "512"], "qwen3-4b has no head"),
     ],
 )
 def test_what_bench_cannot_honour_is_a_usage_error(args: list[str], message: str) -> None:

@@ -246,6 +246,10 @@ def bench(
         plan = Plan(max_tokens, max_depth, trials, acceptances, seed, rows, m.has_head)
         plan.warm_trial = device_name() == "gpu" if warm_trial is None else warm_trial
         block = next((f for name, f in factories.items() if name in BLOCK_DRAFTERS), None)
+        if block_depths and block is None:
+            raise MtpkitError(
+                "block depths are a block drafter's rows: bench one (DFlash, EAGLE-3)"
+            )
         say("forward and head costs" if block is None else "forward and drafter costs")
         costs = measure_costs(m, tokens, max_depth=max_depth, repeats=repeats, drafter=block,
                               drafter_depths=block_depths if block is not None else ())  # fmt: skip

@@ -151,7 +151,7 @@ def bench_command(
         ctx.fail("--draft-vocab applies to --random: convert your model with --draft-vocab N")
     shape = value(random_shape)
     depths, block = _drafter_depths(ctx, shape, random_layers, draft_model, num_draft_tokens,
-                                    serve or batch is not None)  # fmt: skip
+                                    serve or batch is not None, draft_vocab)  # fmt: skip
     scales = value(dtype) or "float32"
     acceptances = parse_acceptances(acceptance)
     widths = parse_widths(batch)
@@ -325,7 +325,7 @@ def parse_acceptances(text: str | None) -> list[float] | None:
 
 def _drafter_depths(
     ctx: typer.Context, shape: str | None, random_layers: int | None, draft_model: str | None,
-    num_draft_tokens: str | None, not_single: bool,
+    num_draft_tokens: str | None, not_single: bool, draft_vocab: int | None,
 ) -> tuple[list[int] | None, bool]:  # fmt: skip
     """`--num-draft-tokens` as ints, and whether a block drafter drafts (a DFlash or EAGLE-3
     --draft-model, or the random drafter of a --random shape without a head); what cannot
@@ -333,6 +333,8 @@ def _drafter_depths(
     from mtpkit.bench.shapes import has_head
 
     headless = shape is not None and not has_head(shape)
+    if headless and draft_vocab is not None:
+        ctx.fail(f"--draft-vocab subsets an MTP head's vocabulary: --random {shape} has no head")
     if random_layers is not None and random_layers % 4 and not headless:
         ctx.fail(f"--random-layers must be a multiple of 4 (3 linear, 1 full), not {random_layers}")
     if headless and (draft_model is not None or not_single):
