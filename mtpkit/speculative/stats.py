@@ -40,11 +40,9 @@ class Stats:
         return self.accepted / self.drafted if self.drafted else None
 
     def acceptance_by_depth(self, depth: int) -> list[float | None]:
-        self._reach(depth)
+        drafted, accepted = self.drafted_by_depth, self.accepted_by_depth
         return [
-            (self.accepted_by_depth[i] / self.drafted_by_depth[i])
-            if self.drafted_by_depth[i]
-            else None
+            accepted[i] / drafted[i] if i < len(drafted) and drafted[i] else None
             for i in range(depth)
         ]
 
