@@ -20,7 +20,7 @@ import shutil
 import statistics
 from pathlib import Path
 
-from mtpkit.bench.oracle import OracleDrafts
+from mtpkit.speculative.oracle import OracleDrafts
 from mtpkit.bench.shapes import SHAPES, random_model_dir
 from mtpkit.bench.speed import DEFAULT_PROMPT, mtp_run, stock_run, stock_tokens
 from mtpkit.core.prompts import encode_prompt

@@ -50,6 +50,17 @@
 # --acceptance ${BATCH_ACCEPTANCE:-0,0.8} --depth 1` into $OUT/batch-SHAPE.json, then
 # bench/batch_table.py over every batch-*.json (MTP and adaptive drafting over stock
 # batch_generate at each width, in the same trials);
+# target `block-SHAPE` (issue 45, SHAPE qwen3-4b or qwen3-8b: Qwen3 dense, drafted by a random
+# DFlash drafter of the published shape): `mtpkit bench --random SHAPE --acceptance
+# ${BLOCK_ACCEPTANCE:-0,0.6,0.8,0.9} --num-draft-tokens ${BLOCK_DEPTHS:-4,8,15}` into
+# $OUT/block-SHAPE.json and its log, then bench/block_table.py over every block-*.json into
+# $OUT/block-table.md: per K and oracle acceptance the speedup over stock in the same trials,
+# the round's cost in 1-token forwards (verify of K+1 + one drafter pass) and the ceiling,
+# adaptive at each acceptance; SYNTHETIC. K stops at 15: a block of 16 drafts 15 (K = 16
+# would be a one-line error). One target per call: its limit is BENCH_LIMIT, default 540 here
+# (TRIALS=3 if 8b does not fit);
+#      run(command="bash bench/gpu_bench.sh bench block-qwen3-4b", carry=[".gpu/install.sh"])
+#      run(command="bash bench/gpu_bench.sh bench block-qwen3-8b", carry=[".gpu/install.sh"])
 # target `ahead-SHAPE` (issue 30): bench/batch_ahead.py, batched rounds built ahead against
 # rounds read first, with stock batch_generate, in the same trials (BATCH, BATCH_ACCEPTANCE);
 # (MODES=policy: the decoder's plain steps only, every round, adaptive drafting's two judges,
@@ -169,6 +180,17 @@ bench() {
       timeout "$limit" python3 bench/bench_train.py --random-shape qwen3_5-0.8b --dtype bfloat16 2>&1 \
         | tee "$OUT/train.txt" | tail -5 >&2
       continue
+    elif [ "${target#block-}" != "$target" ]; then  # a block drafter at oracle blocks (issue 45)
+      timeout -s ABRT -k 15 "${BENCH_LIMIT:-540}" python3 -X faulthandler -m mtpkit bench \
+        --random "${target#block-}" --dtype "${DTYPE:-bfloat16}" \
+        --acceptance "${BLOCK_ACCEPTANCE:-0,0.6,0.8,0.9}" --num-draft-tokens "${BLOCK_DEPTHS:-4,8,15}" \
+        --trials "${TRIALS:-5}" --max-tokens "${MAX_TOKENS:-128}" --json \
+        ${PROMPT_TOKENS:+--prompt-tokens "$PROMPT_TOKENS"} \
+        > "$OUT/$target$tag.json" 2> "$OUT/$target$tag.log"
+      echo "rc $? for $target$tag" >&2
+      tail -3 "$OUT/$target$tag.log" >&2
+      python3 bench/block_table.py "$OUT"/block-*.json | tee "$OUT/block-table.md" >&2
+      continue
     elif [ "$target" = tiny ]; then
       python3 -m mtpkit convert mtpkit/examples/tiny-qwen3_5 -o /tmp/mtpkit-tiny --force >&2
       $stuck python3 -X faulthandler -m mtpkit bench --model /tmp/mtpkit-tiny "${args[@]}" \
@@ -189,5 +211,5 @@ case "${1:-}" in
   stage) stage ;;
   bench) shift; bench "$@" ;;
   ptx-save) ptx_save ;;
-  *) sed -n '2,60p' "$0"; exit 2 ;;
+  *) sed -n '2,78p' "$0"; exit 2 ;;
 esac

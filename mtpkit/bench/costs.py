@@ -1,17 +1,26 @@
 """bench's costs stage ("forward and head costs"): a 1-token forward, verify passes of 2..K+1
 tokens (with mtpkit's gated-delta-net snapshots, as decoding runs them) and a head step,
 timed interleaved at the prompt's position. beta and delta (`mtpkit.bench.speed`) are their
-ratios to the 1-token forward."""
+ratios to the 1-token forward.
+
+With a block drafter, also one drafter pass per depth K its rows draft at (and the verify of
+K+1 tokens): a proposal of K after the prompt, as a round makes it (its drafts through the
+target's lm_head included), from a fork of the drafter's state after the prompt that has
+seen one more confirmed position, as a round's drafter has. Its target is tapped before any
+timing, so each verify is timed with the taps a block drafter's decoding runs with."""
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import mlx.core as mx
 
 from mtpkit.bench.report import Costs, Figure
+from mtpkit.core.errors import MtpkitError
 from mtpkit.runtime.model import MtpModel, is_recurrent_cache
+from mtpkit.speculative.accept import SamplingSettings
+from mtpkit.speculative.proposers.base import Proposal, Proposer
 
 
 class ForwardTimer:
@@ -44,17 +53,32 @@ class ForwardTimer:
                 c.cache = list(saved)
 
 
-def measure_costs(m: MtpModel, prompt: list[int], *, max_depth: int, repeats: int = 20) -> Costs:
-    """Interleaved per repeat: a 1-token forward, verifies of 2..K+1 tokens, a head step."""
+def measure_costs(
+    m: MtpModel,
+    prompt: list[int],
+    *,
+    max_depth: int,
+    repeats: int = 20,
+    drafter: Callable[[], Proposer] | None = None,
+    drafter_depths: Sequence[int] = (),
+) -> Costs:
+    """Interleaved per repeat: a 1-token forward, verifies of 2..K+1 tokens, a head step;
+    with `drafter` (a block drafter's proposer factory) a pass at each of `drafter_depths`
+    and the verifies of those depths too."""
     timer = ForwardTimer(m, prompt)
     head_step = _head_step(m, prompt) if m.head is not None else None
-    steps: list[tuple[int, Callable[[], None]]] = [(0, lambda: timer.forward(1))]
-    steps += [(k, lambda k=k: timer.forward(k + 1)) for k in range(1, max_depth + 1)]
+    drafter_pass = _drafter_pass(m, prompt, drafter, drafter_depths) if drafter else None
+    depths = sorted(set(range(1, max_depth + 1)) | set(drafter_depths))
+    steps: list[tuple[object, Callable[[], None]]] = [(0, lambda: timer.forward(1))]
+    steps += [(k, lambda k=k: timer.forward(k + 1)) for k in depths]
     if head_step is not None:
         steps.append((-1, head_step))
+    if drafter_pass is not None:
+        steps += [(("pass", k), lambda k=k: drafter_pass(k)) for k in drafter_depths]
     for _, fn in steps:  # warm up
         fn()
-    costs = Costs(verify={k: Figure() for k in range(1, max_depth + 1)})
+    costs = Costs(verify={k: Figure() for k in depths})
+    costs.drafter = {k: Figure() for k in drafter_depths} if drafter_pass is not None else {}
     for _ in range(repeats):
         seconds = {}
         for key, fn in steps:
@@ -63,11 +87,50 @@ def measure_costs(m: MtpModel, prompt: list[int], *, max_depth: int, repeats: in
             seconds[key] = time.perf_counter() - t0
         one = seconds[0]
         costs.one.values.append(one)
-        for k in range(1, max_depth + 1):
+        for k in depths:
             costs.verify[k].values.append(seconds[k] / one)
         if head_step is not None:
             costs.delta.values.append(seconds[-1] / one)
+        for k, figure in costs.drafter.items():
+            figure.values.append(seconds[("pass", k)] / one)
     return costs
+
+
+def _drafter_pass(
+    m: MtpModel, prompt: list[int], fresh: Callable[[], Proposer], depths: Sequence[int]
+) -> Callable[[int], None]:
+    """One drafter pass of K drafts after the prompt (see the module's text); a depth the
+    drafter cannot draft a round (past its block) is a one-line error."""
+    proposer = fresh()  # taps the target's layers it reads
+    cache = m.make_cache()
+    proposer.begin(prompt, 0)
+    _, hidden = m.forward(mx.array(prompt[:-1])[None], cache)
+    proposer.observe(hidden, prompt[1:])
+    proposer.end_prefill()
+    greedy = SamplingSettings()
+    first = proposer.propose(1, greedy)  # the prompt's features into the drafter's cache
+    _, last = m.forward(mx.array(prompt[-1:])[None], cache)
+    mx.eval(last, first.drafts if first is not None else [])
+
+    def propose(k: int) -> Proposal | None:
+        forked = proposer.fork()
+        forked.observe(last, prompt[-1:])
+        return forked.propose(k, greedy)
+
+    for k in depths:
+        proposal = propose(k)
+        if proposal is None or proposal.depth != k:
+            most = 0 if proposal is None else proposal.depth
+            raise MtpkitError(
+                f"--num-draft-tokens {k}: the {proposer.name} drafter proposes at most {most} "
+                "tokens a round (its block): ask for fewer"
+            )
+
+    def step(k: int) -> None:
+        proposal = propose(k)
+        mx.eval(proposal.drafts if proposal is not None else [])
+
+    return step
 
 
 def _head_step(m: MtpModel, prompt: list[int]) -> Callable[[], None]:

@@ -7,7 +7,9 @@ each run's seconds per step (`step_ms`: per round, or per plain step); the ceili
 `ceiling_pipelined` = E_K * stock_token / step, E_K = 1 + a_1 + a_1 a_2 + ... the tokens a
 round yields, and `of_ceiling` the speedup over it. Against a synchronous forward
 (diagnostics, as before): beta (a 2-token verify over a 1-token forward), delta (a head step
-over it) and `ceiling` = E_K / (beta_K + K delta).
+over it) and `ceiling` = E_K / (beta_K + K delta). A block drafter's fixed-depth rows
+instead carry `round_cost`: the verify of K+1 tokens plus one drafter pass of K, over a
+1-token forward (`drafter_costs` the passes alone), and `ceiling` = E_K / round_cost.
 """
 
 from __future__ import annotations
@@ -77,6 +79,8 @@ class BenchRun:
     looked_ahead: list[tuple[int, int, int]] = field(default_factory=list)
     oracle: float | None = None  # synthetic: drafts right with this probability
     drafter: str = "mtp"  # the proposer: the head, "draft-model", "gemma4-assistant", ...
+    # A block drafter's round (verify of depth+1 and one pass) over a 1-token forward.
+    round_cost: float | None = None
 
     @property
     def acceptance(self) -> float | None:
@@ -108,6 +112,7 @@ class BenchRun:
             "ceiling_pipelined": ceiling,
             "of_ceiling": self.speedup.median / ceiling if ceiling else None,
             "ceiling": self.ceiling_sync,
+            "round_cost": self.round_cost,
             "realized_over_ceiling": (self.speedup.median / self.ceiling_sync)
             if self.ceiling_sync
             else None,
@@ -126,11 +131,12 @@ class BenchRun:
 @dataclass
 class Costs:
     """Per repeat, interleaved: a 1-token forward's seconds, the (K+1)-token verify over it,
-    and a head step over it."""
+    a head step over it, and a block drafter's pass of K drafts over it."""
 
     one: Figure = field(default_factory=Figure)
     verify: dict[int, Figure] = field(default_factory=dict)
     delta: Figure = field(default_factory=Figure)
+    drafter: dict[int, Figure] = field(default_factory=dict)
 
 
 @dataclass
@@ -215,6 +221,8 @@ class BenchResult:
             "delta": self.costs.delta.median,
             "delta_range": self.costs.delta.range,
             "verify_costs": {str(k + 1): v.median for k, v in self.costs.verify.items()},
+            "drafter_costs": {str(k): v.median for k, v in self.costs.drafter.items()},
+            "drafter_costs_range": {str(k): v.range for k, v in self.costs.drafter.items()},
             "runs": [r.to_json(stock_token) for r in self.runs if not r.adaptive],
             "adaptive": [r.to_json(stock_token) for r in self.runs if r.adaptive],
             "draft_model": self.draft_model.to_json() if self.draft_model else None,
@@ -265,6 +273,8 @@ def print_bench(result: BenchResult) -> None:
         f"1-token forward {costs.one.median * 1e3:.2f} ms; beta {result.beta}, delta "
         f"{costs.delta} (verify over a 1-token forward: {verify})"
     )
+    if costs.drafter:
+        stdout.print(_drafter_costs(result))
     if result.stock_self.values:
         stdout.print(
             f"stock against itself {result.stock_self}x (each stock run inside a trial over "
@@ -296,6 +306,19 @@ def print_bench(result: BenchResult) -> None:
     stdout.print(table)
     if result.draft_model is not None and result.draft_model.unavailable:
         stdout.print(f"draft model: {result.draft_model.unavailable}")
+
+
+def _drafter_costs(result: BenchResult) -> str:
+    """The block drafter's line: its pass and the round it makes, in 1-token forwards."""
+    costs = result.costs
+    passes = ", ".join(f"{k} drafts {v}" for k, v in sorted(costs.drafter.items()))
+    rounds = ", ".join(
+        f"{k} drafts {costs.verify[k].median + v.median:.3g}"
+        for k, v in sorted(costs.drafter.items())
+    )
+    drafter = next((r.drafter for r in result.runs if r.round_cost is not None), "block")
+    return (f"{DRAFTERS.get(drafter, drafter)} pass over a 1-token forward: {passes}; a round "
+            f"(verify of K+1 tokens + one pass): {rounds}")  # fmt: skip
 
 
 def draft_row(run: Any) -> list[str]:

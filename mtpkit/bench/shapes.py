@@ -6,6 +6,12 @@ head counts, the 9b intermediate size (12288) and untied lm_head, and the 35B-A3
 experts x 512, top-8, came from third-party configs. `build_random_model` writes one as an
 mlx-lm directory, quantized,
 with an MTP sidecar of the same shape, that stock `mlx_lm.load` and `mtpkit` both load.
+
+Beside them two Qwen3 dense shapes (mlx-lm's `qwen3`), from memory of the published configs
+of Qwen/Qwen3-4B and Qwen/Qwen3-8B, unchecked here: 36 layers, 32 heads, 8 KV heads of 128,
+vocabulary 151936, rope_theta 1e6; 4b hidden 2560, intermediate 9728, tied embeddings; 8b
+hidden 4096, intermediate 12288, a separate lm_head. They ship no MTP head: `random_model_dir`
+gives them a random DFlash drafter of the published shape instead (`random_drafter`).
 """
 
 from __future__ import annotations
@@ -103,7 +109,32 @@ SHAPES: dict[str, dict[str, Any]] = {
         "tie_word_embeddings": False,
     },
 }
+# Qwen3 dense (mlx-lm's `qwen3`): no MTP head; drafted by a block drafter (`random_drafter`).
+_QWEN3_COMMON: dict[str, Any] = {
+    "model_type": "qwen3",
+    "num_hidden_layers": 36,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "vocab_size": 151936,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 1000000,
+    "max_position_embeddings": 40960,
+}
+SHAPES |= {
+    # Qwen3-4B: hidden 2560, tied embeddings.
+    "qwen3-4b": _QWEN3_COMMON
+    | {"hidden_size": 2560, "intermediate_size": 9728, "tie_word_embeddings": True},
+    # Qwen3-8B: hidden 4096, separate lm_head.
+    "qwen3-8b": _QWEN3_COMMON
+    | {"hidden_size": 4096, "intermediate_size": 12288, "tie_word_embeddings": False},
+}
 DTYPES = ("float32", "bfloat16")
+
+
+def has_head(shape: str) -> bool:
+    """Whether the shape's random model has an MTP head (else a random block drafter)."""
+    return "mtp_num_hidden_layers" in SHAPES[shape]
 
 
 def shape_config(shape: str, overrides: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -112,6 +143,8 @@ def shape_config(shape: str, overrides: dict[str, Any] | None = None) -> dict[st
     if shape not in SHAPES:
         raise MtpkitError(f"unknown shape {shape!r}; known: {', '.join(SHAPES)}")
     text = dict(SHAPES[shape]) | (overrides or {})
+    if not has_head(shape):  # a dense Qwen3: one flat config
+        return text
     moe = text["model_type"] == "qwen3_5_moe_text"
     return {
         "model_type": "qwen3_5_moe" if moe else "qwen3_5",
@@ -134,23 +167,29 @@ def build_random_model(
 ) -> Path:
     """Write a random-weight mlx-lm directory of `shape`, quantized, with an MTP sidecar
     (drafting over the first `draft_vocab` token ids when given, as `convert --draft-vocab`
-    without a corpus chooses them).
+    without a corpus chooses them) where the shape has a head.
 
     `dtype` is that of the quantization scales and the unquantized weights. On Linux's CPU
     backend float32 scales multiply about ten times faster than bfloat16 ones; on a GPU
     bfloat16 is what published 4-bit checkpoints carry.
     """
-    from mlx_lm.models import qwen3_5, qwen3_5_moe
+    import importlib
+
     from mlx_lm.utils import quantize_model, save_config, save_model
 
     say = progress or (lambda line: None)
     config = shape_config(shape, overrides)
-    layers = config["text_config"]["num_hidden_layers"]
-    arch = qwen3_5_moe if config["model_type"] == "qwen3_5_moe" else qwen3_5
+    if draft_vocab is not None and not has_head(shape):
+        raise MtpkitError(
+            f"--draft-vocab subsets an MTP head's vocabulary; {shape} has no head (a random "
+            "DFlash drafter drafts through the target's): drop --draft-vocab"
+        )
+    layers = (config.get("text_config") or config)["num_hidden_layers"]
+    arch = importlib.import_module(f"mlx_lm.models.{config['model_type']}")
     mx.random.seed(0)
     say(f"building a random {shape} model ({layers} layers, {dtype} scales): random weights")
     model = arch.Model(arch.ModelArgs.from_dict(config))
-    _scale_init(model, getattr(mx, dtype))
+    scale_init(model, getattr(mx, dtype))
     say(f"quantizing the random model to {bits} bits")
     predicate = getattr(model, "quant_predicate", None)
     with contextlib.redirect_stdout(io.StringIO()):  # mlx-lm's "[INFO] Quantized" line
@@ -160,7 +199,8 @@ def build_random_model(
     save_model(out, model)
     save_config(config, out / "config.json")
     del model
-    _write_head(config, out, shape, bits, group_size, getattr(mx, dtype))
+    if has_head(shape):
+        _write_head(config, out, shape, bits, group_size, getattr(mx, dtype))
     if tokenizer_from is not None:
         for f in tokenizer_from.iterdir():
             if f.name.startswith(("tokenizer", "special_tokens")) or f.suffix in (".jinja",):
@@ -190,7 +230,7 @@ def _write_head(
     from mtpkit.runtime.headload import build_head
 
     head = build_head(config, 1)
-    _scale_init(head, dtype)
+    scale_init(head, dtype)
     nn.quantize(head, group_size=group_size, bits=bits)
     (out / "mtp").mkdir(exist_ok=True)
     weights = {f"language_model.mtp.{k}": v for k, v in tree_flatten(head.parameters())}
@@ -211,7 +251,7 @@ def _write_head(
     (out / "mtp" / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
 
 
-def _scale_init(module: nn.Module, dtype: mx.Dtype) -> None:
+def scale_init(module: nn.Module, dtype: mx.Dtype) -> None:
     """Small random weights (A_log stays float32, as mlx-lm keeps it), so activations stay
     finite through a deep random stack."""
     from mlx.utils import tree_flatten, tree_unflatten
@@ -234,12 +274,14 @@ def random_model_dir(
     draft_vocab: int | None = None,
 ) -> Path:
     """A temporary directory holding a random model of `shape` (the caller removes its
-    parent); `layers` builds only that many layers (same widths), for a quicker build;
-    `draft_vocab`: the head drafts over that many ids.
+    parent), beside it a random DFlash drafter for a shape without a head
+    (`random_drafter.drafter_beside`); `layers` builds only that many layers (same widths),
+    for a quicker build; `draft_vocab`: the head drafts over that many ids.
     Interrupted while building (Ctrl-C, SIGTERM), it removes what it built; the directories
     of runs killed outright are removed by the next run."""
     from importlib.resources import files
 
+    from mtpkit.bench.random_drafter import build_random_dflash, drafter_beside
     from mtpkit.convert.destination import remove_stale_work_dirs, work_dir_prefix
 
     shape_config(shape)  # an unknown shape is a one-line error
@@ -249,7 +291,7 @@ def random_model_dir(
     tmp = Path(tempfile.mkdtemp(prefix=f"{work_dir_prefix('mtpkit-bench')}{shape}-", dir=root))
     tok = Path(str(files("mtpkit") / "examples" / "tiny-qwen3_5"))
     try:
-        return build_random_model(
+        built = build_random_model(
             shape,
             tmp / shape,
             dtype=dtype,
@@ -258,6 +300,9 @@ def random_model_dir(
             progress=progress,
             draft_vocab=draft_vocab,
         )
+        if not has_head(shape):
+            build_random_dflash(built, drafter_beside(built), dtype=dtype, progress=progress)
+        return built
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

@@ -42,6 +42,7 @@ import mlx.nn as nn
 
 from mtpkit.bench.anchors import Anchored
 from mtpkit.bench.costs import measure_costs
+from mtpkit.bench.plan import BLOCK_DRAFTERS, Config, Plan, config_name, drafter_rows
 from mtpkit.bench.prefilled import MtpState, Prefilled
 from mtpkit.bench.report import (
     BenchResult,
@@ -52,7 +53,6 @@ from mtpkit.bench.report import (
     expected_tokens,
     print_bench,  # noqa: F401  (the CLI imports it from here)
 )
-from mtpkit.core.choices import MAX_DEPTH
 from mtpkit.core.errors import MtpkitError
 from mtpkit.core.prompts import encode_prompt
 from mtpkit.runtime.model import (
@@ -204,6 +204,7 @@ def bench(
     pipeline: bool = False,
     drafters: Sequence[DrafterChoice] = (),
     num_draft_tokens: int = 3,
+    block_depths: Sequence[int] = (),
     prompt_tokens: int | None = None,
     synthetic: bool = False,
     warm_trial: bool | None = None,
@@ -214,7 +215,8 @@ def bench(
     `draft`: also stock mlx-lm with a separate draft model (`mtpkit.bench.draft`);
     `drafters`: also mtpkit with these proposers (a draft model, prompt lookup): one more
     row each, in the same trials (without a head, only these rows; a draft model at
-    `num_draft_tokens` a round, as stock's row).
+    `num_draft_tokens` a round, as stock's row; a block drafter also at each of
+    `block_depths`, with its pass's cost over a 1-token forward, `mtpkit.bench.plan`).
     Under `mlx.launch` every rank measures its part in lockstep (`pipeline` as in
     `mtpkit.speculative.generate.generate`) against mlx-lm's own `sharded_load`, and every rank
     returns the same runs (the timings are each rank's own: rank 0's are the ones to print).
@@ -239,61 +241,21 @@ def bench(
             vocab = int(m.embedding.weight.shape[0]) if synthetic else None
             tokens = prompt_of_length(tokens, prompt_tokens, vocab=vocab, seed=seed)
         check_prompt(m, tokens)
-        say("forward and head costs")
-        costs = measure_costs(m, tokens, max_depth=max_depth, repeats=repeats)
         factories = {f.name: f for f in (ProposerFactory(m, c) for c in drafters)}
-        rows = [
-            (name, min(num_draft_tokens, MAX_DEPTH), False)
-            if name in ("draft-model", "gemma4-assistant")
-            else (name, AUTO_MAX_DEPTH, True)
-            for name in factories
-        ]
+        rows = drafter_rows(factories, num_draft_tokens, block_depths)
         plan = Plan(max_tokens, max_depth, trials, acceptances, seed, rows, m.has_head)
         plan.warm_trial = device_name() == "gpu" if warm_trial is None else warm_trial
+        block = next((f for name, f in factories.items() if name in BLOCK_DRAFTERS), None)
+        if block_depths and block is None:
+            raise MtpkitError(
+                "block depths are a block drafter's rows: bench one (DFlash, EAGLE-3)"
+            )
+        say("forward and head costs" if block is None else "forward and drafter costs")
+        costs = measure_costs(m, tokens, max_depth=max_depth, repeats=repeats, drafter=block,
+                              drafter_depths=block_depths if block is not None else ())  # fmt: skip
         return _trials(m, str(model), tokens, costs, plan, say, draft, factories)
     finally:
         m.tokenizer.eos_token_ids = eos
-
-
-# (depth, adaptive, oracle acceptance or None, proposer): one MTP run of each trial.
-Config = tuple[int, bool, float | None, str]
-
-
-@dataclass
-class Plan:
-    max_tokens: int
-    max_depth: int
-    trials: int
-    acceptances: list[float] | None
-    seed: int
-    # Proposers besides the head: (name, depth, adaptive) of each one's row.
-    drafters: list[tuple[str, int, bool]] = field(default_factory=list)
-    head: bool = True
-    # One whole trial untimed before the counted ones (bench's default on a GPU).
-    warm_trial: bool = False
-
-    def configs(self) -> list[Config]:
-        """The MTP runs each trial makes after stock and --no-mtp: depths 1..K and adaptive
-        drafting as `generate --mtp` runs it by default (each round's depth chosen, 1 to
-        AUTO_MAX_DEPTH), with the head's drafts or at each oracle acceptance; then each other
-        proposer at its depth: a draft model's fixed, as stock's row drafts, prompt lookup's
-        chosen adaptively (generate's default)."""
-        out: list[Config] = []
-        for a in (
-            (self.acceptances if self.acceptances is not None else [None]) if self.head else []
-        ):
-            out += [(d, False, a, "mtp") for d in range(1, self.max_depth + 1)]
-            out.append((AUTO_MAX_DEPTH, True, a, "mtp"))
-        out += [(depth, adaptive, None, name) for name, depth, adaptive in self.drafters]
-        return out
-
-
-def _name(config: Config) -> str:
-    depth, adaptive, oracle, drafter = config
-    name = f"MTP depth 1-{depth} adaptive" if adaptive else f"MTP depth {depth}"
-    if drafter != "mtp":
-        name = f"{drafter} {name.removeprefix('MTP ')}"
-    return name if oracle is None else f"{name} at oracle acceptance {oracle:g}"
 
 
 @dataclass
@@ -357,6 +319,9 @@ def _trials(
     for depth in range(1, max(plan.max_depth, AUTO_MAX_DEPTH) + 1):  # kernel builds, routes
         for name in ["mtp"] * plan.head + list(setup.factories):
             mtp_run(m, tokens, depth, 8, **setup.start(name))
+    for name, depth, adaptive in plan.drafters:  # a block drafter's deeper rows
+        if not adaptive and depth > max(plan.max_depth, AUTO_MAX_DEPTH):
+            mtp_run(m, tokens, depth, 8, **setup.start(name))
     if plan.head:  # and adaptive drafting's path
         mtp_run(m, tokens, AUTO_MAX_DEPTH, 8, adaptive=True, **setup.start("mtp"))
     if draft is not None:
@@ -364,7 +329,9 @@ def _trials(
         draft.run(stock_model, stock_tokenizer, tokens, 8)  # warm up
     setup.filters[None] = None
     if plan.acceptances is not None:
-        reference = stock_tokens(stock_model, stock_tokenizer, tokens, plan.max_tokens + 8)
+        # Past the last output token too: a round's block may reach that far.
+        reference = stock_tokens(stock_model, stock_tokenizer, tokens,
+                                 plan.max_tokens + max(8, plan.deepest + 1))  # fmt: skip
         vocab = int(m.embedding.weight.shape[0])
         for a in plan.acceptances:
             setup.filters[a] = OracleDrafts(reference, len(tokens), a, vocab, plan.seed)
@@ -378,10 +345,15 @@ def _trials(
         _one_trial(setup, trial, figures)
     del stock_model, setup
     for run in figures.runs.values():
-        # The ceiling counts head steps (delta): the head's fixed-depth rows only.
-        if not run.adaptive and run.drafter == "mtp" and run.depth in costs.verify:
-            verify = costs.verify[run.depth].median
+        # The ceiling counts head steps (delta) or one drafter pass: fixed-depth rows only.
+        if run.adaptive or run.depth not in costs.verify:
+            continue
+        verify = costs.verify[run.depth].median
+        if run.drafter == "mtp":
             run.ceiling_sync = ceiling(run.acceptance_by_depth, verify, costs.delta.median)
+        elif run.depth in costs.drafter:
+            run.round_cost = verify + costs.drafter[run.depth].median
+            run.ceiling_sync = ceiling(run.acceptance_by_depth, run.round_cost, 0.0)
     return BenchResult(
         model, figures.plain, figures.no_mtp, costs, list(figures.runs.values()), len(tokens),
         plan.max_tokens, plan.trials, figures.no_mtp_speedup, stock_self=figures.stock_self,
@@ -438,7 +410,7 @@ def _one_trial(setup: _Setup, trial: int, figures: _Figures) -> None:
     for config in figures.runs:
         _, rate, _, stats = trial_runs.timed(lambda c=config: mtp(c))
         shown = "n/a" if stats is None or stats.acceptance is None else f"{stats.acceptance:.1%}"
-        say(f"{at} {_name(config)} {rate:.1f} tok/s, acceptance {shown}")
+        say(f"{at} {config_name(config)} {rate:.1f} tok/s, acceptance {shown}")
     for (config, rate, step, stats), baseline in trial_runs.finish():
         if config == DRAFT_ROW and draft is not None:
             draft.record(rate, baseline)

@@ -96,6 +96,8 @@ class RandomShape(str, Enum):
     qwen3_5_4b = "qwen3_5-4b"
     qwen3_5_9b = "qwen3_5-9b"
     qwen3_5_moe_35b_a3b_8l = "qwen3_5_moe-35b-a3b-8l"
+    qwen3_4b = "qwen3-4b"
+    qwen3_8b = "qwen3-8b"
 
 
 class ScaleDtype(str, Enum):
@@ -582,17 +584,17 @@ RandomShapeOpt = Annotated[
         "--random",
         **among(RandomShape),
         help="Instead of --model, build a random-weight 4-bit model of this shape in a "
-        "temporary directory.",
+        "temporary directory (a qwen3 shape, which has no head, with a random DFlash drafter).",
     ),
 ]
 RandomLayersOpt = Annotated[
     int | None,
     typer.Option(
         "--random-layers",
-        **ranged(int, min=4),
+        **ranged(int, min=1),
         metavar="N",
-        help="With --random: build only N layers (a multiple of 4), for a quicker build "
-        "of the same widths.",
+        help="With --random: build only N layers (a multiple of 4 for a qwen3_5 shape), for "
+        "a quicker build of the same widths.",
     ),
 ]
 ScaleDtypeOpt = Annotated[

@@ -40,18 +40,24 @@ class Stats:
         return self.accepted / self.drafted if self.drafted else None
 
     def acceptance_by_depth(self, depth: int) -> list[float | None]:
+        drafted, accepted = self.drafted_by_depth, self.accepted_by_depth
         return [
-            (self.accepted_by_depth[i] / self.drafted_by_depth[i])
-            if self.drafted_by_depth[i]
-            else None
+            accepted[i] / drafted[i] if i < len(drafted) and drafted[i] else None
             for i in range(depth)
         ]
+
+    def _reach(self, depth: int) -> None:
+        """Counts up to `depth`: a block drafter's rounds go past MAX_DEPTH (the head's
+        chain), up to its block size."""
+        for counts in (self.drafted_by_depth, self.accepted_by_depth, self.rounds_by_depth):
+            counts.extend([0] * (depth - len(counts)))
 
     def record_round(self, position: int, drafts: list[int], accepted: int) -> None:
         self.draft_log.append((position, drafts))
         self.last_accepted = accepted
         self._count(drafts, accepted, +1)
         self.rounds += 1
+        self._reach(len(drafts))
         self.rounds_by_depth[len(drafts) - 1] += 1
 
     def end_round_at(self, kept: int) -> None:
@@ -66,6 +72,7 @@ class Stats:
         self._count(drafts[:kept], kept, +1)
 
     def _count(self, drafts: list[int], accepted: int, sign: int) -> None:
+        self._reach(len(drafts))
         self.drafted += sign * len(drafts)
         self.accepted += sign * accepted
         for j in range(min(accepted + 1, len(drafts))):

@@ -34,10 +34,11 @@ from mtpkit.cli.options import (
     value,
 )
 from mtpkit.cli.ranks import DEFAULT_TIMEOUT, command_facts, on_ranks
-from mtpkit.cli.values import ranged
 
 if TYPE_CHECKING:
     from mtpkit.speculative.proposers.choose import DrafterChoice
+
+DEFAULT_DRAFTS = 3  # a draft model's drafts per step without --num-draft-tokens
 
 DraftModelOpt = Annotated[
     str | None,
@@ -49,12 +50,13 @@ DraftModelOpt = Annotated[
     ),
 ]
 NumDraftTokensOpt = Annotated[
-    int,
+    str | None,
     typer.Option(
         "--num-draft-tokens",
-        **ranged(int, min=1),
-        metavar="N",
-        help="With --draft-model: drafts per step.",
+        metavar="N[,M...]",
+        help="With --draft-model: drafts per step (default 3). With a block drafter (a DFlash "
+        "or EAGLE-3 --draft-model, or a --random qwen3 shape): also a row at each N, with "
+        "its round's cost (verify of N+1 tokens + one drafter pass) in 1-token forwards.",
     ),
 ]
 PromptTokensOpt = Annotated[
@@ -72,10 +74,10 @@ AcceptanceOpt = Annotated[
     typer.Option(
         "--acceptance",
         metavar="A[,B...]",
-        help="SYNTHETIC figures: A[,B...] in [0, 1]. The head runs, but its draft at each "
-        "depth is replaced, with probability A (seeded), by the backbone's own next token "
-        "(from a greedy pass), else by a wrong one: what a head of that acceptance gains. "
-        "With --serve: one value, mtpkit serve --oracle-acceptance A.",
+        help="SYNTHETIC figures: A[,B...] in [0, 1]. The head (or a block drafter) runs, but "
+        "its draft at each depth is replaced, with probability A (seeded), by the backbone's "
+        "own next token (from a greedy pass), else by a wrong one: what a head of that "
+        "acceptance gains. With --serve: one value, mtpkit serve --oracle-acceptance A.",
     ),
 ]
 BatchOpt = Annotated[
@@ -114,7 +116,7 @@ def bench_command(
     max_depth: BenchDepthOpt = 3,
     trials: TrialsOpt = 5,
     draft_model: DraftModelOpt = None,
-    num_draft_tokens: NumDraftTokensOpt = 3,
+    num_draft_tokens: NumDraftTokensOpt = None,
     acceptance: AcceptanceOpt = None,
     prompt_lookup: PromptLookupOpt = False,
     json_output: JsonOpt = False,
@@ -136,6 +138,8 @@ def bench_command(
     With --serve, mtpkit serve against mlx_lm.server on the same directory, many clients at once (see --clients); with --random, on the random model with its random head; with --acceptance A, SYNTHETIC: mtpkit serve drafts with oracle drafts at acceptance A (mtpkit serve --oracle-acceptance).
 
     With --draft-model DIR, two more rows: mtpkit drafting with that separate draft model, and stock mlx-lm's speculative decoding with it (what LM Studio's mlx-engine offers), so the table shows whether the built-in head or a draft model is faster; where stock cannot roll the caches back (Qwen3.5's gated delta nets) its row gets the reason instead. With --prompt-lookup, one more row: mtpkit drafting by prompt lookup. A model without a head gets only these rows.
+
+    A block drafter (DFlash, EAGLE-3) gets an adaptive row and one at each --num-draft-tokens N; with --acceptance its blocks are oracle blocks (its pass runs, its drafts are replaced per position). --random qwen3-4b and qwen3-8b (Qwen3 dense, no head) are drafted by a random DFlash drafter of the published shape (5 layers, block 16).
     """
     import shutil
 
@@ -146,9 +150,9 @@ def bench_command(
         ctx.fail(f"{flag} applies to the model --random builds: it has no effect with --model")
     if draft_vocab is not None and random_shape is None:
         ctx.fail("--draft-vocab applies to --random: convert your model with --draft-vocab N")
-    if random_layers is not None and random_layers % 4:
-        ctx.fail(f"--random-layers must be a multiple of 4 (3 linear, 1 full), not {random_layers}")
     shape = value(random_shape)
+    depths, block = _drafter_depths(ctx, shape, random_layers, draft_model, num_draft_tokens,
+                                    serve or batch is not None, draft_vocab)  # fmt: skip
     scales = value(dtype) or "float32"
     acceptances = parse_acceptances(acceptance)
     widths = parse_widths(batch)
@@ -165,6 +169,7 @@ def bench_command(
     if widths is None and len(prompts) > 1:
         ctx.fail("several --prompt are the rows of --batch: a single stream takes one")
 
+    from mtpkit.bench.random_drafter import random_drafter
     from mtpkit.bench.shapes import random_model_dir
     from mtpkit.bench.speed import DEFAULT_PROMPT, bench, print_bench
     from mtpkit.cli.output import print_json
@@ -185,7 +190,7 @@ def bench_command(
         from mtpkit.bench.draft import DraftModelBench
 
         progress(f"loading the draft model {draft_model}")
-        draft = DraftModelBench(draft_model, num_draft_tokens)
+        draft = DraftModelBench(draft_model, depths[0] if depths else DEFAULT_DRAFTS)
     with library_io():  # mlx-lm's "[INFO] Quantized model ..." goes to stderr, not stdout
         built = (
             random_model_dir(
@@ -194,6 +199,8 @@ def bench_command(
             if shape
             else None
         )
+    if built is not None and (drafter := random_drafter(built)) is not None:
+        drafters = [DrafterChoice(draft_model=drafter), *drafters]
     if levels is not None:
         try:
             run_serve_bench(
@@ -233,7 +240,8 @@ def bench_command(
                 pipeline=pipeline,
                 draft=draft,
                 drafters=drafters,
-                num_draft_tokens=num_draft_tokens,
+                num_draft_tokens=depths[0] if depths and not block else DEFAULT_DRAFTS,
+                block_depths=depths if depths and block else (),
             )
     finally:
         if built is not None:
@@ -317,9 +325,42 @@ def parse_acceptances(text: str | None) -> list[float] | None:
     return values
 
 
+def _drafter_depths(
+    ctx: typer.Context, shape: str | None, random_layers: int | None, draft_model: str | None,
+    num_draft_tokens: str | None, not_single: bool, draft_vocab: int | None,
+) -> tuple[list[int] | None, bool]:  # fmt: skip
+    """`--num-draft-tokens` as ints, and whether a block drafter drafts (a DFlash or EAGLE-3
+    --draft-model, or the random drafter of a --random shape without a head); what cannot
+    be honoured is a command-line error."""
+    from mtpkit.bench.shapes import has_head
+
+    headless = shape is not None and not has_head(shape)
+    if headless and draft_vocab is not None:
+        ctx.fail(f"--draft-vocab subsets an MTP head's vocabulary: --random {shape} has no head")
+    if random_layers is not None and random_layers % 4 and not headless:
+        ctx.fail(f"--random-layers must be a multiple of 4 (3 linear, 1 full), not {random_layers}")
+    if headless and (draft_model is not None or not_single):
+        flag = "--draft-model" if draft_model is not None else "--serve and --batch"
+        ctx.fail(f"--random {shape} drafts with its own random DFlash drafter, a single "
+                 f"stream: it takes no {flag}")  # fmt: skip
+    depths = parse_widths(num_draft_tokens, "--num-draft-tokens")
+    if depths is not None and not_single:
+        ctx.fail("--num-draft-tokens sets single-stream rows: --serve and --batch take none")
+    block = headless or (draft_model is not None and _block_drafter(draft_model))
+    if depths is not None and not block and (draft_model is None or len(depths) > 1):
+        ctx.fail("--num-draft-tokens takes one N with --draft-model (a list: a block drafter's "
+                 "rows) and applies to a drafter only")  # fmt: skip
+    return depths, block
+
+
 def _mtpkit_only(spec: str) -> bool:
     """A drafter stock mlx-lm cannot load: a Gemma 4 assistant, a block drafter."""
-    from mtpkit.checkpoint.drafters import block_drafter
     from mtpkit.runtime.assistant import assistant_directory
 
-    return assistant_directory(spec) is not None or block_drafter(spec) is not None
+    return assistant_directory(spec) is not None or _block_drafter(spec)
+
+
+def _block_drafter(spec: str) -> bool:
+    from mtpkit.checkpoint.drafters import block_drafter
+
+    return block_drafter(spec) is not None
