@@ -20,11 +20,11 @@ import shutil
 import statistics
 from pathlib import Path
 
-from mtpkit.speculative.oracle import OracleDrafts
 from mtpkit.bench.shapes import SHAPES, random_model_dir
 from mtpkit.bench.speed import DEFAULT_PROMPT, mtp_run, stock_run, stock_tokens
 from mtpkit.core.prompts import encode_prompt
 from mtpkit.runtime.model import load_model, untapped
+from mtpkit.speculative.oracle import OracleDrafts
 
 
 def parse_variant(text: str) -> dict[str, str]:

@@ -18,7 +18,6 @@ import pytest
 from typer.testing import CliRunner
 
 from mtpkit.bench import shapes
-from mtpkit.speculative.oracle import OracleDrafts
 from mtpkit.bench.random_drafter import build_random_dflash, dflash_config, drafter_beside
 from mtpkit.bench.shapes import SHAPES, build_random_model
 from mtpkit.checkpoint.drafters import inspect_drafter
@@ -26,6 +25,7 @@ from mtpkit.cli.app import app
 from mtpkit.runtime.dflash import load_dflash
 from mtpkit.runtime.model import load_model
 from mtpkit.speculative.decode import MtpDecoder, SamplingSettings
+from mtpkit.speculative.oracle import OracleDrafts
 from mtpkit.speculative.proposers.choose import DrafterChoice, ProposerFactory, directory_drafter
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "mtpkit" / "examples" / "tiny-qwen3_5"
