@@ -218,3 +218,77 @@ def test_a_seeded_sampled_row_draws_alike_alone_and_in_a_batch(pairs) -> None:
     alone, drafted = run([])
     assert len(alone) == 12 and drafted > 0
     assert run([PROMPTS[2], PROMPTS[1]])[0] == alone
+
+
+# --------------------------------------------------------------------------- the commands
+
+
+def test_generate_and_bench_decode_the_assistant_in_a_batch(pairs) -> None:
+    """`generate -p A -p B --draft-model ASSISTANT` decodes one batch (each request stock
+    mlx-lm's tokens alone, the batch's drafter the assistant), and so does `bench --batch`
+    (the assistant's rows against stock's batching), where both used to refuse it."""
+    import json
+
+    from typer.testing import CliRunner
+
+    from mtpkit.cli.app import app
+    from tests.stock import stock_tokens
+
+    target, assistant = pairs["agreeing"]
+    texts = ["hello world", "a b c d e f g h i j k"]
+    args = [a for t in texts for a in ("-p", t)]
+    runner = CliRunner()
+    result = runner.invoke(app, ["generate", "--model", str(target), "--draft-model",
+                                 str(assistant), *args, "-m", "12", "--no-chat-template",
+                                 "--json"])  # fmt: skip
+    assert result.exit_code == 0, result.output
+    out = json.loads(result.stdout)
+    assert out["batch"] == 2 and out["drafter"] == "gemma4-assistant"
+    m = load_model(target, with_head=False)
+    for text, request in zip(texts, out["requests"], strict=True):
+        assert request["tokens"] == stock_tokens(target, m.tokenizer.encode(text), 12), text
+        assert request["drafter"] == "gemma4-assistant" and request["drafted"] > 0
+    bench = runner.invoke(app, ["bench", "--model", str(target), "--draft-model", str(assistant),
+                                "--batch", "2", "--trials", "1", "--max-tokens", "6",
+                                "--json"])  # fmt: skip
+    assert bench.exit_code == 0, bench.output
+    report = json.loads(bench.stdout)
+    assert report["drafter"] == "gemma4-assistant" and [w["batch"] for w in report["widths"]] == [2]
+    assert report["widths"][0]["mtp"]["gemma4-assistant"]["tps"]["median"] > 0
+
+
+def test_serve_batches_the_assistant(pairs, tmp_path) -> None:
+    """`serve --draft-model ASSISTANT --decode-concurrency 2`: the worker decodes one batch
+    (its log says so, and nothing decodes alone), and concurrent completions over token ids
+    each get stock mlx-lm's greedy text alone."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import httpx
+    from mlx_lm import load
+
+    from tests.serve_process import ServerProcess
+    from tests.stock import stock_tokens
+
+    target, assistant = pairs["agreeing"]
+    _, tokenizer = load(str(target))
+    prompts = [PROMPT, PROMPTS[2], PROMPTS[3]]
+    server = ServerProcess(target, tmp_path / "server.log", "--draft-model", str(assistant),
+                           "--decode-concurrency", "2")  # fmt: skip
+
+    def complete(prompt: list[int]) -> httpx.Response:
+        body = {"prompt": prompt, "max_tokens": 12, "temperature": 0}
+        return httpx.post(server.url + "/v1/completions", json=body, timeout=600.0)
+
+    try:
+        with ThreadPoolExecutor(len(prompts)) as pool:
+            answers = list(pool.map(complete, prompts))
+    finally:
+        server.stop()
+    for prompt, r in zip(prompts, answers, strict=True):
+        assert r.status_code == 200, r.text
+        expected = tokenizer.decode(stock_tokens(target, prompt, 12))
+        assert r.json()["choices"][0]["text"] == expected
+        assert r.json()["mtp"]["drafter"] == "gemma4-assistant"
+    log = (tmp_path / "server.log").read_text()
+    assert "drafter: gemma4-assistant, decode concurrency: 2" in log
+    assert "one at a time" not in log and "Traceback" not in log
