@@ -292,3 +292,32 @@ def test_serve_batches_the_assistant(pairs, tmp_path) -> None:
     log = (tmp_path / "server.log").read_text()
     assert "drafter: gemma4-assistant, decode concurrency: 2" in log
     assert "one at a time" not in log and "Traceback" not in log
+
+
+def test_a_batched_turn_leaves_the_assistants_state_for_the_next(pairs) -> None:
+    """A turn decoded in a batch leaves its row (`take`: the target's caches and the
+    assistant's state, out of the batch's) in the prompt cache; the next turn, alone,
+    prefills only what it adds and gets the tokens and every round's drafts a fresh engine
+    gives it."""
+    from mtpkit.speculative.batch import BatchSession
+    from mtpkit.speculative.session import Engine, Request
+
+    target, assistant = pairs["agreeing"]
+    m = load_model(target, with_head=False)
+    m.tokenizer.eos_token_ids = []
+    choice = DrafterChoice(draft_model=assistant)
+    chat = Engine(m, drafter=choice)
+    batch = BatchSession(chat, adaptive=False)
+    entry = batch.add(Request(PROMPTS[2], max_tokens=9, depth=2))
+    batch.add(Request(PROMPTS[1], max_tokens=13, depth=1))
+    while batch.entries:
+        batch.step()
+    generated = entry.stats.generated
+    assert len(generated) == 9 and entry.stats.proposer == "gemma4-assistant"
+    turn = Request([*PROMPTS[2], *generated, 300, 11], max_tokens=10, depth=3, adaptive=False)
+    session = chat.session(turn)
+    tokens = [e.token for e in session if e.token is not None]
+    assert session.stats.cached_tokens >= len(PROMPTS[2]) + len(generated) - 1
+    fresh = Engine(m, drafter=choice, prompt_cache_size=0).session(turn)
+    assert tokens == [e.token for e in fresh if e.token is not None]
+    assert session.stats.draft_log == fresh.stats.draft_log and session.stats.accepted > 0
