@@ -153,8 +153,10 @@ def batch_keys_values(cache: Any) -> tuple[Any, Any, Any]:
     the entries a row rolled out: `rollback.rows`) before them.
 
     A rotated window is read in temporal order without reordering the cache itself, as its
-    `extract` (an mlx-lm internal's reading: `_idx`, `rotated`) reads one row; past a full
-    rotation its `left_padding` goes negative, every slot then valid.
+    `extract` (an mlx-lm internal's reading: `_idx`, `rotated`) reads one row. Once a
+    window's trim has cut into a row's entries its `left_padding` goes negative (every slot
+    valid) and no longer counts entries rolled out after that: a reader bounds those itself
+    (`gemma4_assistant_rows.AssistantRows.held`).
     """
     import mlx.core as mx
 
