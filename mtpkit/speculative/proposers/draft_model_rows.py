@@ -29,7 +29,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
-from mlx_lm.models.cache import BatchRotatingKVCache
 
 from mtpkit.mlxlm import window_in_temporal_order
 from mtpkit.runtime.draft_vocab import FullVocab
@@ -112,6 +111,8 @@ class DraftRows(RowsBase):
         self.full = FullVocab(None)  # draws over the target's ids, as they are
         cache, last = _row_state(first)
         self.cache = batch_caches([cache])
+        from mlx_lm.models.cache import BatchRotatingKVCache
+
         self.windows = [c for c in leaves(self.cache) if isinstance(c, BatchRotatingKVCache)]
         self.unfed: list[mx.array] = [last]  # [B, 1] columns, the last confirmed last
         self._chain: Chain | None = None  # the round proposed, until the target verifies it
