@@ -146,6 +146,29 @@ def cache_keys_values(cache: Any) -> tuple[Any, Any]:
     return keys[..., : cache.offset, :], values[..., : cache.offset, :]
 
 
+def batch_keys_values(cache: Any) -> tuple[Any, Any, Any]:
+    """The keys and values a `BatchKVCache` or `BatchRotatingKVCache` holds, oldest first
+    ([B, H, S, D] each), and the index of each row's first valid entry ([B] int32, on the
+    device): each row's entries are right-aligned at the write index, its left padding (and
+    the entries a row rolled out: `rollback.rows`) before them.
+
+    A rotated window is read in temporal order without reordering the cache itself, as its
+    `extract` (an mlx-lm internal's reading: `_idx`, `rotated`) reads one row. Once a
+    window's trim has cut into a row's entries its `left_padding` goes negative (every slot
+    valid) and no longer counts entries rolled out after that: a reader bounds those itself
+    (`gemma4_assistant_rows.AssistantRows.held`).
+    """
+    import mlx.core as mx
+
+    keys, values = cache.keys, cache.values
+    if getattr(cache, "rotated", False):
+        keys = mx.roll(keys, -cache._idx, axis=2)
+        values = mx.roll(values, -cache._idx, axis=2)
+    else:
+        keys, values = keys[..., : cache._idx, :], values[..., : cache._idx, :]
+    return keys, values, mx.maximum(cache.left_padding, 0).astype(mx.int32)
+
+
 def eval_private_arrays(model: Any) -> None:
     """Evaluate the arrays mlx-lm's modules keep outside their parameters (`_freqs` of
     its `ProportionalRoPE`, Gemma 4's full-attention RoPE): `load` evaluates the parameters

@@ -153,14 +153,30 @@ class Gemma4AssistantModel(nn.Module):
                 masks[kind] = None
         return masks
 
+    def row_masks(self, kv: KV, starts: Mapping[str, mx.array]) -> dict[str, mx.array]:
+        """`masks` for the rows of a batch [B, 1, 1, S]: row r's entries of each type start
+        at `starts[kind][r]` (its left padding before them), and a sliding layer sees only
+        the last `window + 1` of them."""
+        masks: dict[str, mx.array] = {}
+        for kind, (keys, _) in kv.items():
+            length = keys.shape[-2]
+            index = mx.arange(length)[None, :]
+            mask = index >= starts[kind][:, None]
+            if kind == "sliding_attention":
+                mask = mask & (index >= length - self.sliding_window - 1)
+            masks[kind] = mask[:, None, None, :]
+        return masks
+
     def hidden_step(
-        self, embedded: mx.array, hidden: mx.array, kv: KV, position: int
-    ) -> tuple[mx.array, mx.array]:
+        self, embedded: mx.array, hidden: mx.array, kv: KV, position: int | mx.array,
+        masks: Mapping[str, mx.array | None] | None = None,
+    ) -> tuple[mx.array, mx.array]:  # fmt: skip
         """(final-normed state, next step's hidden) for `embedded` [B, L, H_b] (the target's
-        scaled embedding of the token) and `hidden` [B, L, H_b]."""
+        scaled embedding of the token) and `hidden` [B, L, H_b]; `position` the query's (one
+        per row [B] in a batch, with its `row_masks`; default `masks`: one stream's)."""
         x = self.pre_projection(mx.concatenate([embedded, hidden], axis=-1))
-        masks = self.masks(kv)
-        offset = mx.array(position)
+        masks = self.masks(kv) if masks is None else masks
+        offset = position if isinstance(position, mx.array) else mx.array(position)
         for layer in self.model.layers:
             keys, values = kv[layer.layer_type]
             keys, values = keys.astype(x.dtype), values.astype(x.dtype)

@@ -19,7 +19,7 @@ from mtpkit.core.errors import MtpkitError
 from mtpkit.families import family_for
 from mtpkit.families.gemma4 import kv_source_layers
 from mtpkit.families.gemma4_assistant import TOKEN_ORDERING, Gemma4Assistant, Gemma4AssistantModel
-from mtpkit.mlxlm import cache_keys_values, eval_private_arrays
+from mtpkit.mlxlm import batch_keys_values, cache_keys_values, eval_private_arrays
 from mtpkit.runtime.headload import load_drafter_weights
 
 
@@ -121,6 +121,17 @@ class TargetReader:
     def kv(self, caches: list[Any]) -> dict[str, tuple[mx.array, mx.array]]:
         """The K/V the assistant attends over, oldest entry first."""
         return {kind: cache_keys_values(caches[i]) for kind, i in self.sources.items()}
+
+    def rows_kv(
+        self, caches: list[Any]
+    ) -> tuple[dict[str, tuple[mx.array, mx.array]], dict[str, mx.array]]:
+        """`kv` of a batch's caches (mlx-lm's `BatchKVCache`/`BatchRotatingKVCache`), and
+        per attention type where each row's entries start [B] (`batch_keys_values`)."""
+        kv, starts = {}, {}
+        for kind, i in self.sources.items():
+            keys, values, start = batch_keys_values(caches[i])
+            kv[kind], starts[kind] = (keys, values), start
+        return kv, starts
 
     def embed(self, tokens: mx.array) -> mx.array:
         """The target's scaled input embedding of `tokens` [B, L] -> [B, L, H_b]."""

@@ -1,6 +1,6 @@
 """Batched speculative decoding: several requests in one round, each row accepting and
 rolling back on its own, with any drafter that batches (`proposers.RowsProposer`: the MTP
-head, prompt lookup, a draft model, DFlash, EAGLE-3).
+head, prompt lookup, a draft model, DFlash, EAGLE-3, Gemma 4's assistant).
 
 A row joins (`BatchDecoder.add`) by being prefilled alone, exactly as one stream is (its
 prompt, then its last token alone, whose logits give its first token, as mlx-lm's
@@ -260,6 +260,7 @@ class BatchDecoder:
             self.proposer = proposer.batched()
             if self.proposer is None:
                 raise BatchUnsupported(f"the {proposer.name} drafter does not decode in a batch")
+            self.proposer.attach(self.cache)
         self.rows.append(row)
 
     # -- leaving --------------------------------------------------------------------------

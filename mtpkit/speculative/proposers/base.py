@@ -19,12 +19,13 @@ Like vLLM's proposers (`spec_decode/`: eagle, medusa, ngram), one file per draft
 The rows of a batch (`RowsProposer`): the same seam over B rows, one stream being a row. A
 request is prefilled alone by its own `Proposer`, exactly as one stream is, then joins the
 batch's drafter (`Proposer.batched` makes it from the first row, `RowsProposer.join` takes
-each next one), which owns every row's state from then on: a round's drafts per row (and
-their distributions when sampling, each row with its own settings and keys), the verify
-pass's pairs (`after_verify`), each row's kept count (`settle`, or `settle_on_device` for a
-round built before the one before it is read), the pairs of plain batched steps
-(`observe`), rows leaving (`keep`), and a row taken out as one stream's proposer again
-(`take`: a prompt cache's entry). A drafter that returns None from `batched` decodes alone.
+each next one; `RowsProposer.attach` hands it the batch's target caches), which owns every
+row's state from then on: a round's drafts per row (and their distributions when sampling,
+each row with its own settings and keys), the verify pass's pairs (`after_verify`), each
+row's kept count (`settle`, or `settle_on_device` for a round built before the one before
+it is read), the pairs of plain batched steps (`observe`), rows leaving (`keep`), and a row
+taken out as one stream's proposer again (`take`: a prompt cache's entry). A drafter that
+returns None from `batched` decodes alone.
 """
 
 from __future__ import annotations
@@ -241,6 +242,11 @@ class RowsProposer(Protocol):
     # it is read (False: the decoder reads every round first, as `looks_ahead` for one).
     rolls_on_device: bool
 
+    def attach(self, cache: list[Any]) -> None:
+        """The batch's target caches, as the decoder rolls each row back after its verdict
+        (a drafter that reads them: Gemma 4's assistant); rows join and leave them in place."""
+        ...
+
     def join(self, proposer: Proposer) -> None:
         """One more row, last: `proposer`'s sequence (prefilled, its first token observed)."""
         ...
@@ -294,6 +300,9 @@ class RowsBase:
 
     name = "proposer"
     rolls_on_device = False
+
+    def attach(self, cache: list[Any]) -> None:
+        return None
 
     def observe(self, hidden: mx.array, tokens: mx.array) -> None:
         return None

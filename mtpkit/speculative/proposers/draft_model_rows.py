@@ -9,9 +9,18 @@ every row, one per plain batched step since the last round, and the last). A rou
 them in one forward over `[B, n]`, chains K drafts, and feeds the last draft too, so that a
 row that keeps every draft has them all in its caches; each row then keeps its own prefix,
 through `runtime.rollback.rows` (KV caches per row; recurrent layers, as in a hybrid draft
-model, from their state after each step of the chain: `StepStates`). Sliding-window draft
-models decode alone (`batches`). The drafts are lazy, but the rollback takes counts the host
-has read: each round is read before the next is built.
+model, from their state after each step of the chain: `StepStates`).
+
+A sliding-window draft model (`BatchRotatingKVCache`) cannot take its chain back that way:
+once a window is full, each one-token step of the chain overwrites the oldest entry, which a
+row that rejects the drafts still needs. So such a round keeps the caches' state before it
+(handles, nothing copied: `rollback.state`), drafts, and settles by putting that state back
+and feeding every row's kept drafts after its unfed tokens in one pass of several tokens
+(which keeps `window - 1` older entries besides the new ones, as one stream's feed does),
+right-padded to the deepest row's count, whose padding each shallower row then drops
+(`rollback_rows`). One more draft-model pass a round, over the kept tokens only. A window
+beside recurrent layers decodes alone (`batches`). The drafts are lazy, but the rollback
+takes counts the host has read: each round is read before the next is built.
 """
 
 from __future__ import annotations
@@ -21,6 +30,7 @@ from typing import Any
 
 import mlx.core as mx
 
+from mtpkit.mlxlm import window_in_temporal_order
 from mtpkit.runtime.draft_vocab import FullVocab
 from mtpkit.runtime.rollback.gdn import is_recurrent_cache
 from mtpkit.runtime.rollback.rows import (
@@ -31,19 +41,27 @@ from mtpkit.runtime.rollback.rows import (
     require_batchable,
     rollback_rows,
 )
+from mtpkit.runtime.rollback.state import restore_state, saved_state
 from mtpkit.speculative.accept import SamplingSettings
 from mtpkit.speculative.proposers.base import RowsBase, RowsProposal, draw_rows
 from mtpkit.speculative.proposers.draft_model import FEED_CHUNK, DraftModelProposer
 
 FLUSH_AFTER = 256  # plain steps' tokens left unfed before the draft model catches up
 ROLLED_BACK = ("KVCache", "ArraysCache")  # the draft caches a row rolls back on its own
+# A sliding-window draft model's: its windows are put back and fed again (module text).
+REFED = ("KVCache", "RotatingKVCache")
 
 
 def batches(proposer: DraftModelProposer) -> bool:
-    """Whether `proposer`'s draft model decodes in a batch (its caches roll back per row)."""
+    """Whether `proposer`'s draft model decodes in a batch (its caches roll back per row, or
+    its windows are put back and fed again)."""
+    return any(_all_of(proposer.cache, kinds) for kinds in (ROLLED_BACK, REFED))
+
+
+def _all_of(caches: list[Any], kinds: tuple[str, ...]) -> bool:
     try:
-        for cache in proposer.cache:
-            require_batchable(cache, ROLLED_BACK)
+        for cache in caches:
+            require_batchable(cache, kinds)
     except BatchUnsupported:
         return False
     return True
@@ -75,10 +93,12 @@ def _row_state(proposer: DraftModelProposer) -> tuple[list[Any], mx.array]:
 @dataclass
 class Chain:
     """A round's chain: `length` inputs each row may keep (its unfed tokens as one, then
-    each draft) and every recurrent cache's state after each."""
+    each draft) and every recurrent cache's state after each; with windows, every cache's
+    state before the round (`saved`) instead."""
 
     length: int
     states: StepStates
+    saved: list[dict[str, Any]] | None = None
 
 
 class DraftRows(RowsBase):
@@ -91,13 +111,25 @@ class DraftRows(RowsBase):
         self.full = FullVocab(None)  # draws over the target's ids, as they are
         cache, last = _row_state(first)
         self.cache = batch_caches([cache])
+        from mlx_lm.models.cache import BatchRotatingKVCache
+
+        self.windows = [c for c in leaves(self.cache) if isinstance(c, BatchRotatingKVCache)]
         self.unfed: list[mx.array] = [last]  # [B, 1] columns, the last confirmed last
         self._chain: Chain | None = None  # the round proposed, until the target verifies it
+
+    def _forward(self, tokens: mx.array) -> mx.array:
+        """The draft model over `tokens` [B, n] into the caches; its logits [B, n, V_d]. A
+        window that one-token steps rotated goes back in temporal order first when n > 1
+        (as the target's does before a verify pass: `verify_rows`)."""
+        if tokens.shape[1] > 1:
+            for window in self.windows:
+                window_in_temporal_order(window)
+        return self.draft.model(tokens, cache=self.cache)
 
     def _flush(self) -> None:
         """Feed every unfed column but the last (plain steps' tokens)."""
         if len(self.unfed) > 1:
-            self.draft.model(mx.concatenate(self.unfed[:-1], axis=1), cache=self.cache)
+            self._forward(mx.concatenate(self.unfed[:-1], axis=1))
             mx.eval([c.state for c in self.cache])
             self.unfed = self.unfed[-1:]
 
@@ -128,22 +160,23 @@ class DraftRows(RowsBase):
         if depth == 0:  # every row's drafting is off: a plain step for all
             empty = mx.zeros((len(depths), 0), dtype=mx.int32)
             return RowsProposal(empty, depths, [None] * len(depths))
-        model = self.draft.model
         recurrent = [c for c in leaves(self.cache) if is_recurrent_cache(c)]
         steps = StepStates()
-        logits = model(mx.concatenate(self.unfed, axis=1), cache=self.cache)[:, -1]
+        saved = [saved_state(c) for c in leaves(self.cache)] if self.windows else None
+        logits = self._forward(mx.concatenate(self.unfed, axis=1))[:, -1]
         steps.record(recurrent)
         drafts: list[mx.array] = []
         dists: list[list[mx.array]] = [[] for _ in sampling]
         for k in range(depth):
             if k > 0:
-                logits = model(drafts[-1][:, None], cache=self.cache)[:, -1]
+                logits = self._forward(drafts[-1][:, None])[:, -1]
                 steps.record(recurrent)
             fitted = fit_vocab(logits, self.vocab)
             drafts.append(draw_rows(self.full, fitted, sampling, [r[k] for r in keys], dists))
-        model(drafts[-1][:, None], cache=self.cache)  # a row keeping every draft has them all
-        steps.record(recurrent)
-        self._chain = Chain(depth + 1, steps)
+        if saved is None:  # a row keeping every draft has them all
+            self._forward(drafts[-1][:, None])
+            steps.record(recurrent)
+        self._chain = Chain(depth + 1, steps, saved)
         rows = [mx.stack(d) if d else None for d in dists]
         return RowsProposal(mx.stack(drafts, axis=1), depths, rows)
 
@@ -157,8 +190,26 @@ class DraftRows(RowsBase):
         if state is None:  # no draft fed: the round was a plain step for every row
             self.unfed.append(last)
             return
-        rollback_rows(self.cache, state.length, kept, state.states)
+        if state.saved is not None:
+            self._refeed(state.saved, confirmed)
+        else:
+            rollback_rows(self.cache, state.length, kept, state.states)
         self.unfed = [last]
+
+    def _refeed(self, saved: list[dict[str, Any]], confirmed: list[list[int]]) -> None:
+        """The caches as before the round, then every row's unfed tokens and kept drafts
+        (`confirmed[r]` but its last) fed in one pass, right-padded to the deepest row's,
+        and each row's padding dropped (see the module's text)."""
+        for cache, state in zip(leaves(self.cache), saved, strict=True):
+            restore_state(cache, state)
+        kept = [tokens[:-1] for tokens in confirmed]
+        deepest = max(len(k) for k in kept)
+        drafts = mx.array([k + [0] * (deepest - len(k)) for k in kept], dtype=mx.int32)
+        unfed = mx.concatenate(self.unfed, axis=1)
+        self._forward(mx.concatenate([unfed, drafts.reshape(len(kept), deepest)], axis=1))
+        length = unfed.shape[1] + deepest
+        rollback_rows(self.cache, length, [unfed.shape[1] + len(k) for k in kept], None)
+        mx.eval([c.state for c in self.cache])
 
     def take(self, r: int, tokens: list[int]) -> DraftModelProposer:
         """Row r as one stream's proposer: its draft caches over `tokens` but those unfed."""

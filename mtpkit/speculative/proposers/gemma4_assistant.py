@@ -6,6 +6,7 @@ decoder left it after the last verdict, and drafts from the last confirmed token
 target's final-normed hidden state at the position before it, as transformers'
 `SinglePositionMultiTokenCandidateGenerator` does: the query at the confirmed token's index
 for every step, each next step fed the drafted token and `post_projection` of the last.
+In a batch, `gemma4_assistant_rows.AssistantRows` reads each row's own entries the same way.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ class AssistantProposer(ProposerBase):
     `step_cost`: a draft step's share of a target step, for adaptive drafting."""
 
     name = "gemma4-assistant"
+    batches = True  # `batched`: `gemma4_assistant_rows.AssistantRows`
 
     def __init__(
         self, m: MtpModel, assistant: Gemma4AssistantModel, step_cost: float | None = None
@@ -100,6 +102,11 @@ class AssistantProposer(ProposerBase):
         from mtpkit.speculative.adaptive import prior_cost
 
         return prior_cost(depth) + depth * self.step_cost
+
+    def batched(self) -> Any:
+        from mtpkit.speculative.proposers.gemma4_assistant_rows import AssistantRows
+
+        return AssistantRows(self)
 
 
 def _load(m: MtpModel, spec: Any, where: Any) -> Any:
