@@ -72,9 +72,9 @@ def main() -> None:
         path = Path(args.target)
     m = load_model(path)
     prompt = encode_prompt(m.tokenizer, DEFAULT_PROMPT, chat_template=True)
+    m.tokenizer.eos_token_ids = []  # every run decodes --max-tokens (a trained model's EOS too)
     reference = None
     if built is not None:
-        m.tokenizer.eos_token_ids = []
         with untapped(m.final_norm):
             reference = stock_tokens(m.model, m.tokenizer, prompt, args.max_tokens + 8)
     vocab = m.embedding.weight.shape[0]

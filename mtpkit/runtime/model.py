@@ -37,7 +37,7 @@ from mtpkit.runtime.draft_vocab import FullVocab, SubsetVocab, load_draft_vocab
 from mtpkit.runtime.headload import HeadWeights, MtpHead, load_head
 from mtpkit.runtime.kernels.attention import MAX_QUERIES, few_query_attention
 from mtpkit.runtime.kernels.gdn_verify import use_fast_verify
-from mtpkit.runtime.kernels.prompt import conv_by_ops, prompt_chunk
+from mtpkit.runtime.kernels.prompt import prompt_chunk
 from mtpkit.runtime.kernels.routing import multi_row_matmuls
 from mtpkit.runtime.ranks import SINGLE, Lockstep
 from mtpkit.runtime.rollback.gdn import (
@@ -185,6 +185,7 @@ class MtpModel:
         """The vocabulary the head drafts over (`mtpkit.runtime.draft_vocab`): the subset,
         or every token through `lm_head`."""
         return self.draft_vocab if self.draft_vocab is not None else FullVocab(self.lm_head)
+
     # Set by a block drafter: the hidden state is then the tapped layers' outputs.
     layer_taps: LayerCapture | None = None
 
@@ -272,8 +273,7 @@ class MtpModel:
             capture_gdn_states(snapshots),
             multi_row_matmuls(self.model, rows),
             few_query_attention(),
-            conv_by_ops(),
-        ):
+        ):  # MLX's conv: one stream meets few (1, depth) shapes, built once (kernels.prompt)
             logits, hidden = self.forward(tokens[None], cache)
         return VerifyPass(logits, hidden, snapshots, rows, replay)
 
@@ -327,7 +327,9 @@ def _validate_config(path: Path, spec: str) -> None:
     from mtpkit.families import family_for
 
     try:
-        config = load_json((path / "config.json").read_text(encoding="utf-8"), f"config.json in {spec}")
+        config = load_json(
+            (path / "config.json").read_text(encoding="utf-8"), f"config.json in {spec}"
+        )
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise MtpkitError(f"config.json in {spec} is not valid JSON ({type(e).__name__})") from None
     if not isinstance(config, dict):

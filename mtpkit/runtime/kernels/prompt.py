@@ -8,17 +8,20 @@ than one query at head sizes up to 128 (a cuDNN graph: ~40 ms with a causal mask
 of many lengths paid ~0.3 s of builds a request on the bundled example, stalling every row
 of the batch at each join (docs/PERFORMANCE.md, 2026-12-02).
 
-A verify pass meets the same conv build at every new batch width and depth (its conv input
-is [rows, depth + 4, channels]); `conv_by_ops()` routes only the conv, for verify passes.
+A batched verify pass meets the same conv build at every new batch width and depth (its conv
+input is [rows, depth + 4, channels]); `conv_by_ops()` routes only the conv, for those. One
+stream's verify keeps MLX's conv: it meets a few (1, depth) shapes, each built once, and the
+shifted products cost more host time than the builds save (qwen3_5-0.8b at depth 1 on an
+H200: 1.15x stock with them, 1.35x without; docs/PERFORMANCE.md, 2026-12-02).
 
 Inside `prompt_chunk()` (on CUDA only, unless forced), the depthwise conv1d is computed as
 the sum of its K shifted products (float32, as a convolution accumulates) and attention of
 more than `MAX_QUERIES` queries at head sizes up to 128 from plain ops
 (`attention.attention_by_ops`, MLX's own fallback), while its score matrix stays within
 `SCORE_BUDGET` elements (longer chunks keep MLX's, and its build). `MTPKIT_KERNELS=0`
-leaves MLX's everywhere; `MTPKIT_CONV_OPS=0` leaves MLX's conv in verify passes only (the
-shifted products are ~11 ops a layer where the conv is one: host time on a backend bound by
-graph building, against a build at each new shape).
+leaves MLX's everywhere; `MTPKIT_CONV_OPS=0` leaves MLX's conv in batched verify passes
+(the shifted products are ~11 ops a layer where the conv is one: host time on a backend bound
+by graph building, against a build at each new shape).
 """
 
 from __future__ import annotations
@@ -66,7 +69,7 @@ def _routed(force: bool) -> bool:
 @contextlib.contextmanager
 def conv_by_ops(force: bool = False) -> Iterator[None]:
     """Within the block, a depthwise conv1d is computed from plain ops (on CUDA, or anywhere
-    with `force`): a verify pass meets a new (rows, length) at every batch width and depth,
+    with `force`): a batched verify pass meets a new (rows, length) at every width and depth,
     each a cuDNN build of ~140 ms on first use (`MTPKIT_CONV_OPS=0`: MLX's conv)."""
     if not force and switch("MTPKIT_CONV_OPS") is False:
         yield

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 import mlx.core as mx
 
 from mtpkit.runtime.dflash import DFlashDrafter
+from mtpkit.runtime.kernels.attention import few_query_attention
 from mtpkit.runtime.model import MtpModel
 from mtpkit.speculative.accept import SamplingSettings, Verdict
 from mtpkit.speculative.proposers.base import DrafterKind, Proposal, ProposerBase
@@ -49,8 +50,8 @@ class DFlashStream:
 
     def add(self, features: mx.array) -> None:
         """Features of the next confirmed positions."""
-        self.pending = features if self.pending is None else mx.concatenate(
-            [self.pending, features], axis=1
+        self.pending = (
+            features if self.pending is None else mx.concatenate([self.pending, features], axis=1)
         )
 
     def cut(self, positions: int) -> None:
@@ -117,7 +118,8 @@ class DFlashProposer(ProposerBase):
         s = self.stream
         depth = max(1, min(depth, self.drafter.layout.max_drafts))
         block = mx.array([[s.last_token] + [self.mask] * depth], dtype=mx.int32)
-        h = self.drafter.model(self.m.embed(block), s.pending, s.cache)
+        with few_query_attention():  # CUDA: no cuDNN build at each new key length
+            h = self.drafter.model(self.m.embed(block), s.pending, s.cache)
         s.pending = None  # now in the drafter's cache
         return self.m.lm_head(h[:, 1:])[0]
 

@@ -21,6 +21,7 @@ import mlx.core as mx
 
 from mtpkit.runtime.draft_vocab import FullVocab, SubsetVocab
 from mtpkit.runtime.eagle3 import Eagle3Drafter, tap_layer_inputs
+from mtpkit.runtime.kernels.attention import few_query_attention
 from mtpkit.runtime.model import MtpModel
 from mtpkit.runtime.rollback.discard import PassUndo
 from mtpkit.speculative.accept import SamplingSettings, Verdict
@@ -49,7 +50,9 @@ class Eagle3Proposer(ProposerBase):
         if drafter.target_ids is None:
             self.vocab = FullVocab(model.draft_logits)
         else:
-            self.vocab = SubsetVocab(drafter.target_ids, model.draft_logits, model.layout.vocab_size)
+            self.vocab = SubsetVocab(
+                drafter.target_ids, model.draft_logits, model.layout.vocab_size
+            )
 
     @property
     def covered(self) -> int:
@@ -89,7 +92,8 @@ class Eagle3Proposer(ProposerBase):
         n = len(self.tokens) - (1 if keep_last else 0)
         model = self.drafter.model
         embeds = self._embed(mx.array(self.tokens[:n], dtype=mx.int32)[None])
-        out = model(embeds, model.fuse(features[:, :n]), self.cache)
+        with few_query_attention():  # CUDA: no cuDNN build at each new key length
+            out = model(embeds, model.fuse(features[:, :n]), self.cache)
         self.features = [features[:, n:]] if keep_last else []
         self.tokens = self.tokens[n:]
         return out[:, -1:]

@@ -23,6 +23,7 @@ from typing import Any
 
 import mlx.core as mx
 
+from mtpkit.runtime.kernels.attention import few_query_attention
 from mtpkit.runtime.rollback.rows import batch_caches, drop_per_row
 from mtpkit.speculative.accept import SamplingSettings
 from mtpkit.speculative.proposers.base import RowsBase, RowsProposal, draw_rows
@@ -73,7 +74,8 @@ class Eagle3Rows(RowsBase):
 
     def _run(self, features: mx.array, tokens: mx.array) -> mx.array:
         """The drafter over pairs of every row (into the cache); its outputs [B, n, H]."""
-        return self.model(self._embed(tokens), self.model.fuse(features), self.cache)
+        with few_query_attention():  # CUDA: no cuDNN build at each new key length
+            return self.model(self._embed(tokens), self.model.fuse(features), self.cache)
 
     def _flush(self) -> None:
         """Run every pending pair but the last (plain steps') into the cache."""
