@@ -463,9 +463,9 @@ class BatchDecoder:
         stats = row.stats
         if v.drafts:
             stats.record_round(row.position, v.drafts, v.accepted)
-        else:  # the row's drafting is off: a plain step inside the round
+        else:  # the row's drafting is off: a plain step inside the round (no spec step)
             stats.draft_log.append((row.position, []))
-            stats.rounds += 1
+            stats.plain_steps += 1
         row.choose_next(len(v.drafts), v.accepted)
         before = len(row.tokens)
         row.decoded.extend(v.confirmed[:taken])
