@@ -72,6 +72,14 @@
 # target `profile`: bench/profile_stages.py at 0.8b and 9b (a round's stages); `profile-tiny`:
 # the same on the bundled example (after target `tiny`, which converts it); `sdpa`:
 # bench/sdpa_shapes.py (attention's cost at key lengths never seen, by head size and mask).
+# target `batch-equal` (issue 43): bench/batch_equal.py on the bundled example converted at
+# 4-bit (bf16 scales, `convert -q`, into /tmp/mtpkit-tiny-q4): how often stock's
+# batch_generate, mtpkit's single stream and mtpkit's batch (head, none, and each row as a
+# batch of its own) equal stock's single greedy stream, and where a batched row parts from its
+# own single stream, over PROMPTS (default 8) mixed-length prompts at MAX_TOKENS; stock's top-2
+# margin at each parting (a near-tie: reduction order). Into $OUT/batch-equal.txt and .json;
+# BATCH_EQUAL_ARGS adds the tool's flags (e.g. `--no-adaptive --depth 3`);
+#      run(command="bash bench/gpu_bench.sh bench batch-equal", carry=[".gpu/install.sh"])
 # To run a worktree's code: copy its mtpkit/ (examples included: the random shapes take the
 # bundled tokenizer) and bench/ into the main checkout's .gpuwt/ (git-excluded), carry it, and
 # call `bash .gpuwt/bench/gpu_bench.sh ...` after `bash .gpu/install.sh` (its install step
@@ -140,6 +148,12 @@ bench() {
       continue
     elif [ "$target" = sdpa ]; then  # does attention build per new key length? (verify)
       timeout "$limit" python3 bench/sdpa_shapes.py 2>&1 | tee "$OUT/sdpa.txt" >&2
+      continue
+    elif [ "$target" = batch-equal ]; then  # batched rows against single streams (issue 43)
+      python3 -m mtpkit convert mtpkit/examples/tiny-qwen3_5 -o /tmp/mtpkit-tiny-q4 -q --force >&2
+      timeout "$limit" python3 bench/batch_equal.py /tmp/mtpkit-tiny-q4 --prompts "${PROMPTS:-8}" \
+        --max-tokens "${MAX_TOKENS:-128}" --rows-alone ${BATCH_EQUAL_ARGS:-} \
+        --save "$OUT/batch-equal.json" 2>&1 | tee "$OUT/batch-equal.txt" >&2
       continue
     elif [ "${target#batch-}" != "$target" ]; then  # batched MTP over stock's batch_generate
       $stuck python3 -X faulthandler -m mtpkit bench --random "${target#batch-}" --dtype "${DTYPE:-bfloat16}" \
@@ -211,5 +225,5 @@ case "${1:-}" in
   stage) stage ;;
   bench) shift; bench "$@" ;;
   ptx-save) ptx_save ;;
-  *) sed -n '2,78p' "$0"; exit 2 ;;
+  *) sed -n '2,86p' "$0"; exit 2 ;;
 esac
