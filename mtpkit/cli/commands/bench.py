@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Annotated
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
@@ -171,9 +172,8 @@ def bench_command(
 
     from mtpkit.bench.random_drafter import random_drafter
     from mtpkit.bench.shapes import random_model_dir
-    from mtpkit.bench.speed import DEFAULT_PROMPT, bench, print_bench
-    from mtpkit.cli.output import print_json
-    from mtpkit.core.console import log, warn
+    from mtpkit.bench.speed import DEFAULT_PROMPT
+    from mtpkit.core.console import log
     from mtpkit.runtime.model import library_io
 
     def progress(line: str) -> None:
@@ -223,13 +223,34 @@ def bench_command(
         if built is not None:
             shutil.rmtree(built.parent, ignore_errors=True)
         return
+    _bench_stream(
+        ctx, str(built) if built else model, built, shape, scales, prompts[0] or DEFAULT_PROMPT,
+        prompt_tokens, max_tokens, max_depth, trials, acceptances, progress, pipeline, draft,
+        drafters, depths, block, json_output, timeout,
+    )  # fmt: skip
+
+
+def _bench_stream(
+    ctx: typer.Context, target: str, built: Path | None, shape: str | None, scales: str,
+    prompt: str, prompt_tokens: int | None, max_tokens: int, max_depth: int, trials: int,
+    acceptances: list[float] | None, progress: Callable[[str], None], pipeline: bool,
+    draft: Any, drafters: list[DrafterChoice], depths: list[int] | None, block: bool,
+    json_output: bool, timeout: float,
+) -> None:  # fmt: skip
+    """One stream's bench on `target` (on ranks under mlx.launch: rank 0 prints); `built`,
+    a random model's directory, is removed after."""
+    import shutil
+
+    from mtpkit.bench.speed import bench, print_bench
+    from mtpkit.cli.output import print_json
+    from mtpkit.core.console import warn
+
     try:
         facts = command_facts(ctx, per_rank=("model", "json_output", "timeout"))
-        target = str(built) if built else model
         with on_ranks(timeout, facts, model=target) as ranks:  # under mlx.launch: rank 0 prints
             result = bench(
                 target,
-                prompt=prompts[0] or DEFAULT_PROMPT,
+                prompt=prompt,
                 prompt_tokens=prompt_tokens,
                 synthetic=shape is not None,
                 max_tokens=max_tokens,
