@@ -232,6 +232,11 @@ class RowsProposal:
     def depth(self) -> int:
         return self.drafts.shape[1]
 
+    @classmethod
+    def plain(cls, depths: list[int]) -> RowsProposal:
+        """No drafts for any row (every row's drafting is off): a plain step for all."""
+        return cls(mx.zeros((len(depths), 0), dtype=mx.int32), depths, [None] * len(depths))
+
 
 class RowsProposer(Protocol):
     """A drafter for the rows of a batch (see the module's text); row r is the batch's r-th

@@ -158,8 +158,7 @@ class DraftRows(RowsBase):
         """The deepest row's count of drafts for every row [B, K] (lazy)."""
         depth = max(depths)
         if depth == 0:  # every row's drafting is off: a plain step for all
-            empty = mx.zeros((len(depths), 0), dtype=mx.int32)
-            return RowsProposal(empty, depths, [None] * len(depths))
+            return RowsProposal.plain(depths)
         recurrent = [c for c in leaves(self.cache) if is_recurrent_cache(c)]
         steps = StepStates()
         saved = [saved_state(c) for c in leaves(self.cache)] if self.windows else None

@@ -113,8 +113,7 @@ class Eagle3Rows(RowsBase):
         depth = max(depths)
         if depth == 0:  # every row's drafting is off: a plain step for all
             self._chained = None
-            empty = mx.zeros((len(depths), 0), dtype=mx.int32)
-            return RowsProposal(empty, depths, [None] * len(depths))
+            return RowsProposal.plain(depths)
         features = mx.concatenate([f for f, _ in self.pending], axis=1)
         tokens = mx.concatenate([t for _, t in self.pending], axis=1)
         self.pending = []

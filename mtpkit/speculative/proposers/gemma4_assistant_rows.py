@@ -69,8 +69,7 @@ class AssistantRows(RowsBase):
         """The deepest row's count of drafts for every row [B, K] (lazy)."""
         depth = max(depths)
         if depth == 0:  # every row's drafting is off: a plain step for all
-            empty = mx.zeros((len(depths), 0), dtype=mx.int32)
-            return RowsProposal(empty, depths, [None] * len(depths))
+            return RowsProposal.plain(depths)
         kv, starts = self.reader.rows_kv(self.target_cache)
         if "sliding_attention" in kv:
             starts["sliding_attention"] = self._sliding_starts(kv, starts)

@@ -304,8 +304,7 @@ class HeadRows(RowsBase):
         self.catch_up()
         depth = max(depths)
         if depth == 0:  # every row's drafting is off: a plain step for all
-            return RowsProposal(mx.zeros((len(depths), 0), dtype=mx.int32), depths,
-                                [None] * len(depths))  # fmt: skip
+            return RowsProposal.plain(depths)
         x = self.ready
         drafts: list[mx.array] = []
         dists: list[list[mx.array]] = [[] for _ in sampling]
