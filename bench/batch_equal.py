@@ -54,6 +54,7 @@ from mlx_lm.models.cache import make_prompt_cache
 from mtpkit.bench.report import device_name
 from mtpkit.bench.serve_load import mixed_prompts
 from mtpkit.core.errors import MtpkitError
+from mtpkit.core.files import write_text_file
 from mtpkit.core.prompts import encode_prompt
 from mtpkit.runtime.model import load_model
 from mtpkit.speculative.batch.generate import generate_batch
@@ -259,8 +260,11 @@ def main(argv: list[str] | None = None) -> None:
                          log=lambda s: print(s, file=sys.stderr))  # fmt: skip
     except MtpkitError as e:
         sys.exit(f"Error: {e}")
-    if args.save is not None:
-        args.save.write_text(json.dumps(report, indent=2) + "\n")
+    if args.save is not None:  # atomically, never through a link (as every report mtpkit writes)
+        try:
+            write_text_file(args.save, json.dumps(report, indent=2) + "\n", option="--save")
+        except MtpkitError as e:
+            sys.exit(f"Error: {e}")
     if args.json:
         print(json.dumps(report, indent=2))
     else:
